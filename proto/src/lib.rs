@@ -1,0 +1,91 @@
+//! Wire types and gRPC plumbing for minicri.
+//!
+//! This crate owns minicri's protobuf contracts and nothing else:
+//!
+//! * [`runtime::v1`]: the Kubernetes Container Runtime Interface, package
+//!   `runtime.v1`, wire-identical to `k8s.io/cri-api` v0.36
+//!   (`proto/cri/api.proto`). It contains the prost message types, the
+//!   tonic server traits and wrappers
+//!   ([`runtime::v1::runtime_service_server`],
+//!   [`runtime::v1::image_service_server`]) and the matching clients
+//!   ([`runtime::v1::runtime_service_client`],
+//!   [`runtime::v1::image_service_client`]).
+//! * [`MAX_MESSAGE_SIZE`]: the message size limit to configure on both ends.
+//!
+//! Code is generated at build time by `build.rs` (protox + tonic-prost-build,
+//! no system `protoc`). Generated servers have default method bodies, so an
+//! implementation only overrides the RPCs it supports and every other RPC
+//! answers `UNIMPLEMENTED`.
+
+/// Kubernetes CRI (`runtime.*` protobuf packages).
+pub mod runtime {
+    /// CRI v1 (`runtime.v1`): the API the kubelet speaks.
+    pub mod v1 {
+        tonic::include_proto!("runtime.v1");
+    }
+}
+
+/// Largest gRPC message minicri sends or accepts, in bytes (16 MiB).
+///
+/// This is the kubelet's own CRI limit, applied in both directions; set it as
+/// both the encoding and the decoding limit on every generated server and
+/// client (`max_decoding_message_size` / `max_encoding_message_size`), since
+/// tonic's default decoding limit (4 MiB) is smaller and large
+/// `ListContainers`/`ListImages` responses would otherwise be rejected.
+pub const MAX_MESSAGE_SIZE: usize = 16 * 1024 * 1024;
+
+/// Hand-written `Debug` for the registry credentials message: the secret
+/// fields (`debug_redact` in the proto) are never printed, only whether they
+/// are set.
+impl std::fmt::Debug for runtime::v1::AuthConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        fn redact(secret: &str) -> &'static str {
+            if secret.is_empty() { "" } else { "<redacted>" }
+        }
+        f.debug_struct("AuthConfig")
+            .field("username", &self.username)
+            .field("password", &redact(&self.password))
+            .field("auth", &redact(&self.auth))
+            .field("server_address", &self.server_address)
+            .field("identity_token", &redact(&self.identity_token))
+            .field("registry_token", &redact(&self.registry_token))
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runtime::v1::{AuthConfig, KeyValue, PullImageRequest};
+    use prost::Message;
+
+    #[test]
+    fn auth_config_debug_hides_secrets() {
+        let req = PullImageRequest {
+            auth: Some(AuthConfig {
+                username: "alice".into(),
+                password: "hunter2".into(),
+                auth: "YWxpY2U6aHVudGVyMg==".into(),
+                registry_token: "tok".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let shown = format!("{req:?}");
+        assert!(shown.contains("alice"));
+        for secret in ["hunter2", "YWxpY2U6aHVudGVyMg==", "tok\""] {
+            assert!(!shown.contains(secret), "{secret} leaked: {shown}");
+        }
+    }
+
+    #[test]
+    fn env_value_is_bytes_on_the_wire() {
+        // KeyValue.value is `bytes` since cri-api v0.36.2; a string-typed
+        // sender produces the same encoding.
+        let kv = KeyValue {
+            key: "A".into(),
+            value: b"\xff\x00b".to_vec(),
+        };
+        let back = KeyValue::decode(kv.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(back, kv);
+    }
+}

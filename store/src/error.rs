@@ -1,0 +1,154 @@
+//! The store's one error type.
+//!
+//! Every variant says what went wrong with which object; [`StoreError::kind`] classifies it so the
+//! daemon can turn it into a gRPC status in one place without matching on messages.
+
+use std::path::PathBuf;
+
+/// What kind of failure an error is, for callers that map errors onto protocol status codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The caller's input is malformed (a bad reference, a bad digest).
+    InvalidArgument,
+    /// The thing asked for does not exist (locally or at the registry).
+    NotFound,
+    /// The registry refused the credentials (or their absence).
+    Unauthenticated,
+    /// The registry could not be reached or kept failing.
+    Unavailable,
+    /// The registry sent something we cannot use (unsupported media type, no matching platform).
+    FailedPrecondition,
+    /// Content did not match its digest or size.
+    DataLoss,
+    /// The operation was abandoned by its caller.
+    Cancelled,
+    /// Anything else: a local I/O failure or a bug.
+    Internal,
+}
+
+/// Errors of the content store, the image records and image pulls.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("invalid image reference {reference:?}: {reason}")]
+    InvalidReference { reference: String, reason: String },
+
+    #[error("invalid digest {digest:?}: {reason}")]
+    InvalidDigest { digest: String, reason: String },
+
+    #[error("image {0:?} not found")]
+    ImageNotFound(String),
+
+    #[error("blob {0} not found in the content store")]
+    BlobNotFound(String),
+
+    #[error("{what} of {reference} not found at {registry}")]
+    RemoteNotFound {
+        reference: String,
+        what: String,
+        registry: String,
+    },
+
+    #[error("registry {registry} refused access to {reference}: {reason}")]
+    Unauthenticated {
+        reference: String,
+        registry: String,
+        reason: String,
+    },
+
+    #[error("cannot pull {reference}: {reason}")]
+    Unavailable { reference: String, reason: String },
+
+    #[error("unsupported media type {media_type:?} in {reference}")]
+    UnsupportedMediaType {
+        reference: String,
+        media_type: String,
+    },
+
+    #[error("image {reference} has no manifest for platform {platform} (available: {available})")]
+    NoMatchingPlatform {
+        reference: String,
+        platform: String,
+        available: String,
+    },
+
+    #[error("malformed {what} for {reference}: {reason}")]
+    Malformed {
+        reference: String,
+        what: String,
+        reason: String,
+    },
+
+    #[error("blob {expected} failed verification: got {actual} ({size} bytes)")]
+    DigestMismatch {
+        expected: String,
+        actual: String,
+        size: u64,
+    },
+
+    #[error("blob {digest} has {actual} bytes, its descriptor says {expected}")]
+    SizeMismatch {
+        digest: String,
+        expected: u64,
+        actual: u64,
+    },
+
+    #[error("registry hosts configuration {path}: {reason}")]
+    HostsConfig { path: PathBuf, reason: String },
+
+    #[error("{0}")]
+    Cancelled(String),
+
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{context}: {source}")]
+    Json {
+        context: String,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+impl StoreError {
+    /// The class of this error, for mapping onto protocol status codes.
+    pub fn kind(&self) -> ErrorKind {
+        use StoreError::*;
+        match self {
+            InvalidReference { .. } | InvalidDigest { .. } => ErrorKind::InvalidArgument,
+            ImageNotFound(_) | BlobNotFound(_) | RemoteNotFound { .. } => ErrorKind::NotFound,
+            Unauthenticated { .. } => ErrorKind::Unauthenticated,
+            Unavailable { .. } => ErrorKind::Unavailable,
+            UnsupportedMediaType { .. } | NoMatchingPlatform { .. } | Malformed { .. } => {
+                ErrorKind::FailedPrecondition
+            }
+            DigestMismatch { .. } | SizeMismatch { .. } => ErrorKind::DataLoss,
+            Cancelled(_) => ErrorKind::Cancelled,
+            HostsConfig { .. } | Io { .. } | Json { .. } => ErrorKind::Internal,
+        }
+    }
+
+    /// Wraps an I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        StoreError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// Adds context to I/O results: `fs::read(p).ctx(|| format!("reading {}", p.display()))`.
+pub trait IoContext<T> {
+    fn ctx<F: FnOnce() -> String>(self, f: F) -> Result<T>;
+}
+
+impl<T> IoContext<T> for std::io::Result<T> {
+    fn ctx<F: FnOnce() -> String>(self, f: F) -> Result<T> {
+        self.map_err(|e| StoreError::io(f(), e))
+    }
+}

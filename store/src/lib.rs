@@ -1,0 +1,27 @@
+//! minicri's image store: everything between a registry and a pulled image on disk.
+//!
+//! - [`reference`]: image reference parsing and normalisation;
+//! - [`content`]: the content-addressed blob store and its resumable ingest area;
+//! - [`images`]: image records (CRI images) keyed by config digest, with names and blob ownership;
+//! - [`hosts`]: registry endpoints from a containerd-style `hosts.toml` directory;
+//! - [`registry`]: registry sessions (auth, mirrors with fallback, manifests, blob ranges);
+//! - [`pull`]: the pull itself.
+
+pub mod content;
+pub mod digest;
+pub mod error;
+pub mod hosts;
+pub mod images;
+pub mod manifest;
+pub mod pull;
+pub mod reference;
+pub mod registry;
+
+pub use content::ContentStore;
+pub use digest::Digest;
+pub use error::{ErrorKind, Result, StoreError};
+pub use hosts::RegistryHosts;
+pub use images::{ImageRecord, ImageStore};
+pub use pull::{PullConfig, Puller};
+pub use reference::Reference;
+pub use registry::{Credentials, Registry};
