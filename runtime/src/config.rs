@@ -1,0 +1,196 @@
+//! The daemon's configuration: embedded defaults, an optional TOML file, command-line flags.
+//!
+//! Precedence: flags over the file over the defaults. The file's keys are the flags' long names with
+//! `_` for `-` (`registry_config_dir = "..."`). With no `--config`, `/etc/minicri/config.toml` is read
+//! if it exists; minicri runs with no file at all.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use serde::{Deserialize, Serialize};
+
+pub const DEFAULT_CONFIG_FILE: &str = "/etc/minicri/config.toml";
+
+/// Settings of `minicri serve`. Every field is optional here so the file and the flags can be merged.
+#[derive(Debug, Clone, Default, Args, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeArgs {
+    /// Configuration file (TOML; keys as these flags, with `_` for `-`).
+    /// [default: /etc/minicri/config.toml if it exists]
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+
+    /// Unix socket to serve the CRI on. [default: /run/minicri/minicri.sock]
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+
+    /// Directory for persistent data: images, content, snapshots. [default: /var/lib/minicri]
+    #[arg(long, value_name = "DIR")]
+    pub root: Option<PathBuf>,
+
+    /// Directory for state that does not survive a reboot. [default: /run/minicri]
+    #[arg(long, value_name = "DIR")]
+    pub state: Option<PathBuf>,
+
+    /// Registry hosts configuration, containerd's hosts.toml directory format:
+    /// <DIR>/<registry-host>/hosts.toml. [default: /etc/minicri/certs.d]
+    #[arg(long, value_name = "DIR")]
+    pub registry_config_dir: Option<PathBuf>,
+
+    /// Log filter: error, warn, info, debug, trace, or a tracing directive list. [default: info]
+    #[arg(long, value_name = "LEVEL")]
+    pub log_level: Option<String>,
+
+    /// Cgroup driver reported to the kubelet: cgroupfs or systemd. [default: cgroupfs]
+    #[arg(long, value_name = "DRIVER")]
+    pub cgroup_driver: Option<String>,
+
+    /// Platform chosen from multi-platform images, os/arch[/variant]. [default: linux/amd64]
+    #[arg(long, value_name = "PLATFORM")]
+    pub platform: Option<String>,
+
+    /// Layers of one image downloaded concurrently. [default: 3]
+    #[arg(long, value_name = "N")]
+    pub max_concurrent_downloads: Option<usize>,
+
+    /// Directories searched for CNI network configurations (repeatable). [default: /etc/cni/net.d]
+    #[arg(long = "cni-conf-dir", value_name = "DIR")]
+    #[serde(default)]
+    pub cni_conf_dirs: Vec<PathBuf>,
+
+    /// Directories searched for CNI plugin binaries (repeatable). [default: /opt/cni/bin, /usr/lib/cni]
+    #[arg(long = "cni-bin-dir", value_name = "DIR")]
+    #[serde(default)]
+    pub cni_bin_dirs: Vec<PathBuf>,
+}
+
+/// The cgroup driver the runtime uses and reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CgroupDriver {
+    Cgroupfs,
+    Systemd,
+}
+
+/// Resolved configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub socket: PathBuf,
+    pub root: PathBuf,
+    pub state: PathBuf,
+    pub registry_config_dir: PathBuf,
+    pub log_level: String,
+    pub cgroup_driver: CgroupDriver,
+    pub platform: String,
+    pub max_concurrent_downloads: usize,
+    pub cni_conf_dirs: Vec<PathBuf>,
+    pub cni_bin_dirs: Vec<PathBuf>,
+}
+
+impl ServeArgs {
+    /// Reads the config file (if any) and lays the flags over it.
+    pub fn resolve(self) -> anyhow::Result<Config> {
+        let file = match &self.config {
+            Some(p) => Some(read_file(p)?),
+            None if Path::new(DEFAULT_CONFIG_FILE).exists() => Some(read_file(Path::new(DEFAULT_CONFIG_FILE))?),
+            None => None,
+        };
+        let merged = match file {
+            Some(f) => self.over(f),
+            None => self,
+        };
+        merged.finish()
+    }
+
+    /// `self` where set, else `base`.
+    fn over(self, base: ServeArgs) -> ServeArgs {
+        ServeArgs {
+            config: self.config,
+            socket: self.socket.or(base.socket),
+            root: self.root.or(base.root),
+            state: self.state.or(base.state),
+            registry_config_dir: self.registry_config_dir.or(base.registry_config_dir),
+            log_level: self.log_level.or(base.log_level),
+            cgroup_driver: self.cgroup_driver.or(base.cgroup_driver),
+            platform: self.platform.or(base.platform),
+            max_concurrent_downloads: self.max_concurrent_downloads.or(base.max_concurrent_downloads),
+            cni_conf_dirs: if self.cni_conf_dirs.is_empty() { base.cni_conf_dirs } else { self.cni_conf_dirs },
+            cni_bin_dirs: if self.cni_bin_dirs.is_empty() { base.cni_bin_dirs } else { self.cni_bin_dirs },
+        }
+    }
+
+    fn finish(self) -> anyhow::Result<Config> {
+        let cgroup_driver = match self.cgroup_driver.as_deref().unwrap_or("cgroupfs") {
+            "cgroupfs" => CgroupDriver::Cgroupfs,
+            "systemd" => CgroupDriver::Systemd,
+            other => bail!("cgroup_driver {other:?} is not one of cgroupfs, systemd"),
+        };
+        let platform = self.platform.unwrap_or_else(|| "linux/amd64".into());
+        if minicri_store::manifest::Platform::parse(&platform).is_none() {
+            bail!("platform {platform:?} is not os/arch[/variant]");
+        }
+        let max_concurrent_downloads = self.max_concurrent_downloads.unwrap_or(3);
+        if max_concurrent_downloads == 0 {
+            bail!("max_concurrent_downloads must be at least 1");
+        }
+        Ok(Config {
+            socket: self.socket.unwrap_or_else(|| "/run/minicri/minicri.sock".into()),
+            root: self.root.unwrap_or_else(|| "/var/lib/minicri".into()),
+            state: self.state.unwrap_or_else(|| "/run/minicri".into()),
+            registry_config_dir: self.registry_config_dir.unwrap_or_else(|| "/etc/minicri/certs.d".into()),
+            log_level: self.log_level.unwrap_or_else(|| "info".into()),
+            cgroup_driver,
+            platform,
+            max_concurrent_downloads,
+            cni_conf_dirs: if self.cni_conf_dirs.is_empty() { vec!["/etc/cni/net.d".into()] } else { self.cni_conf_dirs },
+            cni_bin_dirs: if self.cni_bin_dirs.is_empty() {
+                vec!["/opt/cni/bin".into(), "/usr/lib/cni".into()]
+            } else {
+                self.cni_bin_dirs
+            },
+        })
+    }
+}
+
+fn read_file(path: &Path) -> anyhow::Result<ServeArgs> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))?;
+    toml::from_str(&text).with_context(|| format!("parsing config file {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_without_file() {
+        let c = ServeArgs { config: None, ..Default::default() }.finish().unwrap();
+        assert_eq!(c.socket, PathBuf::from("/run/minicri/minicri.sock"));
+        assert_eq!(c.root, PathBuf::from("/var/lib/minicri"));
+        assert_eq!(c.cgroup_driver, CgroupDriver::Cgroupfs);
+        assert_eq!(c.cni_bin_dirs.len(), 2);
+    }
+
+    #[test]
+    fn flags_override_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, "root = \"/file/root\"\nsocket = \"/file.sock\"\ncgroup_driver = \"systemd\"\n").unwrap();
+        let args = ServeArgs { config: Some(f), socket: Some("/flag.sock".into()), ..Default::default() };
+        let c = args.resolve().unwrap();
+        assert_eq!(c.socket, PathBuf::from("/flag.sock"));
+        assert_eq!(c.root, PathBuf::from("/file/root"));
+        assert_eq!(c.cgroup_driver, CgroupDriver::Systemd);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, "sockett = \"/x\"\n").unwrap();
+        let err = ServeArgs { config: Some(f.clone()), ..Default::default() }.resolve().unwrap_err();
+        assert!(format!("{err:#}").contains("sockett"), "{err:#}");
+        std::fs::write(&f, "cgroup_driver = \"cgroupv3\"\n").unwrap();
+        assert!(ServeArgs { config: Some(f), ..Default::default() }.resolve().is_err());
+    }
+}

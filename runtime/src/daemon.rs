@@ -1,0 +1,114 @@
+//! The daemon's services and state, shared by every CRI handler.
+//!
+//! Layout under the root directory: `content/` (blobs and ingests, see `minicri_store::content`)
+//! and `images/` (image records). The image filesystem reported to the kubelet is the root.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use anyhow::Context;
+use minicri_proto::runtime::v1 as cri;
+use minicri_store::manifest::Platform;
+use minicri_store::{ContentStore, ImageRecord, ImageStore, PullConfig, Puller, Registry, RegistryHosts};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+
+pub struct Daemon {
+    pub config: Config,
+    pub content: Arc<ContentStore>,
+    pub images: Arc<ImageStore>,
+    pub puller: Puller,
+    pod_cidr: Mutex<String>,
+}
+
+impl Daemon {
+    /// Opens the stores under the configured root, loading every image recorded there.
+    pub fn open(config: Config) -> anyhow::Result<Daemon> {
+        let content = Arc::new(
+            ContentStore::open(&config.root.join("content")).context("opening the content store")?,
+        );
+        let images = Arc::new(ImageStore::open(&config.root, &content).context("loading image records")?);
+        let registry = Registry::new(RegistryHosts::new(Some(config.registry_config_dir.clone())));
+        let pull_config = PullConfig {
+            platform: Platform::parse(&config.platform).context("platform")?,
+            max_concurrent_layers: config.max_concurrent_downloads,
+        };
+        let puller = Puller::new(content.clone(), images.clone(), registry, pull_config);
+        tracing::info!(images = images.list().len(), root = %config.root.display(), "image store loaded");
+        Ok(Daemon { config, content, images, puller, pod_cidr: Mutex::new(String::new()) })
+    }
+
+    /// Verbose ImageStatus info: the image config and where the image came from, as JSON.
+    pub fn image_info(&self, rec: &ImageRecord) -> Result<String> {
+        let config: serde_json::Value = serde_json::from_slice(&self.content.read(&rec.config)?)
+            .map_err(|e| Error::Internal(format!("image config {} is not JSON: {e}", rec.config)))?;
+        let info = serde_json::json!({
+            "id": rec.id,
+            "manifestDigest": rec.manifest,
+            "platform": rec.platform,
+            "layers": rec.layers,
+            "pulledAt": rec.pulled_at,
+            "imageSpec": config,
+        });
+        Ok(info.to_string())
+    }
+
+    /// Bytes and inodes the image filesystem uses (walks the content store, off the async threads).
+    pub async fn image_fs_usage(&self) -> Result<cri::FilesystemUsage> {
+        let content = self.content.clone();
+        let (bytes, inodes) = tokio::task::spawn_blocking(move || content.usage())
+            .await
+            .map_err(|e| Error::Internal(format!("usage walk failed: {e}")))?;
+        let timestamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as i64)
+            .unwrap_or(0);
+        Ok(cri::FilesystemUsage {
+            timestamp,
+            fs_id: Some(cri::FilesystemIdentifier { mountpoint: self.config.root.display().to_string() }),
+            used_bytes: Some(cri::UInt64Value { value: bytes }),
+            inodes_used: Some(cri::UInt64Value { value: inodes }),
+        })
+    }
+
+    /// NetworkReady follows the presence of a CNI network configuration.
+    pub fn network_condition(&self) -> cri::RuntimeCondition {
+        let found = self.config.cni_conf_dirs.iter().any(|d| has_cni_config(d));
+        if found {
+            cri::RuntimeCondition { r#type: "NetworkReady".into(), status: true, ..Default::default() }
+        } else {
+            let dirs: Vec<String> = self.config.cni_conf_dirs.iter().map(|d| d.display().to_string()).collect();
+            cri::RuntimeCondition {
+                r#type: "NetworkReady".into(),
+                status: false,
+                reason: "NetworkPluginNotReady".into(),
+                message: format!("no CNI network configuration (*.conflist, *.conf, *.json) in {}", dirs.join(", ")),
+            }
+        }
+    }
+
+    /// The resolved configuration, for verbose Status.
+    pub fn config_json(&self) -> String {
+        let c = &self.config;
+        serde_json::json!({
+            "socket": c.socket, "root": c.root, "state": c.state,
+            "registryConfigDir": c.registry_config_dir, "cgroupDriver": format!("{:?}", c.cgroup_driver).to_lowercase(),
+            "platform": c.platform, "maxConcurrentDownloads": c.max_concurrent_downloads,
+            "cniConfDirs": c.cni_conf_dirs, "cniBinDirs": c.cni_bin_dirs,
+            "podCIDR": *self.pod_cidr.lock().unwrap(),
+        })
+        .to_string()
+    }
+
+    pub fn set_pod_cidr(&self, cidr: String) {
+        *self.pod_cidr.lock().unwrap() = cidr;
+    }
+}
+
+fn has_cni_config(dir: &Path) -> bool {
+    std::fs::read_dir(dir).into_iter().flatten().flatten().any(|e| {
+        let p = e.path();
+        p.is_file() && matches!(p.extension().and_then(|x| x.to_str()), Some("conflist" | "conf" | "json"))
+    })
+}

@@ -1,0 +1,69 @@
+//! `minicri`: a Kubernetes CRI runtime.
+//!
+//! `minicri serve` runs the daemon with embedded defaults; see `minicri serve --help`.
+
+mod config;
+mod cri;
+mod daemon;
+mod error;
+mod rpc;
+mod server;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "minicri",
+    version,
+    about = "A Kubernetes CRI runtime: images, pods and containers on runc",
+    long_about = "minicri serves the Kubernetes Container Runtime Interface (CRI v1) on a unix socket.\n\
+                  Point the kubelet or crictl at it: crictl --runtime-endpoint unix:///run/minicri/minicri.sock"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the CRI daemon (needs root). Runs with built-in defaults; no config file is needed.
+    Serve(Box<config::ServeArgs>),
+}
+
+fn init_logging(level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(level).unwrap_or_else(|e| {
+        eprintln!("minicri: bad --log-level {level:?} ({e}); using info");
+        tracing_subscriber::EnvFilter::new("info")
+    });
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => {
+            let config = match args.resolve() {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("minicri: {e:#}");
+                    return std::process::ExitCode::from(2);
+                }
+            };
+            init_logging(&config.log_level);
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+            match rt.block_on(server::serve(config)) {
+                Ok(()) => std::process::ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!("{e:#}");
+                    eprintln!("minicri: {e:#}");
+                    std::process::ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,128 @@
+//! Per-RPC instrumentation: every CRI call goes through [`call`], which applies the caller's gRPC
+//! deadline, maps the outcome to a status, and logs one line (method, object, duration, code).
+//!
+//! Read-only calls the kubelet makes every second or so log at debug level; everything else, and
+//! every failure, logs at info or above. A call whose client goes away before it finishes is logged
+//! as cancelled when its future is dropped.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use tonic::{Code, Response, Status};
+
+use crate::error::Error;
+
+/// The deadline a client set with the `grpc-timeout` header (`<digits><unit>`, unit one of H M S m u n).
+pub fn deadline<R>(req: &tonic::Request<R>) -> Option<Duration> {
+    let v = req.metadata().get("grpc-timeout")?.to_str().ok()?;
+    let (num, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = num.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// How loudly a call is logged when it succeeds.
+#[derive(Clone, Copy)]
+pub enum Verbosity {
+    /// Polled constantly by the kubelet: debug level.
+    Poll,
+    /// Changes something or is rare: info level.
+    Normal,
+}
+
+struct CallLog {
+    method: &'static str,
+    object: String,
+    start: Instant,
+    done: bool,
+}
+
+impl Drop for CallLog {
+    fn drop(&mut self) {
+        if !self.done {
+            let ms = self.start.elapsed().as_secs_f64() * 1e3;
+            tracing::info!(method = self.method, object = %self.object, duration_ms = format!("{ms:.1}"), code = "Cancelled", "rpc abandoned by client");
+        }
+    }
+}
+
+/// Runs one RPC's body under its deadline and logs it.
+pub async fn call<T, F>(
+    method: &'static str,
+    object: impl Into<String>,
+    deadline: Option<Duration>,
+    verbosity: Verbosity,
+    body: F,
+) -> Result<Response<T>, Status>
+where
+    F: Future<Output = Result<T, Error>>,
+{
+    let mut log = CallLog { method, object: object.into(), start: Instant::now(), done: false };
+    let result = match deadline {
+        Some(d) => match tokio::time::timeout(d, body).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::DeadlineExceeded(format!("{method} did not finish within the client's deadline of {d:?}"))),
+        },
+        None => body.await,
+    };
+    log.done = true;
+    let ms = format!("{:.1}", log.start.elapsed().as_secs_f64() * 1e3);
+    let object = &log.object;
+    match result {
+        Ok(v) => {
+            match verbosity {
+                Verbosity::Poll => tracing::debug!(method, %object, duration_ms = ms, code = "OK", "rpc"),
+                Verbosity::Normal => tracing::info!(method, %object, duration_ms = ms, code = "OK", "rpc"),
+            }
+            Ok(Response::new(v))
+        }
+        Err(e) => {
+            let status: Status = e.into();
+            let code = format!("{:?}", status.code());
+            if matches!(status.code(), Code::Internal | Code::DataLoss) {
+                tracing::error!(method, %object, duration_ms = ms, code, error = status.message(), "rpc");
+            } else {
+                tracing::warn!(method, %object, duration_ms = ms, code, error = status.message(), "rpc");
+            }
+            Err(status)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req_with(timeout: &str) -> tonic::Request<()> {
+        let mut r = tonic::Request::new(());
+        r.metadata_mut().insert("grpc-timeout", timeout.parse().unwrap());
+        r
+    }
+
+    #[test]
+    fn parses_grpc_timeout() {
+        assert_eq!(deadline(&req_with("1m")), Some(Duration::from_millis(1)));
+        assert_eq!(deadline(&req_with("2S")), Some(Duration::from_secs(2)));
+        assert_eq!(deadline(&req_with("3H")), Some(Duration::from_secs(3 * 3600)));
+        assert_eq!(deadline(&req_with("500u")), Some(Duration::from_micros(500)));
+        assert_eq!(deadline(&req_with("x")), None);
+        assert_eq!(deadline(&tonic::Request::new(())), None);
+    }
+
+    #[tokio::test]
+    async fn deadline_maps_to_deadline_exceeded() {
+        let r: Result<Response<()>, Status> = call("Slow", "x", Some(Duration::from_millis(1)), Verbosity::Normal, async {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            Ok(())
+        })
+        .await;
+        assert_eq!(r.unwrap_err().code(), Code::DeadlineExceeded);
+    }
+}

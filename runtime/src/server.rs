@@ -1,0 +1,153 @@
+//! Serving the CRI on a unix socket: single-instance lock, stale-socket handling, HTTP/2 serving and
+//! graceful shutdown on SIGTERM/SIGINT.
+//!
+//! minicri serves gRPC with hyper directly rather than through tonic's `Server`, so that the
+//! client's `grpc-timeout` is enforced by the handlers themselves ([`crate::rpc::call`]) and answers
+//! DEADLINE_EXCEEDED, as the CRI expects, instead of tonic's generic CANCELLED.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use minicri_proto::MAX_MESSAGE_SIZE;
+use minicri_proto::runtime::v1::image_service_server::ImageServiceServer;
+use minicri_proto::runtime::v1::runtime_service_server::RuntimeServiceServer;
+use nix::fcntl::{Flock, FlockArg};
+use tokio::net::UnixListener;
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::config::Config;
+use crate::cri::image::ImageHandler;
+use crate::cri::runtime::RuntimeHandler;
+use crate::daemon::Daemon;
+
+/// How long in-flight calls get to finish after a shutdown signal.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Holds the root's lock file for the daemon's lifetime.
+pub struct RootLock {
+    _lock: Flock<File>,
+}
+
+/// Refuses to run two daemons on one root: an exclusive `flock` on `<root>/minicri.lock`, which
+/// holds the owner's pid for the error message. The kernel drops the lock when the process dies.
+pub fn lock_root(root: &Path) -> anyhow::Result<RootLock> {
+    fs::create_dir_all(root).with_context(|| format!("creating root {}", root.display()))?;
+    let path = root.join("minicri.lock");
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        Ok(mut lock) => {
+            lock.set_len(0)?;
+            lock.rewind()?;
+            write!(lock, "{}", std::process::id())?;
+            Ok(RootLock { _lock: lock })
+        }
+        Err((mut file, _)) => {
+            let mut pid = String::new();
+            let _ = file.read_to_string(&mut pid);
+            bail!(
+                "another minicri (pid {}) is already serving root {}; stop it or choose another --root",
+                pid.trim(),
+                root.display()
+            )
+        }
+    }
+}
+
+/// Binds the socket: a socket file nobody answers on is stale and replaced; a live one is refused.
+async fn bind_socket(path: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    if path.exists() {
+        if tokio::net::UnixStream::connect(path).await.is_ok() {
+            bail!("socket {} is in use by another server", path.display());
+        }
+        fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))?;
+        tracing::info!(socket = %path.display(), "removed stale socket");
+    }
+    let listener = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    fs::set_permissions(path, fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("setting mode of {}", path.display()))?;
+    Ok(listener)
+}
+
+/// Removes the socket file when serving ends.
+struct SocketGuard(PathBuf);
+
+impl Drop for SocketGuard {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
+    }
+}
+
+/// Runs the daemon until SIGTERM or SIGINT.
+pub async fn serve(config: Config) -> anyhow::Result<()> {
+    let _lock = lock_root(&config.root)?;
+    fs::create_dir_all(&config.state).with_context(|| format!("creating state dir {}", config.state.display()))?;
+    let socket = config.socket.clone();
+    let daemon = Arc::new(Daemon::open(config)?);
+
+    let routes = tonic::service::Routes::new(
+        RuntimeServiceServer::new(RuntimeHandler { daemon: daemon.clone() })
+            .max_decoding_message_size(MAX_MESSAGE_SIZE)
+            .max_encoding_message_size(MAX_MESSAGE_SIZE),
+    )
+    .add_service(
+        ImageServiceServer::new(ImageHandler { daemon: daemon.clone() })
+            .max_decoding_message_size(MAX_MESSAGE_SIZE)
+            .max_encoding_message_size(MAX_MESSAGE_SIZE),
+    )
+    .prepare();
+
+    let listener = bind_socket(&socket).await?;
+    let _socket_guard = SocketGuard(socket.clone());
+    tracing::info!(socket = %socket.display(), version = env!("CARGO_PKG_VERSION"), "minicri serving");
+
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let graceful = GracefulShutdown::new();
+    let builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    loop {
+        tokio::select! {
+            conn = listener.accept() => {
+                let (stream, _) = match conn {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        continue;
+                    }
+                };
+                let svc = TowerToHyperService::new(routes.clone());
+                let conn = builder.serve_connection(TokioIo::new(stream), svc);
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "connection ended with an error");
+                    }
+                });
+            }
+            _ = sigterm.recv() => { tracing::info!("SIGTERM: shutting down"); break; }
+            _ = sigint.recv() => { tracing::info!("SIGINT: shutting down"); break; }
+        }
+    }
+    drop(listener);
+    tokio::select! {
+        _ = graceful.shutdown() => tracing::info!("all connections closed"),
+        _ = tokio::time::sleep(SHUTDOWN_GRACE) => tracing::warn!("shutdown grace period over; closing remaining calls"),
+    }
+    Ok(())
+}
