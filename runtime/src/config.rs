@@ -93,7 +93,9 @@ impl ServeArgs {
     pub fn resolve(self) -> anyhow::Result<Config> {
         let file = match &self.config {
             Some(p) => Some(read_file(p)?),
-            None if Path::new(DEFAULT_CONFIG_FILE).exists() => Some(read_file(Path::new(DEFAULT_CONFIG_FILE))?),
+            None if Path::new(DEFAULT_CONFIG_FILE).exists() => {
+                Some(read_file(Path::new(DEFAULT_CONFIG_FILE))?)
+            }
             None => None,
         };
         let merged = match file {
@@ -114,9 +116,19 @@ impl ServeArgs {
             log_level: self.log_level.or(base.log_level),
             cgroup_driver: self.cgroup_driver.or(base.cgroup_driver),
             platform: self.platform.or(base.platform),
-            max_concurrent_downloads: self.max_concurrent_downloads.or(base.max_concurrent_downloads),
-            cni_conf_dirs: if self.cni_conf_dirs.is_empty() { base.cni_conf_dirs } else { self.cni_conf_dirs },
-            cni_bin_dirs: if self.cni_bin_dirs.is_empty() { base.cni_bin_dirs } else { self.cni_bin_dirs },
+            max_concurrent_downloads: self
+                .max_concurrent_downloads
+                .or(base.max_concurrent_downloads),
+            cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
+                base.cni_conf_dirs
+            } else {
+                self.cni_conf_dirs
+            },
+            cni_bin_dirs: if self.cni_bin_dirs.is_empty() {
+                base.cni_bin_dirs
+            } else {
+                self.cni_bin_dirs
+            },
         }
     }
 
@@ -135,15 +147,23 @@ impl ServeArgs {
             bail!("max_concurrent_downloads must be at least 1");
         }
         Ok(Config {
-            socket: self.socket.unwrap_or_else(|| "/run/minicri/minicri.sock".into()),
+            socket: self
+                .socket
+                .unwrap_or_else(|| "/run/minicri/minicri.sock".into()),
             root: self.root.unwrap_or_else(|| "/var/lib/minicri".into()),
             state: self.state.unwrap_or_else(|| "/run/minicri".into()),
-            registry_config_dir: self.registry_config_dir.unwrap_or_else(|| "/etc/minicri/certs.d".into()),
+            registry_config_dir: self
+                .registry_config_dir
+                .unwrap_or_else(|| "/etc/minicri/certs.d".into()),
             log_level: self.log_level.unwrap_or_else(|| "info".into()),
             cgroup_driver,
             platform,
             max_concurrent_downloads,
-            cni_conf_dirs: if self.cni_conf_dirs.is_empty() { vec!["/etc/cni/net.d".into()] } else { self.cni_conf_dirs },
+            cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
+                vec!["/etc/cni/net.d".into()]
+            } else {
+                self.cni_conf_dirs
+            },
             cni_bin_dirs: if self.cni_bin_dirs.is_empty() {
                 vec!["/opt/cni/bin".into(), "/usr/lib/cni".into()]
             } else {
@@ -154,7 +174,8 @@ impl ServeArgs {
 }
 
 fn read_file(path: &Path) -> anyhow::Result<ServeArgs> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading config file {}", path.display()))?;
     toml::from_str(&text).with_context(|| format!("parsing config file {}", path.display()))
 }
 
@@ -164,7 +185,12 @@ mod tests {
 
     #[test]
     fn defaults_without_file() {
-        let c = ServeArgs { config: None, ..Default::default() }.finish().unwrap();
+        let c = ServeArgs {
+            config: None,
+            ..Default::default()
+        }
+        .finish()
+        .unwrap();
         assert_eq!(c.socket, PathBuf::from("/run/minicri/minicri.sock"));
         assert_eq!(c.root, PathBuf::from("/var/lib/minicri"));
         assert_eq!(c.cgroup_driver, CgroupDriver::Cgroupfs);
@@ -175,8 +201,16 @@ mod tests {
     fn flags_override_file() {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("c.toml");
-        std::fs::write(&f, "root = \"/file/root\"\nsocket = \"/file.sock\"\ncgroup_driver = \"systemd\"\n").unwrap();
-        let args = ServeArgs { config: Some(f), socket: Some("/flag.sock".into()), ..Default::default() };
+        std::fs::write(
+            &f,
+            "root = \"/file/root\"\nsocket = \"/file.sock\"\ncgroup_driver = \"systemd\"\n",
+        )
+        .unwrap();
+        let args = ServeArgs {
+            config: Some(f),
+            socket: Some("/flag.sock".into()),
+            ..Default::default()
+        };
         let c = args.resolve().unwrap();
         assert_eq!(c.socket, PathBuf::from("/flag.sock"));
         assert_eq!(c.root, PathBuf::from("/file/root"));
@@ -188,9 +222,21 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("c.toml");
         std::fs::write(&f, "sockett = \"/x\"\n").unwrap();
-        let err = ServeArgs { config: Some(f.clone()), ..Default::default() }.resolve().unwrap_err();
+        let err = ServeArgs {
+            config: Some(f.clone()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err();
         assert!(format!("{err:#}").contains("sockett"), "{err:#}");
         std::fs::write(&f, "cgroup_driver = \"cgroupv3\"\n").unwrap();
-        assert!(ServeArgs { config: Some(f), ..Default::default() }.resolve().is_err());
+        assert!(
+            ServeArgs {
+                config: Some(f),
+                ..Default::default()
+            }
+            .resolve()
+            .is_err()
+        );
     }
 }

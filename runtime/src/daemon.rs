@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex};
 use anyhow::Context;
 use minicri_proto::runtime::v1 as cri;
 use minicri_store::manifest::Platform;
-use minicri_store::{ContentStore, ImageRecord, ImageStore, PullConfig, Puller, Registry, RegistryHosts};
+use minicri_store::{
+    ContentStore, ImageRecord, ImageStore, PullConfig, Puller, Registry, RegistryHosts,
+};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -26,9 +28,11 @@ impl Daemon {
     /// Opens the stores under the configured root, loading every image recorded there.
     pub fn open(config: Config) -> anyhow::Result<Daemon> {
         let content = Arc::new(
-            ContentStore::open(&config.root.join("content")).context("opening the content store")?,
+            ContentStore::open(&config.root.join("content"))
+                .context("opening the content store")?,
         );
-        let images = Arc::new(ImageStore::open(&config.root, &content).context("loading image records")?);
+        let images =
+            Arc::new(ImageStore::open(&config.root, &content).context("loading image records")?);
         let registry = Registry::new(RegistryHosts::new(Some(config.registry_config_dir.clone())));
         let pull_config = PullConfig {
             platform: Platform::parse(&config.platform).context("platform")?,
@@ -36,13 +40,21 @@ impl Daemon {
         };
         let puller = Puller::new(content.clone(), images.clone(), registry, pull_config);
         tracing::info!(images = images.list().len(), root = %config.root.display(), "image store loaded");
-        Ok(Daemon { config, content, images, puller, pod_cidr: Mutex::new(String::new()) })
+        Ok(Daemon {
+            config,
+            content,
+            images,
+            puller,
+            pod_cidr: Mutex::new(String::new()),
+        })
     }
 
     /// Verbose ImageStatus info: the image config and where the image came from, as JSON.
     pub fn image_info(&self, rec: &ImageRecord) -> Result<String> {
         let config: serde_json::Value = serde_json::from_slice(&self.content.read(&rec.config)?)
-            .map_err(|e| Error::Internal(format!("image config {} is not JSON: {e}", rec.config)))?;
+            .map_err(|e| {
+                Error::Internal(format!("image config {} is not JSON: {e}", rec.config))
+            })?;
         let info = serde_json::json!({
             "id": rec.id,
             "manifestDigest": rec.manifest,
@@ -66,7 +78,9 @@ impl Daemon {
             .unwrap_or(0);
         Ok(cri::FilesystemUsage {
             timestamp,
-            fs_id: Some(cri::FilesystemIdentifier { mountpoint: self.config.root.display().to_string() }),
+            fs_id: Some(cri::FilesystemIdentifier {
+                mountpoint: self.config.root.display().to_string(),
+            }),
             used_bytes: Some(cri::UInt64Value { value: bytes }),
             inodes_used: Some(cri::UInt64Value { value: inodes }),
         })
@@ -76,14 +90,26 @@ impl Daemon {
     pub fn network_condition(&self) -> cri::RuntimeCondition {
         let found = self.config.cni_conf_dirs.iter().any(|d| has_cni_config(d));
         if found {
-            cri::RuntimeCondition { r#type: "NetworkReady".into(), status: true, ..Default::default() }
+            cri::RuntimeCondition {
+                r#type: "NetworkReady".into(),
+                status: true,
+                ..Default::default()
+            }
         } else {
-            let dirs: Vec<String> = self.config.cni_conf_dirs.iter().map(|d| d.display().to_string()).collect();
+            let dirs: Vec<String> = self
+                .config
+                .cni_conf_dirs
+                .iter()
+                .map(|d| d.display().to_string())
+                .collect();
             cri::RuntimeCondition {
                 r#type: "NetworkReady".into(),
                 status: false,
                 reason: "NetworkPluginNotReady".into(),
-                message: format!("no CNI network configuration (*.conflist, *.conf, *.json) in {}", dirs.join(", ")),
+                message: format!(
+                    "no CNI network configuration (*.conflist, *.conf, *.json) in {}",
+                    dirs.join(", ")
+                ),
             }
         }
     }
@@ -107,8 +133,16 @@ impl Daemon {
 }
 
 fn has_cni_config(dir: &Path) -> bool {
-    std::fs::read_dir(dir).into_iter().flatten().flatten().any(|e| {
-        let p = e.path();
-        p.is_file() && matches!(p.extension().and_then(|x| x.to_str()), Some("conflist" | "conf" | "json"))
-    })
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| {
+            let p = e.path();
+            p.is_file()
+                && matches!(
+                    p.extension().and_then(|x| x.to_str()),
+                    Some("conflist" | "conf" | "json")
+                )
+        })
 }

@@ -55,7 +55,10 @@ fn main() -> std::process::ExitCode {
                 }
             };
             init_logging(&config.log_level);
-            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
             match rt.block_on(server::serve(config)) {
                 Ok(()) => std::process::ExitCode::SUCCESS,
                 Err(e) => {

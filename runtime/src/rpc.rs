@@ -41,14 +41,20 @@ struct CallLog {
     method: &'static str,
     object: String,
     start: Instant,
+    deadline: Option<Instant>,
     done: bool,
 }
 
 impl Drop for CallLog {
     fn drop(&mut self) {
         if !self.done {
-            let ms = self.start.elapsed().as_secs_f64() * 1e3;
-            tracing::info!(method = self.method, object = %self.object, duration_ms = format!("{ms:.1}"), code = "Cancelled", "rpc abandoned by client");
+            let ms = format!("{:.1}", self.start.elapsed().as_secs_f64() * 1e3);
+            // A client that gives up at its deadline may hang up just before our own timer fires.
+            if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                tracing::warn!(method = self.method, object = %self.object, duration_ms = ms, code = "DeadlineExceeded", "rpc deadline passed");
+            } else {
+                tracing::info!(method = self.method, object = %self.object, duration_ms = ms, code = "Cancelled", "rpc abandoned by client");
+            }
         }
     }
 }
@@ -64,11 +70,20 @@ pub async fn call<T, F>(
 where
     F: Future<Output = Result<T, Error>>,
 {
-    let mut log = CallLog { method, object: object.into(), start: Instant::now(), done: false };
+    let start = Instant::now();
+    let mut log = CallLog {
+        method,
+        object: object.into(),
+        start,
+        deadline: deadline.map(|d| start + d),
+        done: false,
+    };
     let result = match deadline {
         Some(d) => match tokio::time::timeout(d, body).await {
             Ok(r) => r,
-            Err(_) => Err(Error::DeadlineExceeded(format!("{method} did not finish within the client's deadline of {d:?}"))),
+            Err(_) => Err(Error::DeadlineExceeded(format!(
+                "{method} did not finish within the client's deadline of {d:?}"
+            ))),
         },
         None => body.await,
     };
@@ -78,8 +93,12 @@ where
     match result {
         Ok(v) => {
             match verbosity {
-                Verbosity::Poll => tracing::debug!(method, %object, duration_ms = ms, code = "OK", "rpc"),
-                Verbosity::Normal => tracing::info!(method, %object, duration_ms = ms, code = "OK", "rpc"),
+                Verbosity::Poll => {
+                    tracing::debug!(method, %object, duration_ms = ms, code = "OK", "rpc")
+                }
+                Verbosity::Normal => {
+                    tracing::info!(method, %object, duration_ms = ms, code = "OK", "rpc")
+                }
             }
             Ok(Response::new(v))
         }
@@ -102,7 +121,8 @@ mod tests {
 
     fn req_with(timeout: &str) -> tonic::Request<()> {
         let mut r = tonic::Request::new(());
-        r.metadata_mut().insert("grpc-timeout", timeout.parse().unwrap());
+        r.metadata_mut()
+            .insert("grpc-timeout", timeout.parse().unwrap());
         r
     }
 
@@ -110,18 +130,30 @@ mod tests {
     fn parses_grpc_timeout() {
         assert_eq!(deadline(&req_with("1m")), Some(Duration::from_millis(1)));
         assert_eq!(deadline(&req_with("2S")), Some(Duration::from_secs(2)));
-        assert_eq!(deadline(&req_with("3H")), Some(Duration::from_secs(3 * 3600)));
-        assert_eq!(deadline(&req_with("500u")), Some(Duration::from_micros(500)));
+        assert_eq!(
+            deadline(&req_with("3H")),
+            Some(Duration::from_secs(3 * 3600))
+        );
+        assert_eq!(
+            deadline(&req_with("500u")),
+            Some(Duration::from_micros(500))
+        );
         assert_eq!(deadline(&req_with("x")), None);
         assert_eq!(deadline(&tonic::Request::new(())), None);
     }
 
     #[tokio::test]
     async fn deadline_maps_to_deadline_exceeded() {
-        let r: Result<Response<()>, Status> = call("Slow", "x", Some(Duration::from_millis(1)), Verbosity::Normal, async {
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            Ok(())
-        })
+        let r: Result<Response<()>, Status> = call(
+            "Slow",
+            "x",
+            Some(Duration::from_millis(1)),
+            Verbosity::Normal,
+            async {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                Ok(())
+            },
+        )
         .await;
         assert_eq!(r.unwrap_err().code(), Code::DeadlineExceeded);
     }

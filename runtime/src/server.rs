@@ -76,10 +76,12 @@ async fn bind_socket(path: &Path) -> anyhow::Result<UnixListener> {
         if tokio::net::UnixStream::connect(path).await.is_ok() {
             bail!("socket {} is in use by another server", path.display());
         }
-        fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))?;
+        fs::remove_file(path)
+            .with_context(|| format!("removing stale socket {}", path.display()))?;
         tracing::info!(socket = %path.display(), "removed stale socket");
     }
-    let listener = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    let listener =
+        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
     fs::set_permissions(path, fs::Permissions::from_mode(0o660))
         .with_context(|| format!("setting mode of {}", path.display()))?;
     Ok(listener)
@@ -97,19 +99,24 @@ impl Drop for SocketGuard {
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn serve(config: Config) -> anyhow::Result<()> {
     let _lock = lock_root(&config.root)?;
-    fs::create_dir_all(&config.state).with_context(|| format!("creating state dir {}", config.state.display()))?;
+    fs::create_dir_all(&config.state)
+        .with_context(|| format!("creating state dir {}", config.state.display()))?;
     let socket = config.socket.clone();
     let daemon = Arc::new(Daemon::open(config)?);
 
     let routes = tonic::service::Routes::new(
-        RuntimeServiceServer::new(RuntimeHandler { daemon: daemon.clone() })
-            .max_decoding_message_size(MAX_MESSAGE_SIZE)
-            .max_encoding_message_size(MAX_MESSAGE_SIZE),
+        RuntimeServiceServer::new(RuntimeHandler {
+            daemon: daemon.clone(),
+        })
+        .max_decoding_message_size(MAX_MESSAGE_SIZE)
+        .max_encoding_message_size(MAX_MESSAGE_SIZE),
     )
     .add_service(
-        ImageServiceServer::new(ImageHandler { daemon: daemon.clone() })
-            .max_decoding_message_size(MAX_MESSAGE_SIZE)
-            .max_encoding_message_size(MAX_MESSAGE_SIZE),
+        ImageServiceServer::new(ImageHandler {
+            daemon: daemon.clone(),
+        })
+        .max_decoding_message_size(MAX_MESSAGE_SIZE)
+        .max_encoding_message_size(MAX_MESSAGE_SIZE),
     )
     .prepare();
 

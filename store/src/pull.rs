@@ -72,7 +72,11 @@ impl Puller {
     /// Pulls `reference` and returns the stored image record.
     pub async fn pull(&self, reference: &str, creds: &Credentials) -> Result<ImageRecord> {
         let reference = Reference::parse(reference)?;
-        let session = self.registry.session(&reference, creds)?;
+        // Building registry clients loads TLS roots (slow, blocking): keep it off the async threads.
+        let (registry, r, c) = (self.registry.clone(), reference.clone(), creds.clone());
+        let session = tokio::task::spawn_blocking(move || registry.session(&r, &c))
+            .await
+            .expect("session set-up does not panic")?;
         let started = std::time::Instant::now();
         // An image removed while this pull reused its blobs loses them; one more pass fetches them.
         let mut tries = 0;
@@ -157,11 +161,16 @@ impl Puller {
         }
         blobs.insert(config_digest.clone());
 
-        let layer_digests: Vec<Digest> =
-            futures::stream::iter(layers.iter().map(|l| self.fetch_blob(session, l)))
-                .buffered(self.config.max_concurrent_layers.max(1))
-                .try_collect()
-                .await?;
+        // Built in a loop, not with a closure: a closure here gives the futures a higher-ranked
+        // lifetime that tonic's Send bound cannot be proven for (a rustc limitation).
+        let mut fetches = Vec::with_capacity(layers.len());
+        for l in &layers {
+            fetches.push(self.fetch_blob(session, l));
+        }
+        let layer_digests: Vec<Digest> = futures::stream::iter(fetches)
+            .buffered(self.config.max_concurrent_layers.max(1))
+            .try_collect()
+            .await?;
         blobs.extend(layer_digests.iter().cloned());
 
         let (uid, username) = manifest::user_of(

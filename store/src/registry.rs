@@ -166,12 +166,60 @@ fn describe(e: &OciDistributionError) -> String {
     }
 }
 
+/// Clients are cached per endpoint and credential: building one loads the TLS roots, which takes
+/// long enough (~0.2 s here) to matter per pull. A client's token cache is only ever shared by
+/// sessions with the same credentials.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct ClientKey {
+    host: String,
+    plain_http: bool,
+    skip_verify: bool,
+    ca: Vec<std::path::PathBuf>,
+    /// sha256 of the credential the client authenticates with.
+    auth: [u8; 32],
+}
+
+/// Most cached clients kept; the cache is emptied when it would grow past this.
+const MAX_CACHED_CLIENTS: usize = 64;
+
 /// Shared registry configuration; cheap to clone.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Registry {
     hosts: RegistryHosts,
     connect_timeout: Duration,
     read_timeout: Duration,
+    clients: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<ClientKey, Client>>>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("hosts", &self.hosts)
+            .finish_non_exhaustive()
+    }
+}
+
+fn auth_fingerprint(auth: &RegistryAuth, identity_token: Option<&str>) -> [u8; 32] {
+    use sha2::Digest as _;
+    let mut h = sha2::Sha256::new();
+    match auth {
+        RegistryAuth::Anonymous => h.update(b"anonymous\0"),
+        RegistryAuth::Basic(u, p) => {
+            h.update(b"basic\0");
+            h.update(u.as_bytes());
+            h.update(b"\0");
+            h.update(p.as_bytes());
+        }
+        RegistryAuth::Bearer(t) => {
+            h.update(b"bearer\0");
+            h.update(t.as_bytes());
+        }
+    }
+    if let Some(t) = identity_token {
+        h.update(b"\0identity\0");
+        h.update(t.as_bytes());
+    }
+    h.finalize().into()
 }
 
 impl Registry {
@@ -180,7 +228,44 @@ impl Registry {
             hosts,
             connect_timeout: Duration::from_secs(10),
             read_timeout: Duration::from_secs(30),
+            clients: Default::default(),
         }
+    }
+
+    fn client(&self, ep: &Endpoint, key: ClientKey) -> Result<Client> {
+        if let Some(c) = self.clients.lock().unwrap().get(&key) {
+            return Ok(c.clone());
+        }
+        let mut certs = Vec::new();
+        for path in &ep.ca {
+            let data = std::fs::read(path).map_err(|e| StoreError::HostsConfig {
+                path: path.clone(),
+                reason: format!("reading CA certificate: {e}"),
+            })?;
+            certs.push(oci_client::client::Certificate {
+                encoding: oci_client::client::CertificateEncoding::Pem,
+                data,
+            });
+        }
+        let client = Client::new(ClientConfig {
+            protocol: if ep.plain_http {
+                ClientProtocol::Http
+            } else {
+                ClientProtocol::Https
+            },
+            accept_invalid_certificates: ep.skip_verify,
+            extra_root_certificates: certs,
+            connect_timeout: Some(self.connect_timeout),
+            read_timeout: Some(self.read_timeout),
+            user_agent: concat!("minicri/", env!("CARGO_PKG_VERSION")),
+            ..Default::default()
+        });
+        let mut cache = self.clients.lock().unwrap();
+        if cache.len() >= MAX_CACHED_CLIENTS {
+            cache.clear();
+        }
+        cache.insert(key, client.clone());
+        Ok(client)
     }
 
     /// Starts a session for pulling `reference` with `creds`.
@@ -207,30 +292,14 @@ impl Registry {
             let identity_token = (creds.applies_to(&ep, &reference.domain)
                 && !creds.identity_token.is_empty())
             .then(|| creds.identity_token.clone());
-            let mut certs = Vec::new();
-            for path in &ep.ca {
-                let data = std::fs::read(path).map_err(|e| StoreError::HostsConfig {
-                    path: path.clone(),
-                    reason: format!("reading CA certificate: {e}"),
-                })?;
-                certs.push(oci_client::client::Certificate {
-                    encoding: oci_client::client::CertificateEncoding::Pem,
-                    data,
-                });
-            }
-            let client = Client::new(ClientConfig {
-                protocol: if ep.plain_http {
-                    ClientProtocol::Http
-                } else {
-                    ClientProtocol::Https
-                },
-                accept_invalid_certificates: ep.skip_verify,
-                extra_root_certificates: certs,
-                connect_timeout: Some(self.connect_timeout),
-                read_timeout: Some(self.read_timeout),
-                user_agent: concat!("minicri/", env!("CARGO_PKG_VERSION")),
-                ..Default::default()
-            });
+            let key = ClientKey {
+                host: ep.host.clone(),
+                plain_http: ep.plain_http,
+                skip_verify: ep.skip_verify,
+                ca: ep.ca.clone(),
+                auth: auth_fingerprint(&auth, identity_token.as_deref()),
+            };
+            let client = self.client(&ep, key)?;
             sessions.push(EndpointSession {
                 endpoint: ep,
                 client,
@@ -510,20 +579,16 @@ impl Session {
                 continue;
             }
             let oref = ep.oci_ref(&self.reference, None);
-            let result = if offset == 0 {
-                ep.client
-                    .pull_blob_stream(&oref, digest.as_str())
-                    .await
-                    .map(|s| (false, s))
-            } else {
-                ep.client
-                    .pull_blob_stream_partial(&oref, digest.as_str(), offset, None)
-                    .await
-                    .map(|r| match r {
-                        oci_client::client::BlobResponse::Full(s) => (false, s),
-                        oci_client::client::BlobResponse::Partial(s) => (true, s),
-                    })
-            };
+            // Always a range request (bytes=0- for a fresh download): the body is hashed once, by
+            // the ingest, rather than also by the client's verifying stream.
+            let result = ep
+                .client
+                .pull_blob_stream_partial(&oref, digest.as_str(), offset, None)
+                .await
+                .map(|r| match r {
+                    oci_client::client::BlobResponse::Full(s) => (false, s),
+                    oci_client::client::BlobResponse::Partial(s) => (true, s),
+                });
             match result {
                 Ok((resumed, s)) => {
                     self.preferred.store(i, Ordering::Relaxed);

@@ -25,7 +25,10 @@ pub fn to_cri_image(r: &ImageRecord) -> cri::Image {
         size: r.size,
         uid: r.uid.map(|value| cri::Int64Value { value }),
         username: r.username.clone(),
-        spec: Some(cri::ImageSpec { image: r.id.to_string(), ..Default::default() }),
+        spec: Some(cri::ImageSpec {
+            image: r.id.to_string(),
+            ..Default::default()
+        }),
         pinned: r.pinned,
     }
 }
@@ -37,7 +40,9 @@ fn image_name(spec: Option<&cri::ImageSpec>) -> &str {
 fn require_name(spec: Option<&cri::ImageSpec>) -> Result<String, Error> {
     let name = image_name(spec);
     if name.is_empty() {
-        return Err(Error::InvalidArgument("image reference is empty (ImageSpec.image must be set)".into()));
+        return Err(Error::InvalidArgument(
+            "image reference is empty (ImageSpec.image must be set)".into(),
+        ));
     }
     Ok(name.to_string())
 }
@@ -56,21 +61,34 @@ fn credentials(auth: Option<cri::AuthConfig>) -> Credentials {
 
 #[tonic::async_trait]
 impl ImageService for ImageHandler {
-    async fn list_images(&self, req: Request<cri::ListImagesRequest>) -> Result<Response<cri::ListImagesResponse>, Status> {
+    async fn list_images(
+        &self,
+        req: Request<cri::ListImagesRequest>,
+    ) -> Result<Response<cri::ListImagesResponse>, Status> {
         let dl = deadline(&req);
-        let filter = req.into_inner().filter.and_then(|f| f.image).map(|s| s.image).unwrap_or_default();
+        let filter = req
+            .into_inner()
+            .filter
+            .and_then(|f| f.image)
+            .map(|s| s.image)
+            .unwrap_or_default();
         call("ListImages", filter.clone(), dl, Verbosity::Poll, async {
             let images = if filter.is_empty() {
                 self.daemon.images.list()
             } else {
                 self.daemon.images.get(&filter)?.into_iter().collect()
             };
-            Ok(cri::ListImagesResponse { images: images.iter().map(to_cri_image).collect() })
+            Ok(cri::ListImagesResponse {
+                images: images.iter().map(to_cri_image).collect(),
+            })
         })
         .await
     }
 
-    async fn image_status(&self, req: Request<cri::ImageStatusRequest>) -> Result<Response<cri::ImageStatusResponse>, Status> {
+    async fn image_status(
+        &self,
+        req: Request<cri::ImageStatusRequest>,
+    ) -> Result<Response<cri::ImageStatusResponse>, Status> {
         let dl = deadline(&req);
         let req = req.into_inner();
         let name = image_name(req.image.as_ref()).to_string();
@@ -84,12 +102,18 @@ impl ImageService for ImageHandler {
             if req.verbose {
                 info.insert("info".to_string(), self.daemon.image_info(&rec)?);
             }
-            Ok(cri::ImageStatusResponse { image: Some(to_cri_image(&rec)), info })
+            Ok(cri::ImageStatusResponse {
+                image: Some(to_cri_image(&rec)),
+                info,
+            })
         })
         .await
     }
 
-    async fn pull_image(&self, req: Request<cri::PullImageRequest>) -> Result<Response<cri::PullImageResponse>, Status> {
+    async fn pull_image(
+        &self,
+        req: Request<cri::PullImageRequest>,
+    ) -> Result<Response<cri::PullImageResponse>, Status> {
         let dl = deadline(&req);
         let req = req.into_inner();
         let name = image_name(req.image.as_ref()).to_string();
@@ -97,12 +121,17 @@ impl ImageService for ImageHandler {
             let name = require_name(req.image.as_ref())?;
             let creds = credentials(req.auth);
             let rec = self.daemon.puller.pull(&name, &creds).await?;
-            Ok(cri::PullImageResponse { image_ref: rec.id.to_string() })
+            Ok(cri::PullImageResponse {
+                image_ref: rec.id.to_string(),
+            })
         })
         .await
     }
 
-    async fn remove_image(&self, req: Request<cri::RemoveImageRequest>) -> Result<Response<cri::RemoveImageResponse>, Status> {
+    async fn remove_image(
+        &self,
+        req: Request<cri::RemoveImageRequest>,
+    ) -> Result<Response<cri::RemoveImageResponse>, Status> {
         let dl = deadline(&req);
         let req = req.into_inner();
         let name = image_name(req.image.as_ref()).to_string();
@@ -118,11 +147,17 @@ impl ImageService for ImageHandler {
         .await
     }
 
-    async fn image_fs_info(&self, req: Request<cri::ImageFsInfoRequest>) -> Result<Response<cri::ImageFsInfoResponse>, Status> {
+    async fn image_fs_info(
+        &self,
+        req: Request<cri::ImageFsInfoRequest>,
+    ) -> Result<Response<cri::ImageFsInfoResponse>, Status> {
         let dl = deadline(&req);
         call("ImageFsInfo", "", dl, Verbosity::Poll, async {
             let usage = self.daemon.image_fs_usage().await?;
-            Ok(cri::ImageFsInfoResponse { image_filesystems: vec![usage], container_filesystems: vec![] })
+            Ok(cri::ImageFsInfoResponse {
+                image_filesystems: vec![usage],
+                container_filesystems: vec![],
+            })
         })
         .await
     }

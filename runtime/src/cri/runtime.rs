@@ -21,7 +21,10 @@ pub struct RuntimeHandler {
 
 #[tonic::async_trait]
 impl RuntimeService for RuntimeHandler {
-    async fn version(&self, req: Request<cri::VersionRequest>) -> Result<Response<cri::VersionResponse>, Status> {
+    async fn version(
+        &self,
+        req: Request<cri::VersionRequest>,
+    ) -> Result<Response<cri::VersionResponse>, Status> {
         let dl = deadline(&req);
         call("Version", "", dl, Verbosity::Poll, async {
             Ok(cri::VersionResponse {
@@ -35,7 +38,10 @@ impl RuntimeService for RuntimeHandler {
         .await
     }
 
-    async fn status(&self, req: Request<cri::StatusRequest>) -> Result<Response<cri::StatusResponse>, Status> {
+    async fn status(
+        &self,
+        req: Request<cri::StatusRequest>,
+    ) -> Result<Response<cri::StatusResponse>, Status> {
         let dl = deadline(&req);
         let verbose = req.get_ref().verbose;
         call("Status", "", dl, Verbosity::Poll, async {
@@ -47,7 +53,11 @@ impl RuntimeService for RuntimeHandler {
             Ok(cri::StatusResponse {
                 status: Some(cri::RuntimeStatus {
                     conditions: vec![
-                        cri::RuntimeCondition { r#type: "RuntimeReady".into(), status: true, ..Default::default() },
+                        cri::RuntimeCondition {
+                            r#type: "RuntimeReady".into(),
+                            status: true,
+                            ..Default::default()
+                        },
                         network,
                     ],
                 }),
@@ -65,7 +75,10 @@ impl RuntimeService for RuntimeHandler {
         .await
     }
 
-    async fn runtime_config(&self, req: Request<cri::RuntimeConfigRequest>) -> Result<Response<cri::RuntimeConfigResponse>, Status> {
+    async fn runtime_config(
+        &self,
+        req: Request<cri::RuntimeConfigRequest>,
+    ) -> Result<Response<cri::RuntimeConfigResponse>, Status> {
         let dl = deadline(&req);
         call("RuntimeConfig", "", dl, Verbosity::Normal, async {
             let driver = match self.daemon.config.cgroup_driver {
@@ -73,7 +86,9 @@ impl RuntimeService for RuntimeHandler {
                 CgroupDriver::Systemd => cri::CgroupDriver::Systemd,
             };
             Ok(cri::RuntimeConfigResponse {
-                linux: Some(cri::LinuxRuntimeConfiguration { cgroup_driver: driver as i32 }),
+                linux: Some(cri::LinuxRuntimeConfiguration {
+                    cgroup_driver: driver as i32,
+                }),
             })
         })
         .await
@@ -84,11 +99,22 @@ impl RuntimeService for RuntimeHandler {
         req: Request<cri::UpdateRuntimeConfigRequest>,
     ) -> Result<Response<cri::UpdateRuntimeConfigResponse>, Status> {
         let dl = deadline(&req);
-        let cidr = req.into_inner().runtime_config.and_then(|c| c.network_config).map(|n| n.pod_cidr).unwrap_or_default();
-        call("UpdateRuntimeConfig", cidr.clone(), dl, Verbosity::Normal, async {
-            self.daemon.set_pod_cidr(cidr);
-            Ok(cri::UpdateRuntimeConfigResponse {})
-        })
+        let cidr = req
+            .into_inner()
+            .runtime_config
+            .and_then(|c| c.network_config)
+            .map(|n| n.pod_cidr)
+            .unwrap_or_default();
+        call(
+            "UpdateRuntimeConfig",
+            cidr.clone(),
+            dl,
+            Verbosity::Normal,
+            async {
+                self.daemon.set_pod_cidr(cidr);
+                Ok(cri::UpdateRuntimeConfigResponse {})
+            },
+        )
         .await
     }
 }
