@@ -2,14 +2,8 @@
 //!
 //! `minicri serve` runs the daemon with embedded defaults; see `minicri serve --help`.
 
-mod config;
-mod cri;
-mod daemon;
-mod error;
-mod rpc;
-mod server;
-
 use clap::{Parser, Subcommand};
+use minicri::{config, server};
 
 #[derive(Parser)]
 #[command(
