@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Installs, from Debian's archive, everything minicri's build and its tests need on the machine:
+# the OCI runtimes, the CNI plugins, a local image registry and image tools, busybox-static (the
+# test images are built from it), and the small tools the hack/ scripts use.
+#
+# Idempotent: packages that are already installed are skipped, and `apt-get update` runs only
+# when at least one package is missing. Needs root (or sudo).
+set -euo pipefail
+
+PACKAGES=(
+    # OCI runtimes that minicri drives.
+    runc
+    crun
+    # CNI plugins (bridge, loopback, host-local, portmap, ...) for pod networking.
+    containernetworking-plugins
+    # A real registry (distribution 2.x) and image tools for the pull tests.
+    docker-registry
+    skopeo
+    umoci
+    # A static busybox: the only binary inside the test images.
+    busybox-static
+    # `ip` for network namespace checks in tests.
+    iproute2
+    # `htpasswd` for registries with basic auth; curl and jq for the scripts.
+    apache2-utils
+    curl
+    jq
+    file
+    # A C toolchain and pkg-config for crates with build scripts.
+    gcc
+    libc6-dev
+    pkg-config
+    ca-certificates
+)
+
+SUDO=()
+if [[ $(id -u) -ne 0 ]]; then
+    SUDO=(sudo)
+fi
+
+is_installed() {
+    dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'
+}
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+    if ! is_installed "$pkg"; then
+        missing+=("$pkg")
+    fi
+done
+
+if [[ ${#missing[@]} -eq 0 ]]; then
+    echo "install-deps: all ${#PACKAGES[@]} packages are already installed"
+else
+    echo "install-deps: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    "${SUDO[@]}" apt-get update -q
+    "${SUDO[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# Debian's docker-registry package ships a service that listens on :5000 with the packaged
+# config. The tests start their own registries with their own configs, so on a machine with
+# systemd the packaged one is stopped and disabled to keep port 5000 free for
+# hack/start-registry.sh.
+if command -v systemctl >/dev/null 2>&1 && [[ -d /run/systemd/system ]]; then
+    if systemctl is-enabled --quiet docker-registry 2>/dev/null \
+        || systemctl is-active --quiet docker-registry 2>/dev/null; then
+        echo "install-deps: disabling the packaged docker-registry service"
+        "${SUDO[@]}" systemctl disable --now docker-registry || true
+    fi
+fi

@@ -1,0 +1,8 @@
+//! Support for minicri's black-box tests: real registries started from Debian's `docker-registry`,
+//! test images built from busybox-static and pushed over the registry HTTP API, a fault-injecting
+//! registry proxy, and a harness that runs the `minicri` binary on a temporary socket and root.
+
+pub mod daemon;
+pub mod images;
+pub mod proxy;
+pub mod registry;

@@ -1,0 +1,885 @@
+//! Owns [`Proxy`]: a fault-injecting HTTP/1.1 reverse proxy (hyper server and client) to put in
+//! front of a test registry, so pull tests can see and disturb what goes over the wire.
+//!
+//! It listens on 127.0.0.1 (a free port), forwards every request to the upstream registry
+//! (method, path, query and headers, `Authorization` and `Range` included; `Location` headers
+//! that point at the upstream are rewritten to point at the proxy), and streams bodies through
+//! without buffering them. It records every request ([`RequestRecord`]) and counts the body
+//! bytes it served per blob digest ([`Proxy::bytes_served`]).
+//!
+//! Faults are switched at run time through [`Faults`] (cloneable, usable from any thread):
+//! rate limit, cut a connection after N body bytes, stall until released, ignore `Range`,
+//! corrupt a byte, fail with an HTTP status N times. A blob GET is
+//! `GET /v2/<name>/blobs/sha256:<hex>`; the body faults count bytes of each response body
+//! (a `Range` response body starts at 0 too).
+//!
+//! The proxy runs on its own thread with its own tokio runtime, so it keeps serving whatever
+//! the test's thread does (blocking waits included). Dropping the [`Proxy`] stops it and drops
+//! its connections.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::header::{self, HeaderMap, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::sync::{Notify, oneshot};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// Which requests a fault applies to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// Every blob GET (`GET /v2/<name>/blobs/<digest>`; not HEAD, not uploads).
+    AnyBlob,
+    /// GETs of this one blob (`sha256:<hex>`).
+    Blob(String),
+    /// GET and HEAD of manifests (`/v2/<name>/manifests/<reference>`).
+    Manifests,
+    /// Every request.
+    Any,
+}
+
+/// How many times a fault fires before it is used up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Times {
+    Once,
+    N(u32),
+    Always,
+}
+
+impl Times {
+    fn remaining(self) -> Option<u32> {
+        match self {
+            Times::Once => Some(1),
+            Times::N(n) => Some(n),
+            Times::Always => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Kind {
+    Blob(String),
+    Manifest,
+    Upload,
+    Other,
+}
+
+/// What a fault needs to know about a request.
+#[derive(Debug, Clone)]
+struct ReqInfo {
+    method: Method,
+    kind: Kind,
+}
+
+impl ReqInfo {
+    fn new(method: &Method, path: &str) -> ReqInfo {
+        let kind = if let Some(i) = path.rfind("/blobs/") {
+            let rest = &path[i + "/blobs/".len()..];
+            if rest.starts_with("uploads") {
+                Kind::Upload
+            } else {
+                Kind::Blob(rest.to_string())
+            }
+        } else if path.contains("/manifests/") {
+            Kind::Manifest
+        } else {
+            Kind::Other
+        };
+        ReqInfo {
+            method: method.clone(),
+            kind,
+        }
+    }
+
+    fn blob_get(&self) -> Option<&str> {
+        match &self.kind {
+            Kind::Blob(digest) if self.method == Method::GET => Some(digest),
+            _ => None,
+        }
+    }
+
+    fn matches(&self, target: &Target) -> bool {
+        match target {
+            Target::Any => true,
+            Target::AnyBlob => self.blob_get().is_some(),
+            Target::Blob(d) => self.blob_get() == Some(d.as_str()),
+            Target::Manifests => {
+                self.kind == Kind::Manifest
+                    && (self.method == Method::GET || self.method == Method::HEAD)
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Rule<T> {
+    target: Target,
+    remaining: Option<u32>,
+    value: T,
+}
+
+impl<T> Rule<T> {
+    fn live(&self) -> bool {
+        self.remaining != Some(0)
+    }
+    fn consume(&mut self) {
+        if let Some(n) = &mut self.remaining {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct FaultState {
+    rate_limit: Option<u64>,
+    ignore_range: bool,
+    cuts: Vec<Rule<u64>>,
+    corrupts: Vec<Rule<u64>>,
+    failures: Vec<Rule<u16>>,
+    stall: Option<(Target, u64)>,
+    stalled_now: usize,
+    stall_hits: u64,
+}
+
+#[derive(Debug, Default)]
+struct FaultsInner {
+    state: Mutex<FaultState>,
+    release: Notify,
+}
+
+/// The run-time switches of a [`Proxy`]. Clones share the same state.
+#[derive(Debug, Clone, Default)]
+pub struct Faults {
+    inner: Arc<FaultsInner>,
+}
+
+/// What a body stream does next.
+enum Step {
+    Stall,
+    Cut,
+    Send {
+        len: usize,
+        flips: Vec<usize>,
+        rate: Option<u64>,
+    },
+}
+
+impl Faults {
+    fn state(&self) -> std::sync::MutexGuard<'_, FaultState> {
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Limits every blob GET body to `bytes_per_sec` (each response on its own); `None` lifts it.
+    /// Takes effect on running transfers too.
+    pub fn set_rate_limit(&self, bytes_per_sec: Option<u64>) {
+        self.state().rate_limit = bytes_per_sec.filter(|r| *r > 0);
+    }
+
+    /// Drops `Range` (and `If-Range`) from blob GETs, so the upstream answers 200 with the
+    /// whole blob.
+    pub fn set_ignore_range(&self, on: bool) {
+        self.state().ignore_range = on;
+    }
+
+    /// Cuts the connection of a matching response after it sent `bytes` body bytes (the
+    /// client gets a truncated body and a closed connection). Used up when it fires.
+    pub fn cut_after(&self, target: Target, bytes: u64, times: Times) {
+        self.state().cuts.push(Rule {
+            target,
+            remaining: times.remaining(),
+            value: bytes,
+        });
+    }
+
+    /// Flips all bits of the byte at `offset` of a matching response body (length unchanged).
+    /// Used up when it fires.
+    pub fn corrupt_at(&self, target: Target, offset: u64, times: Times) {
+        self.state().corrupts.push(Rule {
+            target,
+            remaining: times.remaining(),
+            value: offset,
+        });
+    }
+
+    /// Answers matching requests with `status` (e.g. 500, 503) without asking the upstream.
+    pub fn fail(&self, target: Target, status: u16, times: Times) {
+        self.state().failures.push(Rule {
+            target,
+            remaining: times.remaining(),
+            value: status,
+        });
+    }
+
+    /// Matching response bodies stop after `bytes` body bytes until [`Faults::release_stall`].
+    /// Replaces an earlier stall.
+    pub fn stall_after(&self, target: Target, bytes: u64) {
+        self.state().stall = Some((target, bytes));
+    }
+
+    /// Ends the stall: stalled transfers go on.
+    pub fn release_stall(&self) {
+        self.state().stall = None;
+        self.inner.release.notify_waiters();
+    }
+
+    /// How many transfers are stalled right now.
+    pub fn stalled(&self) -> usize {
+        self.state().stalled_now
+    }
+
+    /// How many times a transfer got stalled so far.
+    pub fn stall_hits(&self) -> u64 {
+        self.state().stall_hits
+    }
+
+    /// Waits (async) until at least `n` transfers are stalled; false on timeout.
+    pub async fn wait_stalled(&self, n: usize, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.stalled() < n {
+            if Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        true
+    }
+
+    /// Waits (blocking the thread) until at least `n` transfers are stalled; false on timeout.
+    pub fn wait_stalled_blocking(&self, n: usize, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.stalled() < n {
+            if Instant::now() > deadline {
+                return false;
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
+
+    /// Removes every fault and releases a stall.
+    pub fn clear(&self) {
+        {
+            let mut st = self.state();
+            st.rate_limit = None;
+            st.ignore_range = false;
+            st.cuts.clear();
+            st.corrupts.clear();
+            st.failures.clear();
+            st.stall = None;
+        }
+        self.inner.release.notify_waiters();
+    }
+
+    /// Takes a failure rule for this request, if one matches.
+    fn take_failure(&self, info: &ReqInfo) -> Option<u16> {
+        let mut st = self.state();
+        let rule = st
+            .failures
+            .iter_mut()
+            .find(|r| r.live() && info.matches(&r.target))?;
+        rule.consume();
+        Some(rule.value)
+    }
+
+    fn ignore_range(&self, info: &ReqInfo) -> bool {
+        info.blob_get().is_some() && self.state().ignore_range
+    }
+
+    /// Decides what a body stream that sent `sent` bytes does with the next `available` bytes,
+    /// consuming the rules that fire.
+    fn step(&self, info: &ReqInfo, sent: u64, available: usize) -> Step {
+        let mut st = self.state();
+        if let Some((target, at)) = &st.stall
+            && info.matches(target)
+            && sent >= *at
+        {
+            return Step::Stall;
+        }
+        if let Some(rule) = st
+            .cuts
+            .iter_mut()
+            .find(|r| r.live() && info.matches(&r.target) && r.value <= sent)
+        {
+            rule.consume();
+            return Step::Cut;
+        }
+        let mut len = available as u64;
+        for rule in st
+            .cuts
+            .iter()
+            .filter(|r| r.live() && info.matches(&r.target))
+        {
+            len = len.min(rule.value - sent);
+        }
+        if let Some((target, at)) = &st.stall
+            && info.matches(target)
+        {
+            len = len.min(at - sent);
+        }
+        let rate = if info.blob_get().is_some() {
+            st.rate_limit
+        } else {
+            None
+        };
+        if let Some(rate) = rate {
+            // Small pieces keep a limited transfer smooth.
+            len = len.min((rate / 20).clamp(1, 64 * 1024));
+        }
+        let len = len.max(1) as usize;
+        let mut flips = Vec::new();
+        for rule in st.corrupts.iter_mut() {
+            if rule.live()
+                && info.matches(&rule.target)
+                && rule.value >= sent
+                && rule.value < sent + len as u64
+            {
+                rule.consume();
+                flips.push((rule.value - sent) as usize);
+            }
+        }
+        Step::Send { len, flips, rate }
+    }
+
+    fn stall_begins(&self) {
+        let mut st = self.state();
+        st.stalled_now += 1;
+        st.stall_hits += 1;
+    }
+
+    fn stall_ends(&self) {
+        self.state().stalled_now -= 1;
+    }
+}
+
+/// One request the proxy answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestRecord {
+    pub method: String,
+    /// Path and query as the client sent them.
+    pub path: String,
+    /// The client's `Range` header.
+    pub range: Option<String>,
+    /// Whether the client sent `Authorization`.
+    pub authorization: bool,
+    /// The status the client got.
+    pub status: u16,
+    /// Body bytes sent to the client.
+    pub bytes_sent: u64,
+    /// The blob digest for blob requests.
+    pub digest: Option<String>,
+    /// Whether the whole body went out.
+    pub completed: bool,
+    /// Faults that hit this request: "fail", "range-ignored", "stall", "corrupt", "cut",
+    /// "rate-limit", "upstream-error".
+    pub faults: Vec<String>,
+}
+
+#[derive(Debug, Default)]
+struct Stats {
+    records: Vec<RequestRecord>,
+    blob_bytes: HashMap<String, u64>,
+}
+
+#[derive(Clone, Default)]
+struct SharedStats(Arc<Mutex<Stats>>);
+
+impl SharedStats {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Stats> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    fn push(&self, record: RequestRecord) -> usize {
+        let mut st = self.lock();
+        st.records.push(record);
+        st.records.len() - 1
+    }
+    fn add_bytes(&self, idx: usize, blob: Option<&str>, n: u64) {
+        let mut st = self.lock();
+        if let Some(r) = st.records.get_mut(idx) {
+            r.bytes_sent += n;
+        }
+        if let Some(digest) = blob {
+            *st.blob_bytes.entry(digest.to_string()).or_default() += n;
+        }
+    }
+    fn note(&self, idx: usize, fault: &str) {
+        if let Some(r) = self.lock().records.get_mut(idx)
+            && !r.faults.iter().any(|f| f == fault)
+        {
+            r.faults.push(fault.to_string());
+        }
+    }
+    fn complete(&self, idx: usize) {
+        if let Some(r) = self.lock().records.get_mut(idx) {
+            r.completed = true;
+        }
+    }
+}
+
+struct Shared {
+    upstream: String,
+    proxy_addr: String,
+    client: Client<HttpConnector, Incoming>,
+    faults: Faults,
+    stats: SharedStats,
+}
+
+/// A running proxy; see the module docs.
+pub struct Proxy {
+    addr: SocketAddr,
+    upstream: String,
+    faults: Faults,
+    stats: SharedStats,
+    shutdown: Option<oneshot::Sender<()>>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proxy")
+            .field("addr", &self.addr)
+            .field("upstream", &self.upstream)
+            .finish()
+    }
+}
+
+impl Proxy {
+    /// Starts a proxy to `upstream` ("127.0.0.1:PORT", as [`crate::registry::Registry::addr`]).
+    pub fn start(upstream: &str) -> io::Result<Proxy> {
+        let upstream = upstream
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_string();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let faults = Faults::default();
+        let stats = SharedStats::default();
+        let (shutdown_tx, shutdown_rx) = oneshot::channel();
+        let shared = Shared {
+            upstream: upstream.clone(),
+            proxy_addr: addr.to_string(),
+            client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+            faults: faults.clone(),
+            stats: stats.clone(),
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let thread = thread::Builder::new()
+            .name(format!("proxy-{}", addr.port()))
+            .spawn(move || {
+                runtime.block_on(serve(listener, Arc::new(shared), shutdown_rx));
+                runtime.shutdown_timeout(Duration::from_secs(1));
+            })?;
+        Ok(Proxy {
+            addr,
+            upstream,
+            faults,
+            stats,
+            shutdown: Some(shutdown_tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// `127.0.0.1:PORT` of the proxy: use it as the registry host of image references.
+    pub fn addr(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The upstream `host:port`.
+    pub fn upstream(&self) -> &str {
+        &self.upstream
+    }
+
+    /// The fault switches (clone it to keep it around).
+    pub fn faults(&self) -> &Faults {
+        &self.faults
+    }
+
+    /// Every request answered so far, in the order their responses started.
+    pub fn requests(&self) -> Vec<RequestRecord> {
+        self.stats.lock().records.clone()
+    }
+
+    /// The GET requests of one blob (`sha256:<hex>`).
+    pub fn blob_requests(&self, digest: &str) -> Vec<RequestRecord> {
+        self.stats
+            .lock()
+            .records
+            .iter()
+            .filter(|r| r.method == "GET" && r.digest.as_deref() == Some(digest))
+            .cloned()
+            .collect()
+    }
+
+    /// Body bytes served for GETs of one blob, over all requests.
+    pub fn bytes_served(&self, digest: &str) -> u64 {
+        self.stats
+            .lock()
+            .blob_bytes
+            .get(digest)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Body bytes served per blob digest.
+    pub fn bytes_served_by_blob(&self) -> HashMap<String, u64> {
+        self.stats.lock().blob_bytes.clone()
+    }
+
+    /// Body bytes served for all blob GETs.
+    pub fn total_blob_bytes(&self) -> u64 {
+        self.stats.lock().blob_bytes.values().sum()
+    }
+
+    /// Forgets the recorded requests and byte counts.
+    pub fn reset_stats(&self) {
+        let mut st = self.stats.lock();
+        st.records.clear();
+        st.blob_bytes.clear();
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.faults.release_stall();
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+async fn serve(
+    listener: std::net::TcpListener,
+    shared: Arc<Shared>,
+    mut shutdown: oneshot::Receiver<()>,
+) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("proxy: cannot listen: {e}");
+            return;
+        }
+    };
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let _ = stream.set_nodelay(true);
+                let shared = shared.clone();
+                connections.spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        let shared = shared.clone();
+                        async move { Ok::<_, Infallible>(handle(shared, req).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    connections.abort_all();
+}
+
+/// Hop-by-hop headers are not forwarded.
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    for name in [
+        header::CONNECTION,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::TE,
+        header::TRAILER,
+        header::PROXY_AUTHORIZATION,
+        header::PROXY_AUTHENTICATE,
+    ] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+}
+
+fn full(status: StatusCode, body: impl Into<Bytes>) -> Response<ProxyBody> {
+    let mut resp = Response::new(
+        Full::new(body.into())
+            .map_err(|never| match never {})
+            .boxed_unsync(),
+    );
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBody> {
+    let path = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "/".into());
+    let info = ReqInfo::new(req.method(), req.uri().path());
+    let header_str = |name: header::HeaderName| {
+        req.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(String::from)
+    };
+    let mut record = RequestRecord {
+        method: req.method().to_string(),
+        path: path.clone(),
+        range: header_str(header::RANGE),
+        authorization: req.headers().contains_key(header::AUTHORIZATION),
+        status: 0,
+        bytes_sent: 0,
+        digest: match &info.kind {
+            Kind::Blob(d) => Some(d.clone()),
+            _ => None,
+        },
+        completed: false,
+        faults: Vec::new(),
+    };
+
+    if let Some(status) = shared.faults.take_failure(&info) {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+        let body = format!(
+            "{{\"errors\":[{{\"code\":\"UNAVAILABLE\",\"message\":\"minicri test proxy: injected {}\"}}]}}",
+            status.as_u16()
+        );
+        record.status = status.as_u16();
+        record.bytes_sent = body.len() as u64;
+        record.completed = true;
+        record.faults.push("fail".into());
+        shared.stats.push(record);
+        return full(status, body);
+    }
+
+    let (mut parts, body) = req.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    if let Ok(host) = HeaderValue::from_str(&shared.upstream) {
+        parts.headers.insert(header::HOST, host);
+    }
+    if shared.faults.ignore_range(&info) && parts.headers.contains_key(header::RANGE) {
+        parts.headers.remove(header::RANGE);
+        parts.headers.remove(header::IF_RANGE);
+        record.faults.push("range-ignored".into());
+    }
+    parts.uri = match format!("http://{}{}", shared.upstream, path).parse() {
+        Ok(uri) => uri,
+        Err(e) => {
+            record.status = 400;
+            shared.stats.push(record);
+            return full(StatusCode::BAD_REQUEST, format!("bad uri: {e}"));
+        }
+    };
+
+    let resp = match shared
+        .client
+        .request(Request::from_parts(parts, body))
+        .await
+    {
+        Ok(resp) => resp,
+        Err(e) => {
+            record.status = 502;
+            record.faults.push("upstream-error".into());
+            shared.stats.push(record);
+            return full(StatusCode::BAD_GATEWAY, format!("upstream: {e}"));
+        }
+    };
+
+    let (mut parts, body) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    let upstream_prefix = format!("http://{}", shared.upstream);
+    if let Some(location) = parts
+        .headers
+        .get(header::LOCATION)
+        .and_then(|v| v.to_str().ok())
+        && let Some(rest) = location.strip_prefix(&upstream_prefix)
+        && let Ok(v) = HeaderValue::from_str(&format!("http://{}{}", shared.proxy_addr, rest))
+    {
+        parts.headers.insert(header::LOCATION, v);
+    }
+    record.status = parts.status.as_u16();
+    let faultable = parts.status.is_success();
+    let blob = info
+        .blob_get()
+        .filter(|_| parts.status.is_success())
+        .map(String::from);
+    let idx = shared.stats.push(record);
+    // Whether the whole body went out is known once Content-Length bytes were sent (the client
+    // may be done before the end of the stream is polled).
+    let expected_len = if info.method == Method::HEAD {
+        None
+    } else {
+        parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    if expected_len == Some(0) {
+        shared.stats.complete(idx);
+    }
+
+    let state = BodyState {
+        body,
+        pending: Bytes::new(),
+        sent: 0,
+        done: false,
+        faultable,
+        info,
+        blob,
+        faults: shared.faults.clone(),
+        stats: shared.stats.clone(),
+        idx,
+        expected_len,
+        rate_window: None,
+    };
+    let stream = futures::stream::unfold(state, |mut st| async move {
+        let item = st.next_frame().await?;
+        Some((item, st))
+    });
+    Response::from_parts(parts, StreamBody::new(stream).boxed_unsync())
+}
+
+/// A response body on its way to the client.
+struct BodyState {
+    body: Incoming,
+    pending: Bytes,
+    sent: u64,
+    done: bool,
+    /// Whether faults may touch it (2xx responses).
+    faultable: bool,
+    info: ReqInfo,
+    /// The digest whose byte count this body adds to (successful blob GETs).
+    blob: Option<String>,
+    faults: Faults,
+    stats: SharedStats,
+    idx: usize,
+    /// The response's Content-Length.
+    expected_len: Option<u64>,
+    /// (rate, start, bytes sent since start) of the current rate-limited stretch.
+    rate_window: Option<(u64, Instant, u64)>,
+}
+
+impl BodyState {
+    async fn next_frame(&mut self) -> Option<Result<Frame<Bytes>, BoxError>> {
+        if self.done {
+            return None;
+        }
+        loop {
+            if self.pending.is_empty() {
+                match self.body.frame().await {
+                    None => {
+                        self.done = true;
+                        self.stats.complete(self.idx);
+                        return None;
+                    }
+                    Some(Err(e)) => {
+                        self.done = true;
+                        return Some(Err(Box::new(e)));
+                    }
+                    Some(Ok(frame)) => match frame.into_data() {
+                        Ok(data) => self.pending = data,
+                        // Trailers are not forwarded (registries send none).
+                        Err(_) => continue,
+                    },
+                }
+                continue;
+            }
+            if !self.faultable {
+                let data = std::mem::take(&mut self.pending);
+                self.account(data.len());
+                return Some(Ok(Frame::data(data)));
+            }
+
+            // Arm the release notification before looking at the stall, so a release between
+            // the look and the wait is not missed.
+            let faults = self.faults.clone();
+            let release = faults.inner.release.notified();
+            tokio::pin!(release);
+            release.as_mut().enable();
+            match faults.step(&self.info, self.sent, self.pending.len()) {
+                Step::Stall => {
+                    self.stats.note(self.idx, "stall");
+                    self.faults.stall_begins();
+                    release.await;
+                    self.faults.stall_ends();
+                    continue;
+                }
+                Step::Cut => {
+                    self.stats.note(self.idx, "cut");
+                    self.done = true;
+                    // Let hyper flush what was sent before the connection goes down.
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    return Some(Err("minicri test proxy: injected connection cut".into()));
+                }
+                Step::Send { len, flips, rate } => {
+                    let mut piece = self.pending.split_to(len.min(self.pending.len()));
+                    if let Some(rate) = rate {
+                        self.stats.note(self.idx, "rate-limit");
+                        self.throttle(rate, piece.len() as u64).await;
+                    } else {
+                        self.rate_window = None;
+                    }
+                    if !flips.is_empty() {
+                        self.stats.note(self.idx, "corrupt");
+                        let mut bytes = BytesMut::from(&piece[..]);
+                        for i in flips {
+                            bytes[i] ^= 0xff;
+                        }
+                        piece = bytes.freeze();
+                    }
+                    self.account(piece.len());
+                    return Some(Ok(Frame::data(piece)));
+                }
+            }
+        }
+    }
+
+    fn account(&mut self, n: usize) {
+        self.sent += n as u64;
+        self.stats
+            .add_bytes(self.idx, self.blob.as_deref(), n as u64);
+        if self.expected_len == Some(self.sent) {
+            self.stats.complete(self.idx);
+        }
+    }
+
+    /// Sleeps so that this stretch of the body goes at no more than `rate` bytes/s.
+    async fn throttle(&mut self, rate: u64, len: u64) {
+        let (start, before) = match self.rate_window {
+            Some((r, start, bytes)) if r == rate => (start, bytes),
+            _ => (Instant::now(), 0),
+        };
+        let total = before + len;
+        self.rate_window = Some((rate, start, total));
+        let due = start + Duration::from_secs_f64(total as f64 / rate as f64);
+        tokio::time::sleep_until(due.into()).await;
+    }
+}
