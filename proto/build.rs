@@ -11,9 +11,8 @@ use std::path::PathBuf;
 /// package becomes one generated `$OUT_DIR/<package>.rs`, pulled in from
 /// `src/lib.rs` with `tonic::include_proto!("<package>")`.
 ///
-/// To add minicri's admin API, add `"minicri/admin.proto"` (package
-/// `minicri.v1`) here and a matching module in `src/lib.rs`.
-const PROTOS: &[&str] = &["cri/api.proto"];
+/// `minicri/admin.proto` is minicri's own admin API (package `minicri.v1`).
+const PROTOS: &[&str] = &["cri/api.proto", "minicri/admin.proto"];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?);

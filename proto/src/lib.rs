@@ -10,6 +10,8 @@
 //!   [`runtime::v1::image_service_server`]) and the matching clients
 //!   ([`runtime::v1::runtime_service_client`],
 //!   [`runtime::v1::image_service_client`]).
+//! * [`minicri::v1`]: minicri's admin API (`proto/minicri/admin.proto`): the
+//!   `Pulls` service that lists and aborts pull jobs.
 //! * [`MAX_MESSAGE_SIZE`]: the message size limit to configure on both ends.
 //!
 //! Code is generated at build time by `build.rs` (protox + tonic-prost-build,
@@ -22,6 +24,14 @@ pub mod runtime {
     /// CRI v1 (`runtime.v1`): the API the kubelet speaks.
     pub mod v1 {
         tonic::include_proto!("runtime.v1");
+    }
+}
+
+/// minicri's own API (`minicri.*` protobuf packages), served on the CRI socket.
+pub mod minicri {
+    /// `minicri.v1`: pull jobs (list, abort), used by `minicri pulls` (`proto/minicri/admin.proto`).
+    pub mod v1 {
+        tonic::include_proto!("minicri.v1");
     }
 }
 

@@ -55,6 +55,19 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N")]
     pub max_concurrent_downloads: Option<usize>,
 
+    /// Blobs downloaded concurrently on the whole node. [default: 6]
+    #[arg(long, value_name = "N")]
+    pub max_concurrent_transfers: Option<usize>,
+
+    /// Seconds without a downloaded byte after which a pull's requesters are dropped (0: never).
+    /// [default: 60]
+    #[arg(long, value_name = "SECONDS")]
+    pub pull_progress_timeout: Option<f64>,
+
+    /// Hours a partial download nobody resumes is kept. [default: 24]
+    #[arg(long, value_name = "HOURS")]
+    pub ingest_ttl: Option<f64>,
+
     /// Directories searched for CNI network configurations (repeatable). [default: /etc/cni/net.d]
     #[arg(long = "cni-conf-dir", value_name = "DIR")]
     #[serde(default)]
@@ -84,6 +97,9 @@ pub struct Config {
     pub cgroup_driver: CgroupDriver,
     pub platform: String,
     pub max_concurrent_downloads: usize,
+    pub max_concurrent_transfers: usize,
+    pub pull_progress_timeout: Option<std::time::Duration>,
+    pub ingest_ttl: std::time::Duration,
     pub cni_conf_dirs: Vec<PathBuf>,
     pub cni_bin_dirs: Vec<PathBuf>,
 }
@@ -119,6 +135,11 @@ impl ServeArgs {
             max_concurrent_downloads: self
                 .max_concurrent_downloads
                 .or(base.max_concurrent_downloads),
+            max_concurrent_transfers: self
+                .max_concurrent_transfers
+                .or(base.max_concurrent_transfers),
+            pull_progress_timeout: self.pull_progress_timeout.or(base.pull_progress_timeout),
+            ingest_ttl: self.ingest_ttl.or(base.ingest_ttl),
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
                 base.cni_conf_dirs
             } else {
@@ -146,6 +167,21 @@ impl ServeArgs {
         if max_concurrent_downloads == 0 {
             bail!("max_concurrent_downloads must be at least 1");
         }
+        let max_concurrent_transfers = self.max_concurrent_transfers.unwrap_or(6);
+        if max_concurrent_transfers == 0 {
+            bail!("max_concurrent_transfers must be at least 1");
+        }
+        let pull_progress_timeout = match self.pull_progress_timeout.unwrap_or(60.0) {
+            t if !t.is_finite() || t < 0.0 => {
+                bail!("pull_progress_timeout must be a number of seconds >= 0")
+            }
+            0.0 => None,
+            t => Some(std::time::Duration::from_secs_f64(t)),
+        };
+        let ingest_ttl = match self.ingest_ttl.unwrap_or(24.0) {
+            t if !t.is_finite() || t < 0.0 => bail!("ingest_ttl must be a number of hours >= 0"),
+            t => std::time::Duration::from_secs_f64(t * 3600.0),
+        };
         Ok(Config {
             socket: self
                 .socket
@@ -159,6 +195,9 @@ impl ServeArgs {
             cgroup_driver,
             platform,
             max_concurrent_downloads,
+            max_concurrent_transfers,
+            pull_progress_timeout,
+            ingest_ttl,
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
                 vec!["/etc/cni/net.d".into()]
             } else {

@@ -10,7 +10,7 @@ use anyhow::Context;
 use minicri_proto::runtime::v1 as cri;
 use minicri_store::manifest::Platform;
 use minicri_store::{
-    ContentStore, ImageRecord, ImageStore, PullConfig, Puller, Registry, RegistryHosts,
+    ContentStore, ImageRecord, ImageStore, PullConfig, PullManager, Registry, RegistryHosts,
 };
 
 use crate::config::Config;
@@ -20,7 +20,8 @@ pub struct Daemon {
     pub config: Config,
     pub content: Arc<ContentStore>,
     pub images: Arc<ImageStore>,
-    pub puller: Puller,
+    pub pulls: Arc<PullManager>,
+    pub ingest_gc: Arc<minicri_store::gc::IngestGc>,
     pod_cidr: Mutex<String>,
 }
 
@@ -37,14 +38,22 @@ impl Daemon {
         let pull_config = PullConfig {
             platform: Platform::parse(&config.platform).context("platform")?,
             max_concurrent_layers: config.max_concurrent_downloads,
+            max_concurrent_transfers: config.max_concurrent_transfers,
+            progress_timeout: config.pull_progress_timeout,
         };
-        let puller = Puller::new(content.clone(), images.clone(), registry, pull_config);
+        let pulls = PullManager::new(content.clone(), images.clone(), registry, pull_config);
+        let ingest_gc = Arc::new(minicri_store::gc::IngestGc::new(
+            content.clone(),
+            pulls.blobs().clone(),
+            config.ingest_ttl,
+        ));
         tracing::info!(images = images.list().len(), root = %config.root.display(), "image store loaded");
         Ok(Daemon {
             config,
             content,
             images,
-            puller,
+            pulls,
+            ingest_gc,
             pod_cidr: Mutex::new(String::new()),
         })
     }
@@ -121,6 +130,9 @@ impl Daemon {
             "socket": c.socket, "root": c.root, "state": c.state,
             "registryConfigDir": c.registry_config_dir, "cgroupDriver": format!("{:?}", c.cgroup_driver).to_lowercase(),
             "platform": c.platform, "maxConcurrentDownloads": c.max_concurrent_downloads,
+            "maxConcurrentTransfers": c.max_concurrent_transfers,
+            "pullProgressTimeoutSeconds": c.pull_progress_timeout.map(|d| d.as_secs_f64()).unwrap_or(0.0),
+            "ingestTtlSeconds": c.ingest_ttl.as_secs(),
             "cniConfDirs": c.cni_conf_dirs, "cniBinDirs": c.cni_bin_dirs,
             "podCIDR": *self.pod_cidr.lock().unwrap(),
         })

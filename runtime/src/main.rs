@@ -22,6 +22,8 @@ struct Cli {
 enum Command {
     /// Run the CRI daemon (needs root). Runs with built-in defaults; no config file is needed.
     Serve(Box<config::ServeArgs>),
+    /// Show the pulls in progress (`--watch`: live progress bars), or abort them.
+    Pulls(minicri::pulls_cli::PullsArgs),
 }
 
 fn init_logging(level: &str) {
@@ -40,6 +42,19 @@ fn init_logging(level: &str) {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Pulls(args) => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
+            match rt.block_on(minicri::pulls_cli::run(args)) {
+                Ok(()) => std::process::ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("minicri pulls: {e:#}");
+                    std::process::ExitCode::FAILURE
+                }
+            }
+        }
         Command::Serve(args) => {
             let config = match args.resolve() {
                 Ok(c) => c,

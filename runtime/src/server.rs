@@ -17,12 +17,14 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use minicri_proto::MAX_MESSAGE_SIZE;
+use minicri_proto::minicri::v1::pulls_server::PullsServer;
 use minicri_proto::runtime::v1::image_service_server::ImageServiceServer;
 use minicri_proto::runtime::v1::runtime_service_server::RuntimeServiceServer;
 use nix::fcntl::{Flock, FlockArg};
 use tokio::net::UnixListener;
 use tokio::signal::unix::{SignalKind, signal};
 
+use crate::admin::PullsHandler;
 use crate::config::Config;
 use crate::cri::image::ImageHandler;
 use crate::cri::runtime::RuntimeHandler;
@@ -118,8 +120,13 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         .max_decoding_message_size(MAX_MESSAGE_SIZE)
         .max_encoding_message_size(MAX_MESSAGE_SIZE),
     )
+    .add_service(PullsServer::new(PullsHandler {
+        daemon: daemon.clone(),
+    }))
     .prepare();
 
+    // Partial downloads nobody resumes are collected after their TTL, or sooner when space is low.
+    let gc = minicri_store::gc::spawn_periodic(daemon.ingest_gc.clone(), Duration::from_secs(60));
     let listener = bind_socket(&socket).await?;
     let _socket_guard = SocketGuard(socket.clone());
     tracing::info!(socket = %socket.display(), version = env!("CARGO_PKG_VERSION"), "minicri serving");
@@ -152,6 +159,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         }
     }
     drop(listener);
+    gc.abort();
     tokio::select! {
         _ = graceful.shutdown() => tracing::info!("all connections closed"),
         _ = tokio::time::sleep(SHUTDOWN_GRACE) => tracing::warn!("shutdown grace period over; closing remaining calls"),

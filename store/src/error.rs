@@ -98,6 +98,10 @@ pub enum StoreError {
     #[error("{0}")]
     Cancelled(String),
 
+    /// One failure reported to several waiters (every requester of a shared pull).
+    #[error("{0}")]
+    Shared(std::sync::Arc<StoreError>),
+
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -127,6 +131,7 @@ impl StoreError {
             }
             DigestMismatch { .. } | SizeMismatch { .. } => ErrorKind::DataLoss,
             Cancelled(_) => ErrorKind::Cancelled,
+            Shared(inner) => inner.kind(),
             HostsConfig { .. } | Io { .. } | Json { .. } => ErrorKind::Internal,
         }
     }

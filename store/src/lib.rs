@@ -5,11 +5,15 @@
 //! - [`images`]: image records (CRI images) keyed by config digest, with names and blob ownership;
 //! - [`hosts`]: registry endpoints from a containerd-style `hosts.toml` directory;
 //! - [`registry`]: registry sessions (auth, mirrors with fallback, manifests, blob ranges);
-//! - [`pull`]: the pull itself.
+//! - [`blobs`]: node-wide, shared, resumable blob downloads;
+//! - [`gc`]: collection of abandoned partial downloads (TTL, low disk space);
+//! - [`pull`]: pull jobs shared by their requesters, with references, aborts and progress.
 
+pub mod blobs;
 pub mod content;
 pub mod digest;
 pub mod error;
+pub mod gc;
 pub mod hosts;
 pub mod images;
 pub mod manifest;
@@ -22,6 +26,6 @@ pub use digest::Digest;
 pub use error::{ErrorKind, Result, StoreError};
 pub use hosts::RegistryHosts;
 pub use images::{ImageRecord, ImageStore};
-pub use pull::{PullConfig, Puller};
+pub use pull::{AbortTarget, JobSnapshot, PodRef, PullConfig, PullManager, Requester};
 pub use reference::Reference;
 pub use registry::{Credentials, Registry};

@@ -1,32 +1,35 @@
-//! Image pulls: resolve a reference through the configured endpoints, pick the platform's manifest,
-//! download and verify every blob into the content store, then record the image.
+//! Image pulls as shared, reference-counted jobs.
+//!
+//! A PullImage call resolves its reference to a manifest digest and joins the **job** for that
+//! digest and platform, creating it if none runs. Every call holds a **reference** on the job,
+//! counted per requester (a pod sandbox, keyed by pod uid and attempt, or the call itself); the
+//! job's blob downloads are shared node-wide ([`crate::blobs`]). A reference goes when its call is
+//! cancelled or times out (the call's future is dropped), when its requester is aborted (sandbox
+//! stopped, operator command) or when the job's progress watchdog fires. When the last reference
+//! goes the job stops, and with it every blob download no other job wants; partial data stays.
 //!
 //! Invariants:
 //! - an image becomes visible (its record is written) only after every blob it needs is committed;
 //! - every blob is checked against its descriptor's digest and size before it is committed;
-//! - a download that stops half-way (error, cancellation, crash) leaves its bytes in the ingest
-//!   area, and the next download of that blob continues from them with an HTTP Range request;
-//! - transient failures (connection errors, 5xx, a body cut short) are retried with back-off,
-//!   resuming each time.
+//! - dropping one reference never disturbs the other requesters of a job.
 
-use std::collections::BTreeSet;
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
-use crate::content::{ContentStore, Ingest};
+use crate::blobs::{BlobDownloads, BlobHandle, BlobProgress};
+use crate::content::ContentStore;
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
 use crate::images::{ImageRecord, ImageStore, LayerRecord};
 use crate::manifest::{self, Descriptor, ImageConfigDoc, ManifestDoc, Platform};
 use crate::reference::Reference;
-use crate::registry::{Credentials, Registry, RemoteKind, Session};
-
-/// How many times a blob download is retried after a transient failure.
-const BLOB_RETRIES: u32 = 5;
-const FIRST_BACKOFF: Duration = Duration::from_millis(200);
+use crate::registry::{Credentials, FetchedManifest, Registry, Session};
 
 /// Pull settings.
 #[derive(Debug, Clone)]
@@ -35,6 +38,10 @@ pub struct PullConfig {
     pub platform: Platform,
     /// Layers of one image downloaded at once.
     pub max_concurrent_layers: usize,
+    /// Blobs transferred at once on the node.
+    pub max_concurrent_transfers: usize,
+    /// A job that receives no byte for this long drops every reference (`None`: never).
+    pub progress_timeout: Option<Duration>,
 }
 
 impl Default for PullConfig {
@@ -42,72 +49,452 @@ impl Default for PullConfig {
         PullConfig {
             platform: Platform::parse("linux/amd64").expect("valid"),
             max_concurrent_layers: 3,
+            max_concurrent_transfers: 6,
+            progress_timeout: Some(Duration::from_secs(60)),
         }
     }
 }
 
-/// Pulls images into a content store and image store.
-pub struct Puller {
+/// The pod a requester belongs to (from PullImage's `sandbox_config.metadata`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct PodRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub attempt: u32,
+}
+
+/// Who asked for a pull.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Requester {
+    /// The pod sandbox's id, when known.
+    pub sandbox_id: Option<String>,
+    /// The pod, for calls made on behalf of one.
+    pub pod: Option<PodRef>,
+    /// Unique per call for calls made on behalf of no pod.
+    pub call_id: u64,
+}
+
+static NEXT_CALL: AtomicU64 = AtomicU64::new(1);
+
+impl Requester {
+    /// A call on behalf of no pod: it is its own requester.
+    pub fn anonymous() -> Requester {
+        Requester {
+            sandbox_id: None,
+            pod: None,
+            call_id: NEXT_CALL.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// A call on behalf of a pod sandbox.
+    pub fn pod(pod: PodRef, sandbox_id: Option<String>) -> Requester {
+        Requester {
+            sandbox_id,
+            pod: Some(pod),
+            call_id: NEXT_CALL.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// References are counted per key: a pod's sandbox (uid and attempt), or the call.
+    pub fn key(&self) -> String {
+        match &self.pod {
+            Some(p) => format!("pod:{}:{}", p.uid, p.attempt),
+            None => format!("call:{}", self.call_id),
+        }
+    }
+}
+
+/// Which references an abort drops.
+#[derive(Debug, Clone)]
+pub enum AbortTarget {
+    Sandbox(String),
+    /// A pod by `namespace`/`name`.
+    Pod {
+        namespace: String,
+        name: String,
+    },
+    /// A pod by uid (and attempt, if given).
+    PodUid {
+        uid: String,
+        attempt: Option<u32>,
+    },
+    /// Every reference on the jobs pulling this image (any name that resolves to the same reference).
+    Image(String),
+}
+
+struct RequesterEntry {
+    info: Requester,
+    calls: usize,
+    abort: CancellationToken,
+    reason: Arc<Mutex<Option<String>>>,
+}
+
+/// One layer (or the config) of a job, for progress reports.
+#[derive(Clone)]
+struct Part {
+    digest: Digest,
+    size: u64,
+    progress: Option<Arc<BlobProgress>>,
+}
+
+struct Job {
+    id: u64,
+    key: String,
+    reference: String,
+    cancel: CancellationToken,
+    requesters: Mutex<HashMap<String, RequesterEntry>>,
+    joined: AtomicUsize,
+    parts: Mutex<Vec<Part>>,
+    result: watch::Sender<Option<Result<ImageRecord, Arc<StoreError>>>>,
+    started: Instant,
+    started_at: chrono::DateTime<chrono::Utc>,
+}
+
+impl Job {
+    fn bytes(&self) -> (u64, u64, u64, u64) {
+        let parts = self.parts.lock().unwrap();
+        let mut done = 0;
+        let mut total = 0;
+        let mut downloaded = 0;
+        let mut resumed = 0;
+        for p in parts.iter() {
+            total += p.size;
+            if let Some(pr) = &p.progress {
+                done += pr.done();
+                downloaded += pr.downloaded();
+                resumed += pr.resumed_from();
+            }
+        }
+        (done, total, downloaded, resumed)
+    }
+}
+
+/// A requester's view of a job, for the admin API.
+#[derive(Debug, Clone)]
+pub struct RequesterSnapshot {
+    pub requester: Requester,
+    pub calls: usize,
+}
+
+/// A layer's progress, for the admin API.
+#[derive(Debug, Clone)]
+pub struct PartSnapshot {
+    pub digest: String,
+    pub size: u64,
+    pub done: u64,
+    pub resumed_from: u64,
+    pub state: String,
+    pub bytes_per_second: f64,
+}
+
+/// A job's progress, for the admin API.
+#[derive(Debug, Clone)]
+pub struct JobSnapshot {
+    pub id: u64,
+    pub image: String,
+    pub key: String,
+    pub state: String,
+    pub requesters: Vec<RequesterSnapshot>,
+    pub parts: Vec<PartSnapshot>,
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    pub bytes_per_second: f64,
+    pub started_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// Runs pulls: the jobs, their requesters and the shared blob downloads.
+pub struct PullManager {
     content: Arc<ContentStore>,
     images: Arc<ImageStore>,
     registry: Registry,
     config: PullConfig,
+    blobs: Arc<BlobDownloads>,
+    jobs: Mutex<HashMap<String, Arc<Job>>>,
+    next_job: AtomicU64,
 }
 
-impl Puller {
+/// A call's reference on a job; dropping it releases the reference.
+struct JobRef {
+    mgr: Arc<PullManager>,
+    job: Arc<Job>,
+    key: String,
+}
+
+impl Drop for JobRef {
+    fn drop(&mut self) {
+        self.mgr.release(&self.job, &self.key);
+    }
+}
+
+impl PullManager {
     pub fn new(
         content: Arc<ContentStore>,
         images: Arc<ImageStore>,
         registry: Registry,
         config: PullConfig,
-    ) -> Puller {
-        Puller {
+    ) -> Arc<PullManager> {
+        let blobs = BlobDownloads::new(content.clone(), config.max_concurrent_transfers);
+        Arc::new(PullManager {
             content,
             images,
             registry,
             config,
-        }
+            blobs,
+            jobs: Mutex::new(HashMap::new()),
+            next_job: AtomicU64::new(1),
+        })
     }
 
-    /// Pulls `reference` and returns the stored image record.
-    pub async fn pull(&self, reference: &str, creds: &Credentials) -> Result<ImageRecord> {
+    pub fn blobs(&self) -> &Arc<BlobDownloads> {
+        &self.blobs
+    }
+
+    /// Pulls `reference` for `requester`; returns the stored image record.
+    pub async fn pull(
+        self: &Arc<Self>,
+        reference: &str,
+        creds: &Credentials,
+        requester: Requester,
+    ) -> Result<ImageRecord> {
         let reference = Reference::parse(reference)?;
         // Building registry clients loads TLS roots (slow, blocking): keep it off the async threads.
         let (registry, r, c) = (self.registry.clone(), reference.clone(), creds.clone());
         let session = tokio::task::spawn_blocking(move || registry.session(&r, &c))
             .await
             .expect("session set-up does not panic")?;
-        let started = std::time::Instant::now();
-        // An image removed while this pull reused its blobs loses them; one more pass fetches them.
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            match self.pull_once(&session).await {
-                Err(StoreError::BlobNotFound(b)) if tries < 3 => {
-                    tracing::info!(image = %reference, blob = %b, "content removed during pull; fetching again");
-                }
-                Ok(rec) => {
-                    tracing::info!(image = %reference, id = %rec.id, elapsed_ms = started.elapsed().as_millis() as u64, "pulled");
-                    return Ok(rec);
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
-    async fn pull_once(&self, session: &Session) -> Result<ImageRecord> {
-        let reference = session.reference();
+        let session = Arc::new(session);
         let top = session
             .manifest(None)
             .await
             .map_err(|e| session.fold_errors("manifest", e))?;
+        let key = format!("{}|{}", top.digest, self.config.platform);
+
+        let (job, jref, created) = self.join(&key, &reference, &requester);
+        if created {
+            let mgr = self.clone();
+            let job2 = job.clone();
+            let session2 = session.clone();
+            let top2 = top.clone();
+            tokio::spawn(async move { mgr.run_job(job2, session2, top2).await });
+        }
+        let (abort, reason) = {
+            let reqs = job.requesters.lock().unwrap();
+            let e = reqs.get(&jref.key).expect("own entry");
+            (e.abort.clone(), e.reason.clone())
+        };
+        let mut rx = job.result.subscribe();
+        let outcome = tokio::select! {
+            r = rx.wait_for(Option::is_some) => match r {
+                Ok(v) => v.as_ref().expect("checked").clone(),
+                Err(_) => Err(Arc::new(StoreError::Cancelled("pull job vanished".into()))),
+            },
+            _ = abort.cancelled() => {
+                let why = reason.lock().unwrap().clone().unwrap_or_else(|| "aborted".into());
+                return Err(StoreError::Cancelled(format!("pull of {reference} stopped: {why}")));
+            }
+        };
+        drop(jref);
+        let rec = outcome.map_err(StoreError::Shared)?;
+        // Each caller adds its own names: several references can resolve to one job.
+        let mut named = rec.clone();
+        named.repo_tags = reference.tagged().into_iter().collect();
+        named.repo_digests = vec![reference.with_digest(&top.digest)];
+        let (stored, _) = self.images.add(named, &self.content)?;
+        Ok(stored)
+    }
+
+    /// Joins the job `key` or creates it; takes a reference for `requester`.
+    fn join(
+        self: &Arc<Self>,
+        key: &str,
+        reference: &Reference,
+        requester: &Requester,
+    ) -> (Arc<Job>, JobRef, bool) {
+        let mut jobs = self.jobs.lock().unwrap();
+        let (job, created) = match jobs.get(key).filter(|j| !j.cancel.is_cancelled()) {
+            Some(j) => (j.clone(), false),
+            None => {
+                let job = Arc::new(Job {
+                    id: self.next_job.fetch_add(1, Ordering::Relaxed),
+                    key: key.to_string(),
+                    reference: reference.to_string(),
+                    cancel: CancellationToken::new(),
+                    requesters: Mutex::new(HashMap::new()),
+                    joined: AtomicUsize::new(0),
+                    parts: Mutex::new(Vec::new()),
+                    result: watch::Sender::new(None),
+                    started: Instant::now(),
+                    started_at: chrono::Utc::now(),
+                });
+                jobs.insert(key.to_string(), job.clone());
+                (job, true)
+            }
+        };
+        let rkey = requester.key();
+        {
+            let mut reqs = job.requesters.lock().unwrap();
+            let e = reqs.entry(rkey.clone()).or_insert_with(|| RequesterEntry {
+                info: requester.clone(),
+                calls: 0,
+                abort: CancellationToken::new(),
+                reason: Arc::new(Mutex::new(None)),
+            });
+            e.calls += 1;
+        }
+        job.joined.fetch_add(1, Ordering::Relaxed);
+        if !created {
+            tracing::info!(job = job.id, image = %reference, requester = %rkey, "joined running pull");
+        }
+        (
+            job.clone(),
+            JobRef {
+                mgr: self.clone(),
+                job,
+                key: rkey,
+            },
+            created,
+        )
+    }
+
+    /// Drops one call's reference; the job stops when none is left.
+    fn release(&self, job: &Arc<Job>, key: &str) {
+        let mut jobs = self.jobs.lock().unwrap();
+        let mut reqs = job.requesters.lock().unwrap();
+        if let Some(e) = reqs.get_mut(key) {
+            e.calls -= 1;
+            if e.calls == 0 {
+                reqs.remove(key);
+            }
+        }
+        if reqs.is_empty() && job.result.borrow().is_none() && !job.cancel.is_cancelled() {
+            tracing::info!(job = job.id, image = %job.reference, "last requester gone; stopping pull (partial data kept)");
+            job.cancel.cancel();
+            if jobs.get(&job.key).is_some_and(|j| Arc::ptr_eq(j, job)) {
+                jobs.remove(&job.key);
+            }
+        }
+    }
+
+    /// Drops the references `target` names; their calls return at once with `reason`.
+    /// Returns how many references were dropped.
+    pub fn abort(&self, target: &AbortTarget, reason: &str) -> usize {
+        let jobs: Vec<Arc<Job>> = self.jobs.lock().unwrap().values().cloned().collect();
+        let image_key = match target {
+            AbortTarget::Image(r) => Reference::parse(r).ok().map(|r| r.to_string()),
+            _ => None,
+        };
+        let mut dropped = 0;
+        for job in jobs {
+            let reqs = job.requesters.lock().unwrap();
+            for e in reqs.values() {
+                let hit = match target {
+                    AbortTarget::Sandbox(id) => e.info.sandbox_id.as_deref() == Some(id.as_str()),
+                    AbortTarget::Pod { namespace, name } => e
+                        .info
+                        .pod
+                        .as_ref()
+                        .is_some_and(|p| &p.namespace == namespace && &p.name == name),
+                    AbortTarget::PodUid { uid, attempt } => {
+                        e.info.pod.as_ref().is_some_and(|p| {
+                            &p.uid == uid && attempt.is_none_or(|a| a == p.attempt)
+                        })
+                    }
+                    AbortTarget::Image(_) => image_key.as_deref() == Some(job.reference.as_str()),
+                };
+                if hit && !e.abort.is_cancelled() {
+                    *e.reason.lock().unwrap() = Some(reason.to_string());
+                    e.abort.cancel();
+                    dropped += 1;
+                }
+            }
+        }
+        dropped
+    }
+
+    /// The running jobs.
+    pub fn list(&self) -> Vec<JobSnapshot> {
+        let jobs: Vec<Arc<Job>> = self.jobs.lock().unwrap().values().cloned().collect();
+        let mut out: Vec<JobSnapshot> = jobs.iter().map(|j| snapshot(j)).collect();
+        out.sort_by_key(|j| j.id);
+        out
+    }
+
+    async fn run_job(self: Arc<Self>, job: Arc<Job>, session: Arc<Session>, top: FetchedManifest) {
+        let watchdog = self.config.progress_timeout.map(|t| {
+            let job = job.clone();
+            let mgr = self.clone();
+            tokio::spawn(async move { mgr.watchdog(job, t).await })
+        });
+        let result = tokio::select! {
+            r = self.pull_content(&job, &session, &top) => r,
+            _ = job.cancel.cancelled() => Err(StoreError::Cancelled(format!("pull of {} stopped: no requester left", job.reference))),
+        };
+        if let Some(w) = watchdog {
+            w.abort();
+        }
+        let (_, total, downloaded, resumed) = job.bytes();
+        let outcome = match &result {
+            Ok(_) => "done".to_string(),
+            Err(e) => e.to_string(),
+        };
+        tracing::info!(
+            job = job.id,
+            image = %job.reference,
+            outcome = %outcome,
+            bytes_total = total,
+            bytes_downloaded = downloaded,
+            bytes_resumed = resumed,
+            requesters_joined = job.joined.load(Ordering::Relaxed),
+            duration_ms = job.started.elapsed().as_millis() as u64,
+            "pull job finished"
+        );
+        {
+            let mut jobs = self.jobs.lock().unwrap();
+            if jobs.get(&job.key).is_some_and(|j| Arc::ptr_eq(j, &job)) {
+                jobs.remove(&job.key);
+            }
+        }
+        job.result.send_replace(Some(result.map_err(Arc::new)));
+    }
+
+    /// Drops every reference of a job that received no byte for `timeout`.
+    async fn watchdog(&self, job: Arc<Job>, timeout: Duration) {
+        let tick = (timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let mut last = job.bytes().0;
+        let mut since = Instant::now();
+        loop {
+            tokio::time::sleep(tick).await;
+            let now = job.bytes().0;
+            if now != last {
+                last = now;
+                since = Instant::now();
+            } else if since.elapsed() >= timeout {
+                let reason = format!("no progress for {timeout:?} (pull_progress_timeout)");
+                tracing::warn!(job = job.id, image = %job.reference, "{reason}; dropping every requester");
+                for e in job.requesters.lock().unwrap().values() {
+                    *e.reason.lock().unwrap() = Some(reason.clone());
+                    e.abort.cancel();
+                }
+                return;
+            }
+        }
+    }
+
+    async fn pull_content(
+        &self,
+        job: &Job,
+        session: &Arc<Session>,
+        top: &FetchedManifest,
+    ) -> Result<ImageRecord> {
+        let reference = session.reference();
         let mut blobs = BTreeSet::new();
         let top_doc = parse_manifest(reference, &top.bytes)?;
         self.content.write(&top.digest, &top.bytes)?;
         blobs.insert(top.digest.clone());
 
         let (manifest, doc) = if top_doc.manifests.is_some() {
-            let entry = self.select_platform(reference, &top_doc)?;
+            let entry = select_platform(&self.config.platform, reference, &top_doc)?;
             let d = parse_digest(reference, &entry.digest)?;
             let m = session
                 .manifest(Some(&d))
@@ -141,9 +528,35 @@ impl Puller {
                 });
             }
         }
+        let config_digest = parse_digest(reference, &config_desc.digest)?;
+        let mut layer_digests = Vec::with_capacity(layers.len());
+        for l in &layers {
+            layer_digests.push(parse_digest(reference, &l.digest)?);
+        }
+        for (d, desc) in
+            std::iter::once((&config_digest, config_desc)).chain(layer_digests.iter().zip(&layers))
+        {
+            if desc.size < 0 {
+                return Err(malformed(
+                    reference,
+                    "descriptor",
+                    format!("negative size for {d}"),
+                ));
+            }
+        }
+        *job.parts.lock().unwrap() = std::iter::once((&config_digest, config_desc))
+            .chain(layer_digests.iter().zip(&layers))
+            .map(|(d, desc)| Part {
+                digest: d.clone(),
+                size: desc.size as u64,
+                progress: None,
+            })
+            .collect();
 
-        // Config first (small, and it must parse), then the layers concurrently.
-        let config_digest = self.fetch_blob(session, config_desc).await?;
+        // Config first (small, and it must parse), then the layers, a bounded number at once.
+        let handle = self.acquire_part(job, 0, session);
+        handle.wait().await?;
+        drop(handle);
         let config_bytes = self.content.read(&config_digest)?;
         let config: ImageConfigDoc = serde_json::from_slice(&config_bytes)
             .map_err(|e| malformed(reference, "image config", e.to_string()))?;
@@ -163,13 +576,13 @@ impl Puller {
 
         // Built in a loop, not with a closure: a closure here gives the futures a higher-ranked
         // lifetime that tonic's Send bound cannot be proven for (a rustc limitation).
-        let mut fetches = Vec::with_capacity(layers.len());
-        for l in &layers {
-            fetches.push(self.fetch_blob(session, l));
+        let mut waits = Vec::with_capacity(layers.len());
+        for i in 0..layers.len() {
+            waits.push(self.fetch_part(job, i + 1, session));
         }
-        let layer_digests: Vec<Digest> = futures::stream::iter(fetches)
-            .buffered(self.config.max_concurrent_layers.max(1))
-            .try_collect()
+        futures::stream::iter(waits)
+            .buffer_unordered(self.config.max_concurrent_layers.max(1))
+            .try_collect::<Vec<()>>()
             .await?;
         blobs.extend(layer_digests.iter().cloned());
 
@@ -180,9 +593,9 @@ impl Puller {
                 .and_then(|c| c.user.as_deref())
                 .unwrap_or(""),
         );
-        let size = config_desc.size.max(0) as u64
+        let size = config_desc.size as u64
             + manifest.bytes.len() as u64
-            + layers.iter().map(|l| l.size.max(0) as u64).sum::<u64>();
+            + layers.iter().map(|l| l.size as u64).sum::<u64>();
         let platform = Platform {
             os: config.os.clone(),
             architecture: config.architecture.clone(),
@@ -212,182 +625,130 @@ impl Puller {
             blobs,
             pulled_at: chrono::Utc::now(),
         };
-        let (stored, removed) = self.images.add(record, &self.content)?;
-        for old in removed.images {
-            tracing::info!(image = %old.id, "image lost its last name to a newer pull and was removed");
+        // An image removed while this pull reused its blobs lost them: fetch those again.
+        for _ in 0..3 {
+            match self.images.add(record.clone(), &self.content) {
+                Err(StoreError::BlobNotFound(b)) => {
+                    tracing::info!(image = %reference, blob = %b, "content removed during pull; fetching again");
+                    for i in 0..=layers.len() {
+                        self.fetch_part(job, i, session).await?;
+                    }
+                }
+                Ok((stored, removed)) => {
+                    for old in removed.images {
+                        tracing::info!(image = %old.id, "image lost its last name to a newer pull and was removed");
+                    }
+                    return Ok(stored);
+                }
+                Err(e) => return Err(e),
+            }
         }
-        Ok(stored)
+        Err(StoreError::Unavailable {
+            reference: reference.to_string(),
+            reason: "content kept being removed during the pull".into(),
+        })
     }
 
-    fn select_platform<'a>(
-        &self,
-        reference: &Reference,
-        index: &'a ManifestDoc,
-    ) -> Result<&'a Descriptor> {
-        let entries = index.manifests.as_deref().unwrap_or_default();
-        let want = &self.config.platform;
-        entries
-            .iter()
-            .filter(|e| {
-                e.media_type.is_empty()
-                    || e.media_type == manifest::OCI_MANIFEST
-                    || e.media_type == manifest::DOCKER_MANIFEST
-            })
-            .find(|e| e.platform.as_ref().is_some_and(|p| want.matches(p)))
-            .ok_or_else(|| StoreError::NoMatchingPlatform {
-                reference: reference.to_string(),
-                platform: want.to_string(),
-                available: entries
-                    .iter()
-                    .filter_map(|e| e.platform.as_ref().map(ToString::to_string))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            })
-    }
-
-    /// Makes sure blob `desc` is committed, downloading what is missing. Returns its digest.
-    async fn fetch_blob(&self, session: &Session, desc: &Descriptor) -> Result<Digest> {
-        let reference = session.reference();
-        let digest = parse_digest(reference, &desc.digest)?;
-        if desc.size < 0 {
-            return Err(malformed(
-                reference,
-                "descriptor",
-                format!("negative size for {digest}"),
-            ));
-        }
-        let size = desc.size as u64;
-        if self.content.size(&digest) == Some(size) {
-            return Ok(digest);
-        }
-        let guard = self.content.lock_ingest(&digest).await;
-        if self.content.size(&digest) == Some(size) {
-            return Ok(digest);
-        }
-        let content = self.content.clone();
-        let d = digest.clone();
-        let ingest = tokio::task::spawn_blocking(move || content.open_ingest(&d, size))
-            .await
-            .expect("open_ingest does not panic")?;
-        if ingest.offset() > 0 {
-            tracing::info!(blob = %digest, offset = ingest.offset(), size, "resuming download");
-        }
-        // The writer thread owns the ingest and its lock, so the lock is released only after the
-        // last queued chunk is on disk, even if this future is dropped.
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<WriterMsg>(32);
-        let mut offset = ingest.offset();
-        let writer = tokio::task::spawn_blocking(move || {
-            let _guard = guard;
-            let mut ingest: Ingest = ingest;
-            while let Some(msg) = rx.blocking_recv() {
-                match msg {
-                    WriterMsg::Data(b) => ingest.append(&b)?,
-                    WriterMsg::Restart => ingest.restart()?,
-                }
-            }
-            Ok::<Ingest, StoreError>(ingest)
-        });
-
-        let mut failures = 0u32;
-        let mut backoff = FIRST_BACKOFF;
-        while offset < size {
-            let attempt = async {
-                let mut body = session
-                    .blob(&digest, offset)
-                    .await
-                    .map_err(|e| (true, session.fold_errors("blob", e)))?;
-                if offset > 0 && !body.resumed {
-                    tracing::info!(blob = %digest, offset, endpoint = %body.endpoint, "registry ignored the range request; restarting blob");
-                    offset = 0;
-                    tx.send(WriterMsg::Restart)
-                        .await
-                        .map_err(|_| (false, writer_gone()))?;
-                }
-                while let Some(chunk) = body.stream.next().await {
-                    let chunk = chunk.map_err(|e| {
-                        (
-                            true,
-                            StoreError::Unavailable {
-                                reference: reference.to_string(),
-                                reason: format!("downloading {digest}: {e}"),
-                            },
-                        )
-                    })?;
-                    offset += chunk.len() as u64;
-                    tx.send(WriterMsg::Data(chunk))
-                        .await
-                        .map_err(|_| (false, writer_gone()))?;
-                }
-                Ok::<(), (bool, StoreError)>(())
-            };
-            match attempt.await {
-                Ok(()) if offset < size => {
-                    tracing::warn!(blob = %digest, offset, size, "blob body ended early; resuming");
-                    failures += 1;
-                }
-                Ok(()) => {}
-                Err((_, StoreError::Unavailable { .. }))
-                | Err((true, StoreError::Malformed { .. }))
-                    if failures < BLOB_RETRIES =>
-                {
-                    failures += 1;
-                }
-                Err((_, e)) => {
-                    drop(tx);
-                    // Surface the writer's own error (e.g. too many bytes) in preference.
-                    return match writer.await.expect("writer does not panic") {
-                        Err(we) => Err(self.discard_on_data_error(&digest, we)),
-                        Ok(_) => Err(e),
-                    };
-                }
-            }
-            if offset < size {
-                if failures > BLOB_RETRIES {
-                    drop(tx);
-                    let _ = writer.await;
-                    return Err(StoreError::Unavailable {
-                        reference: reference.to_string(),
-                        reason: format!(
-                            "blob {digest}: gave up after {BLOB_RETRIES} retries at byte {offset} of {size}"
-                        ),
-                    });
-                }
-                tracing::info!(blob = %digest, offset, failures, "retrying blob download");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-            }
-        }
-        drop(tx);
-        let ingest = match writer.await.expect("writer does not panic") {
-            Ok(i) => i,
-            Err(e) => return Err(self.discard_on_data_error(&digest, e)),
+    fn acquire_part(&self, job: &Job, i: usize, session: &Arc<Session>) -> BlobHandle {
+        let (digest, size) = {
+            let parts = job.parts.lock().unwrap();
+            (parts[i].digest.clone(), parts[i].size)
         };
-        let content = self.content.clone();
-        tokio::task::spawn_blocking(move || ingest.commit(&content))
-            .await
-            .expect("commit does not panic")?;
-        Ok(digest)
+        let handle = self.blobs.acquire(&digest, size, session);
+        job.parts.lock().unwrap()[i].progress = Some(handle.progress().clone());
+        handle
     }
 
-    /// Bytes beyond the descriptor's size mean the partial data is not a prefix of the blob: drop it.
-    fn discard_on_data_error(&self, digest: &Digest, e: StoreError) -> StoreError {
-        if matches!(e, StoreError::SizeMismatch { .. }) {
-            let _ = self.content.remove_ingest(digest);
-        }
-        e
+    async fn fetch_part(&self, job: &Job, i: usize, session: &Arc<Session>) -> Result<()> {
+        let handle = self.acquire_part(job, i, session);
+        handle.wait().await
     }
 }
 
-enum WriterMsg {
-    Data(Bytes),
-    Restart,
+fn snapshot(j: &Job) -> JobSnapshot {
+    let parts: Vec<PartSnapshot> = j
+        .parts
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|p| match &p.progress {
+            Some(pr) => PartSnapshot {
+                digest: p.digest.to_string(),
+                size: p.size,
+                done: pr.done(),
+                resumed_from: pr.resumed_from(),
+                state: pr.state().as_str().to_string(),
+                bytes_per_second: pr.speed(),
+            },
+            None => PartSnapshot {
+                digest: p.digest.to_string(),
+                size: p.size,
+                done: 0,
+                resumed_from: 0,
+                state: "waiting".into(),
+                bytes_per_second: 0.0,
+            },
+        })
+        .collect();
+    let (done, total, downloaded, _) = j.bytes();
+    let secs = j.started.elapsed().as_secs_f64();
+    let state = if j.cancel.is_cancelled() {
+        "stopping"
+    } else if parts.is_empty() {
+        "resolving"
+    } else {
+        "downloading"
+    };
+    JobSnapshot {
+        id: j.id,
+        image: j.reference.clone(),
+        key: j.key.clone(),
+        state: state.into(),
+        requesters: j
+            .requesters
+            .lock()
+            .unwrap()
+            .values()
+            .map(|e| RequesterSnapshot {
+                requester: e.info.clone(),
+                calls: e.calls,
+            })
+            .collect(),
+        parts,
+        bytes_done: done,
+        bytes_total: total,
+        bytes_per_second: if secs > 0.0 {
+            downloaded as f64 / secs
+        } else {
+            0.0
+        },
+        started_at: j.started_at,
+    }
 }
 
-fn writer_gone() -> StoreError {
-    StoreError::io(
-        "ingest writer stopped",
-        std::io::Error::other("writer thread ended"),
-    )
+fn select_platform<'a>(
+    want: &Platform,
+    reference: &Reference,
+    index: &'a ManifestDoc,
+) -> Result<&'a Descriptor> {
+    let entries = index.manifests.as_deref().unwrap_or_default();
+    entries
+        .iter()
+        .filter(|e| {
+            e.media_type.is_empty()
+                || e.media_type == manifest::OCI_MANIFEST
+                || e.media_type == manifest::DOCKER_MANIFEST
+        })
+        .find(|e| e.platform.as_ref().is_some_and(|p| want.matches(p)))
+        .ok_or_else(|| StoreError::NoMatchingPlatform {
+            reference: reference.to_string(),
+            platform: want.to_string(),
+            available: entries
+                .iter()
+                .filter_map(|e| e.platform.as_ref().map(ToString::to_string))
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
 }
 
 fn malformed(reference: &Reference, what: &str, reason: String) -> StoreError {
@@ -434,9 +795,4 @@ fn parse_manifest(reference: &Reference, bytes: &[u8]) -> Result<ManifestDoc> {
         ));
     }
     Ok(doc)
-}
-
-/// Whether an error from a remote is worth another try.
-pub fn is_transient(kind: RemoteKind) -> bool {
-    kind == RemoteKind::Unavailable
 }

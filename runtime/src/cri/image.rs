@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use minicri_proto::runtime::v1 as cri;
 use minicri_proto::runtime::v1::image_service_server::ImageService;
-use minicri_store::{Credentials, ImageRecord};
+use minicri_store::{Credentials, ImageRecord, PodRef, Requester};
 use tonic::{Request, Response, Status};
 
 use crate::daemon::Daemon;
@@ -120,7 +120,20 @@ impl ImageService for ImageHandler {
         call("PullImage", name.clone(), dl, Verbosity::Normal, async {
             let name = require_name(req.image.as_ref())?;
             let creds = credentials(req.auth);
-            let rec = self.daemon.puller.pull(&name, &creds).await?;
+            // A pull for a pod is that pod's sandbox's reference; any other is the call's own.
+            let requester = match req.sandbox_config.and_then(|c| c.metadata) {
+                Some(m) => Requester::pod(
+                    PodRef {
+                        namespace: m.namespace,
+                        name: m.name,
+                        uid: m.uid,
+                        attempt: m.attempt,
+                    },
+                    None,
+                ),
+                None => Requester::anonymous(),
+            };
+            let rec = self.daemon.pulls.pull(&name, &creds, requester).await?;
             Ok(cri::PullImageResponse {
                 image_ref: rec.id.to_string(),
             })

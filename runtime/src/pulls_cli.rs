@@ -1,0 +1,234 @@
+//! `minicri pulls`: shows the daemon's pull jobs (once, or live with `--watch`) and aborts them.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use minicri_proto::minicri::v1 as admin;
+use minicri_proto::minicri::v1::pulls_client::PullsClient;
+use tonic::transport::{Channel, Endpoint};
+
+#[derive(Debug, Args)]
+pub struct PullsArgs {
+    /// The daemon's socket.
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/run/minicri/minicri.sock",
+        global = true
+    )]
+    pub socket: PathBuf,
+
+    /// Keep showing live progress bars until interrupted.
+    #[arg(long)]
+    pub watch: bool,
+
+    #[command(subcommand)]
+    pub command: Option<PullsCommand>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PullsCommand {
+    /// Drop the references of a sandbox, a pod or an image; a download stops (keeping its
+    /// partial data) when nobody else wants it.
+    Abort(AbortArgs),
+}
+
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+pub struct AbortArgs {
+    /// A pod sandbox id.
+    #[arg(long, value_name = "ID")]
+    pub sandbox: Option<String>,
+    /// A pod, as NAMESPACE/NAME.
+    #[arg(long, value_name = "NS/NAME")]
+    pub pod: Option<String>,
+    /// An image reference: every requester of its pull.
+    #[arg(long, value_name = "REF")]
+    pub image: Option<String>,
+}
+
+async fn connect(socket: &Path) -> anyhow::Result<PullsClient<Channel>> {
+    let path = socket.to_path_buf();
+    let ch = Endpoint::try_from("http://[::]:50051")?
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        }))
+        .await
+        .with_context(|| format!("connecting to minicri at {}", socket.display()))?;
+    Ok(PullsClient::new(ch))
+}
+
+pub async fn run(args: PullsArgs) -> anyhow::Result<()> {
+    let mut client = connect(&args.socket).await?;
+    match args.command {
+        Some(PullsCommand::Abort(a)) => {
+            use admin::abort_pulls_request::Target;
+            let target = match (a.sandbox, a.pod, a.image) {
+                (Some(s), _, _) => Target::SandboxId(s),
+                (_, Some(p), _) => Target::Pod(p),
+                (_, _, Some(i)) => Target::Image(i),
+                _ => unreachable!("clap requires one"),
+            };
+            let r = client
+                .abort_pulls(admin::AbortPullsRequest {
+                    target: Some(target),
+                    reason: "aborted by operator (minicri pulls abort)".into(),
+                })
+                .await?
+                .into_inner();
+            println!("{} reference(s) dropped", r.references_dropped);
+            Ok(())
+        }
+        None if args.watch => watch(&mut client).await,
+        None => {
+            let jobs = client
+                .list_pulls(admin::ListPullsRequest {})
+                .await?
+                .into_inner()
+                .jobs;
+            print!("{}", render(&jobs));
+            Ok(())
+        }
+    }
+}
+
+fn human(b: f64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b;
+    let mut i = 0;
+    while v >= 1024.0 && i < UNITS.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{v:.0} {}", UNITS[i])
+    } else {
+        format!("{v:.1} {}", UNITS[i])
+    }
+}
+
+fn requester(r: &admin::PullRequester) -> String {
+    if r.pod_uid.is_empty() {
+        return format!("call #{}", r.call_id);
+    }
+    let sandbox = if r.sandbox_id.is_empty() {
+        String::new()
+    } else {
+        format!(" sandbox {}", &r.sandbox_id[..r.sandbox_id.len().min(13)])
+    };
+    format!(
+        "pod {}/{} (uid {}, attempt {}){sandbox}",
+        r.pod_namespace, r.pod_name, r.pod_uid, r.attempt
+    )
+}
+
+/// The plain listing of `minicri pulls`.
+pub fn render(jobs: &[admin::PullJob]) -> String {
+    if jobs.is_empty() {
+        return "no pulls running\n".into();
+    }
+    let mut out = String::new();
+    for j in jobs {
+        let pct = if j.bytes_total > 0 {
+            100.0 * j.bytes_done as f64 / j.bytes_total as f64
+        } else {
+            0.0
+        };
+        out.push_str(&format!(
+            "#{} {} [{}] {} / {} ({pct:.1}%) at {}/s\n",
+            j.id,
+            j.image,
+            j.state,
+            human(j.bytes_done as f64),
+            human(j.bytes_total as f64),
+            human(j.bytes_per_second)
+        ));
+        for r in &j.requesters {
+            out.push_str(&format!("    requester: {}\n", requester(r)));
+        }
+        for l in &j.layers {
+            let resumed = if l.resumed_from > 0 {
+                format!(", resumed at {}", human(l.resumed_from as f64))
+            } else {
+                String::new()
+            };
+            out.push_str(&format!(
+                "    {} {:>11} {} / {}{resumed}\n",
+                &l.digest[..l.digest.len().min(19)],
+                l.state,
+                human(l.done as f64),
+                human(l.size as f64)
+            ));
+        }
+    }
+    out
+}
+
+async fn watch(client: &mut PullsClient<Channel>) -> anyhow::Result<()> {
+    let multi = MultiProgress::new();
+    let style = ProgressStyle::with_template(
+        "{prefix:>24} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} {msg}",
+    )
+    .expect("valid template")
+    .progress_chars("=> ");
+    let mut bars: std::collections::HashMap<(u64, String), ProgressBar> = Default::default();
+    let mut headers: std::collections::HashMap<u64, ProgressBar> = Default::default();
+    loop {
+        let jobs = tokio::select! {
+            r = client.list_pulls(admin::ListPullsRequest {}) => r?.into_inner().jobs,
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+        };
+        let live: std::collections::HashSet<u64> = jobs.iter().map(|j| j.id).collect();
+        headers.retain(|id, b| {
+            let keep = live.contains(id);
+            if !keep {
+                b.finish_and_clear();
+            }
+            keep
+        });
+        bars.retain(|(id, _), b| {
+            let keep = live.contains(id);
+            if !keep {
+                b.finish_and_clear();
+            }
+            keep
+        });
+        for j in &jobs {
+            let header = headers
+                .entry(j.id)
+                .or_insert_with(|| multi.add(ProgressBar::new_spinner()));
+            let who: Vec<String> = j.requesters.iter().map(requester).collect();
+            header.set_message(format!(
+                "#{} {} [{}] for {}",
+                j.id,
+                j.image,
+                j.state,
+                who.join(", ")
+            ));
+            for l in &j.layers {
+                let bar = bars.entry((j.id, l.digest.clone())).or_insert_with(|| {
+                    let b = multi.add(ProgressBar::new(l.size));
+                    b.set_style(style.clone());
+                    b.set_prefix(l.digest[..l.digest.len().min(19)].to_string());
+                    b
+                });
+                bar.set_position(l.done);
+                bar.set_message(l.state.clone());
+            }
+        }
+        if jobs.is_empty() && headers.is_empty() {
+            multi
+                .println("no pulls running (waiting; Ctrl-C to stop)")
+                .ok();
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
