@@ -28,9 +28,16 @@ pub fn minicri_bin() -> PathBuf {
     }
     // Test executables live in target/<profile>/deps; the binary one level up.
     let exe = std::env::current_exe().expect("current exe");
-    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>");
     let bin = profile_dir.join("minicri");
-    assert!(bin.exists(), "{} does not exist: run `cargo build --bins` first (or set MINICRI_BIN)", bin.display());
+    assert!(
+        bin.exists(),
+        "{} does not exist: run `cargo build --bins` first (or set MINICRI_BIN)",
+        bin.display()
+    );
     bin
 }
 
@@ -41,7 +48,9 @@ pub struct HostsDir {
 
 impl HostsDir {
     pub fn new() -> HostsDir {
-        HostsDir { dir: tempfile::tempdir().expect("tempdir") }
+        HostsDir {
+            dir: tempfile::tempdir().expect("tempdir"),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -59,7 +68,9 @@ impl HostsDir {
     pub fn mirror(&self, registry: &str, mirrors: &[&str]) {
         let mut text = String::new();
         for m in mirrors {
-            text.push_str(&format!("[host.\"http://{m}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"));
+            text.push_str(&format!(
+                "[host.\"http://{m}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"
+            ));
         }
         self.set(registry, &text);
     }
@@ -140,7 +151,10 @@ impl Daemon {
     }
 
     async fn spawn(&mut self) -> Result<()> {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path())?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())?;
         let child = self
             .command()
             .stdin(Stdio::null())
@@ -152,13 +166,19 @@ impl Daemon {
         let start = Instant::now();
         loop {
             if let Some(status) = self.child.as_mut().unwrap().try_wait()? {
-                bail!("minicri exited with {status} during start-up:\n{}", self.log());
+                bail!(
+                    "minicri exited with {status} during start-up:\n{}",
+                    self.log()
+                );
             }
             if tokio::net::UnixStream::connect(self.socket()).await.is_ok() {
                 return Ok(());
             }
             if start.elapsed() > Duration::from_secs(20) {
-                bail!("minicri did not open its socket within 20s:\n{}", self.log());
+                bail!(
+                    "minicri did not open its socket within 20s:\n{}",
+                    self.log()
+                );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -170,7 +190,11 @@ impl Daemon {
         let ch = Endpoint::try_from("http://[::]:50051")?
             .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
                 let path = path.clone();
-                async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+                async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                        tokio::net::UnixStream::connect(path).await?,
+                    ))
+                }
             }))
             .await?;
         Ok(ch)
@@ -198,13 +222,18 @@ impl Daemon {
         )
         .await?;
         tokio::spawn(conn);
-        let svc = tower::service_fn(move |req: tonic::codegen::http::Request<tonic::body::Body>| {
-            let mut send = send.clone();
-            async move { send.send_request(req).await }
-        });
+        let svc = tower::service_fn(
+            move |req: tonic::codegen::http::Request<tonic::body::Body>| {
+                let mut send = send.clone();
+                async move { send.send_request(req).await }
+            },
+        );
         // HTTP/2 requests need a scheme and authority; any will do on a unix socket.
         let origin = tonic::codegen::http::Uri::from_static("http://minicri");
-        Ok(ImageServiceClient::with_origin(tower::util::BoxCloneService::new(svc), origin))
+        Ok(ImageServiceClient::with_origin(
+            tower::util::BoxCloneService::new(svc),
+            origin,
+        ))
     }
 
     /// SIGKILLs the daemon (no clean-up on its side) and waits for it.
@@ -218,7 +247,10 @@ impl Daemon {
     /// SIGTERMs the daemon and waits for it to exit; returns its exit status.
     pub fn stop(&mut self) -> Result<std::process::ExitStatus> {
         let mut c = self.child.take().context("daemon not running")?;
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM)?;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(c.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )?;
         let start = Instant::now();
         loop {
             if let Some(s) = c.try_wait()? {
@@ -243,7 +275,11 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         self.kill();
         if std::thread::panicking() {
-            eprintln!("--- minicri log ({}) ---\n{}", self.log_path().display(), self.log());
+            eprintln!(
+                "--- minicri log ({}) ---\n{}",
+                self.log_path().display(),
+                self.log()
+            );
         }
     }
 }

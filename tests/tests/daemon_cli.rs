@@ -12,15 +12,32 @@ async fn version_status_and_runtime_config() {
     let hosts = HostsDir::new();
     let d = Daemon::start(hosts.path()).await.unwrap();
     let mut rt = d.runtime().await.unwrap();
-    let v = rt.version(cri::VersionRequest { version: "v1".into() }).await.unwrap().into_inner();
+    let v = rt
+        .version(cri::VersionRequest {
+            version: "v1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(v.runtime_name, "minicri");
     assert_eq!(v.runtime_api_version, "v1");
     assert_eq!(v.runtime_version, env!("CARGO_PKG_VERSION"));
 
     let cond = |s: &cri::StatusResponse, t: &str| {
-        s.status.as_ref().unwrap().conditions.iter().find(|c| c.r#type == t).cloned().unwrap()
+        s.status
+            .as_ref()
+            .unwrap()
+            .conditions
+            .iter()
+            .find(|c| c.r#type == t)
+            .cloned()
+            .unwrap()
     };
-    let s = rt.status(cri::StatusRequest { verbose: false }).await.unwrap().into_inner();
+    let s = rt
+        .status(cri::StatusRequest { verbose: false })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(cond(&s, "RuntimeReady").status);
     let net = cond(&s, "NetworkReady");
     assert!(!net.status, "no CNI config yet");
@@ -30,20 +47,50 @@ async fn version_status_and_runtime_config() {
     // A conflist appearing makes the network ready, without a restart.
     let cni = d.root().parent().unwrap().join("cni");
     std::fs::create_dir_all(&cni).unwrap();
-    std::fs::write(cni.join("10-test.conflist"), r#"{"cniVersion":"1.0.0","name":"t","plugins":[]}"#).unwrap();
-    let s = rt.status(cri::StatusRequest { verbose: true }).await.unwrap().into_inner();
+    std::fs::write(
+        cni.join("10-test.conflist"),
+        r#"{"cniVersion":"1.0.0","name":"t","plugins":[]}"#,
+    )
+    .unwrap();
+    let s = rt
+        .status(cri::StatusRequest { verbose: true })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(cond(&s, "NetworkReady").status);
     let config: serde_json::Value = serde_json::from_str(&s.info["config"]).unwrap();
     assert_eq!(config["root"], d.root().display().to_string());
 
-    let rc = rt.runtime_config(cri::RuntimeConfigRequest {}).await.unwrap().into_inner();
-    assert_eq!(rc.linux.unwrap().cgroup_driver, cri::CgroupDriver::Cgroupfs as i32);
-    let sd = Daemon::start_with(hosts.path(), &["--cgroup-driver", "systemd"]).await.unwrap();
-    let rc = sd.runtime().await.unwrap().runtime_config(cri::RuntimeConfigRequest {}).await.unwrap().into_inner();
-    assert_eq!(rc.linux.unwrap().cgroup_driver, cri::CgroupDriver::Systemd as i32);
+    let rc = rt
+        .runtime_config(cri::RuntimeConfigRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        rc.linux.unwrap().cgroup_driver,
+        cri::CgroupDriver::Cgroupfs as i32
+    );
+    let sd = Daemon::start_with(hosts.path(), &["--cgroup-driver", "systemd"])
+        .await
+        .unwrap();
+    let rc = sd
+        .runtime()
+        .await
+        .unwrap()
+        .runtime_config(cri::RuntimeConfigRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        rc.linux.unwrap().cgroup_driver,
+        cri::CgroupDriver::Systemd as i32
+    );
 
     // Pod RPCs not written yet answer UNIMPLEMENTED.
-    let err = rt.list_pod_sandbox(cri::ListPodSandboxRequest { filter: None }).await.unwrap_err();
+    let err = rt
+        .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unimplemented);
 }
 
@@ -57,21 +104,40 @@ async fn socket_mode_lock_and_graceful_stop() {
     // A second daemon on the same root is refused and names the first one's pid.
     let other = d.root().parent().unwrap().join("other.sock");
     let out = Command::new(minicri_bin())
-        .args(["serve", "--root", d.root().to_str().unwrap(), "--socket", other.to_str().unwrap()])
+        .args([
+            "serve",
+            "--root",
+            d.root().to_str().unwrap(),
+            "--socket",
+            other.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     assert!(!other.exists(), "the refused daemon left no socket");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("another minicri") && err.contains(&d.pid().unwrap().to_string()), "{err}");
+    assert!(
+        err.contains("another minicri") && err.contains(&d.pid().unwrap().to_string()),
+        "{err}"
+    );
     // ...and the first is unharmed.
-    d.runtime().await.unwrap().version(cri::VersionRequest::default()).await.unwrap();
+    d.runtime()
+        .await
+        .unwrap()
+        .version(cri::VersionRequest::default())
+        .await
+        .unwrap();
 
     // SIGKILL leaves a stale socket file behind; the next start replaces it.
     d.kill();
     assert!(d.socket().exists(), "stale socket left by SIGKILL");
     d.restart().await.unwrap();
-    d.runtime().await.unwrap().version(cri::VersionRequest::default()).await.unwrap();
+    d.runtime()
+        .await
+        .unwrap()
+        .version(cri::VersionRequest::default())
+        .await
+        .unwrap();
 
     // SIGTERM: exit 0, socket removed.
     assert!(d.stop().unwrap().success());
@@ -83,37 +149,100 @@ async fn config_file_and_flags() {
     let dir = tempfile::tempdir().unwrap();
     let hosts = HostsDir::new();
     let cfg = dir.path().join("config.toml");
-    std::fs::write(&cfg, "cgroup_driver = \"systemd\"\nplatform = \"linux/arm64\"\n").unwrap();
-    let d = Daemon::start_with(hosts.path(), &["--config", cfg.to_str().unwrap()]).await.unwrap();
+    std::fs::write(
+        &cfg,
+        "cgroup_driver = \"systemd\"\nplatform = \"linux/arm64\"\n",
+    )
+    .unwrap();
+    let d = Daemon::start_with(hosts.path(), &["--config", cfg.to_str().unwrap()])
+        .await
+        .unwrap();
     let mut rt = d.runtime().await.unwrap();
-    let rc = rt.runtime_config(cri::RuntimeConfigRequest {}).await.unwrap().into_inner();
-    assert_eq!(rc.linux.unwrap().cgroup_driver, cri::CgroupDriver::Systemd as i32);
-    let s = rt.status(cri::StatusRequest { verbose: true }).await.unwrap().into_inner();
+    let rc = rt
+        .runtime_config(cri::RuntimeConfigRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        rc.linux.unwrap().cgroup_driver,
+        cri::CgroupDriver::Systemd as i32
+    );
+    let s = rt
+        .status(cri::StatusRequest { verbose: true })
+        .await
+        .unwrap()
+        .into_inner();
     let config: serde_json::Value = serde_json::from_str(&s.info["config"]).unwrap();
     assert_eq!(config["platform"], "linux/arm64");
 
     // A flag beats the file.
-    let d2 = Daemon::start_with(hosts.path(), &["--config", cfg.to_str().unwrap(), "--cgroup-driver", "cgroupfs"]).await.unwrap();
-    let rc = d2.runtime().await.unwrap().runtime_config(cri::RuntimeConfigRequest {}).await.unwrap().into_inner();
-    assert_eq!(rc.linux.unwrap().cgroup_driver, cri::CgroupDriver::Cgroupfs as i32);
+    let d2 = Daemon::start_with(
+        hosts.path(),
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--cgroup-driver",
+            "cgroupfs",
+        ],
+    )
+    .await
+    .unwrap();
+    let rc = d2
+        .runtime()
+        .await
+        .unwrap()
+        .runtime_config(cri::RuntimeConfigRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        rc.linux.unwrap().cgroup_driver,
+        cri::CgroupDriver::Cgroupfs as i32
+    );
 
     // A bad file is refused with a message naming the file and the key.
     std::fs::write(&cfg, "sockett = \"/x\"\n").unwrap();
-    let out = Command::new(minicri_bin()).args(["serve", "--config", cfg.to_str().unwrap()]).output().unwrap();
+    let out = Command::new(minicri_bin())
+        .args(["serve", "--config", cfg.to_str().unwrap()])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("config.toml") && err.contains("sockett"), "{err}");
+    assert!(
+        err.contains("config.toml") && err.contains("sockett"),
+        "{err}"
+    );
 }
 
 #[test]
 fn version_and_help() {
-    let out = Command::new(minicri_bin()).arg("--version").output().unwrap();
+    let out = Command::new(minicri_bin())
+        .arg("--version")
+        .output()
+        .unwrap();
     assert!(out.status.success());
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), format!("minicri {}", env!("CARGO_PKG_VERSION")));
-    let out = Command::new(minicri_bin()).args(["serve", "--help"]).output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("minicri {}", env!("CARGO_PKG_VERSION"))
+    );
+    let out = Command::new(minicri_bin())
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
     let help = String::from_utf8_lossy(&out.stdout);
-    for flag in ["--socket", "--root", "--state", "--registry-config-dir", "--log-level", "--config", "--cgroup-driver"] {
+    for flag in [
+        "--socket",
+        "--root",
+        "--state",
+        "--registry-config-dir",
+        "--log-level",
+        "--config",
+        "--cgroup-driver",
+    ] {
         assert!(help.contains(flag), "serve --help lacks {flag}:\n{help}");
     }
-    assert!(help.contains("/run/minicri/minicri.sock"), "defaults are documented:\n{help}");
+    assert!(
+        help.contains("/run/minicri/minicri.sock"),
+        "defaults are documented:\n{help}"
+    );
 }

@@ -1,0 +1,481 @@
+//! Black-box tests of shared, resumable, abortable pulls: the real daemon pulls through the
+//! fault-injecting proxy in front of a real registry, and the assertions are on the bytes the proxy
+//! served per blob.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use minicri_proto::minicri::v1 as admin;
+use minicri_proto::minicri::v1::pulls_client::PullsClient;
+use minicri_proto::runtime::v1 as cri;
+use minicri_tests::daemon::{Daemon, HostsDir};
+use minicri_tests::images::{self, Compression, PushedImage};
+use minicri_tests::proxy::{Proxy, Target, Times};
+use minicri_tests::registry::Registry;
+use tonic::Code;
+
+const MIB: u64 = 1024 * 1024;
+
+struct Env {
+    _registry: Registry,
+    proxy: Proxy,
+    _hosts: HostsDir,
+    daemon: Daemon,
+}
+
+async fn env(args: &[&str]) -> Env {
+    let registry = Registry::start();
+    let proxy = Proxy::start(&registry.addr()).expect("proxy");
+    let hosts = HostsDir::new();
+    let daemon = Daemon::start_with(hosts.path(), args)
+        .await
+        .expect("minicri");
+    Env {
+        _registry: registry,
+        proxy,
+        _hosts: hosts,
+        daemon,
+    }
+}
+
+/// An image of `layers` incompressible layers of `mib` MiB, pushed straight to the registry and
+/// referenced through the proxy.
+async fn big(e: &Env, name: &str, layers: u64, mib: u64, seed: u64) -> (PushedImage, String) {
+    let client = images::RegistryClient::new(e.proxy.upstream());
+    let img = images::push_big_image(
+        &client,
+        &format!("minicri-test/{name}:latest"),
+        layers,
+        mib,
+        Compression::None,
+        seed,
+    )
+    .await
+    .expect("push big image");
+    let via_proxy = format!("{}/minicri-test/{name}:latest", e.proxy.addr());
+    (img, via_proxy)
+}
+
+fn pod(i: usize) -> Option<cri::PodSandboxConfig> {
+    Some(cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata {
+            name: format!("pod-{i}"),
+            uid: format!("uid-{i}"),
+            namespace: "pulls".into(),
+            attempt: 0,
+        }),
+        ..Default::default()
+    })
+}
+
+fn pull_req(image: &str, sandbox: Option<cri::PodSandboxConfig>) -> cri::PullImageRequest {
+    cri::PullImageRequest {
+        image: Some(cri::ImageSpec {
+            image: image.into(),
+            ..Default::default()
+        }),
+        auth: None,
+        sandbox_config: sandbox,
+    }
+}
+
+async fn pull(
+    d: &Daemon,
+    image: &str,
+    sandbox: Option<cri::PodSandboxConfig>,
+) -> Result<String, tonic::Status> {
+    let mut c = d.images().await.unwrap();
+    Ok(c.pull_image(pull_req(image, sandbox))
+        .await?
+        .into_inner()
+        .image_ref)
+}
+
+fn ingest_bytes(root: &Path) -> u64 {
+    let dir = root.join("content/ingest");
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| std::fs::metadata(e.path().join("data")).ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+async fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn assert_each_blob_served_once(proxy: &Proxy, img: &PushedImage) {
+    for d in img.blob_digests() {
+        let size = if d == img.config_digest {
+            img.config_size
+        } else {
+            img.layers.iter().find(|l| l.digest == d).unwrap().size
+        };
+        assert_eq!(
+            proxy.bytes_served(&d),
+            size,
+            "blob {d} ({size} bytes) served once: {:?}",
+            proxy.blob_requests(&d)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ten_sandboxes_pulling_one_image_download_each_blob_once() {
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "big", 2, 4, 1).await;
+    e.proxy.faults().set_rate_limit(Some(8 * MIB));
+    let mut calls = Vec::new();
+    for i in 0..10 {
+        let d = e.daemon.images().await.unwrap();
+        let r = r.clone();
+        calls.push(tokio::spawn(async move {
+            let mut d = d;
+            d.pull_image(pull_req(&r, pod(i)))
+                .await
+                .map(|x| x.into_inner().image_ref)
+        }));
+    }
+    for c in calls {
+        assert_eq!(c.await.unwrap().unwrap(), img.config_digest);
+    }
+    assert_each_blob_served_once(&e.proxy, &img);
+    let log = e.daemon.log();
+    let summary = log
+        .lines()
+        .find(|l| l.contains("pull job finished"))
+        .expect("summary line");
+    assert!(summary.contains("requesters_joined=10"), "{summary}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn images_sharing_layers_download_the_shared_layers_once() {
+    let e = env(&[]).await;
+    let set = images::push_standard_set(e.proxy.upstream(), None)
+        .await
+        .unwrap();
+    e.proxy.faults().set_rate_limit(Some(2 * MIB));
+    let (a, b) = (&set.shared_a, &set.shared_b);
+    let ra = format!("{}/{}:latest", e.proxy.addr(), a.repository);
+    let rb = format!("{}/{}:latest", e.proxy.addr(), b.repository);
+    let (x, y) = tokio::join!(pull(&e.daemon, &ra, None), pull(&e.daemon, &rb, None));
+    assert_eq!(x.unwrap(), a.config_digest);
+    assert_eq!(y.unwrap(), b.config_digest);
+    let shared: Vec<&String> = a
+        .layers
+        .iter()
+        .map(|l| &l.digest)
+        .filter(|d| b.layers.iter().any(|m| &m.digest == *d))
+        .collect();
+    assert!(!shared.is_empty());
+    for d in shared {
+        let size = a.layers.iter().find(|l| &l.digest == d).unwrap().size;
+        assert_eq!(
+            e.proxy.bytes_served(d),
+            size,
+            "shared layer {d} served once"
+        );
+    }
+    // Pulled again later: nothing is downloaded.
+    e.proxy.reset_stats();
+    pull(&e.daemon, &ra, None).await.unwrap();
+    assert_eq!(e.proxy.total_blob_bytes(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_requester_cancelling_does_not_disturb_another() {
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "big", 1, 8, 2).await;
+    e.proxy.faults().set_rate_limit(Some(4 * MIB));
+    let d1 = e.daemon.images().await.unwrap();
+    let r1 = r.clone();
+    let first = tokio::spawn(async move {
+        let mut d1 = d1;
+        d1.pull_image(pull_req(&r1, pod(1))).await
+    });
+    wait_until("the download to start", Duration::from_secs(10), || {
+        e.proxy.total_blob_bytes() > MIB / 2
+    })
+    .await;
+    // The second requester's call gives up (its client cancels: the call future is dropped).
+    let second =
+        tokio::time::timeout(Duration::from_millis(300), pull(&e.daemon, &r, pod(2))).await;
+    assert!(second.is_err(), "second call cancelled by its client");
+    assert_eq!(
+        first.await.unwrap().unwrap().into_inner().image_ref,
+        img.config_digest
+    );
+    assert_each_blob_served_once(&e.proxy, &img);
+}
+
+/// Starts a rate-limited pull, stops it with `stop`, and checks that bytes stop within 100 ms, the
+/// partial data stays, and the next pull transfers only the remainder.
+async fn stop_then_resume(
+    e: &Env,
+    img: &PushedImage,
+    r: &str,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    let layer = img.layers.last().unwrap();
+    e.proxy.faults().set_rate_limit(Some(4 * MIB));
+    stop.await;
+    let stopped_at = e.proxy.bytes_served(&layer.digest);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let after_100ms = e.proxy.bytes_served(&layer.digest);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let later = e.proxy.bytes_served(&layer.digest);
+    assert!(
+        stopped_at > 0 && stopped_at < layer.size,
+        "stopped mid-blob: {stopped_at} of {}",
+        layer.size
+    );
+    assert_eq!(
+        after_100ms, later,
+        "bytes kept flowing after the stop ({stopped_at} -> {after_100ms} -> {later})"
+    );
+    let kept = ingest_bytes(&e.daemon.root());
+    assert!(
+        kept + MIB >= later && kept > 0,
+        "partial data kept: {kept} on disk, {later} served"
+    );
+
+    e.proxy.faults().set_rate_limit(None);
+    e.proxy.reset_stats();
+    assert_eq!(pull(&e.daemon, r, None).await.unwrap(), img.config_digest);
+    let second = e.proxy.bytes_served(&layer.digest);
+    assert!(
+        second <= layer.size - later + MIB,
+        "second pull transferred {second}; remainder was {}",
+        layer.size - later
+    );
+    assert!(
+        second >= layer.size - later,
+        "second pull transferred {second}, less than the remainder"
+    );
+    assert_eq!(ingest_bytes(&e.daemon.root()), 0, "ingest committed");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn deadline_stops_the_download_and_the_next_pull_resumes() {
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "big", 1, 16, 3).await;
+    let stop = async {
+        let mut raw = e.daemon.raw_images().await.unwrap();
+        let mut req = tonic::Request::new(pull_req(&r, pod(1)));
+        req.metadata_mut()
+            .insert("grpc-timeout", "1500m".parse().unwrap());
+        let err = raw.pull_image(req).await.unwrap_err();
+        assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+    };
+    stop_then_resume(&e, &img, &r, stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn operator_abort_stops_the_download_and_the_next_pull_resumes() {
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "big", 1, 16, 4).await;
+    let stop = async {
+        let d = e.daemon.images().await.unwrap();
+        let r2 = r.clone();
+        let call = tokio::spawn(async move {
+            let mut d = d;
+            d.pull_image(pull_req(&r2, pod(7))).await
+        });
+        wait_until("the download to start", Duration::from_secs(10), || {
+            e.proxy.total_blob_bytes() > 2 * MIB
+        })
+        .await;
+        let mut admin = PullsClient::new(e.daemon.channel().await.unwrap());
+        let jobs = admin
+            .list_pulls(admin::ListPullsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .jobs;
+        assert_eq!(jobs.len(), 1);
+        let req = &jobs[0].requesters[0];
+        assert_eq!(
+            (
+                req.pod_namespace.as_str(),
+                req.pod_name.as_str(),
+                req.pod_uid.as_str()
+            ),
+            ("pulls", "pod-7", "uid-7")
+        );
+        assert!(
+            jobs[0]
+                .layers
+                .iter()
+                .any(|l| l.done > 0 && l.state == "downloading"),
+            "{:?}",
+            jobs[0].layers
+        );
+        let dropped = admin
+            .abort_pulls(admin::AbortPullsRequest {
+                target: Some(admin::abort_pulls_request::Target::Pod(
+                    "pulls/pod-7".into(),
+                )),
+                reason: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .references_dropped;
+        assert_eq!(dropped, 1);
+        let err = call.await.unwrap().unwrap_err();
+        assert_eq!(err.code(), Code::Cancelled, "{err:?}");
+        assert!(
+            err.message().contains("aborted by operator"),
+            "{}",
+            err.message()
+        );
+    };
+    stop_then_resume(&e, &img, &r, stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_mid_pull_then_restart_transfers_only_the_remainder() {
+    let mut e = env(&[]).await;
+    let (img, r) = big(&e, "big", 1, 16, 5).await;
+    let layer = img.layers.last().unwrap().clone();
+    e.proxy.faults().set_rate_limit(Some(4 * MIB));
+    let d = e.daemon.images().await.unwrap();
+    let r2 = r.clone();
+    let call = tokio::spawn(async move {
+        let mut d = d;
+        d.pull_image(pull_req(&r2, None)).await
+    });
+    wait_until("half the layer", Duration::from_secs(10), || {
+        e.proxy.bytes_served(&layer.digest) > layer.size / 3
+    })
+    .await;
+    e.daemon.kill();
+    assert!(call.await.unwrap().is_err());
+    let served = e.proxy.bytes_served(&layer.digest);
+    e.daemon.restart().await.unwrap();
+    e.proxy.faults().set_rate_limit(None);
+    e.proxy.reset_stats();
+    assert_eq!(pull(&e.daemon, &r, None).await.unwrap(), img.config_digest);
+    let second = e.proxy.bytes_served(&layer.digest);
+    assert!(
+        second <= layer.size - served + MIB,
+        "after restart {second} bytes; remainder {}",
+        layer.size - served
+    );
+    let mut c = e.daemon.images().await.unwrap();
+    let st = c
+        .image_status(cri::ImageStatusRequest {
+            image: Some(cri::ImageSpec {
+                image: r.clone(),
+                ..Default::default()
+            }),
+            verbose: false,
+        })
+        .await
+        .unwrap();
+    assert_eq!(st.into_inner().image.unwrap().id, img.config_digest);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn connection_cut_mid_blob_is_resumed_without_serving_a_byte_twice() {
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "big", 1, 8, 6).await;
+    let layer = img.layers.last().unwrap();
+    e.proxy
+        .faults()
+        .cut_after(Target::Blob(layer.digest.clone()), 3 * MIB, Times::Once);
+    assert_eq!(pull(&e.daemon, &r, None).await.unwrap(), img.config_digest);
+    let reqs = e.proxy.blob_requests(&layer.digest);
+    assert!(
+        reqs.len() >= 2,
+        "a second request resumed the blob: {reqs:?}"
+    );
+    assert!(
+        reqs[1]
+            .range
+            .as_deref()
+            .is_some_and(|r| r.starts_with(&format!("bytes={}-", 3 * MIB))),
+        "{reqs:?}"
+    );
+    assert_eq!(
+        e.proxy.bytes_served(&layer.digest),
+        layer.size,
+        "no byte served twice"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn registry_ignoring_range_restarts_the_blob_and_verifies_it() {
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "big", 1, 8, 7).await;
+    let layer = img.layers.last().unwrap();
+    e.proxy
+        .faults()
+        .cut_after(Target::Blob(layer.digest.clone()), 2 * MIB, Times::Once);
+    e.proxy.faults().set_ignore_range(true);
+    assert_eq!(pull(&e.daemon, &r, None).await.unwrap(), img.config_digest);
+    assert_eq!(
+        e.proxy.bytes_served(&layer.digest),
+        2 * MIB + layer.size,
+        "cut part, then the whole blob again"
+    );
+    assert!(e.daemon.log().contains("ignored the range request"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn corrupted_bytes_fail_the_pull_and_discard_the_partial() {
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "big", 1, 4, 8).await;
+    let layer = img.layers.last().unwrap();
+    e.proxy
+        .faults()
+        .corrupt_at(Target::Blob(layer.digest.clone()), MIB, Times::Always);
+    let err = pull(&e.daemon, &r, None).await.unwrap_err();
+    assert_eq!(err.code(), Code::DataLoss, "{err:?}");
+    assert!(err.message().contains(&layer.digest), "{}", err.message());
+    assert_eq!(ingest_bytes(&e.daemon.root()), 0, "bad partial discarded");
+    let mut c = e.daemon.images().await.unwrap();
+    assert!(
+        c.list_images(cri::ListImagesRequest { filter: None })
+            .await
+            .unwrap()
+            .into_inner()
+            .images
+            .is_empty()
+    );
+    assert!(
+        !e.daemon
+            .root()
+            .join("content/blobs/sha256")
+            .join(&layer.digest[7..])
+            .exists()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn progress_watchdog_drops_a_stalled_pull() {
+    let e = env(&["--pull-progress-timeout", "1"]).await;
+    let (img, r) = big(&e, "big", 1, 4, 9).await;
+    let layer = img.layers.last().unwrap();
+    e.proxy
+        .faults()
+        .stall_after(Target::Blob(layer.digest.clone()), MIB);
+    let start = Instant::now();
+    let err = pull(&e.daemon, &r, pod(3)).await.unwrap_err();
+    let waited = start.elapsed();
+    e.proxy.faults().release_stall();
+    assert_eq!(err.code(), Code::Cancelled, "{err:?}");
+    assert!(err.message().contains("no progress"), "{}", err.message());
+    assert!(
+        waited < Duration::from_secs(5),
+        "watchdog fired after {waited:?}"
+    );
+    assert!(ingest_bytes(&e.daemon.root()) >= MIB, "partial data kept");
+}
