@@ -1,0 +1,167 @@
+//! Readers that let a download feed [`crate::Snapshotter::apply_layer`] while it is still running.
+//!
+//! - [`ChunkReader`]: chunks handed over in memory (a channel from the download task). Use it for the
+//!   layer being applied right now.
+//! - [`FollowReader`]: a blob file that the download is still appending to (the content store's ingest
+//!   file). Use it for layers that download ahead of the apply, so their bytes go to disk instead of
+//!   piling up in memory, and are decompressed as soon as the apply gets to them.
+
+use std::fs::File;
+use std::io::{self, Read};
+use std::time::Duration;
+
+/// A [`Read`] over chunks handed out one at a time by `next`, for example from a channel that a
+/// download task fills: `ChunkReader::new(move || rx.blocking_recv())` with a tokio channel of
+/// `io::Result<Bytes>`, or `move || rx.recv().ok()` with a std channel. `None` ends the stream; an `Err`
+/// chunk fails the read (and so the apply) with that error.
+pub struct ChunkReader<F, B> {
+    next: F,
+    current: Option<B>,
+    pos: usize,
+    done: bool,
+}
+
+impl<F, B> ChunkReader<F, B>
+where
+    F: FnMut() -> Option<io::Result<B>>,
+    B: AsRef<[u8]>,
+{
+    pub fn new(next: F) -> Self {
+        ChunkReader {
+            next,
+            current: None,
+            pos: 0,
+            done: false,
+        }
+    }
+}
+
+impl<F, B> Read for ChunkReader<F, B>
+where
+    F: FnMut() -> Option<io::Result<B>>,
+    B: AsRef<[u8]>,
+{
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            if let Some(chunk) = &self.current {
+                let bytes = chunk.as_ref();
+                if self.pos < bytes.len() {
+                    let n = buf.len().min(bytes.len() - self.pos);
+                    buf[..n].copy_from_slice(&bytes[self.pos..self.pos + n]);
+                    self.pos += n;
+                    return Ok(n);
+                }
+                self.current = None;
+            }
+            if self.done {
+                return Ok(0);
+            }
+            match (self.next)() {
+                None => self.done = true,
+                Some(Err(e)) => {
+                    self.done = true;
+                    return Err(e);
+                }
+                Some(Ok(chunk)) => {
+                    self.current = Some(chunk);
+                    self.pos = 0;
+                }
+            }
+        }
+    }
+}
+
+/// What the writer of a followed file says about it.
+#[derive(Debug)]
+pub enum WriterStatus {
+    /// More bytes may come.
+    Writing,
+    /// The file is complete.
+    Done,
+    /// The download failed; the read fails with this error.
+    Failed(io::Error),
+}
+
+/// A [`Read`] over a file another task is still writing: at the current end of the file it asks
+/// `status` and waits (polling every `poll`) until more bytes arrive or the writer is done.
+pub struct FollowReader<F> {
+    file: File,
+    status: F,
+    poll: Duration,
+}
+
+impl<F: FnMut() -> WriterStatus> FollowReader<F> {
+    pub fn new(file: File, status: F) -> Self {
+        FollowReader {
+            file,
+            status,
+            poll: Duration::from_millis(5),
+        }
+    }
+}
+
+impl<F: FnMut() -> WriterStatus> Read for FollowReader<F> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            let n = self.file.read(buf)?;
+            if n > 0 || buf.is_empty() {
+                return Ok(n);
+            }
+            match (self.status)() {
+                WriterStatus::Writing => std::thread::sleep(self.poll),
+                // The last bytes may have landed between the read above and the status.
+                WriterStatus::Done => return self.file.read(buf),
+                WriterStatus::Failed(e) => return Err(e),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    #[test]
+    fn chunk_reader_passes_errors() {
+        let mut items = vec![Ok(vec![1u8, 2]), Err(io::Error::other("net down"))].into_iter();
+        let mut r = ChunkReader::new(move || items.next());
+        let mut buf = Vec::new();
+        let err = r.read_to_end(&mut buf).unwrap_err();
+        assert_eq!(err.to_string(), "net down");
+        assert_eq!(buf, vec![1, 2]);
+    }
+
+    #[test]
+    fn follow_reader_waits_for_the_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("blob");
+        let mut w = File::create(&path).unwrap();
+        let done = Arc::new(AtomicBool::new(false));
+        let d = done.clone();
+        let writer = std::thread::spawn(move || {
+            for i in 0..50u8 {
+                w.write_all(&[i; 1000]).unwrap();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            d.store(true, Ordering::SeqCst);
+        });
+        let mut r = FollowReader::new(File::open(&path).unwrap(), || {
+            if done.load(Ordering::SeqCst) {
+                WriterStatus::Done
+            } else {
+                WriterStatus::Writing
+            }
+        });
+        let mut out = Vec::new();
+        r.read_to_end(&mut out).unwrap();
+        writer.join().unwrap();
+        assert_eq!(out.len(), 50_000);
+        assert_eq!(out[49_999], 49);
+    }
+}

@@ -1,0 +1,336 @@
+//! Snapshot lifecycle against both backends: compression, chain ids, unpack-once, reference counting
+//! by images and containers, persistence across restarts, concurrent applies, streaming input.
+
+mod common;
+
+use std::fs;
+use std::io;
+use std::sync::{Arc, Barrier, mpsc};
+
+use common::*;
+use minicri_snapshotter::{Backend, ChunkReader, Error, Kind, LayerSpec, Snapshotter, chain_ids};
+
+both_backends!(
+    compressions_and_media_types,
+    chain_ids_and_unpack_once,
+    shared_layers_survive_removal_of_one_image,
+    container_keeps_released_image_layers,
+    remove_refuses_snapshots_in_use,
+    state_survives_restart_and_crash_leftovers_are_swept,
+    concurrent_applies_of_one_chain_unpack_once,
+    streams_from_a_channel,
+    prepare_and_view_errors,
+);
+
+fn base_layer() -> Vec<u8> {
+    let mut l = Layer::new();
+    l.dir("etc", 0o755)
+        .file("etc/os-release", b"minicri")
+        .file("etc/big", &vec![b'z'; 300_000]);
+    l.finish()
+}
+
+fn layer_with(name: &str) -> Vec<u8> {
+    let mut l = Layer::new();
+    l.file(name, name.as_bytes());
+    l.finish()
+}
+
+fn compressions_and_media_types(b: Backend) {
+    let tar = base_layer();
+    let d = diff_id(&tar);
+    let cases: [(&str, Vec<u8>); 5] = [
+        (TAR, tar.clone()),
+        (GZIP, gzip(&tar)),
+        (ZSTD, zstd(&tar)),
+        (
+            "application/vnd.docker.image.rootfs.diff.tar.gzip",
+            gzip(&tar),
+        ),
+        // Mislabelled: an uncompressed blob with a gzip media type still applies.
+        (
+            "application/vnd.docker.image.rootfs.diff.tar.gzip",
+            tar.clone(),
+        ),
+    ];
+    let mut trees = Vec::new();
+    for (mt, blob) in cases {
+        let (_dir, s) = open(b);
+        let spec = LayerSpec {
+            media_type: mt,
+            diff_id: &d,
+            parent: None,
+            user: Some(IMAGE),
+        };
+        let a = s.apply_layer(&spec, &mut &blob[..]).unwrap();
+        assert!(a.unpacked);
+        assert_eq!(a.size, tar.len() as u64);
+        assert_eq!(
+            s.stat(&a.chain_id).unwrap().layer_size,
+            Some(tar.len() as u64)
+        );
+        trees.push(view_tree(&s, &a.chain_id));
+    }
+    assert!(trees.windows(2).all(|w| w[0] == w[1]));
+    let (_dir, s) = open(b);
+    let spec = LayerSpec {
+        media_type: "application/json",
+        diff_id: &d,
+        parent: None,
+        user: None,
+    };
+    assert!(matches!(
+        s.apply_layer(&spec, &mut &tar[..]),
+        Err(Error::UnsupportedMediaType(_))
+    ));
+}
+
+fn chain_ids_and_unpack_once(b: Backend) {
+    let (_d, s) = open(b);
+    let layers = [base_layer(), layer_with("one"), layer_with("two")];
+    let diffs: Vec<String> = layers.iter().map(|l| diff_id(l)).collect();
+    let chain = apply_all(&s, &layers);
+    assert_eq!(chain, chain_ids(&diffs));
+    assert_eq!(chain[0], diffs[0]);
+    // The same layer again, for another image: not unpacked, the stream is not even read.
+    let spec = LayerSpec {
+        media_type: TAR,
+        diff_id: &diffs[1],
+        parent: Some(&chain[0]),
+        user: Some("other"),
+    };
+    let mut unread: &[u8] = b"not a tar at all";
+    let a = s.apply_layer(&spec, &mut unread).unwrap();
+    assert_eq!(
+        (a.unpacked, a.chain_id.as_str()),
+        (false, chain[1].as_str())
+    );
+    assert!(s.stat(&chain[1]).unwrap().users.contains("other"));
+    assert_eq!(s.list().unwrap().len(), 3);
+    // A missing parent is an error.
+    let spec = LayerSpec {
+        media_type: TAR,
+        diff_id: &diffs[2],
+        parent: Some(&diffs[2]),
+        user: None,
+    };
+    assert!(matches!(
+        s.apply_layer(&spec, &mut &layers[2][..]),
+        Err(Error::NotFound { .. })
+    ));
+}
+
+/// Applies `layers` for the image `user`; returns the chain ids.
+fn pull(s: &dyn Snapshotter, user: &str, layers: &[Vec<u8>]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for l in layers {
+        let c = try_apply(s, out.last().map(String::as_str), l, Some(user)).unwrap();
+        out.push(c);
+    }
+    out
+}
+
+fn keys(s: &dyn Snapshotter) -> Vec<String> {
+    s.list().unwrap().into_iter().map(|i| i.key).collect()
+}
+
+fn shared_layers_survive_removal_of_one_image(b: Backend) {
+    let (_d, s) = open(b);
+    let a = pull(&s, "image-a", &[base_layer(), layer_with("a")]);
+    let bb = pull(&s, "image-b", &[base_layer(), layer_with("b")]);
+    assert_eq!(a[0], bb[0], "the shared base is one snapshot");
+    assert_eq!(s.list().unwrap().len(), 3);
+    let removed = s.release("image-a").unwrap();
+    assert_eq!(removed, vec![a[1].clone()]);
+    let mut left = keys(&s);
+    left.sort();
+    let mut want = vec![bb[0].clone(), bb[1].clone()];
+    want.sort();
+    assert_eq!(left, want);
+    assert_eq!(view_tree(&s, &bb[1])["b"].content, b"b");
+    s.release("image-b").unwrap();
+    assert!(keys(&s).is_empty());
+    assert!(names(&s.root().join("snapshots")).is_empty());
+    assert!(names(&s.root().join("meta")).is_empty());
+}
+
+fn container_keeps_released_image_layers(b: Backend) {
+    let (_d, s) = open(b);
+    let img = pull(&s, "image", &[base_layer(), layer_with("x")]);
+    s.prepare("ctr", Some(&img[1])).unwrap();
+    assert!(
+        s.release("image").unwrap().is_empty(),
+        "the container still needs the layers"
+    );
+    assert_eq!(s.list().unwrap().len(), 3);
+    let removed = s.remove("ctr").unwrap();
+    assert_eq!(
+        removed,
+        vec!["ctr".to_string(), img[1].clone(), img[0].clone()]
+    );
+    assert!(keys(&s).is_empty());
+    // A container can also be a user: released with it.
+    let img = pull(&s, "image", &[base_layer()]);
+    s.prepare("ctr2", Some(&img[0])).unwrap();
+    s.add_user("ctr2", "pod-sandbox-1").unwrap();
+    assert!(matches!(s.remove("ctr2"), Err(Error::InUse { .. })));
+    assert_eq!(s.release("pod-sandbox-1").unwrap(), ["ctr2"]);
+    assert_eq!(keys(&s), [img[0].clone()]);
+}
+
+fn remove_refuses_snapshots_in_use(b: Backend) {
+    let (_d, s) = open(b);
+    let img = pull(&s, "image", &[base_layer(), layer_with("x")]);
+    assert!(
+        matches!(s.remove(&img[0]), Err(Error::InUse { .. })),
+        "has a child"
+    );
+    assert!(
+        matches!(s.remove(&img[1]), Err(Error::InUse { .. })),
+        "has a user"
+    );
+    assert!(matches!(s.remove("nope"), Err(Error::NotFound { .. })));
+}
+
+fn state_survives_restart_and_crash_leftovers_are_swept(b: Backend) {
+    let dir = tempfile::tempdir().unwrap();
+    let img;
+    {
+        let s = reopen(b, dir.path());
+        img = pull(&s, "image", &[base_layer(), layer_with("x")]);
+        s.prepare("ctr", Some(&img[1])).unwrap();
+        // A second daemon on the same root is refused while the first has it.
+        assert!(
+            minicri_snapshotter::LocalSnapshotter::open(
+                dir.path().join("root"),
+                b,
+                Default::default()
+            )
+            .is_err()
+        );
+    }
+    // What a crash mid-apply leaves behind: a half-written layer in tmp/ and an unrecorded directory.
+    let root = dir.path().join("root");
+    fs::create_dir_all(root.join("tmp/apply-7/fs/usr")).unwrap();
+    fs::create_dir_all(root.join("snapshots/999/fs")).unwrap();
+    fs::write(root.join("meta/12.json.tmp"), b"{").unwrap();
+    let s = reopen(b, dir.path());
+    let infos = s.list().unwrap();
+    assert_eq!(infos.len(), 3);
+    let ctr = s.stat("ctr").unwrap();
+    assert_eq!(
+        (ctr.kind, ctr.parent.as_deref()),
+        (Kind::Active, Some(img[1].as_str()))
+    );
+    assert!(s.stat(&img[0]).unwrap().users.contains("image"));
+    assert!(names(&root.join("tmp")).is_empty());
+    assert!(!root.join("snapshots/999").exists());
+    assert!(!root.join("meta/12.json.tmp").exists());
+    assert_eq!(view_tree(&s, &img[1])["x"].content, b"x");
+    // New snapshots never reuse an id seen on disk.
+    s.prepare("ctr2", Some(&img[1])).unwrap();
+    let ids: Vec<u64> = names(&root.join("snapshots"))
+        .iter()
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert!(ids.iter().any(|id| *id > 999), "{ids:?}");
+    drop(s);
+    let other = match b {
+        Backend::Overlay => Backend::Copy,
+        Backend::Copy => Backend::Overlay,
+    };
+    assert!(minicri_snapshotter::LocalSnapshotter::open(&root, other, Default::default()).is_err());
+}
+
+fn concurrent_applies_of_one_chain_unpack_once(b: Backend) {
+    let (_d, s) = open(b);
+    let s = Arc::new(s);
+    let tar = Arc::new(base_layer());
+    let barrier = Arc::new(Barrier::new(4));
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let (s, tar, barrier) = (s.clone(), tar.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let d = diff_id(&tar);
+                let user = format!("image-{i}");
+                let spec = LayerSpec {
+                    media_type: TAR,
+                    diff_id: &d,
+                    parent: None,
+                    user: Some(&user),
+                };
+                barrier.wait();
+                s.apply_layer(&spec, &mut &tar[..]).unwrap()
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(results.iter().filter(|a| a.unpacked).count(), 1);
+    assert_eq!(s.list().unwrap().len(), 1);
+    assert_eq!(s.list().unwrap()[0].users.len(), 4);
+    assert_eq!(names(&s.root().join("snapshots")).len(), 1);
+}
+
+fn streams_from_a_channel(b: Backend) {
+    let (_d, s) = open(b);
+    let tar = base_layer();
+    let d = diff_id(&tar);
+    let blob = gzip(&tar);
+    let (tx, rx) = mpsc::sync_channel::<io::Result<Vec<u8>>>(2);
+    let feeder = std::thread::spawn(move || {
+        for chunk in blob.chunks(977) {
+            tx.send(Ok(chunk.to_vec())).unwrap();
+        }
+    });
+    let mut reader = ChunkReader::new(move || rx.recv().ok());
+    let spec = LayerSpec {
+        media_type: GZIP,
+        diff_id: &d,
+        parent: None,
+        user: Some(IMAGE),
+    };
+    let a = s.apply_layer(&spec, &mut reader).unwrap();
+    feeder.join().unwrap();
+    assert!(a.unpacked);
+    // A download that fails half-way fails the apply and commits nothing.
+    let (_d2, s2) = open(b);
+    let blob = gzip(&tar);
+    let (tx, rx) = mpsc::sync_channel::<io::Result<Vec<u8>>>(2);
+    std::thread::spawn(move || {
+        tx.send(Ok(blob[..blob.len() / 3].to_vec())).unwrap();
+        let _ = tx.send(Err(io::Error::new(
+            io::ErrorKind::ConnectionReset,
+            "registry went away",
+        )));
+    });
+    let mut reader = ChunkReader::new(move || rx.recv().ok());
+    let err = s2.apply_layer(&spec, &mut reader).unwrap_err();
+    assert!(err.to_string().contains("registry went away"), "{err}");
+    assert!(s2.list().unwrap().is_empty());
+}
+
+fn prepare_and_view_errors(b: Backend) {
+    let (_d, s) = open(b);
+    let img = pull(&s, "image", &[base_layer()]);
+    s.prepare("c", Some(&img[0])).unwrap();
+    assert!(matches!(
+        s.prepare("c", Some(&img[0])),
+        Err(Error::AlreadyExists { .. })
+    ));
+    assert!(matches!(
+        s.prepare("d", Some("missing")),
+        Err(Error::NotFound { .. })
+    ));
+    assert!(
+        matches!(s.prepare("e", Some("c")), Err(Error::InvalidArgument(_))),
+        "parent must be committed"
+    );
+    assert!(matches!(s.view("", None), Err(Error::InvalidArgument(_))));
+    // Scratch snapshots (no parent) work too.
+    let m = s.prepare("scratch", None).unwrap();
+    assert_eq!(m.fstype, "bind");
+    let v = s.view("empty-view", None).unwrap();
+    assert!(v.is_read_only());
+    assert_eq!(s.usage(&img[0]).unwrap().inodes, 4);
+    assert!(s.usage(&img[0]).unwrap().bytes >= 300_000);
+}

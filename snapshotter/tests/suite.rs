@@ -1,0 +1,412 @@
+//! The snapshotter suite: filesystem semantics of layer stacks, run against both backends.
+
+mod common;
+
+use std::fs;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+
+use common::*;
+use minicri_snapshotter::{Backend, Snapshotter};
+use tar::EntryType;
+
+both_backends!(
+    layering,
+    upper_layer_updates_file,
+    deletes_files_and_dirs_from_lower_layers,
+    opaque_directory,
+    opaque_marker_before_or_after_new_entries,
+    hardlinks_within_and_across_layers,
+    device_nodes_and_fifos,
+    ownership_modes_times_and_xattrs,
+    directory_mtimes_survive_later_layers,
+    symlinked_parent_inside_snapshot,
+    file_replaces_directory_and_back,
+    stacked_128_layers,
+    container_snapshot_lifecycle,
+    view_is_read_only,
+    commit_active_snapshot,
+);
+
+fn layering(b: Backend) {
+    let (_d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.dir("etc", 0o755).file("etc/a", b"A").dir("usr", 0o755);
+    let mut l1 = Layer::new();
+    l1.dir("usr/bin", 0o755).file("usr/bin/b", b"B");
+    let chain = apply_all(&s, &[l0.finish(), l1.finish()]);
+    let t = view_tree(&s, &chain[1]);
+    assert_eq!(t["etc/a"].content, b"A");
+    assert_eq!(t["usr/bin/b"].content, b"B");
+    assert_eq!(t[""].mode, 0o755);
+    let t0 = view_tree(&s, &chain[0]);
+    assert!(!t0.contains_key("usr/bin"));
+}
+
+fn upper_layer_updates_file(b: Backend) {
+    let (_d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.file_with(
+        "a",
+        b"old",
+        &Attrs {
+            mtime: 100,
+            ..Attrs::mode(0o644)
+        },
+    );
+    let mut l1 = Layer::new();
+    l1.file_with(
+        "a",
+        b"new",
+        &Attrs {
+            uid: 1000,
+            gid: 1001,
+            ..Attrs::mode(0o600)
+        },
+    );
+    let chain = apply_all(&s, &[l0.finish(), l1.finish()]);
+    let t = view_tree(&s, &chain[1]);
+    assert_eq!(t["a"].content, b"new");
+    assert_eq!((t["a"].mode, t["a"].uid, t["a"].gid), (0o600, 1000, 1001));
+    assert_eq!(view_tree(&s, &chain[0])["a"].content, b"old");
+}
+
+fn deletes_files_and_dirs_from_lower_layers(b: Backend) {
+    let (_d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.file("a", b"a")
+        .dir("d", 0o755)
+        .file("d/x", b"x")
+        .dir("d/sub", 0o755)
+        .file("d/sub/y", b"y")
+        .file("keep", b"k");
+    let mut l1 = Layer::new();
+    l1.whiteout("a").whiteout("d").whiteout("never-existed");
+    let chain = apply_all(&s, &[l0.finish(), l1.finish()]);
+    let t = view_tree(&s, &chain[1]);
+    let keys: Vec<&str> = t.keys().map(String::as_str).collect();
+    assert_eq!(keys, ["", "keep"]);
+}
+
+fn opaque_directory(b: Backend) {
+    let (_d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.dir("d", 0o755)
+        .file("d/old", b"o")
+        .dir("d/sub", 0o755)
+        .file("d/sub/deep", b"x");
+    let mut l1 = Layer::new();
+    l1.dir("d", 0o750).opaque("d").file("d/new", b"n");
+    let mut l2 = Layer::new();
+    l2.file("d/newer", b"nn");
+    let chain = apply_all(&s, &[l0.finish(), l1.finish(), l2.finish()]);
+    let t = view_tree(&s, &chain[2]);
+    let keys: Vec<&str> = t.keys().map(String::as_str).collect();
+    assert_eq!(keys, ["", "d", "d/new", "d/newer"]);
+    assert_eq!(t["d"].mode, 0o750);
+}
+
+fn opaque_marker_before_or_after_new_entries(b: Backend) {
+    let (_d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.dir("d", 0o755).file("d/old", b"o");
+    let base = apply(&s, None, &l0.finish());
+    // The opaque marker hides only the lower layers, wherever it comes in the tar.
+    let mut after = Layer::new();
+    after.dir("d", 0o755).file("d/new", b"n").opaque("d");
+    let c = apply(&s, Some(&base), &after.finish());
+    let keys: Vec<String> = view_tree(&s, &c).into_keys().collect();
+    assert_eq!(keys, ["", "d", "d/new"]);
+    // A whiteout of a directory this layer also writes removes only the lower content.
+    let mut mixed = Layer::new();
+    mixed.file("d/new2", b"n").whiteout("d");
+    let c = apply(&s, Some(&base), &mixed.finish());
+    let keys: Vec<String> = view_tree(&s, &c).into_keys().collect();
+    assert_eq!(keys, ["", "d", "d/new2"]);
+}
+
+fn hardlinks_within_and_across_layers(b: Backend) {
+    let (_d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.dir("bin", 0o755)
+        .file_with("bin/a", b"data", &Attrs::mode(0o755))
+        .hardlink("bin/b", "bin/a");
+    let mut l1 = Layer::new();
+    l1.dir("other", 0o755)
+        .hardlink("other/c", "bin/a")
+        .hardlink("./d", "./bin/b");
+    let chain = apply_all(&s, &[l0.finish(), l1.finish()]);
+    with_view(&s, &chain[0], |root| {
+        let a = fs::metadata(root.join("bin/a")).unwrap();
+        let bb = fs::metadata(root.join("bin/b")).unwrap();
+        assert_eq!(a.ino(), bb.ino());
+        assert_eq!(a.nlink(), 2);
+    });
+    with_view(&s, &chain[1], |root| {
+        let a = fs::metadata(root.join("bin/a")).unwrap();
+        let c = fs::metadata(root.join("other/c")).unwrap();
+        assert_eq!(
+            a.ino(),
+            c.ino(),
+            "cross-layer link shares the inode with its target"
+        );
+        assert_eq!(fs::read(root.join("other/c")).unwrap(), b"data");
+        assert_eq!(fs::read(root.join("d")).unwrap(), b"data");
+        assert_eq!(c.mode() & 0o7777, 0o755);
+    });
+}
+
+fn device_nodes_and_fifos(b: Backend) {
+    let (_d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.dir("dev", 0o755)
+        .device(EntryType::Char, "dev/null", 1, 3, 0o666)
+        .device(EntryType::Block, "dev/loop9", 7, 9, 0o660)
+        .device(EntryType::Fifo, "dev/fifo", 0, 0, 0o620);
+    let chain = apply(&s, None, &l0.finish());
+    with_view(&s, &chain, |root| {
+        let null = fs::symlink_metadata(root.join("dev/null")).unwrap();
+        assert!(null.file_type().is_char_device());
+        assert_eq!(null.rdev(), nix::sys::stat::makedev(1, 3));
+        assert_eq!(null.mode() & 0o7777, 0o666);
+        let lp = fs::symlink_metadata(root.join("dev/loop9")).unwrap();
+        assert!(lp.file_type().is_block_device());
+        assert_eq!(lp.rdev(), nix::sys::stat::makedev(7, 9));
+        let fifo = fs::symlink_metadata(root.join("dev/fifo")).unwrap();
+        assert!(fifo.file_type().is_fifo());
+        assert_eq!(fifo.mode() & 0o7777, 0o620);
+    });
+}
+
+/// VFS_CAP_REVISION_2 with the effective flag and cap_net_bind_service (bit 10) permitted.
+const CAP_NET_BIND: [u8; 20] = [1, 0, 0, 2, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+
+fn ownership_modes_times_and_xattrs(b: Backend) {
+    let (_d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.entry(
+        EntryType::Directory,
+        b"./",
+        None,
+        b"",
+        &Attrs {
+            mtime: 42,
+            ..Attrs::mode(0o711)
+        },
+    )
+    .dir("tmp", 0o1777)
+    .entry(
+        EntryType::Directory,
+        b"shared",
+        None,
+        b"",
+        &Attrs {
+            uid: 0,
+            gid: 50,
+            ..Attrs::mode(0o2775)
+        },
+    )
+    .file_with("suid", b"x", &Attrs::mode(0o4755))
+    .file_with(
+        "owned",
+        b"o",
+        &Attrs {
+            uid: 1234,
+            gid: 5678,
+            pax: vec![("mtime".into(), b"1700000000.123456789".to_vec())],
+            ..Attrs::mode(0o640)
+        },
+    )
+    .file_with(
+        "cap",
+        b"c",
+        &Attrs::mode(0o755)
+            .xattr("security.capability", &CAP_NET_BIND)
+            .xattr("user.note", b"hi"),
+    )
+    .entry(
+        EntryType::Symlink,
+        b"link",
+        Some(b"owned"),
+        b"",
+        &Attrs {
+            uid: 77,
+            gid: 88,
+            mtime: 1234,
+            ..Attrs::mode(0o777)
+        },
+    );
+    let chain = apply(&s, None, &l0.finish());
+    let t = view_tree(&s, &chain);
+    assert_eq!(t[""].mode, 0o711);
+    assert_eq!(t["tmp"].mode, 0o1777);
+    assert_eq!((t["shared"].mode, t["shared"].gid), (0o2775, 50));
+    assert_eq!(t["suid"].mode, 0o4755);
+    assert_eq!(
+        (t["owned"].uid, t["owned"].gid, t["owned"].mode),
+        (1234, 5678, 0o640)
+    );
+    assert_eq!(t["owned"].mtime, Some((1_700_000_000, 123_456_789)));
+    assert_eq!(t["cap"].xattrs["security.capability"], CAP_NET_BIND);
+    assert_eq!(t["cap"].xattrs["user.note"], b"hi");
+    assert_eq!(t["cap"].mode, 0o755);
+    assert_eq!(
+        (t["link"].uid, t["link"].gid, t["link"].mtime),
+        (77, 88, Some((1234, 0)))
+    );
+    assert_eq!(t["link"].content, b"owned");
+    // The root's time comes from the "./" entry even though entries were written into it later.
+    with_view(&s, &chain, |root| {
+        assert_eq!(fs::metadata(root).unwrap().mtime(), 42)
+    });
+}
+
+fn directory_mtimes_survive_later_layers(b: Backend) {
+    let (_d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.entry(
+        EntryType::Directory,
+        b"d",
+        None,
+        b"",
+        &Attrs {
+            mtime: 1000,
+            ..Attrs::mode(0o755)
+        },
+    )
+    .file("d/x", b"x")
+    .file("d/gone", b"g");
+    let mut l1 = Layer::new();
+    l1.file("d/y", b"y").whiteout("d/gone");
+    let chain = apply_all(&s, &[l0.finish(), l1.finish()]);
+    for c in &chain {
+        with_view(&s, c, |root| {
+            assert_eq!(fs::metadata(root.join("d")).unwrap().mtime(), 1000)
+        });
+    }
+}
+
+fn symlinked_parent_inside_snapshot(b: Backend) {
+    let (_d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.dir("usr", 0o755)
+        .dir("usr/lib", 0o755)
+        .symlink("lib", "usr/lib");
+    let mut l1 = Layer::new();
+    l1.file("lib/libx.so", b"elf");
+    let chain = apply_all(&s, &[l0.finish(), l1.finish()]);
+    let t = view_tree(&s, &chain[1]);
+    assert_eq!(t["usr/lib/libx.so"].content, b"elf");
+    assert_eq!(t["lib"].kind, 'l');
+}
+
+fn file_replaces_directory_and_back(b: Backend) {
+    let (_d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.dir("x", 0o755).file("x/inner", b"i").file("y", b"file");
+    let mut l1 = Layer::new();
+    l1.file("x", b"now a file")
+        .dir("y", 0o700)
+        .file("y/z", b"z");
+    let chain = apply_all(&s, &[l0.finish(), l1.finish()]);
+    let t = view_tree(&s, &chain[1]);
+    let keys: Vec<&str> = t.keys().map(String::as_str).collect();
+    assert_eq!(keys, ["", "x", "y", "y/z"]);
+    assert_eq!(t["x"].content, b"now a file");
+    assert_eq!((t["y"].kind, t["y"].mode), ('d', 0o700));
+}
+
+fn stacked_128_layers(b: Backend) {
+    let (d, s) = open(b);
+    let mut layers = Vec::new();
+    for i in 0..128 {
+        let mut l = Layer::new();
+        l.file(&format!("f{i}"), format!("{i}").as_bytes())
+            .file("top", format!("{i}").as_bytes());
+        if i > 0 {
+            l.whiteout(&format!("f{}", i - 1));
+        }
+        layers.push(l.finish());
+    }
+    let chain = apply_all(&s, &layers);
+    let m = s.prepare("ctr", Some(&chain[127])).unwrap();
+    if b == Backend::Overlay {
+        assert!(
+            m.options.join(",").len() > 4096,
+            "the test must exceed one page of mount options"
+        );
+    }
+    {
+        let mounted = Mounted::new(&m, &d.path().join("mnt"));
+        assert_eq!(names(&mounted.path), ["f127", "top"]);
+        assert_eq!(fs::read(mounted.path.join("top")).unwrap(), b"127");
+        fs::write(mounted.path.join("written"), b"w").unwrap();
+    }
+    assert!(s.usage("ctr").unwrap().inodes >= 2);
+    s.remove("ctr").unwrap();
+}
+
+fn container_snapshot_lifecycle(b: Backend) {
+    let (d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.dir("app", 0o755).file("app/run", b"#!/bin/sh");
+    let image = apply(&s, None, &l0.finish());
+    s.add_user(&image, "image-1").unwrap();
+    let m = s.prepare("ctr-1", Some(&image)).unwrap();
+    assert_eq!(s.mounts("ctr-1").unwrap(), m);
+    let before = s.usage("ctr-1").unwrap();
+    {
+        let mounted = Mounted::new(&m, &d.path().join("mnt"));
+        fs::write(mounted.path.join("app/log"), vec![7u8; 1 << 20]).unwrap();
+        assert_eq!(
+            fs::read(mounted.path.join("app/run")).unwrap(),
+            b"#!/bin/sh"
+        );
+    }
+    let after = s.usage("ctr-1").unwrap();
+    assert!(
+        after.bytes >= before.bytes + (1 << 20),
+        "{before:?} -> {after:?}"
+    );
+    assert!(after.inodes > before.inodes);
+    // The image's layer is still unchanged.
+    assert!(!view_tree(&s, &image).contains_key("app/log"));
+    assert_eq!(s.remove("ctr-1").unwrap(), ["ctr-1"]);
+    assert!(matches!(
+        s.stat("ctr-1"),
+        Err(minicri_snapshotter::Error::NotFound { .. })
+    ));
+    assert_eq!(s.list().unwrap().len(), 1);
+    assert!(s.total_usage().unwrap().inodes > 0);
+}
+
+fn view_is_read_only(b: Backend) {
+    let (_d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.file("f", b"x");
+    let mut l1 = Layer::new();
+    l1.file("g", b"y");
+    let chain = apply_all(&s, &[l0.finish(), l1.finish()]);
+    for c in &chain {
+        with_view(&s, c, |root| {
+            let err = fs::write(root.join("new"), b"no").unwrap_err();
+            assert_eq!(err.raw_os_error(), Some(libc::EROFS));
+        });
+    }
+}
+
+fn commit_active_snapshot(b: Backend) {
+    let (d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.file("base", b"b").file("drop", b"d");
+    let image = apply(&s, None, &l0.finish());
+    let m = s.prepare("work", Some(&image)).unwrap();
+    {
+        let mounted = Mounted::new(&m, &d.path().join("mnt"));
+        fs::write(mounted.path.join("added"), b"a").unwrap();
+        fs::remove_file(mounted.path.join("drop")).unwrap();
+    }
+    s.commit("committed", "work").unwrap();
+    let keys: Vec<String> = view_tree(&s, "committed").into_keys().collect();
+    assert_eq!(keys, ["", "added", "base"]);
+    assert!(s.mounts("committed").is_err());
+}
