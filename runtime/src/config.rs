@@ -55,6 +55,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N")]
     pub max_concurrent_downloads: Option<usize>,
 
+    /// Layer snapshotter backend: overlay (falls back to copy where overlayfs is unusable) or copy.
+    /// [default: overlay]
+    #[arg(long, value_name = "BACKEND")]
+    pub snapshotter: Option<String>,
+
     /// Blobs downloaded concurrently on the whole node. [default: 6]
     #[arg(long, value_name = "N")]
     pub max_concurrent_transfers: Option<usize>,
@@ -98,6 +103,7 @@ pub struct Config {
     pub platform: String,
     pub max_concurrent_downloads: usize,
     pub max_concurrent_transfers: usize,
+    pub snapshotter: String,
     pub pull_progress_timeout: Option<std::time::Duration>,
     pub ingest_ttl: std::time::Duration,
     pub cni_conf_dirs: Vec<PathBuf>,
@@ -138,6 +144,7 @@ impl ServeArgs {
             max_concurrent_transfers: self
                 .max_concurrent_transfers
                 .or(base.max_concurrent_transfers),
+            snapshotter: self.snapshotter.or(base.snapshotter),
             pull_progress_timeout: self.pull_progress_timeout.or(base.pull_progress_timeout),
             ingest_ttl: self.ingest_ttl.or(base.ingest_ttl),
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
@@ -166,6 +173,10 @@ impl ServeArgs {
         let max_concurrent_downloads = self.max_concurrent_downloads.unwrap_or(3);
         if max_concurrent_downloads == 0 {
             bail!("max_concurrent_downloads must be at least 1");
+        }
+        let snapshotter = self.snapshotter.unwrap_or_else(|| "overlay".into());
+        if !matches!(snapshotter.as_str(), "overlay" | "copy") {
+            bail!("snapshotter {snapshotter:?} is not one of overlay, copy");
         }
         let max_concurrent_transfers = self.max_concurrent_transfers.unwrap_or(6);
         if max_concurrent_transfers == 0 {
@@ -196,6 +207,7 @@ impl ServeArgs {
             platform,
             max_concurrent_downloads,
             max_concurrent_transfers,
+            snapshotter,
             pull_progress_timeout,
             ingest_ttl,
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {

@@ -13,6 +13,8 @@ use minicri_store::{
     ContentStore, ImageRecord, ImageStore, PullConfig, PullManager, Registry, RegistryHosts,
 };
 
+use minicri_snapshotter::{Backend, LocalSnapshotter, Options, Snapshotter};
+
 use crate::config::Config;
 use crate::error::{Error, Result};
 
@@ -22,6 +24,9 @@ pub struct Daemon {
     pub images: Arc<ImageStore>,
     pub pulls: Arc<PullManager>,
     pub ingest_gc: Arc<minicri_store::gc::IngestGc>,
+    pub snapshotter: Arc<dyn Snapshotter>,
+    /// (when, bytes, inodes) of the last snapshot usage walk: ImageFsInfo is polled often.
+    snapshot_usage: Mutex<Option<(std::time::Instant, u64, u64)>>,
     pod_cidr: Mutex<String>,
 }
 
@@ -41,7 +46,15 @@ impl Daemon {
             max_concurrent_transfers: config.max_concurrent_transfers,
             progress_timeout: config.pull_progress_timeout,
         };
-        let pulls = PullManager::new(content.clone(), images.clone(), registry, pull_config);
+        let snapshotter = open_snapshotter(&config)?;
+        reconcile_snapshots(snapshotter.as_ref(), &images);
+        let pulls = PullManager::new(
+            content.clone(),
+            images.clone(),
+            registry,
+            pull_config,
+            Some(snapshotter.clone()),
+        );
         let ingest_gc = Arc::new(minicri_store::gc::IngestGc::new(
             content.clone(),
             pulls.blobs().clone(),
@@ -54,6 +67,8 @@ impl Daemon {
             images,
             pulls,
             ingest_gc,
+            snapshotter,
+            snapshot_usage: Mutex::new(None),
             pod_cidr: Mutex::new(String::new()),
         })
     }
@@ -67,6 +82,7 @@ impl Daemon {
         let info = serde_json::json!({
             "id": rec.id,
             "manifestDigest": rec.manifest,
+            "chainID": rec.chain_id,
             "platform": rec.platform,
             "layers": rec.layers,
             "pulledAt": rec.pulled_at,
@@ -75,12 +91,33 @@ impl Daemon {
         Ok(info.to_string())
     }
 
-    /// Bytes and inodes the image filesystem uses (walks the content store, off the async threads).
+    /// Bytes and inodes the image filesystem uses: content (blobs, partial downloads) and layer
+    /// snapshots. The snapshot walk is cached for a few seconds (the kubelet polls this).
     pub async fn image_fs_usage(&self) -> Result<cri::FilesystemUsage> {
         let content = self.content.clone();
-        let (bytes, inodes) = tokio::task::spawn_blocking(move || content.usage())
+        let (mut bytes, mut inodes) = tokio::task::spawn_blocking(move || content.usage())
             .await
             .map_err(|e| Error::Internal(format!("usage walk failed: {e}")))?;
+        let cached = self
+            .snapshot_usage
+            .lock()
+            .unwrap()
+            .filter(|(t, _, _)| t.elapsed() < SNAPSHOT_USAGE_TTL);
+        let (sb, si) = match cached {
+            Some((_, b, i)) => (b, i),
+            None => {
+                let snap = self.snapshotter.clone();
+                let u = tokio::task::spawn_blocking(move || snap.total_usage())
+                    .await
+                    .map_err(|e| Error::Internal(format!("usage walk failed: {e}")))?
+                    .map_err(minicri_store::StoreError::from)?;
+                *self.snapshot_usage.lock().unwrap() =
+                    Some((std::time::Instant::now(), u.bytes, u.inodes));
+                (u.bytes, u.inodes)
+            }
+        };
+        bytes += sb;
+        inodes += si;
         let timestamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as i64)
@@ -157,4 +194,50 @@ fn has_cni_config(dir: &Path) -> bool {
                     Some("conflist" | "conf" | "json")
                 )
         })
+}
+
+const SNAPSHOT_USAGE_TTL: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Opens the layer snapshotter under `<root>/snapshots` with the configured backend; overlay falls
+/// back to the copy backend, with a warning, where overlayfs cannot be used.
+fn open_snapshotter(config: &Config) -> anyhow::Result<Arc<dyn Snapshotter>> {
+    let dir = config.root.join("snapshots");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let backend = match config.snapshotter.as_str() {
+        "copy" => Backend::Copy,
+        _ => match minicri_snapshotter::overlay_supported(&dir) {
+            Ok(()) => Backend::Overlay,
+            Err(e) => {
+                tracing::warn!(error = %e, "overlayfs unusable here; using the copy snapshotter");
+                Backend::Copy
+            }
+        },
+    };
+    let snap = LocalSnapshotter::open(&dir, backend, Options::default())
+        .context("opening the snapshotter")?;
+    Ok(Arc::new(snap))
+}
+
+/// Drops snapshot claims of images that have no record (a crash between unpack and record).
+fn reconcile_snapshots(snap: &dyn Snapshotter, images: &ImageStore) {
+    let known: std::collections::HashSet<String> = images
+        .list()
+        .into_iter()
+        .map(|r| r.id.to_string())
+        .collect();
+    let Ok(list) = snap.list() else { return };
+    let orphans: std::collections::BTreeSet<String> = list
+        .iter()
+        .flat_map(|i| i.users.iter())
+        .filter(|u| u.starts_with("sha256:") && !known.contains(*u))
+        .cloned()
+        .collect();
+    for user in orphans {
+        match snap.release(&user) {
+            Ok(gone) => {
+                tracing::info!(image = %user, snapshots_removed = gone.len(), "released snapshots of an image with no record")
+            }
+            Err(e) => tracing::warn!(image = %user, error = %e, "cannot release snapshots"),
+        }
+    }
 }

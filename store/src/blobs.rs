@@ -392,11 +392,12 @@ async fn fetch(
         }
     }
     drop(tx);
-    progress.set_state(BlobState::Verifying);
     let ingest = match writer.await.expect("writer does not panic") {
         Ok(i) => i,
         Err(e) => return Err(discard_on_size_error(content, &digest, e)),
     };
+    // Every byte is on disk now: readers following the ingest may read to its end.
+    progress.set_state(BlobState::Verifying);
     let c = content.clone();
     tokio::task::spawn_blocking(move || ingest.commit(&c))
         .await

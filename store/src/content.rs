@@ -83,6 +83,11 @@ impl ContentStore {
         self.root.join("ingest").join(d.hex())
     }
 
+    /// The file a download of `d` is writing (it may not exist).
+    pub fn ingest_data_path(&self, d: &Digest) -> PathBuf {
+        self.ingest_dir(d).join("data")
+    }
+
     /// Size of a committed blob, if present.
     pub fn size(&self, d: &Digest) -> Option<u64> {
         fs::metadata(self.blob_path(d)).ok().map(|m| m.len())

@@ -98,6 +98,17 @@ pub enum StoreError {
     #[error("{0}")]
     Cancelled(String),
 
+    #[error("cannot unpack layer {layer} of {reference}: {source}")]
+    Unpack {
+        reference: String,
+        layer: String,
+        #[source]
+        source: minicri_snapshotter::Error,
+    },
+
+    #[error("snapshotter: {0}")]
+    Snapshotter(#[from] minicri_snapshotter::Error),
+
     /// One failure reported to several waiters (every requester of a shared pull).
     #[error("{0}")]
     Shared(std::sync::Arc<StoreError>),
@@ -132,6 +143,17 @@ impl StoreError {
             DigestMismatch { .. } | SizeMismatch { .. } => ErrorKind::DataLoss,
             Cancelled(_) => ErrorKind::Cancelled,
             Shared(inner) => inner.kind(),
+            Unpack { source, .. } | Snapshotter(source) => match source {
+                minicri_snapshotter::Error::DiffIdMismatch { .. } => ErrorKind::DataLoss,
+                minicri_snapshotter::Error::UnsafePath { .. }
+                | minicri_snapshotter::Error::InvalidEntry { .. }
+                | minicri_snapshotter::Error::UnsupportedMediaType(_) => {
+                    ErrorKind::FailedPrecondition
+                }
+                minicri_snapshotter::Error::NotFound { .. } => ErrorKind::NotFound,
+                minicri_snapshotter::Error::LayerStream { .. } => ErrorKind::Unavailable,
+                _ => ErrorKind::Internal,
+            },
             HostsConfig { .. } | Io { .. } | Json { .. } => ErrorKind::Internal,
         }
     }

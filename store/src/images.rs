@@ -55,6 +55,9 @@ pub struct ImageRecord {
     pub platform: String,
     /// Every blob this record keeps alive.
     pub blobs: BTreeSet<Digest>,
+    /// Chain id of the image's top layer snapshot, once unpacked (the image id is its user).
+    #[serde(default)]
+    pub chain_id: Option<String>,
     pub pulled_at: chrono::DateTime<chrono::Utc>,
 }
 
@@ -158,6 +161,9 @@ impl ImageStore {
                     }
                 }
                 m.blobs.extend(rec.blobs.iter().cloned());
+                if rec.chain_id.is_some() {
+                    m.chain_id = rec.chain_id.clone();
+                }
                 m.pinned |= rec.pinned;
                 m
             }

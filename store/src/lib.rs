@@ -7,6 +7,7 @@
 //! - [`registry`]: registry sessions (auth, mirrors with fallback, manifests, blob ranges);
 //! - [`blobs`]: node-wide, shared, resumable blob downloads;
 //! - [`gc`]: collection of abandoned partial downloads (TTL, low disk space);
+//! - [`unpack`]: layers applied into snapshots as they download;
 //! - [`pull`]: pull jobs shared by their requesters, with references, aborts and progress.
 
 pub mod blobs;
@@ -20,6 +21,7 @@ pub mod manifest;
 pub mod pull;
 pub mod reference;
 pub mod registry;
+pub mod unpack;
 
 pub use content::ContentStore;
 pub use digest::Digest;

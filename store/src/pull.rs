@@ -18,9 +18,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::{StreamExt, TryStreamExt};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+
+use minicri_snapshotter::Snapshotter;
 
 use crate::blobs::{BlobDownloads, BlobHandle, BlobProgress};
 use crate::content::ContentStore;
@@ -30,6 +31,7 @@ use crate::images::{ImageRecord, ImageStore, LayerRecord};
 use crate::manifest::{self, Descriptor, ImageConfigDoc, ManifestDoc, Platform};
 use crate::reference::Reference;
 use crate::registry::{Credentials, FetchedManifest, Registry, Session};
+use crate::unpack::{self, LayerToApply};
 
 /// Pull settings.
 #[derive(Debug, Clone)]
@@ -210,6 +212,7 @@ pub struct PullManager {
     registry: Registry,
     config: PullConfig,
     blobs: Arc<BlobDownloads>,
+    snapshotter: Option<Arc<dyn Snapshotter>>,
     jobs: Mutex<HashMap<String, Arc<Job>>>,
     next_job: AtomicU64,
 }
@@ -228,11 +231,14 @@ impl Drop for JobRef {
 }
 
 impl PullManager {
+    /// With a snapshotter, pulls also unpack every layer, and an image is recorded only once its
+    /// layers are unpacked.
     pub fn new(
         content: Arc<ContentStore>,
         images: Arc<ImageStore>,
         registry: Registry,
         config: PullConfig,
+        snapshotter: Option<Arc<dyn Snapshotter>>,
     ) -> Arc<PullManager> {
         let blobs = BlobDownloads::new(content.clone(), config.max_concurrent_transfers);
         Arc::new(PullManager {
@@ -241,9 +247,38 @@ impl PullManager {
             registry,
             config,
             blobs,
+            snapshotter,
             jobs: Mutex::new(HashMap::new()),
             next_job: AtomicU64::new(1),
         })
+    }
+
+    pub fn snapshotter(&self) -> Option<&Arc<dyn Snapshotter>> {
+        self.snapshotter.as_ref()
+    }
+
+    /// Removes the image `name_or_id` names (all its names), the blobs only it used and its claim
+    /// on its layer snapshots. Unknown images are not an error.
+    pub fn remove_image(&self, name_or_id: &str) -> Result<crate::images::Removed> {
+        let removed = self.images.remove(name_or_id, &self.content)?;
+        self.release_snapshots(&removed.images);
+        Ok(removed)
+    }
+
+    fn release_snapshots(&self, images: &[ImageRecord]) {
+        let Some(snap) = &self.snapshotter else {
+            return;
+        };
+        for img in images {
+            match snap.release(img.id.as_str()) {
+                Ok(gone) => {
+                    tracing::info!(image = %img.id, snapshots_removed = gone.len(), "released layer snapshots")
+                }
+                Err(e) => {
+                    tracing::warn!(image = %img.id, error = %e, "cannot release layer snapshots")
+                }
+            }
+        }
     }
 
     pub fn blobs(&self) -> &Arc<BlobDownloads> {
@@ -574,16 +609,28 @@ impl PullManager {
         }
         blobs.insert(config_digest.clone());
 
+        // Downloads (a bounded number at once) and unpacking run together: each layer is applied
+        // as soon as the one below it is, reading its bytes as they arrive.
+        let permits = tokio::sync::Semaphore::new(self.config.max_concurrent_layers.max(1));
         // Built in a loop, not with a closure: a closure here gives the futures a higher-ranked
         // lifetime that tonic's Send bound cannot be proven for (a rustc limitation).
         let mut waits = Vec::with_capacity(layers.len());
         for i in 0..layers.len() {
-            waits.push(self.fetch_part(job, i + 1, session));
+            waits.push(self.fetch_part_bounded(job, i + 1, session, &permits));
         }
-        futures::stream::iter(waits)
-            .buffer_unordered(self.config.max_concurrent_layers.max(1))
-            .try_collect::<Vec<()>>()
-            .await?;
+        let downloads = futures::future::try_join_all(waits);
+        let to_apply: Vec<LayerToApply> = layers
+            .iter()
+            .zip(&layer_digests)
+            .zip(&diff_ids)
+            .map(|((l, d), diff_id)| LayerToApply {
+                digest: d.clone(),
+                media_type: l.media_type.clone(),
+                diff_id: diff_id.clone(),
+            })
+            .collect();
+        let unpacking = self.unpack_layers(job, reference, &config_digest, &to_apply);
+        let (_, chain_id) = tokio::try_join!(downloads, unpacking)?;
         blobs.extend(layer_digests.iter().cloned());
 
         let (uid, username) = manifest::user_of(
@@ -623,6 +670,7 @@ impl PullManager {
             pinned: false,
             platform: platform.to_string(),
             blobs,
+            chain_id,
             pulled_at: chrono::Utc::now(),
         };
         // An image removed while this pull reused its blobs lost them: fetch those again.
@@ -635,9 +683,10 @@ impl PullManager {
                     }
                 }
                 Ok((stored, removed)) => {
-                    for old in removed.images {
+                    for old in &removed.images {
                         tracing::info!(image = %old.id, "image lost its last name to a newer pull and was removed");
                     }
+                    self.release_snapshots(&removed.images);
                     return Ok(stored);
                 }
                 Err(e) => return Err(e),
@@ -647,6 +696,55 @@ impl PullManager {
             reference: reference.to_string(),
             reason: "content kept being removed during the pull".into(),
         })
+    }
+
+    async fn fetch_part_bounded(
+        &self,
+        job: &Job,
+        i: usize,
+        session: &Arc<Session>,
+        permits: &tokio::sync::Semaphore,
+    ) -> Result<()> {
+        let _permit = permits.acquire().await.expect("never closed");
+        self.fetch_part(job, i, session).await
+    }
+
+    /// Applies the layers bottom to top as their bytes arrive; the top chain id, if unpacking.
+    async fn unpack_layers(
+        &self,
+        job: &Job,
+        reference: &Reference,
+        image_id: &Digest,
+        layers: &[LayerToApply],
+    ) -> Result<Option<String>> {
+        let Some(snap) = &self.snapshotter else {
+            return Ok(None);
+        };
+        let mut parent = None;
+        for (i, layer) in layers.iter().enumerate() {
+            // Wait for the layer's download to be registered (or its blob to be present).
+            let progress = loop {
+                if let Some(p) = job.parts.lock().unwrap()[i + 1].progress.clone() {
+                    break Some(p);
+                }
+                if self.content.size(&layer.digest).is_some() {
+                    break None;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            };
+            let chain = unpack::apply_layer(
+                snap,
+                &self.content,
+                &reference.to_string(),
+                image_id.as_str(),
+                layer,
+                parent,
+                progress,
+            )
+            .await?;
+            parent = Some(chain);
+        }
+        Ok(parent)
     }
 
     fn acquire_part(&self, job: &Job, i: usize, session: &Arc<Session>) -> BlobHandle {

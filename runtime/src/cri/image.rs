@@ -151,7 +151,7 @@ impl ImageService for ImageHandler {
         call("RemoveImage", name.clone(), dl, Verbosity::Normal, async {
             let name = require_name(req.image.as_ref())?;
             // Removing an image that is not there succeeds (CRI: idempotent).
-            let removed = self.daemon.images.remove(&name, &self.daemon.content)?;
+            let removed = self.daemon.pulls.remove_image(&name)?;
             for img in &removed.images {
                 tracing::info!(image = %img.id, tags = ?img.repo_tags, blobs_deleted = removed.deleted_blobs.len(), "image removed");
             }

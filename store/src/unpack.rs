@@ -1,0 +1,158 @@
+//! Unpacking a pulled image's layers into snapshots, pipelined with the download.
+//!
+//! Layers are applied bottom to top, each as soon as the one below it is committed. A layer whose
+//! blob is already committed is read from the content store; one still downloading is read from
+//! its ingest file as the bytes arrive ([`FollowReader`]), so decompression overlaps the transfer.
+//! Reading unverified bytes is safe because the snapshotter checks the uncompressed digest against
+//! the config's `diff_ids` before it commits anything. If a live read fails (the download restarted
+//! or failed), the layer is applied again from the committed blob once the download succeeds; if the
+//! download failed, its own error is the pull's error.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::sync::Arc;
+use std::time::Duration;
+
+use minicri_snapshotter::{LayerSpec, Snapshotter, WriterStatus};
+
+use crate::blobs::{BlobProgress, BlobState};
+use crate::content::ContentStore;
+use crate::digest::Digest;
+use crate::error::{Result, StoreError};
+
+/// One layer to apply.
+pub struct LayerToApply {
+    pub digest: Digest,
+    pub media_type: String,
+    pub diff_id: String,
+}
+
+fn unpack_error(reference: &str, layer: &Digest, e: minicri_snapshotter::Error) -> StoreError {
+    StoreError::Unpack {
+        reference: reference.to_string(),
+        layer: layer.to_string(),
+        source: e,
+    }
+}
+
+/// Applies `layer` on top of `parent` for image `image_id`; returns the new chain id.
+/// `progress` is the layer's download, `None` if its blob is already committed.
+pub async fn apply_layer(
+    snapshotter: &Arc<dyn Snapshotter>,
+    content: &Arc<ContentStore>,
+    reference: &str,
+    image_id: &str,
+    layer: &LayerToApply,
+    parent: Option<String>,
+    progress: Option<Arc<BlobProgress>>,
+) -> Result<String> {
+    let live = progress.filter(|p| !matches!(p.state(), BlobState::Done));
+    let first = run_apply(
+        snapshotter,
+        content,
+        image_id,
+        layer,
+        parent.clone(),
+        live.clone(),
+    )
+    .await;
+    match (first, live) {
+        (Ok(chain), _) => Ok(chain),
+        (Err(e), None) => Err(unpack_error(reference, &layer.digest, e)),
+        (Err(e), Some(p)) => {
+            // Read while downloading: find out how the download ended.
+            while !matches!(
+                p.state(),
+                BlobState::Done | BlobState::Failed | BlobState::Cancelled
+            ) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            if p.state() != BlobState::Done {
+                tracing::debug!(blob = %layer.digest, error = %e, "live unpack failed with its download; the download's error stands");
+                // The download's failure fails the pull through its own path.
+                return futures::future::pending().await;
+            }
+            tracing::info!(blob = %layer.digest, error = %e, "applying the layer again from the verified blob");
+            run_apply(snapshotter, content, image_id, layer, parent, None)
+                .await
+                .map_err(|e| unpack_error(reference, &layer.digest, e))
+        }
+    }
+}
+
+async fn run_apply(
+    snapshotter: &Arc<dyn Snapshotter>,
+    content: &Arc<ContentStore>,
+    image_id: &str,
+    layer: &LayerToApply,
+    parent: Option<String>,
+    live: Option<Arc<BlobProgress>>,
+) -> Result<String, minicri_snapshotter::Error> {
+    let snap = snapshotter.clone();
+    let content = content.clone();
+    let (digest, media_type, diff_id, user) = (
+        layer.digest.clone(),
+        layer.media_type.clone(),
+        layer.diff_id.clone(),
+        image_id.to_string(),
+    );
+    tokio::task::spawn_blocking(move || {
+        let spec = LayerSpec {
+            media_type: &media_type,
+            diff_id: &diff_id,
+            parent: parent.as_deref(),
+            user: Some(&user),
+        };
+        let io = |context: String| {
+            move |e: std::io::Error| minicri_snapshotter::Error::Io { context, source: e }
+        };
+        let applied = match live {
+            None => {
+                let f = File::open(content.blob_path(&digest))
+                    .map_err(io(format!("opening blob {digest}")))?;
+                snap.apply_layer(&spec, &mut BufReader::with_capacity(1 << 20, f))?
+            }
+            Some(p) => {
+                let file = open_growing(&content, &digest, &p)
+                    .map_err(io(format!("following the download of {digest}")))?;
+                let status = move || match p.state() {
+                    BlobState::Queued | BlobState::Downloading => WriterStatus::Writing,
+                    BlobState::Verifying | BlobState::Done => WriterStatus::Done,
+                    BlobState::Failed | BlobState::Cancelled => {
+                        WriterStatus::Failed(std::io::Error::other("download stopped"))
+                    }
+                };
+                let mut reader = BufReader::with_capacity(
+                    1 << 20,
+                    minicri_snapshotter::FollowReader::new(file, status),
+                );
+                snap.apply_layer(&spec, &mut reader)?
+            }
+        };
+        Ok(applied.chain_id)
+    })
+    .await
+    .expect("layer apply does not panic")
+}
+
+/// Opens the file a download is writing (its ingest), or the committed blob if it finished first.
+fn open_growing(
+    content: &ContentStore,
+    digest: &Digest,
+    p: &BlobProgress,
+) -> std::io::Result<File> {
+    loop {
+        if let Ok(f) = File::open(content.ingest_data_path(digest)) {
+            return Ok(f);
+        }
+        match p.state() {
+            BlobState::Verifying | BlobState::Done => return File::open(content.blob_path(digest)),
+            BlobState::Failed | BlobState::Cancelled => {
+                return Err(std::io::Error::other("download stopped"));
+            }
+            BlobState::Queued | BlobState::Downloading => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+        }
+    }
+}
