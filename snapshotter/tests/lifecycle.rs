@@ -20,6 +20,7 @@ both_backends!(
     concurrent_applies_of_one_chain_unpack_once,
     streams_from_a_channel,
     prepare_and_view_errors,
+    unpadded_stream_end_and_root_entry,
 );
 
 fn base_layer() -> Vec<u8> {
@@ -333,4 +334,23 @@ fn prepare_and_view_errors(b: Backend) {
     assert!(v.is_read_only());
     assert_eq!(s.usage(&img[0]).unwrap().inodes, 4);
     assert!(s.usage(&img[0]).unwrap().bytes >= 300_000);
+}
+
+/// Some builders write a "/" entry for the root and end the stream right after the last file's data
+/// (no padding, no end-of-archive blocks). Such a layer applies, checked by its diff_id.
+fn unpadded_stream_end_and_root_entry(b: Backend) {
+    let mut l = Layer::new();
+    l.dir("/", 0o755).file("pause", &vec![b'p'; 1000]);
+    let full = l.finish();
+    // Header of "/", header of "pause", then exactly its 1000 data bytes.
+    let tar = full[..512 + 512 + 1000].to_vec();
+    let (_d, s) = open(b);
+    let chain = apply(&s, None, &tar);
+    with_view(&s, &chain, |root| {
+        assert_eq!(fs::read(root.join("pause")).unwrap(), vec![b'p'; 1000]);
+    });
+    // A stream cut inside an entry's data is still an error.
+    let (_d, s) = open(b);
+    let cut = &full[..512 + 512 + 600];
+    assert!(try_apply(&s, None, cut, Some(IMAGE)).is_err());
 }

@@ -44,7 +44,12 @@ const OPAQUE_MARKER: &[u8] = b".wh..wh..opq";
 /// end-of-archive blocks), so a digest computed on the way in covers all of it.
 pub(crate) fn apply_tar(target: &mut dyn Target, tar: impl Read) -> Result<(), Error> {
     let stream_err = |source| Error::LayerStream { source };
-    let mut archive = tar::Archive::new(BufReader::with_capacity(64 * 1024, tar));
+    let ended = std::rc::Rc::new(std::cell::Cell::new(false));
+    let tracked = EndTracking {
+        inner: tar,
+        ended: ended.clone(),
+    };
+    let mut archive = tar::Archive::new(BufReader::with_capacity(64 * 1024, tracked));
     let root = target.root().to_path_buf();
     target
         .times()
@@ -55,7 +60,14 @@ pub(crate) fn apply_tar(target: &mut dyn Target, tar: impl Read) -> Result<(), E
         buf: vec![0; 256 * 1024],
     };
     for entry in archive.entries().map_err(stream_err)? {
-        let mut entry = entry.map_err(stream_err)?;
+        let mut entry = match entry {
+            Ok(e) => e,
+            // Some image builders end the stream right after the last entry's data, without the
+            // padding to 512 bytes and the end-of-archive blocks. The entries are all there (the
+            // diff_id check covers exactly these bytes), so that is the end of the archive.
+            Err(e) if ended.get() && e.to_string().contains("unexpected EOF during skip") => break,
+            Err(e) => return Err(stream_err(e)),
+        };
         let raw = entry.path_bytes().into_owned();
         applier
             .entry(target, &mut entry, &raw)
@@ -67,6 +79,22 @@ pub(crate) fn apply_tar(target: &mut dyn Target, tar: impl Read) -> Result<(), E
         .map_err(|e| Error::io("setting directory times", e))?;
     io::copy(&mut archive.into_inner(), &mut io::sink()).map_err(stream_err)?;
     Ok(())
+}
+
+/// Notes when the layer stream has ended.
+struct EndTracking<R> {
+    inner: R,
+    ended: std::rc::Rc<std::cell::Cell<bool>>,
+}
+
+impl<R: Read> Read for EndTracking<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if n == 0 && !buf.is_empty() {
+            self.ended.set(true);
+        }
+        Ok(n)
+    }
 }
 
 /// Why one entry failed; becomes an [`Error`] naming the entry.
@@ -364,6 +392,8 @@ impl Applier {
         meta: &Meta,
         path: &Path,
     ) -> Result<(), EntryError> {
+        let want = e.size();
+        let mut written = 0u64;
         loop {
             let n = match e.read(&mut self.buf) {
                 Ok(0) => break,
@@ -372,6 +402,14 @@ impl Applier {
                 Err(err) => return Err(EntryError::Stream(err)),
             };
             file.write_all(&self.buf[..n]).at("writing file data")?;
+            written += n as u64;
+        }
+        // The stream ended inside the file's data.
+        if written < want {
+            return Err(EntryError::Stream(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("layer stream ended after {written} of the entry's {want} bytes"),
+            )));
         }
         std::os::unix::fs::fchown(&file, Some(meta.uid), Some(meta.gid)).at("chown")?;
         file.set_permissions(fs::Permissions::from_mode(meta.mode))

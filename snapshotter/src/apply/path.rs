@@ -1,7 +1,8 @@
 //! Turning a tar entry's path into a place inside the snapshot, safely.
 //!
 //! Rules (what makes an entry "land outside the snapshot"):
-//! - entry paths and hardlink targets are relative: an absolute path or any `..` component is refused;
+//! - entry paths and hardlink targets are relative: an absolute path (other than `/`, the root
+//!   itself) or any `..` component is refused;
 //! - the directories above an entry may be symlinks (in this layer or a lower one) only when the link
 //!   is relative and stays inside the snapshot; a symlink to an absolute path or one that climbs above
 //!   the root makes the entry unsafe. Layer producers write entries at real paths, so a well-formed
@@ -39,7 +40,10 @@ impl From<io::Error> for PathError {
 /// The cleaned relative form of an entry path: no leading `./`, no `.` or empty components.
 /// The empty path is the snapshot root.
 pub(crate) fn normalize(raw: &[u8]) -> Result<PathBuf, PathError> {
-    if raw.first() == Some(&b'/') {
+    // An entry naming the root itself ("/", as some image builders write it) is the snapshot root;
+    // every other absolute path is refused.
+    let names_root = raw.split(|b| *b == b'/').all(|c| c.is_empty() || c == b".");
+    if raw.first() == Some(&b'/') && !names_root {
         return Err(PathError::Unsafe("absolute path".into()));
     }
     let mut out = PathBuf::new();
@@ -174,6 +178,13 @@ mod tests {
     fn normalize_cleans_and_refuses() {
         assert_eq!(normalize(b"./a//b/./c").unwrap(), PathBuf::from("a/b/c"));
         assert_eq!(normalize(b"./").unwrap(), PathBuf::new());
+        assert_eq!(
+            normalize(b"/").unwrap(),
+            PathBuf::new(),
+            "the root entry some builders write"
+        );
+        assert_eq!(normalize(b"/./").unwrap(), PathBuf::new());
+        assert!(matches!(normalize(b"/.."), Err(PathError::Unsafe(_))));
         assert!(matches!(
             normalize(b"/etc/passwd"),
             Err(PathError::Unsafe(_))
