@@ -8,6 +8,10 @@
 //! - [`daemon`]: the services and state the handlers share;
 //! - [`cni`]: CNI networking of pod sandboxes (ADD/DEL/CHECK, config, result cache, NetworkReady);
 //! - [`netns`]: persistent named network namespaces, pinned by bind mounts under `<state>/netns`;
+//! - [`oci`]: OCI runtime specs from CRI configs, and the OCI runtime (runc, crun) seam;
+//! - [`shim`]: the per-container monitor process (`minicri shim`) and the daemon's client of it;
+//! - [`logs`]: the CRI log line format (writer, splitter, parser);
+//! - [`pause`]: the sandbox infra process (`minicri pause`) and its rootfs.
 
 pub mod admin;
 pub mod cni;
@@ -15,7 +19,11 @@ pub mod config;
 pub mod cri;
 pub mod daemon;
 pub mod error;
+pub mod logs;
 pub mod netns;
+pub mod oci;
+pub mod pause;
 pub mod pulls_cli;
 pub mod rpc;
 pub mod server;
+pub mod shim;

@@ -24,6 +24,12 @@ enum Command {
     Serve(Box<config::ServeArgs>),
     /// Show the pulls in progress (`--watch`: live progress bars), or abort them.
     Pulls(minicri::pulls_cli::PullsArgs),
+    /// Per-container monitor, started by the daemon (see `minicri::shim`).
+    #[command(hide = true)]
+    Shim(minicri::shim::ShimArgs),
+    /// Sandbox infra process, run by the OCI runtime (see `minicri::pause`).
+    #[command(hide = true)]
+    Pause,
 }
 
 fn init_logging(level: &str) {
@@ -42,6 +48,8 @@ fn init_logging(level: &str) {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Shim(args) => minicri::shim::main(args),
+        Command::Pause => minicri::pause::main(),
         Command::Pulls(args) => {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

@@ -1,0 +1,365 @@
+//! What a container gets when the CRI says nothing: capabilities, masked and read-only paths,
+//! standard mounts and device rules. The values are the ones container runtimes have converged
+//! on (runc's `spec` template, Docker and containerd defaults), taken from the OCI runtime spec's
+//! Linux section.
+
+use std::path::{Path, PathBuf};
+
+use oci_spec::runtime::{Capability, LinuxDevice, LinuxDeviceCgroup, LinuxDeviceType, Mount};
+
+use super::error::{OciError, Result};
+
+/// The 14 capabilities a non-privileged container keeps by default.
+pub const DEFAULT_CAPABILITIES: [&str; 14] = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
+
+/// Every capability in kernel numbering order (`CAP_CHOWN` is 0); a host supports those up to
+/// `/proc/sys/kernel/cap_last_cap`.
+pub const ALL_CAPABILITIES: [&str; 41] = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_LINUX_IMMUTABLE",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_BROADCAST",
+    "CAP_NET_ADMIN",
+    "CAP_NET_RAW",
+    "CAP_IPC_LOCK",
+    "CAP_IPC_OWNER",
+    "CAP_SYS_MODULE",
+    "CAP_SYS_RAWIO",
+    "CAP_SYS_CHROOT",
+    "CAP_SYS_PTRACE",
+    "CAP_SYS_PACCT",
+    "CAP_SYS_ADMIN",
+    "CAP_SYS_BOOT",
+    "CAP_SYS_NICE",
+    "CAP_SYS_RESOURCE",
+    "CAP_SYS_TIME",
+    "CAP_SYS_TTY_CONFIG",
+    "CAP_MKNOD",
+    "CAP_LEASE",
+    "CAP_AUDIT_WRITE",
+    "CAP_AUDIT_CONTROL",
+    "CAP_SETFCAP",
+    "CAP_MAC_OVERRIDE",
+    "CAP_MAC_ADMIN",
+    "CAP_SYSLOG",
+    "CAP_WAKE_ALARM",
+    "CAP_BLOCK_SUSPEND",
+    "CAP_AUDIT_READ",
+    "CAP_PERFMON",
+    "CAP_BPF",
+    "CAP_CHECKPOINT_RESTORE",
+];
+
+/// Parses `NET_ADMIN`, `CAP_NET_ADMIN` or `net_admin`.
+pub fn parse_capability(name: &str) -> Result<Capability> {
+    serde_json::from_value(serde_json::Value::String(name.to_string()))
+        .map_err(|_| OciError::invalid(format!("unknown capability {name:?}")))
+}
+
+/// The capabilities the host kernel knows (`cap_last_cap` from `/proc/sys/kernel/cap_last_cap`).
+pub fn host_capabilities(cap_last_cap: u32) -> Vec<Capability> {
+    ALL_CAPABILITIES
+        .iter()
+        .take(cap_last_cap as usize + 1)
+        .map(|c| parse_capability(c).expect("known capability"))
+        .collect()
+}
+
+/// Paths hidden from non-privileged containers (bind-mounted over with /dev/null or an empty
+/// read-only tmpfs by the OCI runtime).
+pub const DEFAULT_MASKED_PATHS: [&str; 11] = [
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+];
+
+/// Paths made read-only in non-privileged containers.
+pub const DEFAULT_READONLY_PATHS: [&str; 5] = [
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+];
+
+pub fn strings(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+pub(crate) fn mount(dest: &str, typ: &str, source: &str, options: &[&str]) -> Mount {
+    let mut m = Mount::default();
+    m.set_destination(PathBuf::from(dest));
+    m.set_typ(Some(typ.to_string()));
+    m.set_source(Some(PathBuf::from(source)));
+    m.set_options(Some(strings(options)));
+    m
+}
+
+pub(crate) fn bind_mount(dest: &str, source: &Path, options: &[&str]) -> Mount {
+    let mut m = Mount::default();
+    m.set_destination(PathBuf::from(dest));
+    m.set_typ(Some("bind".to_string()));
+    m.set_source(Some(source.to_path_buf()));
+    let mut o = vec!["rbind".to_string()];
+    o.extend(strings(options));
+    m.set_options(Some(o));
+    m
+}
+
+/// The mounts every container has: `/proc`, a tmpfs `/dev` with `/dev/pts` and `/dev/mqueue`,
+/// `/sys` and its cgroup tree (read-only unless privileged). `/dev/shm` is added by the caller
+/// (the sandbox's, or a private tmpfs).
+pub fn standard_mounts(privileged: bool) -> Vec<Mount> {
+    let ro = if privileged { "rw" } else { "ro" };
+    vec![
+        mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"]),
+        mount(
+            "/dev",
+            "tmpfs",
+            "tmpfs",
+            &["nosuid", "strictatime", "mode=755", "size=65536k"],
+        ),
+        mount(
+            "/dev/pts",
+            "devpts",
+            "devpts",
+            &[
+                "nosuid",
+                "noexec",
+                "newinstance",
+                "ptmxmode=0666",
+                "mode=0620",
+                "gid=5",
+            ],
+        ),
+        mount(
+            "/dev/mqueue",
+            "mqueue",
+            "mqueue",
+            &["nosuid", "noexec", "nodev"],
+        ),
+        mount("/sys", "sysfs", "sysfs", &["nosuid", "noexec", "nodev", ro]),
+        mount(
+            "/sys/fs/cgroup",
+            "cgroup",
+            "cgroup",
+            &["nosuid", "noexec", "nodev", "relatime", ro],
+        ),
+    ]
+}
+
+/// A private `/dev/shm` (used when there is no sandbox shm to share).
+pub fn private_shm() -> Mount {
+    mount(
+        "/dev/shm",
+        "tmpfs",
+        "shm",
+        &["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+    )
+}
+
+fn char_rule(major: i64, minor: Option<i64>, access: &str) -> LinuxDeviceCgroup {
+    let mut r = LinuxDeviceCgroup::default();
+    r.set_allow(true);
+    r.set_typ(Some(LinuxDeviceType::C));
+    r.set_major(if major < 0 { None } else { Some(major) });
+    r.set_minor(minor);
+    r.set_access(Some(access.to_string()));
+    r
+}
+
+/// Device cgroup rules: deny everything, then allow `mknod` of any node and use of the devices
+/// every container has (null, zero, full, random, urandom, tty, the pty multiplexer and slaves).
+pub fn default_device_rules() -> Vec<LinuxDeviceCgroup> {
+    let mut deny = LinuxDeviceCgroup::default();
+    deny.set_allow(false);
+    deny.set_access(Some("rwm".into()));
+    let mut block_mknod = char_rule(-1, None, "m");
+    block_mknod.set_typ(Some(LinuxDeviceType::B));
+    vec![
+        deny,
+        char_rule(-1, None, "m"),
+        block_mknod,
+        char_rule(1, Some(3), "rwm"),
+        char_rule(1, Some(5), "rwm"),
+        char_rule(1, Some(7), "rwm"),
+        char_rule(1, Some(8), "rwm"),
+        char_rule(1, Some(9), "rwm"),
+        char_rule(5, Some(0), "rwm"),
+        char_rule(5, Some(2), "rwm"),
+        char_rule(136, None, "rwm"),
+    ]
+}
+
+/// Everything allowed (privileged containers).
+pub fn allow_all_devices() -> Vec<LinuxDeviceCgroup> {
+    let mut r = LinuxDeviceCgroup::default();
+    r.set_allow(true);
+    r.set_access(Some("rwm".into()));
+    vec![r]
+}
+
+/// The device node at `host` (following symlinks), to appear at `container`; directories are
+/// walked and yield every node below them, at the same relative path under `container`.
+pub fn host_devices(host: &Path, container: &Path) -> Result<Vec<LinuxDevice>> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let meta = std::fs::metadata(host).map_err(|e| OciError::io("stat device", host, e))?;
+    let ft = meta.file_type();
+    if ft.is_dir() {
+        let mut out = Vec::new();
+        let entries = std::fs::read_dir(host).map_err(|e| OciError::io("list", host, e))?;
+        let mut names: Vec<_> = entries
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name())
+            .collect();
+        names.sort();
+        for name in names {
+            let sub = host.join(&name);
+            // Skip what is not a device or a directory (dangling links, sockets, ...).
+            let Ok(m) = std::fs::metadata(&sub) else {
+                continue;
+            };
+            let t = m.file_type();
+            if t.is_dir() || t.is_char_device() || t.is_block_device() {
+                out.extend(host_devices(&sub, &container.join(&name))?);
+            }
+        }
+        return Ok(out);
+    }
+    let typ = if ft.is_char_device() {
+        LinuxDeviceType::C
+    } else if ft.is_block_device() {
+        LinuxDeviceType::B
+    } else {
+        return Err(OciError::invalid(format!(
+            "{} is not a device",
+            host.display()
+        )));
+    };
+    let rdev = meta.rdev();
+    let mut d = LinuxDevice::default();
+    d.set_path(container.to_path_buf());
+    d.set_typ(typ);
+    d.set_major(nix::sys::stat::major(rdev) as i64);
+    d.set_minor(nix::sys::stat::minor(rdev) as i64);
+    d.set_file_mode(Some(meta.mode() & 0o7777));
+    d.set_uid(Some(meta.uid()));
+    d.set_gid(Some(meta.gid()));
+    Ok(d).map(|d| vec![d])
+}
+
+/// The cgroup rule granting `access` (`r`, `w`, `m` letters) to one device.
+pub fn device_rule(d: &LinuxDevice, access: &str) -> LinuxDeviceCgroup {
+    let mut r = LinuxDeviceCgroup::default();
+    r.set_allow(true);
+    r.set_typ(Some(d.typ()));
+    r.set_major(Some(d.major()));
+    r.set_minor(Some(d.minor()));
+    r.set_access(Some(if access.is_empty() {
+        "rwm".into()
+    } else {
+        access.to_string()
+    }));
+    r
+}
+
+/// All device nodes of the host's `/dev` for privileged containers, except the per-container
+/// pseudo-terminal, shm and mqueue trees and the console.
+pub fn all_host_devices() -> Vec<LinuxDevice> {
+    fn walk(dir: &Path, out: &mut Vec<LinuxDevice>) {
+        use std::os::unix::fs::FileTypeExt;
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if matches!(
+                p.to_str(),
+                Some("/dev/pts" | "/dev/shm" | "/dev/mqueue" | "/dev/console" | "/dev/ptmx")
+            ) {
+                continue;
+            }
+            let Ok(ft) = e.file_type() else { continue };
+            if ft.is_dir() {
+                walk(&p, out);
+            } else if (ft.is_char_device() || ft.is_block_device())
+                && let Ok(mut d) = host_devices(&p, &p)
+            {
+                out.append(&mut d);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(Path::new("/dev"), &mut out);
+    out.sort_by(|a, b| a.path().cmp(b.path()));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capability_names() {
+        assert_eq!(parse_capability("NET_ADMIN").unwrap(), Capability::NetAdmin);
+        assert_eq!(
+            parse_capability("cap_sys_admin").unwrap(),
+            Capability::SysAdmin
+        );
+        assert!(parse_capability("CAP_FLY").is_err());
+        assert_eq!(host_capabilities(40).len(), 41);
+        assert_eq!(host_capabilities(37).last(), Some(&Capability::AuditRead));
+        for c in DEFAULT_CAPABILITIES {
+            parse_capability(c).unwrap();
+        }
+    }
+
+    #[test]
+    fn devices_from_host() {
+        let d = host_devices(Path::new("/dev/null"), Path::new("/dev/mynull")).unwrap();
+        assert_eq!(d.len(), 1);
+        assert_eq!(
+            (d[0].typ(), d[0].major(), d[0].minor()),
+            (LinuxDeviceType::C, 1, 3)
+        );
+        assert_eq!(d[0].path(), Path::new("/dev/mynull"));
+        let r = device_rule(&d[0], "rw");
+        assert_eq!(
+            (r.major(), r.minor(), r.access().as_deref()),
+            (Some(1), Some(3), Some("rw"))
+        );
+        assert!(host_devices(Path::new("/etc/hostname"), Path::new("/x")).is_err());
+        assert!(host_devices(Path::new("/dev/nonexistent-device"), Path::new("/x")).is_err());
+    }
+}

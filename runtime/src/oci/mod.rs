@@ -1,0 +1,51 @@
+//! The OCI layer: turning CRI requests into OCI runtime specs, and driving the OCI runtime.
+//!
+//! - [`runtime`]: the [`OciRuntime`] trait, the seam between minicri and runc / crun / youki;
+//! - [`runc`]: [`Runc`], its implementation for runc-compatible command lines;
+//! - [`spec`]: [`container_spec`], the spec of a CRI container;
+//! - [`sandbox`]: [`sandbox_spec`] for the infra process, the namespaces containers join and the
+//!   files (hostname, resolv.conf, hosts, shm) a sandbox shares;
+//! - [`user`]: uid, gid and groups from the security context, the image and `/etc/passwd`;
+//! - [`defaults`]: default capabilities, mounts, masked paths and device rules;
+//! - [`seccomp`]: the `RuntimeDefault` profile and `Localhost` profiles;
+//! - [`host`]: host facts ([`HostInfo`]: oom_score_adj clamp, capabilities, cgroup version)
+//!   and cgroups paths per driver;
+//! - [`image_config`]: the image config fields that matter for running;
+//! - [`error`]: the error type, [`OciError`].
+//!
+//! Spec building reads files (the rootfs's passwd, device nodes, seccomp profiles) but changes
+//! nothing; only [`SandboxFiles::prepare`] and the runtime calls have effects.
+
+pub mod defaults;
+pub mod error;
+pub mod host;
+pub mod image_config;
+pub mod runc;
+pub mod runtime;
+pub mod sandbox;
+pub mod seccomp;
+pub mod spec;
+pub mod user;
+
+#[cfg(test)]
+mod sandbox_tests;
+#[cfg(test)]
+mod spec_tests;
+
+pub use error::{OciError, Result};
+pub use host::{CgroupDriver, HostInfo, cgroups_path};
+pub use image_config::ImageConfig;
+pub use runc::Runc;
+pub use runtime::{CreateIo, CreateOpts, ExecOpts, ExecOutput, ExecProcess, OciRuntime, OciState};
+pub use sandbox::{SandboxFiles, SandboxNamespaces, SandboxSpecParams, sandbox_spec};
+pub use spec::{ContainerSpecParams, container_spec};
+pub use user::{ResolvedUser, UserRequest, resolve_user};
+
+/// Writes `spec` as `<bundle>/config.json` (creating the bundle directory).
+pub fn write_bundle(bundle: &std::path::Path, spec: &oci_spec::runtime::Spec) -> Result<()> {
+    std::fs::create_dir_all(bundle).map_err(|e| OciError::io("create", bundle, e))?;
+    let json = serde_json::to_vec_pretty(spec)
+        .map_err(|e| OciError::Other(format!("config.json: {e}")))?;
+    crate::shim::protocol::write_atomic(&bundle.join("config.json"), &json)
+        .map_err(|e| OciError::io("write", bundle.join("config.json"), e))
+}

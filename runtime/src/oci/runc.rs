@@ -1,0 +1,610 @@
+//! [`Runc`]: the [`OciRuntime`] implementation for runc-compatible binaries (runc, crun,
+//! youki), with `tokio::process`.
+//!
+//! Invariants:
+//! - every invocation passes `--root <state>/runc` (the [`Runc::root`]), so minicri's containers
+//!   live apart from anything else on the host using the same runtime;
+//! - with the systemd cgroup driver every invocation passes `--systemd-cgroup`, so the runtime
+//!   reads `linux.cgroupsPath` as `slice:prefix:name`;
+//! - a failed invocation becomes [`OciError::Runtime`] carrying what the runtime printed, or
+//!   [`OciError::NotFound`] when it says the container does not exist;
+//! - `delete --force` of a container that does not exist succeeds (CRI removal is idempotent);
+//! - temporary files (exec `process.json`, update resources) are written, mode 0600, to
+//!   [`Runc::scratch_dir`] (`<root>.tmp`, beside the root, not inside it: the runtime lists every
+//!   directory of its root as a container) and removed after use.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use oci_spec::runtime::{LinuxResources, Process};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, Command};
+
+use super::error::{OciError, Result};
+use super::runtime::{CreateIo, CreateOpts, ExecOpts, ExecOutput, OciRuntime, OciState};
+
+/// A running exec with piped stdio (`runc exec` stays its parent and relays its status).
+pub struct ExecProcess {
+    pub child: Child,
+    scratch: Vec<PathBuf>,
+    log: PathBuf,
+    binary: String,
+    id: String,
+}
+
+impl ExecProcess {
+    /// Waits for the process and returns its exit code; a failure of the runtime itself (e.g.
+    /// the executable is missing) is an error.
+    pub async fn wait(mut self) -> Result<i32> {
+        let status = self
+            .child
+            .wait()
+            .await
+            .map_err(|e| OciError::io("wait for", "runc exec", e))?;
+        let runtime_error = read_runtime_log(&self.log);
+        for f in self.scratch.iter().chain([&self.log]) {
+            let _ = std::fs::remove_file(f);
+        }
+        if let Some(message) = runtime_error {
+            return Err(classify(&self.binary, "exec", &self.id, message));
+        }
+        Ok(exit_code(status))
+    }
+}
+
+/// A runc-compatible runtime binary (runc, crun, youki).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Runc {
+    pub binary: PathBuf,
+    /// The runtime's state directory (`--root`), e.g. `/run/minicri/runc`.
+    pub root: PathBuf,
+    /// Pass `--systemd-cgroup` (the systemd cgroup driver).
+    pub systemd_cgroup: bool,
+}
+
+impl Runc {
+    pub fn new(binary: impl Into<PathBuf>, root: impl Into<PathBuf>) -> Self {
+        Runc {
+            binary: binary.into(),
+            root: root.into(),
+            systemd_cgroup: false,
+        }
+    }
+
+    /// Where temporary process and resources files go.
+    pub fn scratch_dir(&self) -> PathBuf {
+        let mut s = self.root.clone().into_os_string();
+        s.push(".tmp");
+        PathBuf::from(s)
+    }
+
+    fn name(&self) -> String {
+        self.binary
+            .file_name()
+            .unwrap_or(self.binary.as_os_str())
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// The global flags every invocation carries.
+    pub fn global_args(&self) -> Vec<OsString> {
+        let mut a: Vec<OsString> = vec!["--root".into(), self.root.clone().into()];
+        if self.systemd_cgroup {
+            a.push("--systemd-cgroup".into());
+        }
+        a
+    }
+
+    /// Arguments (after the binary) of `create`, with the runtime's own messages going to
+    /// `log` as JSON lines (its stdio belongs to the container).
+    pub fn create_args(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        log: &Path,
+    ) -> Vec<OsString> {
+        let mut a = self.global_args();
+        a.extend([
+            "--log".into(),
+            log.into(),
+            "--log-format".into(),
+            "json".into(),
+        ]);
+        a.extend([
+            "create".into(),
+            "--bundle".into(),
+            bundle.into(),
+            "--pid-file".into(),
+            pid_file.into(),
+        ]);
+        a.push(id.into());
+        a
+    }
+
+    fn command(&self) -> Command {
+        let mut c = Command::new(&self.binary);
+        c.args(self.global_args())
+            .stdin(Stdio::null())
+            .kill_on_drop(false);
+        c
+    }
+
+    /// Runs a short command and maps its failure.
+    async fn run(
+        &self,
+        op: &'static str,
+        id: &str,
+        args: &[OsString],
+        stdin: Option<&[u8]>,
+    ) -> Result<Vec<u8>> {
+        let mut c = self.command();
+        c.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+        if stdin.is_some() {
+            c.stdin(Stdio::piped());
+        }
+        let mut child = c
+            .spawn()
+            .map_err(|e| OciError::io("run", &self.binary, e))?;
+        if let (Some(data), Some(mut w)) = (stdin, child.stdin.take()) {
+            let _ = w.write_all(data).await;
+        }
+        let out = child
+            .wait_with_output()
+            .await
+            .map_err(|e| OciError::io("wait for", &self.binary, e))?;
+        if out.status.success() {
+            return Ok(out.stdout);
+        }
+        let msg = runtime_message(&out.stderr);
+        Err(classify(&self.name(), op, id, msg))
+    }
+
+    fn scratch_file(&self, id: &str, kind: &str, contents: &[u8]) -> Result<PathBuf> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = self.scratch_dir();
+        std::fs::create_dir_all(&dir).map_err(|e| OciError::io("create", &dir, e))?;
+        let n = SCRATCH_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = dir.join(format!("{id}.{kind}.{}.{n}", std::process::id()));
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| OciError::io("create", &path, e))?;
+        f.write_all(contents)
+            .map_err(|e| OciError::io("write", &path, e))?;
+        Ok(path)
+    }
+
+    /// Writes process.json and builds the `exec` command with a pid file and a JSON log.
+    fn exec_command(
+        &self,
+        id: &str,
+        process: &Process,
+        detach: bool,
+    ) -> Result<(Command, Vec<PathBuf>, PathBuf)> {
+        let json = serde_json::to_vec(process)
+            .map_err(|e| OciError::Other(format!("process.json: {e}")))?;
+        let process_file = self.scratch_file(id, "process", &json)?;
+        let dir = self.scratch_dir();
+        let n = SCRATCH_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pid_file = dir.join(format!("{id}.pid.{}.{n}", std::process::id()));
+        let log = dir.join(format!("{id}.log.{}.{n}", std::process::id()));
+        let mut c = Command::new(&self.binary);
+        c.args(self.global_args())
+            .args([
+                "--log".as_ref(),
+                log.as_os_str(),
+                "--log-format".as_ref(),
+                "json".as_ref(),
+            ])
+            .arg("exec")
+            .arg("--process")
+            .arg(&process_file)
+            .arg("--pid-file")
+            .arg(&pid_file);
+        if detach {
+            c.arg("--detach");
+        }
+        c.arg(id).kill_on_drop(false);
+        Ok((c, vec![process_file, pid_file], log))
+    }
+}
+
+static SCRATCH_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The useful part of a runtime's stderr: runc prints logrus lines
+/// (`time=".." level=error msg="container does not exist"`), crun plain text.
+fn runtime_message(stderr: &[u8]) -> String {
+    let text = String::from_utf8_lossy(stderr);
+    let mut msgs = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        match line.find("msg=") {
+            Some(i) => {
+                let rest = &line[i + 4..];
+                let m = rest
+                    .strip_prefix('"')
+                    .and_then(|r| r.rfind('"').map(|j| &r[..j]))
+                    .unwrap_or(rest);
+                msgs.push(m.replace("\\\"", "\""));
+            }
+            None => msgs.push(line.trim().to_string()),
+        }
+    }
+    if msgs.is_empty() {
+        "failed (no message)".into()
+    } else {
+        msgs.join("; ")
+    }
+}
+
+/// Error-level messages of a runtime's JSON log (`--log-format json`), if any.
+pub fn read_runtime_log(path: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let msgs: Vec<String> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| matches!(v["level"].as_str(), Some("error" | "fatal" | "panic")))
+        .filter_map(|v| v["msg"].as_str().map(str::to_string))
+        .collect();
+    if msgs.is_empty() {
+        None
+    } else {
+        Some(msgs.join("; "))
+    }
+}
+
+fn classify(binary: &str, op: &'static str, id: &str, message: String) -> OciError {
+    let m = message.to_ascii_lowercase();
+    if m.contains("does not exist")
+        || (m.contains("no such file or directory") && m.contains("status"))
+    {
+        return OciError::NotFound(id.to_string());
+    }
+    OciError::Runtime {
+        binary: binary.to_string(),
+        op,
+        id: id.to_string(),
+        message,
+    }
+}
+
+fn exit_code(status: std::process::ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+}
+
+async fn read_all<R: tokio::io::AsyncRead + Unpin>(r: Option<R>) -> Vec<u8> {
+    let mut buf = Vec::new();
+    if let Some(mut r) = r {
+        let _ = r.read_to_end(&mut buf).await;
+    }
+    buf
+}
+
+impl OciRuntime for Runc {
+    fn create<'a>(&'a self, opts: CreateOpts) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let log = opts.bundle.join("create-log.json");
+            let _ = std::fs::remove_file(&log);
+            let mut c = Command::new(&self.binary);
+            c.args(self.create_args(&opts.id, &opts.bundle, &opts.pid_file, &log));
+            let (i, o, e) = match opts.io {
+                CreateIo::Null => (Stdio::null(), Stdio::null(), Stdio::null()),
+                CreateIo::Files {
+                    stdin,
+                    stdout,
+                    stderr,
+                } => {
+                    let f =
+                        |x: Option<std::fs::File>| x.map(Stdio::from).unwrap_or_else(Stdio::null);
+                    (f(stdin), f(stdout), f(stderr))
+                }
+            };
+            c.stdin(i).stdout(o).stderr(e);
+            let status = c
+                .status()
+                .await
+                .map_err(|e| OciError::io("run", &self.binary, e))?;
+            let message = read_runtime_log(&log);
+            let _ = std::fs::remove_file(&log);
+            if status.success() {
+                return Ok(());
+            }
+            let message = message.unwrap_or_else(|| format!("exited with {status}"));
+            Err(classify(&self.name(), "create", &opts.id, message))
+        })
+    }
+
+    fn start<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.run("start", id, &["start".into(), id.into()], None)
+                .await
+                .map(drop)
+        })
+    }
+
+    fn state<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<OciState>> {
+        Box::pin(async move {
+            let out = self
+                .run("state", id, &["state".into(), id.into()], None)
+                .await?;
+            serde_json::from_slice(&out)
+                .map_err(|e| OciError::Other(format!("{} state {id}: {e}", self.name())))
+        })
+    }
+
+    fn kill<'a>(&'a self, id: &'a str, signal: i32, all: bool) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let mut args: Vec<OsString> = vec!["kill".into()];
+            if all {
+                args.push("--all".into());
+            }
+            args.extend([id.into(), signal.to_string().into()]);
+            self.run("kill", id, &args, None).await.map(drop)
+        })
+    }
+
+    fn delete<'a>(&'a self, id: &'a str, force: bool) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let mut args: Vec<OsString> = vec!["delete".into()];
+            if force {
+                args.push("--force".into());
+            }
+            args.push(id.into());
+            match self.run("delete", id, &args, None).await {
+                Err(OciError::NotFound(_)) if force => Ok(()),
+                r => r.map(drop),
+            }
+        })
+    }
+
+    fn exec<'a>(&'a self, opts: ExecOpts) -> BoxFuture<'a, Result<ExecOutput>> {
+        Box::pin(async move {
+            let (mut c, scratch, log) = self.exec_command(&opts.id, &opts.process, false)?;
+            c.stdin(if opts.stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+            let mut child = c
+                .spawn()
+                .map_err(|e| OciError::io("run", &self.binary, e))?;
+            if let (Some(data), Some(mut w)) = (opts.stdin, child.stdin.take()) {
+                tokio::spawn(async move {
+                    let _ = w.write_all(&data).await;
+                });
+            }
+            let out = tokio::spawn(read_all(child.stdout.take()));
+            let err = tokio::spawn(read_all(child.stderr.take()));
+            let mut timed_out = false;
+            let status = match opts.timeout {
+                None => child.wait().await,
+                Some(t) => match tokio::time::timeout(t, child.wait()).await {
+                    Ok(s) => s,
+                    Err(_) => {
+                        timed_out = true;
+                        // Killing `runc exec` would leave the process running: kill the process.
+                        if let Some(pid) = std::fs::read_to_string(&scratch[1])
+                            .ok()
+                            .and_then(|s| s.trim().parse().ok())
+                        {
+                            let _ = nix::sys::signal::kill(
+                                nix::unistd::Pid::from_raw(pid),
+                                nix::sys::signal::SIGKILL,
+                            );
+                        }
+                        child.wait().await
+                    }
+                },
+            }
+            .map_err(|e| OciError::io("wait for", &self.binary, e))?;
+            // Output is drained unless something left behind in the container holds the pipes.
+            let grace = Duration::from_secs(2);
+            let stdout = tokio::time::timeout(grace, out)
+                .await
+                .ok()
+                .and_then(|r| r.ok())
+                .unwrap_or_default();
+            let stderr = tokio::time::timeout(grace, err)
+                .await
+                .ok()
+                .and_then(|r| r.ok())
+                .unwrap_or_default();
+            let runtime_error = read_runtime_log(&log);
+            for f in scratch.iter().chain([&log]) {
+                let _ = std::fs::remove_file(f);
+            }
+            if let Some(message) = runtime_error.filter(|_| !timed_out) {
+                return Err(classify(&self.name(), "exec", &opts.id, message));
+            }
+            Ok(ExecOutput {
+                exit_code: exit_code(status),
+                stdout,
+                stderr,
+                timed_out,
+            })
+        })
+    }
+
+    fn exec_spawn<'a>(&'a self, opts: ExecOpts) -> BoxFuture<'a, Result<ExecProcess>> {
+        Box::pin(async move {
+            let (mut c, scratch, log) = self.exec_command(&opts.id, &opts.process, false)?;
+            c.stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            let child = c
+                .spawn()
+                .map_err(|e| OciError::io("run", &self.binary, e))?;
+            Ok(ExecProcess {
+                child,
+                scratch,
+                log,
+                binary: self.name(),
+                id: opts.id,
+            })
+        })
+    }
+
+    fn exec_detached<'a>(&'a self, id: &'a str, process: Process) -> BoxFuture<'a, Result<i32>> {
+        Box::pin(async move {
+            let (mut c, scratch, log) = self.exec_command(id, &process, true)?;
+            c.stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            let status = c
+                .status()
+                .await
+                .map_err(|e| OciError::io("run", &self.binary, e))?;
+            let pid = std::fs::read_to_string(&scratch[1])
+                .ok()
+                .and_then(|s| s.trim().parse().ok());
+            let message = read_runtime_log(&log);
+            for f in scratch.iter().chain([&log]) {
+                let _ = std::fs::remove_file(f);
+            }
+            match (status.success(), pid) {
+                (true, Some(pid)) => Ok(pid),
+                _ => Err(classify(
+                    &self.name(),
+                    "exec",
+                    id,
+                    message.unwrap_or_else(|| format!("exited with {status}")),
+                )),
+            }
+        })
+    }
+
+    fn update<'a>(
+        &'a self,
+        id: &'a str,
+        resources: &'a LinuxResources,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let json = serde_json::to_vec(resources)
+                .map_err(|e| OciError::Other(format!("resources: {e}")))?;
+            let file = self.scratch_file(id, "resources", &json)?;
+            let r = self
+                .run(
+                    "update",
+                    id,
+                    &[
+                        "update".into(),
+                        "--resources".into(),
+                        file.clone().into(),
+                        id.into(),
+                    ],
+                    None,
+                )
+                .await;
+            let _ = std::fs::remove_file(&file);
+            r.map(drop)
+        })
+    }
+
+    fn pause<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.run("pause", id, &["pause".into(), id.into()], None)
+                .await
+                .map(drop)
+        })
+    }
+
+    fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.run("resume", id, &["resume".into(), id.into()], None)
+                .await
+                .map(drop)
+        })
+    }
+
+    fn list(&self) -> BoxFuture<'_, Result<Vec<OciState>>> {
+        Box::pin(async move {
+            let out = self
+                .run(
+                    "list",
+                    "",
+                    &["list".into(), "--format".into(), "json".into()],
+                    None,
+                )
+                .await?;
+            let list: Option<Vec<OciState>> = serde_json::from_slice(&out)
+                .map_err(|e| OciError::Other(format!("{} list: {e}", self.name())))?;
+            Ok(list.unwrap_or_default())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_from_runc_and_crun() {
+        let runc = b"time=\"2026-11-21T10:49:26Z\" level=error msg=\"container does not exist\"\n";
+        assert_eq!(runtime_message(runc), "container does not exist");
+        assert!(classify("runc", "state", "x", runtime_message(runc)).is_not_found());
+        let crun = b"error opening file `/tmp/rt/nope/status`: No such file or directory\n";
+        assert!(classify("crun", "state", "x", runtime_message(crun)).is_not_found());
+        let other = classify(
+            "runc",
+            "start",
+            "x",
+            "cannot start an already running container".into(),
+        );
+        assert!(
+            other.to_string().contains("runc start x: cannot start"),
+            "{other}"
+        );
+    }
+
+    #[test]
+    fn argv() {
+        let mut r = Runc::new("/usr/bin/runc", "/run/minicri/runc");
+        r.systemd_cgroup = true;
+        let a = r.create_args(
+            "c1",
+            Path::new("/b"),
+            Path::new("/b/init.pid"),
+            Path::new("/b/log.json"),
+        );
+        let a: Vec<String> = a.into_iter().map(|s| s.into_string().unwrap()).collect();
+        assert_eq!(
+            a.join(" "),
+            "--root /run/minicri/runc --systemd-cgroup --log /b/log.json --log-format json \
+             create --bundle /b --pid-file /b/init.pid c1"
+        );
+        assert_eq!(r.scratch_dir(), PathBuf::from("/run/minicri/runc.tmp"));
+    }
+
+    #[test]
+    fn runtime_log_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("log.json");
+        std::fs::write(&p, "{\"level\":\"info\",\"msg\":\"x\"}\n{\"level\":\"error\",\"msg\":\"exec failed: no such file\"}\n").unwrap();
+        assert_eq!(
+            read_runtime_log(&p).as_deref(),
+            Some("exec failed: no such file")
+        );
+        assert_eq!(read_runtime_log(&dir.path().join("missing")), None);
+    }
+
+    #[test]
+    fn state_json() {
+        let s: OciState = serde_json::from_str(
+            r#"{"ociVersion":"1.0.2-dev","id":"t","pid":42,"status":"running","bundle":"/b","rootfs":"/b/rootfs","created":"2026-11-21T10:49:26.1Z","owner":""}"#,
+        )
+        .unwrap();
+        assert_eq!((s.pid, s.status.as_str()), (42, "running"));
+    }
+}

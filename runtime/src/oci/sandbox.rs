@@ -1,0 +1,388 @@
+//! The pod sandbox: the infra process's OCI spec ([`sandbox_spec`]), the namespaces containers
+//! join ([`SandboxNamespaces`]) and the files they share ([`SandboxFiles`]).
+//!
+//! The sandbox's network, IPC and UTS namespaces (and its PID namespace, shared by containers in
+//! `POD` mode) are created by the OCI runtime for minicri's infra process (`minicri pause`, see
+//! [`crate::pause`]) and held by it: containers join `/proc/<infra pid>/ns/*`. With
+//! `NamespaceMode::NODE` the host's namespace is used instead (host network also means the
+//! host's UTS namespace, as in the kubelet's model). A pre-created network namespace (a bind
+//! mount) can be joined instead of a new one.
+//!
+//! Invariants of [`SandboxFiles`]: everything lives in the sandbox's directory; `shm` is a tmpfs
+//! mounted there (only when the sandbox has its own IPC namespace) and [`SandboxFiles::cleanup`]
+//! unmounts it; preparing again is harmless.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use minicri_proto::runtime::v1 as cri;
+use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, Mount, Process, Root, Spec, User};
+
+use super::defaults::{self, bind_mount, mount};
+use super::error::{OciError, Result};
+use super::host::{CgroupDriver, HostInfo, cgroups_path};
+use super::spec::{linux_capabilities, namespace, select_seccomp};
+
+/// `oom_score_adj` asked for the infra process (the kubelet's value for pause containers);
+/// clamped like any other.
+pub const SANDBOX_OOM_SCORE_ADJ: i64 = -998;
+
+/// uid and gid of the infra process unless the pod asks for another.
+pub const INFRA_UID: u32 = 65535;
+
+fn mode(
+    opts: Option<&cri::NamespaceOption>,
+    f: impl Fn(&cri::NamespaceOption) -> i32,
+) -> cri::NamespaceMode {
+    opts.map(f)
+        .and_then(|m| cri::NamespaceMode::try_from(m).ok())
+        .unwrap_or(cri::NamespaceMode::Pod)
+}
+
+/// The sandbox's namespace options (defaults: everything `POD`).
+pub fn namespace_options(config: &cri::PodSandboxConfig) -> Option<&cri::NamespaceOption> {
+    config
+        .linux
+        .as_ref()?
+        .security_context
+        .as_ref()?
+        .namespace_options
+        .as_ref()
+}
+
+/// Namespace files a container of the sandbox joins; `None` means the host's namespace.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SandboxNamespaces {
+    pub net: Option<PathBuf>,
+    pub ipc: Option<PathBuf>,
+    pub uts: Option<PathBuf>,
+    /// The sandbox's PID namespace, for containers in `POD` pid mode.
+    pub pid: Option<PathBuf>,
+}
+
+impl SandboxNamespaces {
+    /// The namespaces held by the infra process `pid` under the sandbox's options.
+    pub fn of_infra(pid: i32, config: &cri::PodSandboxConfig) -> Self {
+        let o = namespace_options(config);
+        let ns = |name: &str| Some(PathBuf::from(format!("/proc/{pid}/ns/{name}")));
+        let host_net = mode(o, |o| o.network) == cri::NamespaceMode::Node;
+        SandboxNamespaces {
+            net: if host_net { None } else { ns("net") },
+            ipc: if mode(o, |o| o.ipc) == cri::NamespaceMode::Node {
+                None
+            } else {
+                ns("ipc")
+            },
+            uts: if host_net { None } else { ns("uts") },
+            pid: if mode(o, |o| o.pid) == cri::NamespaceMode::Node {
+                None
+            } else {
+                ns("pid")
+            },
+        }
+    }
+}
+
+/// Files shared by the sandbox's containers (bind-mounted into each).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SandboxFiles {
+    pub hostname: Option<PathBuf>,
+    pub resolv_conf: Option<PathBuf>,
+    pub hosts: Option<PathBuf>,
+    /// A tmpfs for `/dev/shm`; `None` with host IPC (the host's `/dev/shm` is used).
+    pub shm: Option<PathBuf>,
+}
+
+/// `/etc/resolv.conf` contents from the CRI DNS config.
+pub fn resolv_conf(dns: &cri::DnsConfig) -> String {
+    let mut s = String::new();
+    if !dns.searches.is_empty() {
+        s.push_str(&format!("search {}\n", dns.searches.join(" ")));
+    }
+    for n in &dns.servers {
+        s.push_str(&format!("nameserver {n}\n"));
+    }
+    if !dns.options.is_empty() {
+        s.push_str(&format!("options {}\n", dns.options.join(" ")));
+    }
+    s
+}
+
+/// `/etc/hosts` for a sandbox with its own network namespace.
+pub fn hosts_file(hostname: &str) -> String {
+    let mut s = String::from("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n");
+    s.push_str("fe00::0\tip6-localnet\nfe00::0\tip6-mcastprefix\nfe00::1\tip6-allnodes\nfe00::2\tip6-allrouters\n");
+    if !hostname.is_empty() {
+        s.push_str(&format!("127.0.1.1\t{hostname}\n"));
+    }
+    s
+}
+
+fn write(path: &Path, contents: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, contents).map_err(|e| OciError::io("write", &tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| OciError::io("rename", path, e))
+}
+
+impl SandboxFiles {
+    /// Writes `hostname`, `resolv.conf` and `hosts` into `dir` and mounts the shm tmpfs
+    /// (`dir/shm`, 64 MiB) when the sandbox has its own IPC namespace. Host-network sandboxes get
+    /// the host's hostname and `/etc/hosts`; without a DNS config, the host's resolv.conf.
+    pub fn prepare(dir: &Path, config: &cri::PodSandboxConfig) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(|e| OciError::io("create", dir, e))?;
+        let o = namespace_options(config);
+        let host_net = mode(o, |o| o.network) == cri::NamespaceMode::Node;
+        let host_name = nix::unistd::gethostname()
+            .map(|h| h.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let hostname = if host_net || config.hostname.is_empty() {
+            host_name
+        } else {
+            config.hostname.clone()
+        };
+        let files = SandboxFiles {
+            hostname: Some(dir.join("hostname")),
+            resolv_conf: Some(dir.join("resolv.conf")),
+            hosts: Some(dir.join("hosts")),
+            shm: (mode(o, |o| o.ipc) != cri::NamespaceMode::Node).then(|| dir.join("shm")),
+        };
+        write(&dir.join("hostname"), format!("{hostname}\n").as_bytes())?;
+        let resolv = match &config.dns_config {
+            Some(d) if !(d.servers.is_empty() && d.searches.is_empty() && d.options.is_empty()) => {
+                resolv_conf(d).into_bytes()
+            }
+            _ => std::fs::read("/etc/resolv.conf").unwrap_or_default(),
+        };
+        write(&dir.join("resolv.conf"), &resolv)?;
+        let hosts = if host_net {
+            std::fs::read("/etc/hosts").unwrap_or_default()
+        } else {
+            hosts_file(&hostname).into_bytes()
+        };
+        write(&dir.join("hosts"), &hosts)?;
+        if let Some(shm) = &files.shm {
+            std::fs::create_dir_all(shm).map_err(|e| OciError::io("create", shm, e))?;
+            if !is_mountpoint(shm) {
+                use nix::mount::{MsFlags, mount};
+                let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+                mount(
+                    Some("shm"),
+                    shm,
+                    Some("tmpfs"),
+                    flags,
+                    Some("mode=1777,size=65536k"),
+                )
+                .map_err(|e| OciError::io("mount shm tmpfs on", shm, e.into()))?;
+            }
+        }
+        Ok(files)
+    }
+
+    /// Unmounts the shm tmpfs of a sandbox directory (idempotent; the directory is left to the
+    /// caller to remove).
+    pub fn cleanup(dir: &Path) -> Result<()> {
+        let shm = dir.join("shm");
+        while is_mountpoint(&shm) {
+            nix::mount::umount2(&shm, nix::mount::MntFlags::MNT_DETACH)
+                .map_err(|e| OciError::io("unmount", &shm, e.into()))?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether `path` is a mount point (its device differs from its parent's, or it is listed in
+/// mountinfo).
+pub fn is_mountpoint(path: &Path) -> bool {
+    let Ok(canon) = path.canonicalize() else {
+        return false;
+    };
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    info.lines().any(|l| {
+        l.split(' ').nth(4).map(unescape_mountinfo).as_deref()
+            == Some(canon.as_os_str().to_str().unwrap_or(""))
+    })
+}
+
+fn unescape_mountinfo(s: &str) -> String {
+    s.replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
+}
+
+/// Inputs of [`sandbox_spec`].
+#[derive(Debug, Clone, Copy)]
+pub struct SandboxSpecParams<'a> {
+    pub id: &'a str,
+    pub config: &'a cri::PodSandboxConfig,
+    /// The infra rootfs from [`crate::pause::prepare_infra_rootfs`].
+    pub infra: &'a crate::pause::InfraRootfs,
+    /// Join this network namespace instead of creating one (unless the pod uses the host's).
+    pub netns: Option<&'a Path>,
+    pub cgroup_driver: CgroupDriver,
+    pub host: &'a HostInfo,
+}
+
+/// Checks that `sysctls` are namespaced and that their namespace is the sandbox's own.
+pub fn validate_sysctls(config: &cri::PodSandboxConfig) -> Result<()> {
+    let Some(linux) = &config.linux else {
+        return Ok(());
+    };
+    let o = namespace_options(config);
+    let host_net = mode(o, |o| o.network) == cri::NamespaceMode::Node;
+    let host_ipc = mode(o, |o| o.ipc) == cri::NamespaceMode::Node;
+    for key in linux.sysctls.keys() {
+        let k = key.replace('/', ".");
+        let ipc = k.starts_with("kernel.shm")
+            || k.starts_with("kernel.msg")
+            || k == "kernel.sem"
+            || k.starts_with("fs.mqueue.");
+        let net = k.starts_with("net.");
+        if net && host_net {
+            return Err(OciError::invalid(format!(
+                "sysctl {key} needs the pod's own network namespace"
+            )));
+        }
+        if ipc && host_ipc {
+            return Err(OciError::invalid(format!(
+                "sysctl {key} needs the pod's own IPC namespace"
+            )));
+        }
+        if !net && !ipc {
+            return Err(OciError::invalid(format!("sysctl {key} is not namespaced")));
+        }
+    }
+    Ok(())
+}
+
+/// The infra process's spec: `/minicri pause` from the read-only infra rootfs, PID 1 of the
+/// sandbox's PID namespace, with new network (or `netns`), IPC and UTS namespaces unless the
+/// pod uses the host's; the pod's hostname and sysctls; no capabilities, `no_new_privileges`,
+/// the default seccomp profile (unless the pod's is `Unconfined` or `Localhost`), uid/gid 65535
+/// unless `run_as_user`/`run_as_group` say otherwise; `oom_score_adj` -998 clamped.
+pub fn sandbox_spec(p: &SandboxSpecParams<'_>) -> Result<Spec> {
+    validate_sysctls(p.config)?;
+    let linux_cfg = p.config.linux.clone().unwrap_or_default();
+    let sc = linux_cfg.security_context.clone().unwrap_or_default();
+    let o = sc.namespace_options.as_ref();
+    let host_net = mode(o, |o| o.network) == cri::NamespaceMode::Node;
+
+    let mut user = User::default();
+    let uid = sc
+        .run_as_user
+        .map_or(Ok(INFRA_UID), |v| u32::try_from(v.value))
+        .map_err(|_| OciError::invalid("run_as_user out of range"))?;
+    let gid = sc
+        .run_as_group
+        .map_or(
+            Ok(if sc.run_as_user.is_some() {
+                0
+            } else {
+                INFRA_UID
+            }),
+            |v| u32::try_from(v.value),
+        )
+        .map_err(|_| OciError::invalid("run_as_group out of range"))?;
+    user.set_uid(uid);
+    user.set_gid(gid);
+    let mut process = Process::default();
+    process.set_terminal(Some(false));
+    process.set_args(Some(vec![
+        crate::pause::INFRA_BINARY.to_string(),
+        "pause".to_string(),
+    ]));
+    process.set_env(Some(vec!["PATH=/".to_string()]));
+    process.set_cwd(PathBuf::from("/"));
+    process.set_user(user);
+    process.set_capabilities(Some(linux_capabilities(&HashSet::new(), &[])?));
+    process.set_no_new_privileges(Some(true));
+    process.set_rlimits(None);
+    process.set_oom_score_adj(Some(p.host.clamp_oom_score_adj(SANDBOX_OOM_SCORE_ADJ)));
+
+    let mut mounts: Vec<Mount> = vec![
+        mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"]),
+        mount(
+            "/dev",
+            "tmpfs",
+            "tmpfs",
+            &["nosuid", "strictatime", "mode=755", "size=65536k"],
+        ),
+    ];
+    mounts.push(bind_mount(
+        crate::pause::INFRA_BINARY,
+        &p.infra.binary,
+        &["rprivate", "ro"],
+    ));
+    for dir in &p.infra.lib_dirs {
+        let dest = dir
+            .to_str()
+            .ok_or_else(|| OciError::invalid("library dir is not UTF-8"))?;
+        mounts.push(bind_mount(
+            dest,
+            dir,
+            &["rprivate", "ro", "nosuid", "nodev"],
+        ));
+    }
+
+    use LinuxNamespaceType as T;
+    let mut namespaces = vec![namespace(T::Mount, None)];
+    if mode(o, |o| o.pid) != cri::NamespaceMode::Node {
+        namespaces.push(namespace(T::Pid, None));
+    }
+    if mode(o, |o| o.ipc) != cri::NamespaceMode::Node {
+        namespaces.push(namespace(T::Ipc, None));
+    }
+    if !host_net {
+        namespaces.push(namespace(T::Uts, None));
+        namespaces.push(namespace(T::Network, p.netns));
+    }
+    if p.host.cgroup_v2 {
+        namespaces.push(namespace(T::Cgroup, None));
+    }
+
+    let mut resources = LinuxResources::default();
+    resources.set_devices(Some(defaults::default_device_rules()));
+    let mut l = oci_spec::runtime::Linux::default();
+    l.set_uid_mappings(None);
+    l.set_gid_mappings(None);
+    l.set_namespaces(Some(namespaces));
+    l.set_resources(Some(resources));
+    l.set_cgroups_path(Some(cgroups_path(
+        p.cgroup_driver,
+        &linux_cfg.cgroup_parent,
+        p.id,
+    )?));
+    l.set_sysctl(if linux_cfg.sysctls.is_empty() {
+        None
+    } else {
+        Some(linux_cfg.sysctls.clone().into_iter().collect())
+    });
+    l.set_masked_paths(Some(defaults::strings(&defaults::DEFAULT_MASKED_PATHS)));
+    l.set_readonly_paths(Some(defaults::strings(&defaults::DEFAULT_READONLY_PATHS)));
+    let profile = sc
+        .seccomp
+        .clone()
+        .or_else(|| Some(cri::SecurityProfile::default()));
+    #[allow(deprecated)] // the old field still names a profile when the new one is unset
+    let old_path = &sc.seccomp_profile_path;
+    l.set_seccomp(select_seccomp(profile.as_ref(), old_path, &HashSet::new())?);
+
+    let mut root = Root::default();
+    root.set_path(p.infra.rootfs.clone());
+    root.set_readonly(Some(true));
+    let mut spec = Spec::default();
+    spec.set_version("1.0.2".to_string());
+    spec.set_hostname(if host_net || p.config.hostname.is_empty() {
+        None
+    } else {
+        Some(p.config.hostname.clone())
+    });
+    spec.set_root(Some(root));
+    spec.set_process(Some(process));
+    spec.set_mounts(Some(mounts));
+    spec.set_annotations(Some(p.config.annotations.clone().into_iter().collect()));
+    spec.set_linux(Some(l));
+    Ok(spec)
+}

@@ -1,0 +1,152 @@
+//! Unit tests of the sandbox spec and files ([`super::sandbox`]); no root needed.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use minicri_proto::runtime::v1 as cri;
+use oci_spec::runtime::{LinuxNamespaceType, Spec};
+
+use super::*;
+
+fn ns_of(spec: &Spec) -> Vec<(LinuxNamespaceType, Option<PathBuf>)> {
+    spec.linux()
+        .as_ref()
+        .unwrap()
+        .namespaces()
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|n| (n.typ(), n.path().clone()))
+        .collect()
+}
+
+fn mount_of<'a>(spec: &'a Spec, dest: &str) -> Option<&'a oci_spec::runtime::Mount> {
+    spec.mounts()
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|m| m.destination() == Path::new(dest))
+}
+
+fn sandbox_config() -> cri::PodSandboxConfig {
+    cri::PodSandboxConfig {
+        hostname: "pod-a".into(),
+        linux: Some(cri::LinuxPodSandboxConfig {
+            cgroup_parent: "/kubepods/pod1".into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn sandbox_spec_shape() {
+    let host = HostInfo {
+        oom_score_adj: 0,
+        cap_sys_resource: false,
+        cap_last_cap: 40,
+        cgroup_v2: false,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let infra = crate::pause::prepare_infra_rootfs(
+        &dir.path().join("infra"),
+        &std::env::current_exe().unwrap(),
+    )
+    .unwrap();
+    let mut sandbox = sandbox_config();
+    sandbox.linux.as_mut().unwrap().sysctls =
+        HashMap::from([("net.ipv4.ip_forward".to_string(), "1".to_string())]);
+    let params = SandboxSpecParams {
+        id: "sb1",
+        config: &sandbox,
+        infra: &infra,
+        netns: None,
+        cgroup_driver: CgroupDriver::Cgroupfs,
+        host: &host,
+    };
+    let spec = sandbox_spec(&params).unwrap();
+    let p = spec.process().as_ref().unwrap();
+    assert_eq!(p.args().as_ref().unwrap(), &["/minicri", "pause"]);
+    assert_eq!((p.user().uid(), p.user().gid()), (65535, 65535));
+    assert_eq!(
+        p.oom_score_adj(),
+        Some(0),
+        "-998 clamped without CAP_SYS_RESOURCE"
+    );
+    assert_eq!(spec.hostname().as_deref(), Some("pod-a"));
+    assert_eq!(spec.root().as_ref().unwrap().readonly(), Some(true));
+    use LinuxNamespaceType as T;
+    assert_eq!(
+        ns_of(&spec),
+        vec![
+            (T::Mount, None),
+            (T::Pid, None),
+            (T::Ipc, None),
+            (T::Uts, None),
+            (T::Network, None)
+        ]
+    );
+    assert_eq!(
+        mount_of(&spec, "/minicri").unwrap().source().as_deref(),
+        Some(infra.binary.as_path())
+    );
+    assert!(mount_of(&spec, "/usr/lib").is_some());
+    assert_eq!(
+        spec.linux().as_ref().unwrap().sysctl().as_ref().unwrap()["net.ipv4.ip_forward"],
+        "1"
+    );
+    assert!(spec.linux().as_ref().unwrap().seccomp().is_some());
+    assert_eq!(
+        spec.linux().as_ref().unwrap().cgroups_path().as_deref(),
+        Some(Path::new("/kubepods/pod1/sb1"))
+    );
+    // A given netns is joined; sysctls of namespaces the pod does not own are refused.
+    let netns = PathBuf::from("/run/netns/x");
+    let spec = sandbox_spec(&SandboxSpecParams {
+        netns: Some(&netns),
+        ..params
+    })
+    .unwrap();
+    assert!(ns_of(&spec).contains(&(T::Network, Some(netns.clone()))));
+    let mut bad = sandbox.clone();
+    bad.linux.as_mut().unwrap().sysctls =
+        HashMap::from([("kernel.panic".to_string(), "1".to_string())]);
+    assert!(
+        sandbox_spec(&SandboxSpecParams {
+            config: &bad,
+            ..params
+        })
+        .is_err()
+    );
+    let mut host_net = sandbox.clone();
+    host_net.linux.as_mut().unwrap().security_context = Some(cri::LinuxSandboxSecurityContext {
+        namespace_options: Some(cri::NamespaceOption {
+            network: cri::NamespaceMode::Node as i32,
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    assert!(
+        sandbox_spec(&SandboxSpecParams {
+            config: &host_net,
+            ..params
+        })
+        .is_err(),
+        "net sysctl with host network"
+    );
+}
+
+#[test]
+fn sandbox_file_contents() {
+    let dns = cri::DnsConfig {
+        servers: vec!["10.0.0.10".into()],
+        searches: vec!["ns.svc".into(), "svc".into()],
+        options: vec!["ndots:5".into()],
+    };
+    assert_eq!(
+        sandbox::resolv_conf(&dns),
+        "search ns.svc svc\nnameserver 10.0.0.10\noptions ndots:5\n"
+    );
+    assert!(sandbox::hosts_file("pod-a").contains("127.0.0.1\tlocalhost\n"));
+    assert!(sandbox::hosts_file("pod-a").ends_with("pod-a\n"));
+}

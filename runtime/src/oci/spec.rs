@@ -1,0 +1,542 @@
+//! The OCI runtime spec of a CRI container: [`container_spec`].
+//!
+//! Inputs are the CRI `ContainerConfig` and `PodSandboxConfig`, the image config, the writable
+//! snapshot (rootfs) and the sandbox's namespaces and shared files. The mapping follows the CRI
+//! (`api.proto`) and the OCI runtime spec:
+//!
+//! - process: argv is `command` (else the image `Entrypoint`) followed by `args` (else, when
+//!   `command` is empty, the image `Cmd`) — Docker's rule the kubelet relies on; env is
+//!   `HOSTNAME`, the image's `Env`, then the CRI `envs` (later keys win), with a default `PATH`;
+//!   cwd is `working_dir`, else the image's, else `/`; user and groups as in [`super::user`];
+//! - namespaces: a new mount namespace; network, IPC and UTS of the sandbox (absent, i.e. the
+//!   host's, for host-network / host-IPC pods); PID per the container's `NamespaceMode`
+//!   (`POD`: the sandbox's, `CONTAINER`: a new one, `NODE`: the host's, `TARGET`: another
+//!   container's); a cgroup namespace on cgroup v2 hosts;
+//! - mounts: [`super::defaults::standard_mounts`], `/dev/shm` from the sandbox, the sandbox's
+//!   `/etc/hostname`, `/etc/resolv.conf` and `/etc/hosts`, then the CRI mounts (bind, with
+//!   `rprivate` / `rslave` / `rshared` propagation and `ro`); a CRI mount replaces a default
+//!   one at the same destination; CRI mounts are ordered parents first;
+//! - security: capabilities (the 14 defaults, `add`/`drop` with `ALL`), `privileged` (every
+//!   capability and host device, no masked paths, no seccomp, read-write `/sys`, and only in a
+//!   privileged sandbox), seccomp ([`select_seccomp`]), masked and read-only paths (the CRI's
+//!   lists, or the defaults when it sends none), `no_new_privs`, read-only rootfs;
+//! - resources: cpu shares, quota, period, cpuset, memory limit and swap, hugepages, `unified`
+//!   (cgroup v2 only); `oom_score_adj` clamped by [`HostInfo::clamp_oom_score_adj`];
+//! - `linux.cgroupsPath` from the sandbox's `cgroup_parent` ([`super::host::cgroups_path`]).
+//!
+//! Building a spec reads the rootfs's passwd/group files, host device nodes and a `Localhost`
+//! seccomp profile, and changes nothing.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use minicri_proto::runtime::v1 as cri;
+use oci_spec::runtime::{
+    Capability, LinuxCapabilities, LinuxCpu, LinuxHugepageLimit, LinuxMemory, LinuxNamespace,
+    LinuxNamespaceType, LinuxResources, LinuxSeccomp, Mount, Process, Root, Spec, User,
+};
+
+use super::defaults::{self, bind_mount};
+use super::error::{OciError, Result};
+use super::host::{CgroupDriver, HostInfo, cgroups_path};
+use super::image_config::ImageConfig;
+use super::sandbox::{SandboxFiles, SandboxNamespaces};
+use super::seccomp;
+use super::user::{UserRequest, resolve_user};
+
+pub const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Everything [`container_spec`] needs.
+#[derive(Debug, Clone, Copy)]
+pub struct ContainerSpecParams<'a> {
+    pub id: &'a str,
+    pub config: &'a cri::ContainerConfig,
+    pub sandbox_config: &'a cri::PodSandboxConfig,
+    pub image: &'a ImageConfig,
+    /// The container's writable snapshot, mounted.
+    pub rootfs: &'a Path,
+    pub namespaces: &'a SandboxNamespaces,
+    pub files: &'a SandboxFiles,
+    /// `/proc/<pid>/ns/pid` of the target container, for `NamespaceMode::TARGET`.
+    pub target_pid_ns: Option<&'a Path>,
+    pub cgroup_driver: CgroupDriver,
+    pub host: &'a HostInfo,
+}
+
+pub(crate) fn namespace(typ: LinuxNamespaceType, path: Option<&Path>) -> LinuxNamespace {
+    let mut n = LinuxNamespace::default();
+    n.set_typ(typ);
+    n.set_path(path.map(Path::to_path_buf));
+    n
+}
+
+/// The capability set from the defaults and the CRI `add`/`drop` lists (`ALL` in `add` grants
+/// every capability the host knows; `ALL` in `drop` starts from none, then adds apply).
+pub fn capability_set(
+    caps: Option<&cri::Capability>,
+    host: &HostInfo,
+) -> Result<HashSet<Capability>> {
+    let mut set: HashSet<Capability> = defaults::DEFAULT_CAPABILITIES
+        .iter()
+        .map(|c| defaults::parse_capability(c))
+        .collect::<Result<_>>()?;
+    let Some(caps) = caps else { return Ok(set) };
+    let is_all = |c: &String| c.eq_ignore_ascii_case("ALL");
+    if caps.drop_capabilities.iter().any(is_all) {
+        set.clear();
+    }
+    if caps.add_capabilities.iter().any(is_all) {
+        set.extend(defaults::host_capabilities(host.cap_last_cap));
+    }
+    for c in caps.add_capabilities.iter().filter(|c| !is_all(c)) {
+        set.insert(defaults::parse_capability(c)?);
+    }
+    for c in caps.drop_capabilities.iter().filter(|c| !is_all(c)) {
+        set.remove(&defaults::parse_capability(c)?);
+    }
+    Ok(set)
+}
+
+/// Bounding, permitted and effective sets are `set`; inheritable is empty; ambient as asked.
+pub(crate) fn linux_capabilities(
+    set: &HashSet<Capability>,
+    ambient: &[String],
+) -> Result<LinuxCapabilities> {
+    let mut c = LinuxCapabilities::default();
+    c.set_bounding(Some(set.clone()));
+    c.set_permitted(Some(set.clone()));
+    c.set_effective(Some(set.clone()));
+    c.set_inheritable(Some(HashSet::new()));
+    let amb: HashSet<Capability> = ambient
+        .iter()
+        .map(|a| defaults::parse_capability(a))
+        .collect::<Result<_>>()?;
+    if amb.iter().any(|a| !set.contains(a)) {
+        return Err(OciError::invalid(
+            "ambient capabilities must also be added to the bounding set",
+        ));
+    }
+    c.set_ambient(Some(amb));
+    Ok(c)
+}
+
+/// The seccomp filter for a security profile: `None` (absent) or `Unconfined` → no filter;
+/// `RuntimeDefault` → [`seccomp::default_profile`]; `Localhost` → the JSON file at
+/// `localhost_ref`. The deprecated `seccomp_profile_path` strings (`runtime/default`,
+/// `docker/default`, `unconfined`, `localhost/<path>`) are honoured when no profile is set.
+pub fn select_seccomp(
+    profile: Option<&cri::SecurityProfile>,
+    deprecated_path: &str,
+    caps: &HashSet<Capability>,
+) -> Result<Option<LinuxSeccomp>> {
+    use cri::security_profile::ProfileType;
+    if let Some(p) = profile {
+        return match ProfileType::try_from(p.profile_type) {
+            Ok(ProfileType::Unconfined) => Ok(None),
+            Ok(ProfileType::RuntimeDefault) => Ok(Some(seccomp::default_profile(caps))),
+            Ok(ProfileType::Localhost) => seccomp::load_profile(&p.localhost_ref).map(Some),
+            Err(_) => Err(OciError::invalid(format!(
+                "unknown seccomp profile type {}",
+                p.profile_type
+            ))),
+        };
+    }
+    match deprecated_path {
+        "" | "unconfined" => Ok(None),
+        "runtime/default" | "docker/default" => Ok(Some(seccomp::default_profile(caps))),
+        p if p.starts_with("localhost/") => seccomp::load_profile(p).map(Some),
+        p => Err(OciError::invalid(format!("unknown seccomp profile {p:?}"))),
+    }
+}
+
+/// Cgroup resources from the CRI (zero means unset, as in the CRI).
+pub fn linux_resources(
+    r: &cri::LinuxContainerResources,
+    host: &HostInfo,
+) -> Result<LinuxResources> {
+    let mut out = LinuxResources::default();
+    let mut cpu = LinuxCpu::default();
+    if r.cpu_shares > 0 {
+        cpu.set_shares(Some(r.cpu_shares as u64));
+    }
+    if r.cpu_quota != 0 {
+        cpu.set_quota(Some(r.cpu_quota));
+    }
+    if r.cpu_period > 0 {
+        cpu.set_period(Some(r.cpu_period as u64));
+    }
+    if !r.cpuset_cpus.is_empty() {
+        cpu.set_cpus(Some(r.cpuset_cpus.clone()));
+    }
+    if !r.cpuset_mems.is_empty() {
+        cpu.set_mems(Some(r.cpuset_mems.clone()));
+    }
+    if cpu != LinuxCpu::default() {
+        out.set_cpu(Some(cpu));
+    }
+    if r.memory_limit_in_bytes > 0 {
+        let mut mem = LinuxMemory::default();
+        mem.set_limit(Some(r.memory_limit_in_bytes));
+        // memory+swap: the CRI's swap limit when given, else equal to the limit (no swap).
+        let swap = if r.memory_swap_limit_in_bytes > 0 {
+            r.memory_swap_limit_in_bytes
+        } else {
+            r.memory_limit_in_bytes
+        };
+        if swap < r.memory_limit_in_bytes {
+            return Err(OciError::invalid(
+                "memory_swap_limit_in_bytes is below memory_limit_in_bytes",
+            ));
+        }
+        mem.set_swap(Some(swap));
+        out.set_memory(Some(mem));
+    }
+    if !r.hugepage_limits.is_empty() {
+        let limits = r
+            .hugepage_limits
+            .iter()
+            .map(|h| {
+                let mut l = LinuxHugepageLimit::default();
+                l.set_page_size(h.page_size.clone());
+                l.set_limit(h.limit as i64);
+                l
+            })
+            .collect();
+        out.set_hugepage_limits(Some(limits));
+    }
+    if !r.unified.is_empty() && host.cgroup_v2 {
+        out.set_unified(Some(r.unified.clone().into_iter().collect()));
+    }
+    Ok(out)
+}
+
+fn propagation(p: i32) -> Result<&'static str> {
+    match cri::MountPropagation::try_from(p) {
+        Ok(cri::MountPropagation::PropagationPrivate) => Ok("rprivate"),
+        Ok(cri::MountPropagation::PropagationHostToContainer) => Ok("rslave"),
+        Ok(cri::MountPropagation::PropagationBidirectional) => Ok("rshared"),
+        Err(_) => Err(OciError::invalid(format!("unknown mount propagation {p}"))),
+    }
+}
+
+/// The CRI mounts as OCI bind mounts, parents first, and the rootfs propagation they need.
+pub fn cri_mounts(mounts: &[cri::Mount]) -> Result<(Vec<Mount>, Option<&'static str>)> {
+    let mut out = Vec::new();
+    let mut root_propagation = None;
+    let mut sorted: Vec<&cri::Mount> = mounts.iter().collect();
+    sorted.sort_by_key(|m| Path::new(&m.container_path).components().count());
+    for m in sorted {
+        if !m.container_path.starts_with('/') {
+            return Err(OciError::invalid(format!(
+                "mount container_path {:?} is not absolute",
+                m.container_path
+            )));
+        }
+        if m.image.as_ref().is_some_and(|i| !i.image.is_empty()) {
+            return Err(OciError::invalid("image volume mounts are not supported"));
+        }
+        if !m.uid_mappings.is_empty() || !m.gid_mappings.is_empty() {
+            return Err(OciError::invalid("id-mapped mounts are not supported"));
+        }
+        if m.recursive_read_only {
+            return Err(OciError::invalid(
+                "recursive read-only mounts are not supported",
+            ));
+        }
+        let prop = propagation(m.propagation)?;
+        match prop {
+            "rshared" => root_propagation = Some("rshared"),
+            "rslave" if root_propagation.is_none() => root_propagation = Some("rslave"),
+            _ => {}
+        }
+        let ro = if m.readonly { "ro" } else { "rw" };
+        out.push(bind_mount(
+            &m.container_path,
+            Path::new(&m.host_path),
+            &[prop, ro],
+        ));
+    }
+    Ok((out, root_propagation))
+}
+
+/// argv per the Docker/CRI rule (see the module docs).
+pub fn process_args(config: &cri::ContainerConfig, image: &ImageConfig) -> Result<Vec<String>> {
+    let mut argv = if config.command.is_empty() {
+        image.entrypoint.clone()
+    } else {
+        config.command.clone()
+    };
+    if !config.args.is_empty() {
+        argv.extend(config.args.iter().cloned());
+    } else if config.command.is_empty() {
+        argv.extend(image.cmd.iter().cloned());
+    }
+    if argv.is_empty() {
+        return Err(OciError::invalid(
+            "no command specified: neither the container config nor the image has one",
+        ));
+    }
+    Ok(argv)
+}
+
+/// `HOSTNAME`, the image's env, the CRI env (a later key replaces an earlier one, in place).
+pub fn process_env(hostname: &str, image: &[String], cri_env: &[cri::KeyValue]) -> Vec<String> {
+    let mut env: Vec<String> = Vec::new();
+    let mut set = |kv: String| {
+        let key = kv.split('=').next().unwrap_or_default().to_string();
+        match env
+            .iter_mut()
+            .find(|e| e.split('=').next() == Some(key.as_str()))
+        {
+            Some(slot) => *slot = kv,
+            None => env.push(kv),
+        }
+    };
+    set(format!("HOSTNAME={hostname}"));
+    for e in image {
+        set(e.clone());
+    }
+    for kv in cri_env {
+        set(format!("{}={}", kv.key, String::from_utf8_lossy(&kv.value)));
+    }
+    if !env.iter().any(|e| e.starts_with("PATH=")) {
+        env.push(DEFAULT_PATH.to_string());
+    }
+    env
+}
+
+/// The OCI spec of a container; see the module docs.
+pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
+    let c = p.config;
+    let linux = c.linux.clone().unwrap_or_default();
+    let sc = linux.security_context.clone().unwrap_or_default();
+    let sandbox_privileged = p
+        .sandbox_config
+        .linux
+        .as_ref()
+        .and_then(|l| l.security_context.as_ref())
+        .is_some_and(|s| s.privileged);
+    if sc.privileged && !sandbox_privileged {
+        return Err(OciError::invalid(
+            "a privileged container needs a privileged sandbox",
+        ));
+    }
+    if c.tty {
+        return Err(OciError::invalid("tty containers are not supported"));
+    }
+
+    // Process.
+    let strict = sc.supplemental_groups_policy == cri::SupplementalGroupsPolicy::Strict as i32;
+    let user = resolve_user(
+        p.rootfs,
+        &UserRequest {
+            run_as_user: sc.run_as_user.map(|v| v.value),
+            run_as_username: &sc.run_as_username,
+            run_as_group: sc.run_as_group.map(|v| v.value),
+            supplemental_groups: &sc.supplemental_groups,
+            strict_groups: strict,
+            image_user: &p.image.user,
+        },
+    )?;
+    let mut oci_user = User::default();
+    oci_user.set_uid(user.uid);
+    oci_user.set_gid(user.gid);
+    oci_user.set_additional_gids(if user.additional_gids.is_empty() {
+        None
+    } else {
+        Some(user.additional_gids.clone())
+    });
+    let hostname = if p.namespaces.uts.is_some() {
+        p.sandbox_config.hostname.clone()
+    } else {
+        nix::unistd::gethostname()
+            .map(|h| h.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    };
+    let caps = if sc.privileged {
+        defaults::host_capabilities(p.host.cap_last_cap)
+            .into_iter()
+            .collect()
+    } else {
+        capability_set(sc.capabilities.as_ref(), p.host)?
+    };
+    let ambient = sc
+        .capabilities
+        .as_ref()
+        .map(|c| c.add_ambient_capabilities.clone())
+        .unwrap_or_default();
+    let mut process = Process::default();
+    process.set_terminal(Some(false));
+    process.set_args(Some(process_args(c, p.image)?));
+    process.set_env(Some(process_env(&hostname, &p.image.env, &c.envs)));
+    let cwd = if !c.working_dir.is_empty() {
+        &c.working_dir
+    } else {
+        &p.image.working_dir
+    };
+    process.set_cwd(PathBuf::from("/").join(cwd));
+    process.set_user(oci_user);
+    process.set_capabilities(Some(linux_capabilities(&caps, &ambient)?));
+    process.set_no_new_privileges(Some(sc.no_new_privs));
+    process.set_rlimits(None);
+    process.set_oom_score_adj(
+        linux
+            .resources
+            .as_ref()
+            .map(|r| p.host.clamp_oom_score_adj(r.oom_score_adj)),
+    );
+
+    // Mounts: defaults unless a CRI mount takes the destination.
+    let (user_mounts, root_propagation) = cri_mounts(&c.mounts)?;
+    let taken: HashSet<PathBuf> = user_mounts
+        .iter()
+        .map(|m| m.destination().clone())
+        .collect();
+    let mut mounts = defaults::standard_mounts(sc.privileged);
+    let etc_opts: &[&str] = if sc.readonly_rootfs {
+        &["rprivate", "ro"]
+    } else {
+        &["rprivate", "rw"]
+    };
+    mounts.push(match (&p.namespaces.ipc, &p.files.shm) {
+        (None, _) => bind_mount("/dev/shm", Path::new("/dev/shm"), &["rprivate", "rw"]),
+        (Some(_), Some(shm)) => bind_mount(
+            "/dev/shm",
+            shm,
+            &["rprivate", "rw", "nosuid", "nodev", "noexec"],
+        ),
+        (Some(_), None) => defaults::private_shm(),
+    });
+    for (dest, src) in [
+        ("/etc/hostname", &p.files.hostname),
+        ("/etc/resolv.conf", &p.files.resolv_conf),
+        ("/etc/hosts", &p.files.hosts),
+    ] {
+        if let Some(src) = src {
+            mounts.push(bind_mount(dest, src, etc_opts));
+        }
+    }
+    mounts.retain(|m| !taken.contains(m.destination()));
+    mounts.extend(user_mounts);
+
+    // Namespaces.
+    use LinuxNamespaceType as T;
+    let mut namespaces = vec![namespace(T::Mount, None)];
+    for (typ, path) in [
+        (T::Network, &p.namespaces.net),
+        (T::Ipc, &p.namespaces.ipc),
+        (T::Uts, &p.namespaces.uts),
+    ] {
+        if let Some(path) = path {
+            namespaces.push(namespace(typ, Some(path)));
+        }
+    }
+    let pid_mode = sc
+        .namespace_options
+        .as_ref()
+        .map_or(cri::NamespaceMode::Container as i32, |n| n.pid);
+    match cri::NamespaceMode::try_from(pid_mode) {
+        Ok(cri::NamespaceMode::Pod) => {
+            if let Some(path) = &p.namespaces.pid {
+                namespaces.push(namespace(T::Pid, Some(path)));
+            }
+        }
+        Ok(cri::NamespaceMode::Container) => namespaces.push(namespace(T::Pid, None)),
+        Ok(cri::NamespaceMode::Node) => {}
+        Ok(cri::NamespaceMode::Target) => {
+            let target = p
+                .target_pid_ns
+                .ok_or_else(|| OciError::invalid("pid namespace TARGET without a target"))?;
+            namespaces.push(namespace(T::Pid, Some(target)));
+        }
+        Err(_) => {
+            return Err(OciError::invalid(format!(
+                "unknown pid namespace mode {pid_mode}"
+            )));
+        }
+    }
+    if p.host.cgroup_v2 {
+        namespaces.push(namespace(T::Cgroup, None));
+    }
+
+    // Linux section.
+    let mut resources = match &linux.resources {
+        Some(r) => linux_resources(r, p.host)?,
+        None => LinuxResources::default(),
+    };
+    let mut devices = Vec::new();
+    let mut rules = if sc.privileged {
+        defaults::allow_all_devices()
+    } else {
+        defaults::default_device_rules()
+    };
+    if sc.privileged {
+        devices.extend(defaults::all_host_devices());
+    }
+    for d in &c.devices {
+        let found = defaults::host_devices(Path::new(&d.host_path), Path::new(&d.container_path))?;
+        for dev in &found {
+            if !sc.privileged {
+                rules.push(defaults::device_rule(dev, &d.permissions));
+            }
+        }
+        devices.retain(|x: &oci_spec::runtime::LinuxDevice| {
+            !found.iter().any(|f| f.path() == x.path())
+        });
+        devices.extend(found);
+    }
+    resources.set_devices(Some(rules));
+    let mut l = oci_spec::runtime::Linux::default();
+    l.set_uid_mappings(None);
+    l.set_gid_mappings(None);
+    l.set_sysctl(None);
+    l.set_namespaces(Some(namespaces));
+    l.set_resources(Some(resources));
+    let parent = p
+        .sandbox_config
+        .linux
+        .as_ref()
+        .map(|l| l.cgroup_parent.as_str())
+        .unwrap_or("");
+    l.set_cgroups_path(Some(cgroups_path(p.cgroup_driver, parent, p.id)?));
+    l.set_devices(if devices.is_empty() {
+        None
+    } else {
+        Some(devices)
+    });
+    l.set_rootfs_propagation(root_propagation.map(str::to_string));
+    if sc.privileged {
+        l.set_masked_paths(None);
+        l.set_readonly_paths(None);
+        l.set_seccomp(None);
+    } else {
+        let masked = if sc.masked_paths.is_empty() {
+            defaults::strings(&defaults::DEFAULT_MASKED_PATHS)
+        } else {
+            sc.masked_paths.clone()
+        };
+        let ro = if sc.readonly_paths.is_empty() {
+            defaults::strings(&defaults::DEFAULT_READONLY_PATHS)
+        } else {
+            sc.readonly_paths.clone()
+        };
+        l.set_masked_paths(Some(masked));
+        l.set_readonly_paths(Some(ro));
+        #[allow(deprecated)] // the old field still names a profile when the new one is unset
+        let old_path = &sc.seccomp_profile_path;
+        l.set_seccomp(select_seccomp(sc.seccomp.as_ref(), old_path, &caps)?);
+    }
+
+    let mut root = Root::default();
+    root.set_path(p.rootfs.to_path_buf());
+    root.set_readonly(Some(sc.readonly_rootfs));
+    let mut spec = Spec::default();
+    spec.set_version("1.0.2".to_string());
+    spec.set_hostname(None);
+    spec.set_root(Some(root));
+    spec.set_process(Some(process));
+    spec.set_mounts(Some(mounts));
+    spec.set_annotations(Some(c.annotations.clone().into_iter().collect()));
+    spec.set_linux(Some(l));
+    Ok(spec)
+}

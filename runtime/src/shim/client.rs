@@ -1,0 +1,320 @@
+//! The daemon's side of the shim: starting one ([`spawn_shim`]) and talking to it
+//! ([`ShimHandle`]).
+
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+
+use super::protocol::{ExitRecord, Ready, Request, Response, ShimPaths, read_exit_file};
+use crate::oci::error::{OciError, Result};
+use crate::oci::runc::Runc;
+
+/// The descriptor number the readiness pipe gets in the shim.
+const READY_FD: i32 = 3;
+
+/// Longest unix socket path (`sun_path` holds 108 bytes with the terminating NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// What to start a shim for.
+#[derive(Debug, Clone)]
+pub struct ShimConfig {
+    pub id: String,
+    /// The bundle directory holding `config.json`; the shim's files go there too.
+    pub bundle: PathBuf,
+    pub runtime: Runc,
+    /// The CRI log path; `None` discards the output (the sandbox infra process).
+    pub log_path: Option<PathBuf>,
+    /// The minicri executable (normally `std::env::current_exe()`).
+    pub shim_binary: PathBuf,
+    /// How long to wait for the container to be created.
+    pub ready_timeout: Duration,
+}
+
+impl ShimConfig {
+    pub fn new(
+        id: impl Into<String>,
+        bundle: impl Into<PathBuf>,
+        runtime: Runc,
+        shim_binary: impl Into<PathBuf>,
+    ) -> Self {
+        ShimConfig {
+            id: id.into(),
+            bundle: bundle.into(),
+            runtime,
+            log_path: None,
+            shim_binary: shim_binary.into(),
+            ready_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// A running shim and its created container. Everything in it can be found again from the
+/// bundle directory ([`ShimHandle::load`]), e.g. after a daemon restart.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimHandle {
+    pub id: String,
+    pub paths: ShimPaths,
+    pub shim_pid: i32,
+    /// The container's init process on the host.
+    pub init_pid: i32,
+}
+
+/// Starts `minicri shim` for a bundle whose `config.json` is written, and waits until the
+/// container is created (its init waits for `start`, which the daemon issues through
+/// [`crate::oci::OciRuntime::start`]). Blocking: call from a blocking context, or use
+/// [`spawn_shim`].
+pub fn spawn_shim_blocking(cfg: &ShimConfig) -> Result<ShimHandle> {
+    let paths = ShimPaths::new(&cfg.bundle);
+    let socket = paths.socket();
+    if socket.as_os_str().len() > MAX_SOCKET_PATH {
+        return Err(OciError::invalid(format!(
+            "control socket path {} is too long",
+            socket.display()
+        )));
+    }
+    let shim_log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(paths.shim_log())
+        .map_err(|e| OciError::io("open", paths.shim_log(), e))?;
+    let (ready_r, ready_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| OciError::io("pipe for", "shim", e.into()))?;
+    let mut cmd = Command::new(&cfg.shim_binary);
+    cmd.arg("shim")
+        .arg("--id")
+        .arg(&cfg.id)
+        .arg("--bundle")
+        .arg(&cfg.bundle)
+        .arg("--runtime")
+        .arg(&cfg.runtime.binary)
+        .arg("--runtime-root")
+        .arg(&cfg.runtime.root)
+        .arg("--ready-fd")
+        .arg(READY_FD.to_string());
+    if cfg.runtime.systemd_cgroup {
+        cmd.arg("--systemd-cgroup");
+    }
+    if let Some(log) = &cfg.log_path {
+        cmd.arg("--log-path").arg(log);
+    }
+    let err_log = shim_log
+        .try_clone()
+        .map_err(|e| OciError::io("dup", paths.shim_log(), e))?;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::from(shim_log))
+        .stderr(Stdio::from(err_log));
+    let w = ready_w.as_raw_fd();
+    // SAFETY: dup2 and fcntl are async-signal-safe.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(w, READY_FD) < 0 || libc::fcntl(READY_FD, libc::F_SETFD, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| OciError::io("run", &cfg.shim_binary, e))?;
+    drop(cmd);
+    drop(ready_w);
+    // The first shim process forks and exits at once; the shim proper reports on the pipe.
+    let _ = child.wait();
+    let line = read_ready(ready_r, cfg.ready_timeout)?;
+    let ready: Ready = match serde_json::from_slice(&line) {
+        Ok(r) => r,
+        Err(_) => {
+            let tail = std::fs::read_to_string(paths.shim_log()).unwrap_or_default();
+            let tail: String = tail.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
+            return Err(OciError::Other(format!(
+                "shim for {} exited without reporting: {tail}",
+                cfg.id
+            )));
+        }
+    };
+    if !ready.ok {
+        let message = ready.error.unwrap_or_default();
+        return Err(OciError::Runtime {
+            binary: "minicri shim".into(),
+            op: "create",
+            id: cfg.id.clone(),
+            message,
+        });
+    }
+    Ok(ShimHandle {
+        id: cfg.id.clone(),
+        paths,
+        shim_pid: ready.shim_pid,
+        init_pid: ready.init_pid,
+    })
+}
+
+fn read_ready(fd: std::os::fd::OwnedFd, timeout: Duration) -> Result<Vec<u8>> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use std::io::Read;
+    let deadline = Instant::now() + timeout;
+    let mut file = std::fs::File::from(fd);
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(OciError::Other(format!(
+                "shim did not report within {timeout:?}"
+            )));
+        }
+        let ms = PollTimeout::try_from(left.as_millis().min(i32::MAX as u128) as i32)
+            .unwrap_or(PollTimeout::MAX);
+        let mut fds = [PollFd::new(
+            std::os::fd::AsFd::as_fd(&file),
+            PollFlags::POLLIN,
+        )];
+        match poll(&mut fds, ms) {
+            Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
+            Ok(_) => {}
+            Err(e) => return Err(OciError::io("poll", "shim ready pipe", e.into())),
+        }
+        match file.read(&mut buf) {
+            Ok(0) => return Ok(out),
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(OciError::io("read", "shim ready pipe", e)),
+        }
+    }
+}
+
+/// [`spawn_shim_blocking`] on tokio's blocking pool.
+pub async fn spawn_shim(cfg: ShimConfig) -> Result<ShimHandle> {
+    tokio::task::spawn_blocking(move || spawn_shim_blocking(&cfg))
+        .await
+        .map_err(|e| OciError::Other(format!("spawn shim task: {e}")))?
+}
+
+fn read_pid(path: &Path) -> Option<i32> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+impl ShimHandle {
+    /// Finds a shim again from its bundle directory (pids from `shim.pid` and `init.pid`).
+    pub fn load(id: impl Into<String>, bundle: impl Into<PathBuf>) -> Result<Self> {
+        let paths = ShimPaths::new(bundle);
+        let shim_pid = read_pid(&paths.shim_pid())
+            .ok_or_else(|| OciError::Other(format!("no shim.pid in {}", paths.bundle.display())))?;
+        let init_pid = read_pid(&paths.init_pid()).unwrap_or(0);
+        Ok(ShimHandle {
+            id: id.into(),
+            paths,
+            shim_pid,
+            init_pid,
+        })
+    }
+
+    /// Whether the shim process still runs (and is a minicri shim, not a reused pid).
+    pub fn is_alive(&self) -> bool {
+        if kill(Pid::from_raw(self.shim_pid), None).is_err() {
+            return false;
+        }
+        let cmdline = std::fs::read(format!("/proc/{}/cmdline", self.shim_pid)).unwrap_or_default();
+        cmdline.split(|&b| b == 0).any(|a| a == b"shim")
+            && cmdline
+                .windows(self.id.len())
+                .any(|w| w == self.id.as_bytes())
+    }
+
+    /// The exit status, if the shim has written it.
+    pub fn exit_record(&self) -> Result<Option<ExitRecord>> {
+        read_exit_file(&self.paths.exit_file())
+            .map_err(|e| OciError::io("read", self.paths.exit_file(), e))
+    }
+
+    async fn request(&self, req: &Request) -> std::io::Result<Response> {
+        let mut s = UnixStream::connect(self.paths.socket()).await?;
+        let mut line = serde_json::to_vec(req).map_err(std::io::Error::other)?;
+        line.push(b'\n');
+        s.write_all(&line).await?;
+        let mut reader = BufReader::new(s);
+        let mut resp = String::new();
+        if reader.read_line(&mut resp).await? == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "shim closed the connection",
+            ));
+        }
+        serde_json::from_str(&resp).map_err(std::io::Error::other)
+    }
+
+    /// Asks the shim to reopen the log file (CRI `ReopenContainerLog`). Fails when the
+    /// container has exited (the shim is gone) or has no log.
+    pub async fn reopen_log(&self) -> Result<()> {
+        match self.request(&Request::ReopenLog).await {
+            Ok(Response::Ok) => Ok(()),
+            Ok(Response::Error { message }) => Err(OciError::Other(message)),
+            Ok(other) => Err(OciError::Other(format!(
+                "unexpected shim response {other:?}"
+            ))),
+            Err(e) => Err(OciError::Other(format!(
+                "container {} is not running (shim: {e})",
+                self.id
+            ))),
+        }
+    }
+
+    /// The shim's view: `Some` exit once the init has exited.
+    pub async fn state(&self) -> Result<Option<ExitRecord>> {
+        match self.request(&Request::State).await {
+            Ok(Response::State { exited, .. }) => Ok(exited),
+            Ok(other) => Err(OciError::Other(format!(
+                "unexpected shim response {other:?}"
+            ))),
+            Err(_) => self.exit_or_gone(),
+        }
+    }
+
+    fn exit_or_gone(&self) -> Result<Option<ExitRecord>> {
+        match self.exit_record()? {
+            Some(r) => Ok(Some(r)),
+            None if self.is_alive() => Ok(None),
+            None => Err(OciError::Other(format!(
+                "the shim of {} is gone and left no exit status",
+                self.id
+            ))),
+        }
+    }
+
+    /// Waits until the container's init has exited and its output is in the log. Errors when
+    /// the shim died without recording an exit (e.g. it was SIGKILLed).
+    pub async fn wait(&self) -> Result<ExitRecord> {
+        loop {
+            match self.request(&Request::Wait).await {
+                Ok(Response::Exited { exit }) => return Ok(exit),
+                Ok(other) => {
+                    return Err(OciError::Other(format!(
+                        "unexpected shim response {other:?}"
+                    )));
+                }
+                Err(_) => {
+                    if let Some(r) = self.exit_or_gone()? {
+                        return Ok(r);
+                    }
+                    // Alive but not answering: between exiting and removing its socket.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    /// SIGKILLs the shim (not the container): for cleanup of a shim whose container is gone.
+    pub fn kill_shim(&self) {
+        if self.is_alive() {
+            let _ = kill(Pid::from_raw(self.shim_pid), Signal::SIGKILL);
+        }
+    }
+}

@@ -1,0 +1,45 @@
+//! The per-container monitor (`minicri shim`): creates a container through the OCI runtime,
+//! owns its stdio, writes its CRI log, records its exit, and outlives the daemon.
+//!
+//! # Lifecycle
+//! 1. The daemon writes `<bundle>/config.json` and calls [`spawn_shim`]. That runs
+//!    `minicri shim --id ID --bundle DIR --runtime BIN --runtime-root DIR [--systemd-cgroup]
+//!    [--log-path FILE] --ready-fd 3` with stdout/stderr on `<bundle>/shim.log` and a pipe as
+//!    fd 3. The shim forks at once (its first process exits, so the daemon keeps no zombie),
+//!    starts a new session, closes every inherited descriptor but stdio and fd 3, and becomes a
+//!    child subreaper. Reparented to init, it survives the daemon being killed or restarted.
+//! 2. The shim runs `<runtime> --root DIR --log <bundle>/runtime-log.json --log-format json
+//!    create --bundle DIR --pid-file <bundle>/init.pid ID` with stdin on `/dev/null` and two
+//!    pipes as stdout and stderr (runc passes them to the container), then writes one JSON
+//!    line on fd 3: `{"ok":true,"shim_pid":N,"init_pid":M}` or `{"ok":false,"error":"..."}`
+//!    (the runtime's own error message), and closes it.
+//! 3. The daemon starts the container itself with `runtime start ID`
+//!    ([`crate::oci::OciRuntime::start`]); likewise kill, exec, update and delete go straight
+//!    to the runtime. The shim only monitors.
+//! 4. The shim copies both pipes into the CRI log ([`crate::logs`]) until EOF, reaps every child
+//!    (one `waitpid(-1)` loop on its main thread, nothing else waits), and when the init exits:
+//!    waits up to 2 s for the pipes to drain, writes `<bundle>/exit.json` by atomic rename,
+//!    answers waiting clients, removes its socket and exits.
+//!
+//! # Bundle directory layout ([`ShimPaths`])
+//! `config.json` (daemon), `init.pid` (runtime), `shim.pid`, `shim.sock`, `shim.log`,
+//! `runtime-log.json`, `exit.json` (shim). The socket path must fit in 107 bytes.
+//!
+//! # Control socket (`<bundle>/shim.sock`)
+//! One request per connection, one JSON line each way:
+//! - `{"op":"state"}` → `{"status":"state","shim_pid":N,"init_pid":M,"exited":null|EXIT}`
+//! - `{"op":"reopen_log"}` → `{"status":"ok"}` or `{"status":"error","message":"..."}`
+//! - `{"op":"wait"}` → `{"status":"exited","exit":EXIT}` once the init has exited
+//!
+//! where `EXIT` is the content of `exit.json`:
+//! `{"pid":M,"exit_code":3,"signal":null,"exited_at":"<RFC3339Nano>","exited_at_ns":N}`
+//! (`exit_code` is 128 + signal for a killed process). SIGUSR1 to the shim also reopens the
+//! log. Once the shim is gone, `exit.json` is the record; a shim gone without one was killed.
+
+pub mod client;
+pub mod monitor;
+pub mod protocol;
+
+pub use client::{ShimConfig, ShimHandle, spawn_shim, spawn_shim_blocking};
+pub use monitor::{ShimArgs, main};
+pub use protocol::{ExitRecord, Request, Response, ShimPaths, read_exit_file};
