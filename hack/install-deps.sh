@@ -25,6 +25,7 @@ PACKAGES=(
     apache2-utils
     curl
     jq
+    bc
     file
     # A C toolchain and pkg-config for crates with build scripts.
     gcc

@@ -1,6 +1,8 @@
 //! Owns the `minicri-testimg` command: pushes minicri's test images to a registry, either the
 //! documented standard set (`push-standard`) or one big image of random layers for benchmarks
 //! (`push-big`). It prints what it pushed: reference, manifest digest, config digest.
+//! `pull` asks a running minicri to pull an image over the CRI and prints how long it took
+//! (used by hack/bench-pull.sh, so the benchmark needs no crictl).
 //! Build it with `--release` for big layers: making random gzip layers is ~25x slower in a
 //! debug build.
 
@@ -71,6 +73,12 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// Ask the minicri at SOCKET to pull IMAGE (CRI PullImage); print the image id and seconds.
+    Pull {
+        #[arg(long)]
+        socket: std::path::PathBuf,
+        image: String,
+    },
 }
 
 fn print_image(image: &PushedImage) {
@@ -100,6 +108,30 @@ fn print_index(index: &PushedIndex) {
 async fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Pull { socket, image } => {
+            use minicri_proto::runtime::v1 as cri;
+            let channel = tonic::transport::Endpoint::try_from("http://[::]:50051")?
+                .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                    let socket = socket.clone();
+                    async move {
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                            tokio::net::UnixStream::connect(socket).await?,
+                        ))
+                    }
+                }))
+                .await?;
+            let mut client = cri::image_service_client::ImageServiceClient::new(channel);
+            let start = std::time::Instant::now();
+            let r = client
+                .pull_image(cri::PullImageRequest {
+                    image: Some(cri::ImageSpec { image: image.clone(), ..Default::default() }),
+                    auth: None,
+                    sandbox_config: None,
+                })
+                .await?
+                .into_inner();
+            println!("{}	{:.3}", r.image_ref, start.elapsed().as_secs_f64());
+        }
         Command::PushStandard { registry } => {
             let set = push_standard_set_with(&registry.client()).await?;
             for image in set.images() {
