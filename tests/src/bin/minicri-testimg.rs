@@ -124,7 +124,10 @@ async fn main() -> Result<()> {
             let start = std::time::Instant::now();
             let r = client
                 .pull_image(cri::PullImageRequest {
-                    image: Some(cri::ImageSpec { image: image.clone(), ..Default::default() }),
+                    image: Some(cri::ImageSpec {
+                        image: image.clone(),
+                        ..Default::default()
+                    }),
                     auth: None,
                     sandbox_config: None,
                 })
