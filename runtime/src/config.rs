@@ -73,6 +73,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "HOURS")]
     pub ingest_ttl: Option<f64>,
 
+    /// Percent of the image filesystem that must stay free: below it, partial downloads nobody
+    /// is resuming are removed however young (0: never). [default: 5]
+    #[arg(long, value_name = "PERCENT")]
+    pub ingest_min_free: Option<f64>,
+
     /// Directories searched for CNI network configurations (repeatable). [default: /etc/cni/net.d]
     #[arg(long = "cni-conf-dir", value_name = "DIR")]
     #[serde(default)]
@@ -106,6 +111,8 @@ pub struct Config {
     pub snapshotter: String,
     pub pull_progress_timeout: Option<std::time::Duration>,
     pub ingest_ttl: std::time::Duration,
+    /// Fraction (0..1) of the filesystem that must stay free before young ingests are collected.
+    pub ingest_min_free: f64,
     pub cni_conf_dirs: Vec<PathBuf>,
     pub cni_bin_dirs: Vec<PathBuf>,
 }
@@ -147,6 +154,7 @@ impl ServeArgs {
             snapshotter: self.snapshotter.or(base.snapshotter),
             pull_progress_timeout: self.pull_progress_timeout.or(base.pull_progress_timeout),
             ingest_ttl: self.ingest_ttl.or(base.ingest_ttl),
+            ingest_min_free: self.ingest_min_free.or(base.ingest_min_free),
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
                 base.cni_conf_dirs
             } else {
@@ -189,6 +197,12 @@ impl ServeArgs {
             0.0 => None,
             t => Some(std::time::Duration::from_secs_f64(t)),
         };
+        let ingest_min_free = match self.ingest_min_free.unwrap_or(5.0) {
+            p if !p.is_finite() || !(0.0..=100.0).contains(&p) => {
+                bail!("ingest_min_free must be a percentage, 0 to 100")
+            }
+            p => p / 100.0,
+        };
         let ingest_ttl = match self.ingest_ttl.unwrap_or(24.0) {
             t if !t.is_finite() || t < 0.0 => bail!("ingest_ttl must be a number of hours >= 0"),
             t => std::time::Duration::from_secs_f64(t * 3600.0),
@@ -210,6 +224,7 @@ impl ServeArgs {
             snapshotter,
             pull_progress_timeout,
             ingest_ttl,
+            ingest_min_free,
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
                 vec!["/etc/cni/net.d".into()]
             } else {

@@ -181,6 +181,7 @@ async fn watch(client: &mut PullsClient<Channel>) -> anyhow::Result<()> {
     .progress_chars("=> ");
     let mut bars: std::collections::HashMap<(u64, String), ProgressBar> = Default::default();
     let mut headers: std::collections::HashMap<u64, ProgressBar> = Default::default();
+    let mut idle_said = false;
     loop {
         let jobs = tokio::select! {
             r = client.list_pulls(admin::ListPullsRequest {}) => r?.into_inner().jobs,
@@ -224,11 +225,13 @@ async fn watch(client: &mut PullsClient<Channel>) -> anyhow::Result<()> {
                 bar.set_message(l.state.clone());
             }
         }
-        if jobs.is_empty() && headers.is_empty() {
+        // Say so once per idle spell, not at every poll.
+        if jobs.is_empty() && !idle_said {
             multi
                 .println("no pulls running (waiting; Ctrl-C to stop)")
                 .ok();
         }
+        idle_said = jobs.is_empty();
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }

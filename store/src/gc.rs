@@ -2,7 +2,7 @@
 //!
 //! A partial download (an ingest) that no running download owns is removed once it has not been
 //! written to for the TTL (default 24 h). When the image filesystem runs low on space (less free
-//! than `min_free_ratio` of its size), idle ingests go first, oldest first, until there is room
+//! than `min_free_ratio` of its size, 5% by default), idle ingests go first, oldest first, until there is room
 //! again, however young they are: a resumable download is worth less than a working node.
 
 use std::collections::HashSet;
@@ -12,6 +12,9 @@ use std::time::{Duration, SystemTime};
 use crate::blobs::BlobDownloads;
 use crate::content::{ContentStore, IngestStatus};
 use crate::digest::Digest;
+
+/// Free fraction of the image filesystem below which young partial downloads are collected too.
+pub const DEFAULT_MIN_FREE_RATIO: f64 = 0.05;
 
 /// What a collection removed.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -26,7 +29,8 @@ pub struct IngestGc {
     content: Arc<ContentStore>,
     blobs: Arc<BlobDownloads>,
     pub ttl: Duration,
-    /// Free space below this fraction of the filesystem triggers collection of young ingests.
+    /// Free space below this fraction of the filesystem triggers collection of young ingests
+    /// (0 turns that off).
     pub min_free_ratio: f64,
 }
 
@@ -36,7 +40,7 @@ impl IngestGc {
             content,
             blobs,
             ttl,
-            min_free_ratio: 0.10,
+            min_free_ratio: DEFAULT_MIN_FREE_RATIO,
         }
     }
 
@@ -59,7 +63,7 @@ impl IngestGc {
         };
         let active: HashSet<Digest> = self.blobs.active().into_iter().collect();
         let plan = plan(ingests, &active, SystemTime::now(), self.ttl, || {
-            self.free_ratio() < self.min_free_ratio
+            self.min_free_ratio > 0.0 && self.free_ratio() < self.min_free_ratio
         });
         let mut report = GcReport::default();
         for (ing, why_space) in plan {
@@ -175,6 +179,8 @@ mod tests {
         drop(ing);
         let blobs = BlobDownloads::new(content.clone(), 1);
         let mut gc = IngestGc::new(content.clone(), blobs, Duration::from_secs(3600));
+        // Whatever this machine's disk looks like, only the TTL is under test here.
+        gc.min_free_ratio = 0.0;
         assert_eq!(gc.collect(), GcReport::default(), "young ingest kept");
         gc.ttl = Duration::ZERO;
         let r = gc.collect();
