@@ -25,6 +25,8 @@ pub struct Daemon {
     pub pulls: Arc<PullManager>,
     pub ingest_gc: Arc<minicri_store::gc::IngestGc>,
     pub snapshotter: Arc<dyn Snapshotter>,
+    /// Pod sandboxes and containers.
+    pub pods: Arc<crate::pods::PodService>,
     /// (when, bytes, inodes) of the last snapshot usage walk: ImageFsInfo is polled often.
     snapshot_usage: Mutex<Option<(std::time::Instant, u64, u64)>>,
     pod_cidr: Mutex<String>,
@@ -55,12 +57,22 @@ impl Daemon {
             pull_config,
             Some(snapshotter.clone()),
         );
-        let ingest_gc = Arc::new(minicri_store::gc::IngestGc::new(
+        let mut ingest_gc = minicri_store::gc::IngestGc::new(
             content.clone(),
             pulls.blobs().clone(),
             config.ingest_ttl,
-        ));
+        );
+        ingest_gc.min_free_ratio = config.ingest_min_free;
+        let ingest_gc = Arc::new(ingest_gc);
         tracing::info!(images = images.list().len(), root = %config.root.display(), "image store loaded");
+        let pods = crate::pods::PodService::open(
+            &config,
+            images.clone(),
+            content.clone(),
+            snapshotter.clone(),
+            pulls.clone(),
+        )
+        .context("loading pod records")?;
         Ok(Daemon {
             config,
             content,
@@ -68,6 +80,7 @@ impl Daemon {
             pulls,
             ingest_gc,
             snapshotter,
+            pods,
             snapshot_usage: Mutex::new(None),
             pod_cidr: Mutex::new(String::new()),
         })
@@ -170,6 +183,7 @@ impl Daemon {
             "maxConcurrentTransfers": c.max_concurrent_transfers,
             "pullProgressTimeoutSeconds": c.pull_progress_timeout.map(|d| d.as_secs_f64()).unwrap_or(0.0),
             "ingestTtlSeconds": c.ingest_ttl.as_secs(),
+            "ingestMinFreePercent": c.ingest_min_free * 100.0,
             "cniConfDirs": c.cni_conf_dirs, "cniBinDirs": c.cni_bin_dirs,
             "podCIDR": *self.pod_cidr.lock().unwrap(),
         })

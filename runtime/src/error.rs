@@ -13,6 +13,14 @@ pub enum Error {
     DeadlineExceeded(String),
     #[error("{0}")]
     Internal(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -23,6 +31,10 @@ impl Error {
             Error::InvalidArgument(_) => Code::InvalidArgument,
             Error::DeadlineExceeded(_) => Code::DeadlineExceeded,
             Error::Internal(_) => Code::Internal,
+            Error::NotFound(_) => Code::NotFound,
+            Error::AlreadyExists(_) => Code::AlreadyExists,
+            Error::FailedPrecondition(_) => Code::FailedPrecondition,
+            Error::Unavailable(_) => Code::Unavailable,
             Error::Store(e) => match e.kind() {
                 ErrorKind::InvalidArgument => Code::InvalidArgument,
                 ErrorKind::NotFound => Code::NotFound,
@@ -34,6 +46,40 @@ impl Error {
                 ErrorKind::Internal => Code::Internal,
             },
         }
+    }
+}
+
+impl From<crate::oci::OciError> for Error {
+    fn from(e: crate::oci::OciError) -> Error {
+        use crate::oci::OciError as O;
+        match e {
+            O::InvalidArgument(m) => Error::InvalidArgument(m),
+            O::NotFound(_) => Error::NotFound(e.to_string()),
+            other => Error::Internal(other.to_string()),
+        }
+    }
+}
+
+impl From<crate::cni::CniError> for Error {
+    fn from(e: crate::cni::CniError) -> Error {
+        use crate::cni::CniError as C;
+        match e {
+            C::NotReady(_) => Error::FailedPrecondition(e.to_string()),
+            C::InvalidArgument(_) => Error::InvalidArgument(e.to_string()),
+            other => Error::Internal(other.to_string()),
+        }
+    }
+}
+
+impl From<crate::netns::NetnsError> for Error {
+    fn from(e: crate::netns::NetnsError) -> Error {
+        Error::Internal(e.to_string())
+    }
+}
+
+impl From<minicri_snapshotter::Error> for Error {
+    fn from(e: minicri_snapshotter::Error) -> Error {
+        Error::Store(StoreError::from(e))
     }
 }
 

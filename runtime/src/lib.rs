@@ -11,7 +11,8 @@
 //! - [`oci`]: OCI runtime specs from CRI configs, and the OCI runtime (runc, crun) seam;
 //! - [`shim`]: the per-container monitor process (`minicri shim`) and the daemon's client of it;
 //! - [`logs`]: the CRI log line format (writer, splitter, parser);
-//! - [`pause`]: the sandbox infra process (`minicri pause`) and its rootfs.
+//! - [`pause`]: the sandbox infra process (`minicri pause`) and its rootfs;
+//! - [`pods`]: pod sandboxes and containers (records, lifecycle, exits).
 
 pub mod admin;
 pub mod cni;
@@ -23,6 +24,7 @@ pub mod logs;
 pub mod netns;
 pub mod oci;
 pub mod pause;
+pub mod pods;
 pub mod pulls_cli;
 pub mod rpc;
 pub mod server;

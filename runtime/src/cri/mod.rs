@@ -2,4 +2,5 @@
 //! convert the result; every handler runs inside [`crate::rpc::call`].
 
 pub mod image;
+pub mod pods;
 pub mod runtime;

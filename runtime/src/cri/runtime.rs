@@ -1,5 +1,6 @@
 //! CRI RuntimeService. Version, Status and RuntimeConfig are answered here; the pod and container
-//! RPCs are not written yet and answer UNIMPLEMENTED through the generated default stubs.
+//! RPCs delegate to [`super::pods`]; streaming (Exec, Attach, PortForward), stats and the newer
+//! RPCs answer UNIMPLEMENTED through the generated default stubs.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -8,6 +9,7 @@ use minicri_proto::runtime::v1 as cri;
 use minicri_proto::runtime::v1::runtime_service_server::RuntimeService;
 use tonic::{Request, Response, Status};
 
+use super::pods;
 use crate::config::CgroupDriver;
 use crate::daemon::Daemon;
 use crate::rpc::{Verbosity, call, deadline};
@@ -111,10 +113,109 @@ impl RuntimeService for RuntimeHandler {
             dl,
             Verbosity::Normal,
             async {
+                self.daemon.pods.cni.set_pod_cidr(&cidr);
                 self.daemon.set_pod_cidr(cidr);
                 Ok(cri::UpdateRuntimeConfigResponse {})
             },
         )
         .await
+    }
+
+    async fn run_pod_sandbox(
+        &self,
+        req: Request<cri::RunPodSandboxRequest>,
+    ) -> Result<Response<cri::RunPodSandboxResponse>, Status> {
+        pods::run_pod_sandbox(&self.daemon, req).await
+    }
+
+    async fn stop_pod_sandbox(
+        &self,
+        req: Request<cri::StopPodSandboxRequest>,
+    ) -> Result<Response<cri::StopPodSandboxResponse>, Status> {
+        pods::stop_pod_sandbox(&self.daemon, req).await
+    }
+
+    async fn remove_pod_sandbox(
+        &self,
+        req: Request<cri::RemovePodSandboxRequest>,
+    ) -> Result<Response<cri::RemovePodSandboxResponse>, Status> {
+        pods::remove_pod_sandbox(&self.daemon, req).await
+    }
+
+    async fn pod_sandbox_status(
+        &self,
+        req: Request<cri::PodSandboxStatusRequest>,
+    ) -> Result<Response<cri::PodSandboxStatusResponse>, Status> {
+        pods::pod_sandbox_status(&self.daemon, req).await
+    }
+
+    async fn list_pod_sandbox(
+        &self,
+        req: Request<cri::ListPodSandboxRequest>,
+    ) -> Result<Response<cri::ListPodSandboxResponse>, Status> {
+        pods::list_pod_sandbox(&self.daemon, req).await
+    }
+
+    async fn create_container(
+        &self,
+        req: Request<cri::CreateContainerRequest>,
+    ) -> Result<Response<cri::CreateContainerResponse>, Status> {
+        pods::create_container(&self.daemon, req).await
+    }
+
+    async fn start_container(
+        &self,
+        req: Request<cri::StartContainerRequest>,
+    ) -> Result<Response<cri::StartContainerResponse>, Status> {
+        pods::start_container(&self.daemon, req).await
+    }
+
+    async fn stop_container(
+        &self,
+        req: Request<cri::StopContainerRequest>,
+    ) -> Result<Response<cri::StopContainerResponse>, Status> {
+        pods::stop_container(&self.daemon, req).await
+    }
+
+    async fn remove_container(
+        &self,
+        req: Request<cri::RemoveContainerRequest>,
+    ) -> Result<Response<cri::RemoveContainerResponse>, Status> {
+        pods::remove_container(&self.daemon, req).await
+    }
+
+    async fn list_containers(
+        &self,
+        req: Request<cri::ListContainersRequest>,
+    ) -> Result<Response<cri::ListContainersResponse>, Status> {
+        pods::list_containers(&self.daemon, req).await
+    }
+
+    async fn container_status(
+        &self,
+        req: Request<cri::ContainerStatusRequest>,
+    ) -> Result<Response<cri::ContainerStatusResponse>, Status> {
+        pods::container_status(&self.daemon, req).await
+    }
+
+    async fn update_container_resources(
+        &self,
+        req: Request<cri::UpdateContainerResourcesRequest>,
+    ) -> Result<Response<cri::UpdateContainerResourcesResponse>, Status> {
+        pods::update_container_resources(&self.daemon, req).await
+    }
+
+    async fn reopen_container_log(
+        &self,
+        req: Request<cri::ReopenContainerLogRequest>,
+    ) -> Result<Response<cri::ReopenContainerLogResponse>, Status> {
+        pods::reopen_container_log(&self.daemon, req).await
+    }
+
+    async fn exec_sync(
+        &self,
+        req: Request<cri::ExecSyncRequest>,
+    ) -> Result<Response<cri::ExecSyncResponse>, Status> {
+        pods::exec_sync(&self.daemon, req).await
     }
 }

@@ -1,0 +1,575 @@
+//! Container operations: create, start, stop, remove, status, list, ExecSync,
+//! ReopenContainerLog, UpdateContainerResources.
+//!
+//! CreateContainer prepares the writable snapshot (key: the container id, parent: the image's
+//! top layer chain id), mounts it at `<state>/containers/<id>/rootfs` and writes the bundle;
+//! StartContainer starts the shim (which creates the container through runc and writes its CRI
+//! log) and then `runc start`s it; a task waits for the exit and records it.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use minicri_proto::runtime::v1 as cri;
+use prost::Message;
+
+use super::store::{ContainerRecord, ContainerState, SandboxState};
+use super::{PodService, Undo, blocking, now_ns};
+use crate::error::{Error, Result};
+use crate::oci::{
+    self, ContainerSpecParams, ExecOpts, ImageConfig, OciRuntime, SandboxFiles, SandboxNamespaces,
+};
+use crate::shim::{ExitRecord, ShimConfig, ShimHandle, spawn_shim};
+
+/// How long StopContainer waits for the exit after SIGKILL.
+const KILL_WAIT: Duration = Duration::from_secs(10);
+
+fn not_found(id: &str) -> Error {
+    Error::NotFound(format!("container {id} not found"))
+}
+
+impl PodService {
+    /// CreateContainer: returns the new container's id.
+    pub async fn create_container(
+        self: &Arc<Self>,
+        sandbox_id: String,
+        config: cri::ContainerConfig,
+        sandbox_config: Option<cri::PodSandboxConfig>,
+    ) -> Result<String> {
+        let svc = self.clone();
+        tokio::spawn(async move {
+            let mut undo = Vec::new();
+            match svc
+                .create_steps(&sandbox_id, config, sandbox_config, &mut undo)
+                .await
+            {
+                Ok(id) => Ok(id),
+                Err(e) => {
+                    svc.undo(undo).await;
+                    Err(e)
+                }
+            }
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("CreateContainer task: {e}")))?
+    }
+
+    async fn create_steps(
+        self: &Arc<Self>,
+        sandbox_id: &str,
+        config: cri::ContainerConfig,
+        _sandbox_config: Option<cri::PodSandboxConfig>,
+        undo: &mut Vec<Undo>,
+    ) -> Result<String> {
+        let sb = self
+            .store
+            .sandbox(sandbox_id)
+            .ok_or_else(|| Error::NotFound(format!("pod sandbox {sandbox_id} not found")))?;
+        if sb.state != SandboxState::Ready {
+            return Err(Error::FailedPrecondition(format!(
+                "pod sandbox {sandbox_id} is not ready"
+            )));
+        }
+        let sb_config = sb.config();
+        let meta = config.metadata.clone().ok_or_else(|| {
+            Error::InvalidArgument("container config metadata is required".into())
+        })?;
+        if meta.name.is_empty() {
+            return Err(Error::InvalidArgument(
+                "container config metadata.name is required".into(),
+            ));
+        }
+        let image_name = config
+            .image
+            .as_ref()
+            .map(|i| i.image.clone())
+            .unwrap_or_default();
+        if image_name.is_empty() {
+            return Err(Error::InvalidArgument(
+                "container config image is required".into(),
+            ));
+        }
+        let image = self
+            .images
+            .get(&image_name)?
+            .ok_or_else(|| Error::NotFound(format!("image {image_name:?} not found")))?;
+        let chain_id = image.chain_id.clone().ok_or_else(|| {
+            Error::FailedPrecondition(format!("image {image_name:?} is not unpacked"))
+        })?;
+        let image_config = ImageConfig::from_document(&self.content.read(&image.config)?)?;
+
+        let id = self.new_id()?;
+        let sm = sb_config.metadata.clone().unwrap_or_default();
+        let name = format!(
+            "{}_{}_{}_{}_{}",
+            meta.name, sm.name, sm.namespace, sm.uid, meta.attempt
+        );
+        self.store.reserve(&name, &id)?;
+        undo.push(Undo::ReleaseName {
+            name: name.clone(),
+            id: id.clone(),
+        });
+
+        // The writable snapshot, mounted.
+        let dir = self.container_dir(&id);
+        let rootfs = dir.join("rootfs");
+        undo.push(Undo::RemoveDir(dir.clone()));
+        undo.push(Undo::RemoveSnapshot(id.clone()));
+        undo.push(Undo::Unmount(rootfs.clone()));
+        {
+            let snap = self.snapshotter.clone();
+            let (key, rootfs) = (id.clone(), rootfs.clone());
+            blocking(move || {
+                let m = snap.prepare(&key, Some(&chain_id))?;
+                std::fs::create_dir_all(&rootfs)
+                    .map_err(|e| Error::Internal(format!("creating {}: {e}", rootfs.display())))?;
+                m.mount_at(&rootfs)?;
+                Ok(())
+            })
+            .await?;
+        }
+
+        // The spec.
+        let namespaces = SandboxNamespaces::of_infra(sb.infra_pid, &sb_config);
+        let files_dir = self.sandbox_dir(sandbox_id).join("files");
+        let shm = files_dir.join("shm");
+        let files = SandboxFiles {
+            hostname: Some(files_dir.join("hostname")),
+            resolv_conf: Some(files_dir.join("resolv.conf")),
+            hosts: Some(files_dir.join("hosts")),
+            shm: oci::sandbox::is_mountpoint(&shm).then_some(shm),
+        };
+        let target_pid_ns = config
+            .linux
+            .as_ref()
+            .and_then(|l| l.security_context.as_ref())
+            .and_then(|s| s.namespace_options.as_ref())
+            .filter(|o| o.pid == cri::NamespaceMode::Target as i32)
+            .map(|o| -> Result<PathBuf> {
+                let t = self
+                    .store
+                    .container(&o.target_id)
+                    .filter(|c| c.state == ContainerState::Running)
+                    .ok_or_else(|| {
+                        Error::NotFound(format!("target container {} is not running", o.target_id))
+                    })?;
+                Ok(PathBuf::from(format!("/proc/{}/ns/pid", t.pid)))
+            })
+            .transpose()?;
+        let spec = oci::container_spec(&ContainerSpecParams {
+            id: &id,
+            config: &config,
+            sandbox_config: &sb_config,
+            image: &image_config,
+            rootfs: &rootfs,
+            namespaces: &namespaces,
+            files: &files,
+            target_pid_ns: target_pid_ns.as_deref(),
+            cgroup_driver: self.cgroup_driver,
+            host: &self.host,
+        })?;
+        let bundle = self.bundle_dir(&id);
+        undo.push(Undo::RemoveDir(bundle.clone()));
+        oci::write_bundle(&bundle, &spec)?;
+
+        // CRI: the log is <sandbox log_directory>/<container log_path>.
+        let log_path = (!sb_config.log_directory.is_empty() && !config.log_path.is_empty())
+            .then(|| PathBuf::from(&sb_config.log_directory).join(&config.log_path));
+
+        let rec = ContainerRecord {
+            id: id.clone(),
+            sandbox_id: sandbox_id.to_string(),
+            name,
+            config: config.encode_to_vec(),
+            image: image_name,
+            image_id: image.id.to_string(),
+            created_at: now_ns(),
+            started_at: 0,
+            finished_at: 0,
+            exit_code: 0,
+            reason: String::new(),
+            message: String::new(),
+            state: ContainerState::Created,
+            log_path,
+            rootfs,
+            bundle,
+            stop_signal: image_config.stop_signal_number().unwrap_or(libc::SIGTERM),
+            shim: None,
+            pid: 0,
+        };
+        self.store.put_container(rec)?;
+        tracing::info!(container = %id, sandbox = %sandbox_id, name = %meta.name, "container created");
+        Ok(id)
+    }
+
+    /// StartContainer: only a created container can be started.
+    pub async fn start_container(self: &Arc<Self>, id: String) -> Result<()> {
+        let svc = self.clone();
+        tokio::spawn(async move { svc.start_inner(&id).await })
+            .await
+            .map_err(|e| Error::Internal(format!("StartContainer task: {e}")))?
+    }
+
+    async fn start_inner(self: &Arc<Self>, id: &str) -> Result<()> {
+        let _guard = self.store.op_lock(id).await;
+        let rec = self.store.container(id).ok_or_else(|| not_found(id))?;
+        if rec.state != ContainerState::Created {
+            return Err(Error::FailedPrecondition(format!(
+                "container {id} is {:?}, not created",
+                rec.state
+            )));
+        }
+        match self.store.sandbox(&rec.sandbox_id) {
+            Some(s) if s.state == SandboxState::Ready => {}
+            _ => {
+                return Err(Error::FailedPrecondition(format!(
+                    "pod sandbox {} of container {id} is not ready",
+                    rec.sandbox_id
+                )));
+            }
+        }
+        if let Some(parent) = rec.log_path.as_ref().and_then(|p| p.parent()) {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| Error::Internal(format!("creating {}: {e}", parent.display())))?;
+        }
+        let mut cfg = ShimConfig::new(id, &rec.bundle, self.runtime.clone(), &self.shim_binary);
+        cfg.log_path = rec.log_path.clone();
+        let started = async {
+            let shim = spawn_shim(cfg).await?;
+            if let Err(e) = self.runtime.start(id).await {
+                let _ = self.runtime.delete(id, true).await;
+                super::reap_shim(&shim).await;
+                return Err(e);
+            }
+            Ok(shim)
+        }
+        .await;
+        let shim = match started {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = self.runtime.delete(id, true).await;
+                let msg = e.to_string();
+                self.store.update_container(id, |r| {
+                    r.state = ContainerState::Exited;
+                    r.exit_code = 128;
+                    r.finished_at = now_ns();
+                    r.reason = "StartError".into();
+                    r.message = msg;
+                })?;
+                return Err(e.into());
+            }
+        };
+        self.store.update_container(id, |r| {
+            r.state = ContainerState::Running;
+            r.pid = shim.init_pid;
+            r.started_at = now_ns();
+            r.shim = Some(shim.clone());
+        })?;
+        self.watch_exit(id.to_string(), shim);
+        Ok(())
+    }
+
+    /// Records the exit of a container when its shim reports it.
+    pub(crate) fn watch_exit(self: &Arc<Self>, id: String, shim: ShimHandle) {
+        let svc = self.clone();
+        tokio::spawn(async move {
+            match shim.wait().await {
+                Ok(exit) => svc.record_exit(&id, &exit),
+                Err(e) => svc.record_lost(&id, &e.to_string()),
+            }
+        });
+    }
+
+    /// Marks a container exited with `exit` (once; later calls change nothing).
+    pub(crate) fn record_exit(&self, id: &str, exit: &ExitRecord) {
+        let oom = self.store.container(id).is_some_and(|c| {
+            self.store.sandbox(&c.sandbox_id).is_some_and(|s| {
+                let parent = s
+                    .config()
+                    .linux
+                    .map(|l| l.cgroup_parent)
+                    .unwrap_or_default();
+                super::cgroups::oom_killed(self.cgroup_driver, &parent, id)
+            })
+        });
+        let r = self.store.update_container(id, |r| {
+            if r.state == ContainerState::Exited {
+                return;
+            }
+            r.state = ContainerState::Exited;
+            r.exit_code = exit.exit_code;
+            r.finished_at = exit.exited_at_ns;
+            r.reason = if oom {
+                "OOMKilled"
+            } else if exit.exit_code == 0 {
+                "Completed"
+            } else {
+                "Error"
+            }
+            .into();
+        });
+        if let Err(e) = r {
+            tracing::warn!(container = %id, error = %e, "cannot record the exit");
+        }
+    }
+
+    fn record_lost(&self, id: &str, why: &str) {
+        let _ = self.store.update_container(id, |r| {
+            if r.state == ContainerState::Exited {
+                return;
+            }
+            r.state = ContainerState::Exited;
+            r.exit_code = 255;
+            r.finished_at = now_ns();
+            r.reason = "Unknown".into();
+            r.message = why.to_string();
+        });
+    }
+
+    /// StopContainer: the stop signal, `timeout` seconds, then SIGKILL to every process of the
+    /// container. Idempotent; an unknown id is success (CRI).
+    pub async fn stop_container(self: &Arc<Self>, id: String, timeout: i64) -> Result<()> {
+        let svc = self.clone();
+        tokio::spawn(async move { svc.stop_container_inner(&id, timeout).await })
+            .await
+            .map_err(|e| Error::Internal(format!("StopContainer task: {e}")))?
+    }
+
+    pub(crate) async fn stop_container_inner(&self, id: &str, timeout: i64) -> Result<()> {
+        let _guard = self.store.op_lock(id).await;
+        let Some(rec) = self.store.container(id) else {
+            return Ok(());
+        };
+        if rec.state != ContainerState::Running {
+            return Ok(());
+        }
+        let Some(shim) = rec.shim.clone() else {
+            return Ok(());
+        };
+        if timeout > 0 {
+            if let Err(e) = self.runtime.kill(id, rec.stop_signal, false).await {
+                tracing::debug!(container = %id, error = %e, "stop signal");
+            }
+            if let Ok(Ok(exit)) =
+                tokio::time::timeout(Duration::from_secs(timeout as u64), shim.wait()).await
+            {
+                self.record_exit(id, &exit);
+                return Ok(());
+            }
+        }
+        // In the pod's shared PID namespace other processes outlive the init: kill them all.
+        if let Err(e) = self.runtime.kill(id, libc::SIGKILL, true).await {
+            tracing::debug!(container = %id, error = %e, "SIGKILL");
+        }
+        match tokio::time::timeout(KILL_WAIT, shim.wait()).await {
+            Ok(Ok(exit)) => self.record_exit(id, &exit),
+            Ok(Err(e)) => self.record_lost(id, &e.to_string()),
+            Err(_) => {
+                return Err(Error::Internal(format!(
+                    "container {id} did not exit within {KILL_WAIT:?} of SIGKILL"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// RemoveContainer: stops it, deletes it from the runtime, unmounts and removes its
+    /// snapshot and files. Idempotent.
+    pub async fn remove_container(self: &Arc<Self>, id: String) -> Result<()> {
+        let svc = self.clone();
+        tokio::spawn(async move { svc.remove_container_inner(&id).await })
+            .await
+            .map_err(|e| Error::Internal(format!("RemoveContainer task: {e}")))?
+    }
+
+    pub(crate) async fn remove_container_inner(&self, id: &str) -> Result<()> {
+        if self.store.container(id).is_none() {
+            return Ok(());
+        }
+        self.stop_container_inner(id, 0).await?;
+        let guard = self.store.op_lock(id).await;
+        let Some(rec) = self.store.container(id) else {
+            return Ok(());
+        };
+        self.runtime.delete(id, true).await?;
+        if let Some(shim) = &rec.shim {
+            super::reap_shim(shim).await;
+        }
+        let snap = self.snapshotter.clone();
+        let (rootfs, key) = (rec.rootfs.clone(), id.to_string());
+        blocking(move || {
+            super::unmount_all(&rootfs)?;
+            match snap.remove(&key) {
+                Ok(_) | Err(minicri_snapshotter::Error::NotFound { .. }) => Ok(()),
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await?;
+        super::remove_dir(&self.container_dir(id))?;
+        super::remove_dir(&rec.bundle)?;
+        self.store.delete_container(id)?;
+        drop(guard);
+        self.store.forget_op_lock(id);
+        Ok(())
+    }
+
+    pub fn container_status(&self, id: &str) -> Result<cri::ContainerStatus> {
+        let r = self.store.container(id).ok_or_else(|| not_found(id))?;
+        let c = r.config();
+        Ok(cri::ContainerStatus {
+            id: r.id.clone(),
+            metadata: c.metadata.clone(),
+            state: r.state.to_cri() as i32,
+            created_at: r.created_at,
+            started_at: r.started_at,
+            finished_at: r.finished_at,
+            exit_code: r.exit_code,
+            image: Some(cri::ImageSpec {
+                image: r.image.clone(),
+                ..Default::default()
+            }),
+            image_ref: r.image_id.clone(),
+            reason: r.reason.clone(),
+            message: r.message.clone(),
+            labels: c.labels,
+            annotations: c.annotations,
+            mounts: c.mounts,
+            log_path: r
+                .log_path
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            image_id: r.image_id.clone(),
+            ..Default::default()
+        })
+    }
+
+    pub fn list_containers(&self, filter: Option<cri::ContainerFilter>) -> Vec<cri::Container> {
+        let f = filter.unwrap_or_default();
+        let mut out: Vec<cri::Container> = self
+            .store
+            .containers()
+            .into_iter()
+            .filter(|r| f.id.is_empty() || r.id.starts_with(&f.id))
+            .filter(|r| f.pod_sandbox_id.is_empty() || r.sandbox_id.starts_with(&f.pod_sandbox_id))
+            .filter(|r| {
+                f.state
+                    .as_ref()
+                    .is_none_or(|s| s.state == r.state.to_cri() as i32)
+            })
+            .map(|r| {
+                let c = r.config();
+                cri::Container {
+                    id: r.id.clone(),
+                    pod_sandbox_id: r.sandbox_id.clone(),
+                    metadata: c.metadata,
+                    image: Some(cri::ImageSpec {
+                        image: r.image.clone(),
+                        ..Default::default()
+                    }),
+                    image_ref: r.image_id.clone(),
+                    state: r.state.to_cri() as i32,
+                    created_at: r.created_at,
+                    labels: c.labels,
+                    annotations: c.annotations,
+                    image_id: r.image_id.clone(),
+                }
+            })
+            .filter(|c| {
+                f.label_selector
+                    .iter()
+                    .all(|(k, v)| c.labels.get(k) == Some(v))
+            })
+            .collect();
+        out.sort_by_key(|c| c.created_at);
+        out
+    }
+
+    fn running(&self, id: &str) -> Result<ContainerRecord> {
+        let r = self.store.container(id).ok_or_else(|| not_found(id))?;
+        if r.state != ContainerState::Running {
+            return Err(Error::FailedPrecondition(format!(
+                "container {id} is not running"
+            )));
+        }
+        Ok(r)
+    }
+
+    /// ExecSync: runs `cmd` in the container with its process settings (user, env, cwd),
+    /// output captured; killed after `timeout` seconds (0: no limit).
+    pub async fn exec_sync(
+        &self,
+        id: &str,
+        cmd: Vec<String>,
+        timeout: i64,
+    ) -> Result<cri::ExecSyncResponse> {
+        let r = self.running(id)?;
+        if cmd.is_empty() {
+            return Err(Error::InvalidArgument("cmd is required".into()));
+        }
+        let spec = oci_spec::runtime::Spec::load(r.bundle.join("config.json"))
+            .map_err(|e| Error::Internal(format!("reading the spec of {id}: {e}")))?;
+        let mut process = spec.process().clone().unwrap_or_default();
+        process.set_args(Some(cmd));
+        process.set_terminal(Some(false));
+        let out = self
+            .runtime
+            .exec(ExecOpts {
+                id: id.to_string(),
+                process,
+                stdin: None,
+                timeout: (timeout > 0).then(|| Duration::from_secs(timeout as u64)),
+            })
+            .await?;
+        if out.timed_out {
+            return Err(Error::DeadlineExceeded(format!(
+                "command in container {id} timed out after {timeout}s"
+            )));
+        }
+        Ok(cri::ExecSyncResponse {
+            stdout: out.stdout,
+            stderr: out.stderr,
+            exit_code: out.exit_code,
+        })
+    }
+
+    /// ReopenContainerLog: the shim reopens the log file (after the kubelet rotated it).
+    pub async fn reopen_container_log(&self, id: &str) -> Result<()> {
+        let r = self.running(id)?;
+        let shim = r
+            .shim
+            .ok_or_else(|| Error::FailedPrecondition(format!("container {id} is not running")))?;
+        Ok(shim.reopen_log().await?)
+    }
+
+    /// UpdateContainerResources: applied through the runtime to a running container, and to
+    /// the bundle of a created one.
+    pub async fn update_container_resources(
+        &self,
+        id: &str,
+        linux: Option<cri::LinuxContainerResources>,
+    ) -> Result<()> {
+        let r = self.store.container(id).ok_or_else(|| not_found(id))?;
+        let Some(linux) = linux else { return Ok(()) };
+        let resources = oci::spec::linux_resources(&linux, &self.host)?;
+        match r.state {
+            ContainerState::Running => Ok(self.runtime.update(id, &resources).await?),
+            ContainerState::Created => {
+                let path = r.bundle.join("config.json");
+                let mut spec = oci_spec::runtime::Spec::load(&path)
+                    .map_err(|e| Error::Internal(format!("reading the spec of {id}: {e}")))?;
+                let mut l = spec.linux().clone().unwrap_or_default();
+                let mut merged = resources;
+                if let Some(old) = l.resources() {
+                    merged.set_devices(old.devices().clone());
+                }
+                l.set_resources(Some(merged));
+                spec.set_linux(Some(l));
+                Ok(oci::write_bundle(&r.bundle, &spec)?)
+            }
+            _ => Err(Error::FailedPrecondition(format!(
+                "container {id} is not running"
+            ))),
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! Pod sandboxes and containers: the state behind the CRI RuntimeService's pod and container
+//! RPCs.
+//!
+//! - [`store`]: sandbox and container records, in memory and as JSON files under
+//!   `<state>/pods/`, and name reservations;
+//! - [`sandbox`]: RunPodSandbox, StopPodSandbox, RemovePodSandbox, status and list;
+//! - [`container`]: CreateContainer … RemoveContainer, status, list, ExecSync, ReopenContainerLog,
+//!   UpdateContainerResources;
+//! - [`cgroups`]: what the kernel says about a container's cgroup (OOM kills).
+//!
+//! Layout under the state directory: `pods/` (records), `sandboxes/<id>/` (hostname, resolv.conf,
+//! hosts, shm), `containers/<id>/rootfs` (the mounted writable snapshot), `b/<id[..32]>/` (OCI
+//! bundles with the shim's files: the full id would make the shim's socket path too long),
+//! `netns/<id>` (pinned network namespaces), `infra/` (the infra rootfs), `runc/` (the OCI
+//! runtime's root).
+//!
+//! Invariants:
+//! - a multi-step operation that fails half-way undoes every step it completed ([`Undo`]);
+//! - stop and remove are idempotent (CRI: success when already stopped or gone);
+//! - operations that change one object are serialised by [`store::Store::op_lock`]; they run in
+//!   a spawned task, so a client that hangs up does not leave a step half-done;
+//! - a container's exit is recorded by a task waiting on its shim, started by StartContainer or
+//!   by [`PodService::open`] after a daemon restart.
+
+pub mod cgroups;
+pub mod container;
+pub mod sandbox;
+pub mod store;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use minicri_snapshotter::Snapshotter;
+use minicri_store::{ContentStore, ImageStore, PullManager};
+
+use crate::cni::{CniManager, CniOptions, PodNetwork};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::oci::{CgroupDriver, HostInfo, OciRuntime, Runc};
+use crate::shim::ShimHandle;
+use store::{ContainerState, Store};
+
+/// The pod and container service; one per daemon, shared as `Arc<PodService>`.
+pub struct PodService {
+    pub store: Store,
+    pub cni: Arc<CniManager>,
+    pub runtime: Runc,
+    pub host: HostInfo,
+    pub cgroup_driver: CgroupDriver,
+    pub state_dir: PathBuf,
+    pub shim_binary: PathBuf,
+    pub images: Arc<ImageStore>,
+    pub content: Arc<ContentStore>,
+    pub snapshotter: Arc<dyn Snapshotter>,
+    pub pulls: Arc<PullManager>,
+    infra: Mutex<Option<crate::pause::InfraRootfs>>,
+}
+
+/// Nanoseconds since the epoch.
+pub fn now_ns() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}
+
+/// 64 random hex digits (the id format the kubelet and crictl expect).
+pub fn random_id() -> Result<String> {
+    let mut b = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|e| Error::Internal(format!("reading /dev/urandom: {e}")))?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// Runs blocking work on tokio's blocking pool.
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
+}
+
+/// One completed step of a multi-step operation, undone in reverse order when a later step
+/// fails.
+pub(crate) enum Undo {
+    ReleaseName {
+        name: String,
+        id: String,
+    },
+    RemoveNetns(PathBuf),
+    CniTeardown(PodNetwork),
+    SandboxFiles(PathBuf),
+    RemoveDir(PathBuf),
+    /// `runtime delete --force` and the shim killed.
+    DeleteContainer {
+        id: String,
+        shim: Option<ShimHandle>,
+    },
+    Unmount(PathBuf),
+    RemoveSnapshot(String),
+}
+
+impl PodService {
+    /// Opens the records under `<state>/pods` and re-attaches to the shims of running
+    /// containers (their exits are recorded as they happen); containers whose shim is gone get
+    /// the exit status the shim left, or `Unknown`.
+    pub fn open(
+        config: &Config,
+        images: Arc<ImageStore>,
+        content: Arc<ContentStore>,
+        snapshotter: Arc<dyn Snapshotter>,
+        pulls: Arc<PullManager>,
+    ) -> anyhow::Result<Arc<PodService>> {
+        let state = config.state.clone();
+        let store = Store::open(&state.join("pods"))?;
+        let cni = CniManager::new(CniOptions::new(
+            config.cni_conf_dirs.clone(),
+            config.cni_bin_dirs.clone(),
+            &state,
+        ));
+        let mut runtime = Runc::new("runc", state.join("runc"));
+        runtime.systemd_cgroup = config.cgroup_driver == CgroupDriver::Systemd;
+        let svc = Arc::new(PodService {
+            store,
+            cni: Arc::new(cni),
+            runtime,
+            host: HostInfo::detect(),
+            cgroup_driver: config.cgroup_driver,
+            shim_binary: std::env::current_exe()?,
+            state_dir: state,
+            images,
+            content,
+            snapshotter,
+            pulls,
+            infra: Mutex::new(None),
+        });
+        svc.recover();
+        Ok(svc)
+    }
+
+    fn recover(self: &Arc<Self>) {
+        let (mut running, mut exited) = (0, 0);
+        for c in self.store.containers() {
+            if c.state != ContainerState::Running {
+                continue;
+            }
+            let Some(shim) = c.shim.clone() else { continue };
+            match shim.exit_record() {
+                Ok(Some(exit)) => {
+                    exited += 1;
+                    self.record_exit(&c.id, &exit);
+                }
+                _ if shim.is_alive() => {
+                    running += 1;
+                    if tokio::runtime::Handle::try_current().is_ok() {
+                        self.watch_exit(c.id.clone(), shim);
+                    }
+                }
+                _ => {
+                    exited += 1;
+                    let _ = self.store.update_container(&c.id, |r| {
+                        r.state = ContainerState::Exited;
+                        r.exit_code = 255;
+                        r.finished_at = now_ns();
+                        r.reason = "Unknown".into();
+                        r.message =
+                            "the container's monitor is gone and left no exit status".into();
+                    });
+                }
+            }
+        }
+        for s in self.store.sandboxes() {
+            if s.state == store::SandboxState::Ready
+                && !s.shim.as_ref().is_some_and(|h| h.is_alive())
+            {
+                let _ = self
+                    .store
+                    .update_sandbox(&s.id, |r| r.state = store::SandboxState::NotReady);
+            } else if s.state == store::SandboxState::Ready
+                && let Some(h) = s.shim.clone()
+                && tokio::runtime::Handle::try_current().is_ok()
+            {
+                self.watch_infra(s.id.clone(), h);
+            }
+        }
+        tracing::info!(
+            sandboxes = self.store.sandboxes().len(),
+            containers = self.store.containers().len(),
+            running,
+            exited,
+            "pod records loaded"
+        );
+    }
+
+    /// The infra rootfs, prepared on first use.
+    pub(crate) fn infra_rootfs(&self) -> Result<crate::pause::InfraRootfs> {
+        let mut g = self.infra.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = g.as_ref() {
+            return Ok(r.clone());
+        }
+        let r =
+            crate::pause::prepare_infra_rootfs(&self.state_dir.join("infra"), &self.shim_binary)?;
+        *g = Some(r.clone());
+        Ok(r)
+    }
+
+    pub(crate) fn netns_dir(&self) -> PathBuf {
+        self.state_dir.join("netns")
+    }
+
+    pub(crate) fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.state_dir.join("sandboxes").join(id)
+    }
+
+    pub(crate) fn container_dir(&self, id: &str) -> PathBuf {
+        self.state_dir.join("containers").join(id)
+    }
+
+    /// The bundle directory of a sandbox's infra or a container (short: see the module docs).
+    pub(crate) fn bundle_dir(&self, id: &str) -> PathBuf {
+        self.state_dir.join("b").join(&id[..id.len().min(32)])
+    }
+
+    /// A fresh id whose bundle directory is free.
+    pub(crate) fn new_id(&self) -> Result<String> {
+        loop {
+            let id = random_id()?;
+            if !self.store.id_in_use(&id) && !self.bundle_dir(&id).exists() {
+                return Ok(id);
+            }
+        }
+    }
+
+    /// Undoes completed steps, last first; failures are logged (the original error is what
+    /// the caller reports).
+    pub(crate) async fn undo(&self, steps: Vec<Undo>) {
+        for step in steps.into_iter().rev() {
+            if let Err(e) = self.undo_one(step).await {
+                tracing::warn!(error = %e, "rollback step failed");
+            }
+        }
+    }
+
+    async fn undo_one(&self, step: Undo) -> Result<()> {
+        match step {
+            Undo::ReleaseName { name, id } => self.store.release(&name, &id),
+            Undo::RemoveNetns(p) => blocking(move || Ok(crate::netns::remove(&p)?)).await?,
+            Undo::CniTeardown(pod) => {
+                let cni = self.cni.clone();
+                tokio::spawn(async move { cni.teardown(&pod).await })
+                    .await
+                    .map_err(|e| Error::Internal(e.to_string()))??
+            }
+            Undo::SandboxFiles(dir) => crate::oci::SandboxFiles::cleanup(&dir)?,
+            Undo::RemoveDir(d) => remove_dir(&d)?,
+            Undo::DeleteContainer { id, shim } => {
+                self.runtime.delete(&id, true).await?;
+                if let Some(s) = shim {
+                    reap_shim(&s).await;
+                }
+            }
+            Undo::Unmount(p) => unmount_all(&p)?,
+            Undo::RemoveSnapshot(key) => {
+                let snap = self.snapshotter.clone();
+                blocking(move || match snap.remove(&key) {
+                    Ok(_) | Err(minicri_snapshotter::Error::NotFound { .. }) => Ok(()),
+                    Err(e) => Err(e.into()),
+                })
+                .await?
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Removes a directory tree; a missing one is fine.
+pub(crate) fn remove_dir(d: &Path) -> Result<()> {
+    match std::fs::remove_dir_all(d) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(Error::Internal(format!("removing {}: {e}", d.display())))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Unmounts everything stacked on `p` (idempotent).
+pub(crate) fn unmount_all(p: &Path) -> Result<()> {
+    while crate::oci::sandbox::is_mountpoint(p) {
+        nix::mount::umount2(p, nix::mount::MntFlags::MNT_DETACH)
+            .map_err(|e| Error::Internal(format!("unmounting {}: {e}", p.display())))?;
+    }
+    Ok(())
+}
+
+/// Gives a shim whose container is gone a moment to exit by itself, then kills it.
+pub(crate) async fn reap_shim(s: &ShimHandle) {
+    for _ in 0..50 {
+        if !s.is_alive() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    s.kill_shim();
+}

@@ -1,0 +1,366 @@
+//! Pod sandbox operations: run, stop, remove, status, list.
+//!
+//! A sandbox is a pinned network namespace attached through CNI (unless the pod uses the host's
+//! network), the shared files of [`SandboxFiles`], and the infra process (`minicri pause` under a
+//! shim, through runc) holding the pod's IPC, UTS and PID namespaces.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use minicri_proto::runtime::v1 as cri;
+use minicri_store::pull::AbortTarget;
+use prost::Message;
+
+use super::store::{SandboxRecord, SandboxState};
+use super::{PodService, Undo, blocking, now_ns};
+use crate::cni::PodNetwork;
+use crate::error::{Error, Result};
+use crate::oci::{self, OciRuntime, SandboxFiles, SandboxSpecParams};
+use crate::shim::{ShimConfig, ShimHandle, spawn_shim};
+
+/// How long the infra process gets to exit after SIGKILL.
+const INFRA_EXIT_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn host_network(config: &cri::PodSandboxConfig) -> bool {
+    oci::sandbox::namespace_options(config)
+        .is_some_and(|o| o.network == cri::NamespaceMode::Node as i32)
+}
+
+/// CRI: metadata name, namespace and uid are required.
+fn validate_metadata(config: &cri::PodSandboxConfig) -> Result<&cri::PodSandboxMetadata> {
+    let m = config
+        .metadata
+        .as_ref()
+        .ok_or_else(|| Error::InvalidArgument("sandbox config metadata is required".into()))?;
+    for (field, v) in [
+        ("metadata.name", &m.name),
+        ("metadata.namespace", &m.namespace),
+        ("metadata.uid", &m.uid),
+    ] {
+        if v.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "sandbox config {field} is required"
+            )));
+        }
+    }
+    Ok(m)
+}
+
+/// The reserved name of a sandbox.
+pub fn sandbox_name(m: &cri::PodSandboxMetadata) -> String {
+    format!("{}_{}_{}_{}", m.name, m.namespace, m.uid, m.attempt)
+}
+
+impl PodService {
+    /// RunPodSandbox. Runs in its own task: a client that hangs up does not interrupt it
+    /// half-way.
+    pub async fn run_pod_sandbox(
+        self: &Arc<Self>,
+        config: cri::PodSandboxConfig,
+        runtime_handler: String,
+    ) -> Result<String> {
+        let svc = self.clone();
+        tokio::spawn(async move {
+            let mut undo = Vec::new();
+            match svc
+                .run_sandbox_steps(config, runtime_handler, &mut undo)
+                .await
+            {
+                Ok(id) => Ok(id),
+                Err(e) => {
+                    svc.undo(undo).await;
+                    Err(e)
+                }
+            }
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("RunPodSandbox task: {e}")))?
+    }
+
+    async fn run_sandbox_steps(
+        self: &Arc<Self>,
+        config: cri::PodSandboxConfig,
+        runtime_handler: String,
+        undo: &mut Vec<Undo>,
+    ) -> Result<String> {
+        let meta = validate_metadata(&config)?.clone();
+        if !runtime_handler.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "unknown runtime handler {runtime_handler:?}; only the default (\"\") exists"
+            )));
+        }
+        oci::sandbox::validate_sysctls(&config)?;
+        let id = self.new_id()?;
+        let name = sandbox_name(&meta);
+        self.store.reserve(&name, &id)?;
+        undo.push(Undo::ReleaseName {
+            name: name.clone(),
+            id: id.clone(),
+        });
+
+        // Network: a pinned namespace, attached through CNI.
+        let mut netns = None;
+        let mut ips = Vec::new();
+        if !host_network(&config) {
+            let dir = self.netns_dir();
+            let nid = id.clone();
+            let path = blocking(move || Ok(crate::netns::create(&dir, &nid)?)).await?;
+            undo.push(Undo::RemoveNetns(path.clone()));
+            netns = Some(path.clone());
+            let pod = PodNetwork::from_sandbox_config(&id, path, &config);
+            let status = self.cni.setup(&pod).await?;
+            undo.push(Undo::CniTeardown(pod));
+            ips = status.ips.iter().map(|ip| ip.to_string()).collect();
+        }
+
+        // Shared files.
+        let dir = self.sandbox_dir(&id);
+        undo.push(Undo::RemoveDir(dir.clone()));
+        let files_dir = dir.join("files");
+        let cfg = config.clone();
+        let fd = files_dir.clone();
+        undo.push(Undo::SandboxFiles(files_dir.clone()));
+        blocking(move || Ok(SandboxFiles::prepare(&fd, &cfg)?)).await?;
+
+        // The infra process.
+        let svc = self.clone();
+        let infra = blocking(move || svc.infra_rootfs()).await?;
+        let spec = oci::sandbox_spec(&SandboxSpecParams {
+            id: &id,
+            config: &config,
+            infra: &infra,
+            netns: netns.as_deref(),
+            cgroup_driver: self.cgroup_driver,
+            host: &self.host,
+        })?;
+        let bundle = self.bundle_dir(&id);
+        undo.push(Undo::RemoveDir(bundle.clone()));
+        oci::write_bundle(&bundle, &spec)?;
+        // The shim creates the container; from here on, runc knows the id.
+        undo.push(Undo::DeleteContainer {
+            id: id.clone(),
+            shim: None,
+        });
+        let shim = spawn_shim(ShimConfig::new(
+            &id,
+            &bundle,
+            self.runtime.clone(),
+            &self.shim_binary,
+        ))
+        .await?;
+        undo.push(Undo::DeleteContainer {
+            id: id.clone(),
+            shim: Some(shim.clone()),
+        });
+        self.runtime.start(&id).await?;
+
+        let rec = SandboxRecord {
+            id: id.clone(),
+            name,
+            config: config.encode_to_vec(),
+            runtime_handler,
+            created_at: now_ns(),
+            state: SandboxState::Ready,
+            netns,
+            ips,
+            infra_pid: shim.init_pid,
+            shim: Some(shim.clone()),
+            network_attached: !host_network(&config),
+        };
+        self.store.put_sandbox(rec)?;
+        self.watch_infra(id.clone(), shim);
+        tracing::info!(sandbox = %id, pod = %format!("{}/{}", meta.namespace, meta.name), "pod sandbox running");
+        Ok(id)
+    }
+
+    /// Marks the sandbox NotReady when its infra process exits.
+    pub(crate) fn watch_infra(self: &Arc<Self>, id: String, shim: ShimHandle) {
+        let svc = self.clone();
+        tokio::spawn(async move {
+            let _ = shim.wait().await;
+            let _ = svc
+                .store
+                .update_sandbox(&id, |r| r.state = SandboxState::NotReady);
+        });
+    }
+
+    /// StopPodSandbox: stops every container (forcibly), the infra process, detaches the
+    /// network and removes the namespace, and drops the pod's pull references. Idempotent;
+    /// an unknown id is success (CRI).
+    pub async fn stop_pod_sandbox(self: &Arc<Self>, id: String) -> Result<()> {
+        let svc = self.clone();
+        tokio::spawn(async move { svc.stop_sandbox_inner(&id).await })
+            .await
+            .map_err(|e| Error::Internal(format!("StopPodSandbox task: {e}")))?
+    }
+
+    async fn stop_sandbox_inner(self: &Arc<Self>, id: &str) -> Result<()> {
+        let Some(rec) = self.store.sandbox(id) else {
+            return Ok(());
+        };
+        for c in self.store.containers_of(id) {
+            self.stop_container_inner(&c.id, 0).await?;
+        }
+        let _guard = self.store.op_lock(id).await;
+        let Some(rec) = self.store.sandbox(&rec.id) else {
+            return Ok(());
+        };
+        let config = rec.config();
+        if let Some(shim) = &rec.shim {
+            self.stop_infra(id, shim).await?;
+        }
+        self.store.update_sandbox(id, |r| {
+            r.state = SandboxState::NotReady;
+            r.shim = None;
+        })?;
+        if rec.network_attached {
+            let pod =
+                PodNetwork::from_sandbox_config(id, rec.netns.clone().unwrap_or_default(), &config);
+            let cni = self.cni.clone();
+            tokio::spawn(async move { cni.teardown(&pod).await })
+                .await
+                .map_err(|e| Error::Internal(e.to_string()))??;
+            self.store
+                .update_sandbox(id, |r| r.network_attached = false)?;
+        }
+        if let Some(ns) = rec.netns.clone() {
+            blocking(move || Ok(crate::netns::remove(&ns)?)).await?;
+            self.store.update_sandbox(id, |r| r.netns = None)?;
+        }
+        if let Some(m) = &config.metadata {
+            let n = self.pulls.abort(
+                &AbortTarget::PodUid {
+                    uid: m.uid.clone(),
+                    attempt: Some(m.attempt),
+                },
+                &format!("pod sandbox {id} stopped"),
+            );
+            if n > 0 {
+                tracing::info!(sandbox = %id, references = n, "dropped the pod's pull references");
+            }
+        }
+        Ok(())
+    }
+
+    /// Kills the infra process (SIGKILL ends the pod's PID namespace), waits for it, deletes
+    /// it from the runtime and lets its shim go.
+    async fn stop_infra(&self, id: &str, shim: &ShimHandle) -> Result<()> {
+        match self.runtime.kill(id, libc::SIGKILL, false).await {
+            Ok(()) => {}
+            Err(e) if e.is_not_found() => {}
+            // Already stopped: runc refuses to signal it.
+            Err(e) => tracing::debug!(sandbox = %id, error = %e, "kill infra"),
+        }
+        if shim.is_alive() {
+            let _ = tokio::time::timeout(INFRA_EXIT_TIMEOUT, shim.wait()).await;
+        }
+        self.runtime.delete(id, true).await?;
+        super::reap_shim(shim).await;
+        Ok(())
+    }
+
+    /// RemovePodSandbox: stops it, removes its containers and every file. Idempotent.
+    pub async fn remove_pod_sandbox(self: &Arc<Self>, id: String) -> Result<()> {
+        let svc = self.clone();
+        tokio::spawn(async move {
+            if svc.store.sandbox(&id).is_none() {
+                return Ok(());
+            }
+            svc.stop_sandbox_inner(&id).await?;
+            for c in svc.store.containers_of(&id) {
+                svc.remove_container_inner(&c.id).await?;
+            }
+            let _guard = svc.store.op_lock(&id).await;
+            let files = svc.sandbox_dir(&id).join("files");
+            SandboxFiles::cleanup(&files)?;
+            super::remove_dir(&svc.sandbox_dir(&id))?;
+            super::remove_dir(&svc.bundle_dir(&id))?;
+            svc.store.delete_sandbox(&id)?;
+            drop(_guard);
+            svc.store.forget_op_lock(&id);
+            Ok(())
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("RemovePodSandbox task: {e}")))?
+    }
+
+    pub fn pod_sandbox_status(&self, id: &str) -> Result<cri::PodSandboxStatus> {
+        let rec = self
+            .store
+            .sandbox(id)
+            .ok_or_else(|| Error::NotFound(format!("pod sandbox {id} not found")))?;
+        Ok(sandbox_status(&rec))
+    }
+
+    pub fn list_pod_sandbox(&self, filter: Option<cri::PodSandboxFilter>) -> Vec<cri::PodSandbox> {
+        let f = filter.unwrap_or_default();
+        let mut out: Vec<cri::PodSandbox> = self
+            .store
+            .sandboxes()
+            .iter()
+            .filter(|r| f.id.is_empty() || r.id == f.id || r.id.starts_with(&f.id))
+            .map(|r| {
+                let c = r.config();
+                cri::PodSandbox {
+                    id: r.id.clone(),
+                    metadata: c.metadata,
+                    state: state_of(r) as i32,
+                    created_at: r.created_at,
+                    labels: c.labels,
+                    annotations: c.annotations,
+                    runtime_handler: r.runtime_handler.clone(),
+                }
+            })
+            .filter(|s| f.state.as_ref().is_none_or(|v| v.state == s.state))
+            .filter(|s| {
+                f.label_selector
+                    .iter()
+                    .all(|(k, v)| s.labels.get(k) == Some(v))
+            })
+            .collect();
+        out.sort_by_key(|s| s.created_at);
+        out
+    }
+}
+
+fn state_of(r: &SandboxRecord) -> cri::PodSandboxState {
+    match r.state {
+        SandboxState::Ready => cri::PodSandboxState::SandboxReady,
+        SandboxState::NotReady => cri::PodSandboxState::SandboxNotready,
+    }
+}
+
+fn sandbox_status(r: &SandboxRecord) -> cri::PodSandboxStatus {
+    let c = r.config();
+    let network = if host_network(&c) {
+        None
+    } else {
+        Some(cri::PodSandboxNetworkStatus {
+            ip: r.ips.first().cloned().unwrap_or_default(),
+            additional_ips: r
+                .ips
+                .iter()
+                .skip(1)
+                .map(|ip| cri::PodIp { ip: ip.clone() })
+                .collect(),
+        })
+    };
+    let options = oci::sandbox::namespace_options(&c)
+        .cloned()
+        .unwrap_or_default();
+    cri::PodSandboxStatus {
+        id: r.id.clone(),
+        metadata: c.metadata.clone(),
+        state: state_of(r) as i32,
+        created_at: r.created_at,
+        network,
+        linux: Some(cri::LinuxPodSandboxStatus {
+            namespaces: Some(cri::Namespace {
+                options: Some(options),
+            }),
+        }),
+        labels: c.labels,
+        annotations: c.annotations,
+        runtime_handler: r.runtime_handler.clone(),
+    }
+}

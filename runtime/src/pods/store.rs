@@ -1,0 +1,405 @@
+//! Records of pod sandboxes and containers: kept in memory for the kubelet's relists (every
+//! second, so they must be cheap) and persisted as one JSON file per object under
+//! `<state>/pods/{sandboxes,containers}/<id>.json`, each written by atomic rename.
+//!
+//! Invariants:
+//! - the in-memory map and the file agree after every successful [`Store::put_sandbox`] /
+//!   [`Store::put_container`]; a record is only in memory once its file is written;
+//! - a name (`<name>_<namespace>_<uid>_<attempt>` for sandboxes, `<name>_<sandbox name>_<sandbox
+//!   namespace>_<sandbox uid>_<attempt>` for containers) is reserved by at most one id, from
+//!   [`Store::reserve`] until [`Store::release`] (CRI: a duplicate name is an error until the old
+//!   object is removed);
+//! - the CRI configs are kept as their protobuf encoding (hex in the JSON), so labels and
+//!   annotations round-trip exactly.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use minicri_proto::runtime::v1 as cri;
+use prost::Message;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::shim::ShimHandle;
+use crate::shim::protocol::write_atomic;
+
+/// `SANDBOX_READY` / `SANDBOX_NOTREADY`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SandboxState {
+    Ready,
+    NotReady,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    pub id: String,
+    /// The reserved name.
+    pub name: String,
+    #[serde(with = "hex_bytes")]
+    pub config: Vec<u8>,
+    pub runtime_handler: String,
+    pub created_at: i64,
+    pub state: SandboxState,
+    /// The pinned network namespace (`None` with host network, or once removed).
+    pub netns: Option<PathBuf>,
+    /// The pod IPs from the CNI result, primary first.
+    pub ips: Vec<String>,
+    /// The infra process's shim (`None` once it is deleted).
+    pub shim: Option<ShimHandle>,
+    /// The infra process's pid, kept after stop for namespace paths in status.
+    pub infra_pid: i32,
+    /// Whether the CNI ADD succeeded and no DEL has yet.
+    pub network_attached: bool,
+}
+
+impl SandboxRecord {
+    pub fn config(&self) -> cri::PodSandboxConfig {
+        cri::PodSandboxConfig::decode(self.config.as_slice()).unwrap_or_default()
+    }
+}
+
+/// `CONTAINER_CREATED` / `RUNNING` / `EXITED` / `UNKNOWN`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ContainerState {
+    Created,
+    Running,
+    Exited,
+    Unknown,
+}
+
+impl ContainerState {
+    pub fn to_cri(self) -> cri::ContainerState {
+        match self {
+            ContainerState::Created => cri::ContainerState::ContainerCreated,
+            ContainerState::Running => cri::ContainerState::ContainerRunning,
+            ContainerState::Exited => cri::ContainerState::ContainerExited,
+            ContainerState::Unknown => cri::ContainerState::ContainerUnknown,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ContainerRecord {
+    pub id: String,
+    pub sandbox_id: String,
+    pub name: String,
+    #[serde(with = "hex_bytes")]
+    pub config: Vec<u8>,
+    /// The image as the request named it.
+    pub image: String,
+    /// The image id (config digest).
+    pub image_id: String,
+    pub created_at: i64,
+    pub started_at: i64,
+    pub finished_at: i64,
+    pub exit_code: i32,
+    pub reason: String,
+    pub message: String,
+    pub state: ContainerState,
+    pub log_path: Option<PathBuf>,
+    pub rootfs: PathBuf,
+    pub bundle: PathBuf,
+    /// Signal StopContainer sends first (the image's StopSignal, else SIGTERM).
+    pub stop_signal: i32,
+    pub shim: Option<ShimHandle>,
+    pub pid: i32,
+}
+
+impl ContainerRecord {
+    pub fn config(&self) -> cri::ContainerConfig {
+        cri::ContainerConfig::decode(self.config.as_slice()).unwrap_or_default()
+    }
+}
+
+mod hex_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(b: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        let mut out = String::with_capacity(b.len() * 2);
+        for x in b {
+            out.push_str(&format!("{x:02x}"));
+        }
+        s.serialize_str(&out)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.len() % 2 != 0 {
+            return Err(serde::de::Error::custom("odd hex length"));
+        }
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(serde::de::Error::custom))
+            .collect()
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    sandboxes: HashMap<String, SandboxRecord>,
+    containers: HashMap<String, ContainerRecord>,
+    /// Reserved name → id.
+    names: HashMap<String, String>,
+}
+
+/// The records, in memory and on disk.
+pub struct Store {
+    dir: PathBuf,
+    inner: Mutex<Inner>,
+    /// One lock per object id with a state-changing operation under way.
+    ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+fn read_dir_json<T: for<'de> Deserialize<'de>>(dir: &Path) -> Vec<T> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.extension().and_then(|x| x.to_str()) != Some("json") {
+            continue;
+        }
+        match std::fs::read(&p).map(|b| serde_json::from_slice::<T>(&b)) {
+            Ok(Ok(r)) => out.push(r),
+            Ok(Err(e)) => tracing::warn!(path = %p.display(), error = %e, "unreadable pod record"),
+            Err(e) => tracing::warn!(path = %p.display(), error = %e, "unreadable pod record"),
+        }
+    }
+    out
+}
+
+impl Store {
+    /// Opens `<dir>` (creating it), loading every record there.
+    pub fn open(dir: &Path) -> std::io::Result<Store> {
+        std::fs::create_dir_all(dir.join("sandboxes"))?;
+        std::fs::create_dir_all(dir.join("containers"))?;
+        let mut inner = Inner::default();
+        for s in read_dir_json::<SandboxRecord>(&dir.join("sandboxes")) {
+            inner.names.insert(s.name.clone(), s.id.clone());
+            inner.sandboxes.insert(s.id.clone(), s);
+        }
+        for c in read_dir_json::<ContainerRecord>(&dir.join("containers")) {
+            inner.names.insert(c.name.clone(), c.id.clone());
+            inner.containers.insert(c.id.clone(), c);
+        }
+        Ok(Store {
+            dir: dir.to_path_buf(),
+            inner: Mutex::new(inner),
+            ops: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Serialises state-changing operations on one object.
+    pub async fn op_lock(&self, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let m = self
+            .ops
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(id.to_string())
+            .or_default()
+            .clone();
+        m.lock_owned().await
+    }
+
+    /// Drops the operation lock of a removed object (when nobody else waits for it).
+    pub fn forget_op_lock(&self, id: &str) {
+        let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        if ops.get(id).is_some_and(|m| Arc::strong_count(m) == 1) {
+            ops.remove(id);
+        }
+    }
+
+    /// Reserves `name` for `id`; ALREADY_EXISTS when another id holds it.
+    pub fn reserve(&self, name: &str, id: &str) -> Result<()> {
+        let mut g = self.lock();
+        match g.names.get(name) {
+            Some(other) if other != id => Err(Error::AlreadyExists(format!(
+                "name {name:?} is reserved for {other}; remove it first"
+            ))),
+            _ => {
+                g.names.insert(name.to_string(), id.to_string());
+                Ok(())
+            }
+        }
+    }
+
+    pub fn release(&self, name: &str, id: &str) {
+        let mut g = self.lock();
+        if g.names.get(name).is_some_and(|i| i == id) {
+            g.names.remove(name);
+        }
+    }
+
+    /// Whether `id` names any object (or a reservation).
+    pub fn id_in_use(&self, id: &str) -> bool {
+        let g = self.lock();
+        g.sandboxes.contains_key(id)
+            || g.containers.contains_key(id)
+            || g.names.values().any(|v| v == id)
+    }
+
+    fn path(&self, kind: &str, id: &str) -> PathBuf {
+        self.dir.join(kind).join(format!("{id}.json"))
+    }
+
+    fn write<T: Serialize>(&self, kind: &str, id: &str, rec: &T) -> Result<()> {
+        let bytes = serde_json::to_vec(rec)
+            .map_err(|e| Error::Internal(format!("encoding record {id}: {e}")))?;
+        let p = self.path(kind, id);
+        write_atomic(&p, &bytes)
+            .map_err(|e| Error::Internal(format!("writing {}: {e}", p.display())))
+    }
+
+    fn delete_file(&self, kind: &str, id: &str) -> Result<()> {
+        let p = self.path(kind, id);
+        match std::fs::remove_file(&p) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(Error::Internal(format!("removing {}: {e}", p.display())))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    pub fn put_sandbox(&self, rec: SandboxRecord) -> Result<()> {
+        self.write("sandboxes", &rec.id, &rec)?;
+        self.lock().sandboxes.insert(rec.id.clone(), rec);
+        Ok(())
+    }
+
+    pub fn sandbox(&self, id: &str) -> Option<SandboxRecord> {
+        self.lock().sandboxes.get(id).cloned()
+    }
+
+    pub fn sandboxes(&self) -> Vec<SandboxRecord> {
+        self.lock().sandboxes.values().cloned().collect()
+    }
+
+    /// Changes a sandbox record in place and persists it; `None` if it does not exist.
+    pub fn update_sandbox(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut SandboxRecord),
+    ) -> Result<Option<SandboxRecord>> {
+        let mut g = self.lock();
+        let Some(r) = g.sandboxes.get_mut(id) else {
+            return Ok(None);
+        };
+        let mut new = r.clone();
+        f(&mut new);
+        self.write("sandboxes", id, &new)?;
+        *r = new.clone();
+        Ok(Some(new))
+    }
+
+    pub fn delete_sandbox(&self, id: &str) -> Result<()> {
+        self.delete_file("sandboxes", id)?;
+        let mut g = self.lock();
+        if let Some(r) = g.sandboxes.remove(id)
+            && g.names.get(&r.name).is_some_and(|i| i == id)
+        {
+            g.names.remove(&r.name);
+        }
+        Ok(())
+    }
+
+    pub fn put_container(&self, rec: ContainerRecord) -> Result<()> {
+        self.write("containers", &rec.id, &rec)?;
+        self.lock().containers.insert(rec.id.clone(), rec);
+        Ok(())
+    }
+
+    pub fn container(&self, id: &str) -> Option<ContainerRecord> {
+        self.lock().containers.get(id).cloned()
+    }
+
+    pub fn containers(&self) -> Vec<ContainerRecord> {
+        self.lock().containers.values().cloned().collect()
+    }
+
+    pub fn containers_of(&self, sandbox_id: &str) -> Vec<ContainerRecord> {
+        self.lock()
+            .containers
+            .values()
+            .filter(|c| c.sandbox_id == sandbox_id)
+            .cloned()
+            .collect()
+    }
+
+    pub fn update_container(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut ContainerRecord),
+    ) -> Result<Option<ContainerRecord>> {
+        let mut g = self.lock();
+        let Some(r) = g.containers.get_mut(id) else {
+            return Ok(None);
+        };
+        let mut new = r.clone();
+        f(&mut new);
+        self.write("containers", id, &new)?;
+        *r = new.clone();
+        Ok(Some(new))
+    }
+
+    pub fn delete_container(&self, id: &str) -> Result<()> {
+        self.delete_file("containers", id)?;
+        let mut g = self.lock();
+        if let Some(r) = g.containers.remove(id)
+            && g.names.get(&r.name).is_some_and(|i| i == id)
+        {
+            g.names.remove(&r.name);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sandbox(id: &str, name: &str) -> SandboxRecord {
+        let cfg = cri::PodSandboxConfig {
+            labels: [("a".to_string(), "b".to_string())].into(),
+            ..Default::default()
+        };
+        SandboxRecord {
+            id: id.into(),
+            name: name.into(),
+            config: cfg.encode_to_vec(),
+            runtime_handler: String::new(),
+            created_at: 1,
+            state: SandboxState::Ready,
+            netns: None,
+            ips: vec!["10.0.0.2".into()],
+            shim: None,
+            infra_pid: 0,
+            network_attached: false,
+        }
+    }
+
+    #[test]
+    fn records_persist_and_names_are_exclusive() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path()).unwrap();
+        s.reserve("n", "id1").unwrap();
+        assert!(matches!(
+            s.reserve("n", "id2"),
+            Err(Error::AlreadyExists(_))
+        ));
+        s.put_sandbox(sandbox("id1", "n")).unwrap();
+        s.update_sandbox("id1", |r| r.state = SandboxState::NotReady)
+            .unwrap()
+            .unwrap();
+        let again = Store::open(d.path()).unwrap();
+        let r = again.sandbox("id1").unwrap();
+        assert_eq!(r.state, SandboxState::NotReady);
+        assert_eq!(r.config().labels["a"], "b");
+        assert!(again.reserve("n", "id2").is_err());
+        again.delete_sandbox("id1").unwrap();
+        again.reserve("n", "id2").unwrap();
+        assert!(Store::open(d.path()).unwrap().sandbox("id1").is_none());
+    }
+}
