@@ -86,9 +86,15 @@ async fn version_status_and_runtime_config() {
         cri::CgroupDriver::Systemd as i32
     );
 
-    // Pod RPCs not written yet answer UNIMPLEMENTED.
-    let err = rt
+    // A fresh daemon has no pods; RPCs not written yet answer UNIMPLEMENTED.
+    let pods = rt
         .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(pods.items.is_empty());
+    let err = rt
+        .checkpoint_container(cri::CheckpointContainerRequest::default())
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unimplemented);
