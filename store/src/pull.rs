@@ -101,10 +101,14 @@ impl Requester {
     /// References are counted per key: a pod's sandbox (uid and attempt), or the call.
     pub fn key(&self) -> String {
         match &self.pod {
-            Some(p) => format!("pod:{}:{}", p.uid, p.attempt),
+            Some(p) => pod_key(&p.uid, p.attempt),
             None => format!("call:{}", self.call_id),
         }
     }
+}
+
+fn pod_key(uid: &str, attempt: u32) -> String {
+    format!("pod:{uid}:{attempt}")
 }
 
 /// Which references an abort drops.
@@ -215,6 +219,9 @@ pub struct PullManager {
     snapshotter: Option<Arc<dyn Snapshotter>>,
     jobs: Mutex<HashMap<String, Arc<Job>>>,
     next_job: AtomicU64,
+    /// Requester keys of stopped sandboxes, with the reason: their pulls are refused. Written
+    /// under the `jobs` lock so that a join either sees the mark or is seen by the abort.
+    closed: Mutex<HashMap<String, String>>,
 }
 
 /// A call's reference on a job; dropping it releases the reference.
@@ -250,6 +257,7 @@ impl PullManager {
             snapshotter,
             jobs: Mutex::new(HashMap::new()),
             next_job: AtomicU64::new(1),
+            closed: Mutex::new(HashMap::new()),
         })
     }
 
@@ -293,6 +301,7 @@ impl PullManager {
         requester: Requester,
     ) -> Result<ImageRecord> {
         let reference = Reference::parse(reference)?;
+        self.refuse_closed(&reference, &requester)?;
         // Building registry clients loads TLS roots (slow, blocking): keep it off the async threads.
         let (registry, r, c) = (self.registry.clone(), reference.clone(), creds.clone());
         let session = tokio::task::spawn_blocking(move || registry.session(&r, &c))
@@ -305,7 +314,7 @@ impl PullManager {
             .map_err(|e| session.fold_errors("manifest", e))?;
         let key = format!("{}|{}", top.digest, self.config.platform);
 
-        let (job, jref, created) = self.join(&key, &reference, &requester);
+        let (job, jref, created) = self.join(&key, &reference, &requester)?;
         if created {
             let mgr = self.clone();
             let job2 = job.clone();
@@ -345,8 +354,9 @@ impl PullManager {
         key: &str,
         reference: &Reference,
         requester: &Requester,
-    ) -> (Arc<Job>, JobRef, bool) {
+    ) -> Result<(Arc<Job>, JobRef, bool)> {
         let mut jobs = self.jobs.lock().unwrap();
+        self.refuse_closed(reference, requester)?;
         let (job, created) = match jobs.get(key).filter(|j| !j.cancel.is_cancelled()) {
             Some(j) => (j.clone(), false),
             None => {
@@ -381,7 +391,7 @@ impl PullManager {
         if !created {
             tracing::info!(job = job.id, image = %reference, requester = %rkey, "joined running pull");
         }
-        (
+        Ok((
             job.clone(),
             JobRef {
                 mgr: self.clone(),
@@ -389,7 +399,42 @@ impl PullManager {
                 key: rkey,
             },
             created,
+        ))
+    }
+
+    /// Fails for a requester whose sandbox was stopped ([`PullManager::close_pod`]).
+    fn refuse_closed(&self, reference: &Reference, requester: &Requester) -> Result<()> {
+        match self.closed.lock().unwrap().get(&requester.key()) {
+            Some(why) => Err(StoreError::Cancelled(format!(
+                "not pulling {reference}: {why}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// A pod sandbox (uid, attempt) stopped: drops its references on every job (their calls
+    /// return at once with `reason`) and refuses its later pulls until [`PullManager::reopen_pod`].
+    /// Returns how many references were dropped.
+    pub fn close_pod(&self, uid: &str, attempt: u32, reason: &str) -> usize {
+        {
+            let _jobs = self.jobs.lock().unwrap();
+            self.closed
+                .lock()
+                .unwrap()
+                .insert(pod_key(uid, attempt), reason.to_string());
+        }
+        self.abort(
+            &AbortTarget::PodUid {
+                uid: uid.to_string(),
+                attempt: Some(attempt),
+            },
+            reason,
         )
+    }
+
+    /// Forgets a closed pod sandbox (it was removed).
+    pub fn reopen_pod(&self, uid: &str, attempt: u32) {
+        self.closed.lock().unwrap().remove(&pod_key(uid, attempt));
     }
 
     /// Drops one call's reference; the job stops when none is left.

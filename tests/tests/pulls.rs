@@ -221,15 +221,15 @@ async fn one_requester_cancelling_does_not_disturb_another() {
 
 /// Starts a rate-limited pull, stops it with `stop`, and checks that bytes stop within 100 ms, the
 /// partial data stays, and the next pull transfers only the remainder.
-async fn stop_then_resume(
+async fn stop_then_resume<T>(
     e: &Env,
     img: &PushedImage,
     r: &str,
-    stop: impl std::future::Future<Output = ()>,
-) {
+    stop: impl std::future::Future<Output = T>,
+) -> T {
     let layer = img.layers.last().unwrap();
     e.proxy.faults().set_rate_limit(Some(4 * MIB));
-    stop.await;
+    let stopped = stop.await;
     let stopped_at = e.proxy.bytes_served(&layer.digest);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let after_100ms = e.proxy.bytes_served(&layer.digest);
@@ -264,6 +264,7 @@ async fn stop_then_resume(
         "second pull transferred {second}, less than the remainder"
     );
     assert_eq!(ingest_bytes(&e.daemon.root()), 0, "ingest committed");
+    stopped
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -482,4 +483,224 @@ async fn progress_watchdog_drops_a_stalled_pull() {
         "watchdog fired after {waited:?}"
     );
     assert!(ingest_bytes(&e.daemon.root()) >= MIB, "partial data kept");
+}
+
+/// Pod sandboxes for the tests below: host network (no CNI needed), run by the real daemon
+/// through runc. Dropping it removes them (also when a test fails half-way).
+struct Sandboxes<'a> {
+    daemon: &'a Daemon,
+    ids: Vec<String>,
+}
+
+fn sandboxes_skip_reason() -> Option<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("not root".into());
+    }
+    if std::process::Command::new("runc")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        return Some("no runc".into());
+    }
+    None
+}
+
+impl<'a> Sandboxes<'a> {
+    fn new(daemon: &'a Daemon) -> Self {
+        Sandboxes {
+            daemon,
+            ids: Vec::new(),
+        }
+    }
+
+    /// Runs the sandbox of `pod(i)`; returns its id.
+    async fn run(&mut self, i: usize) -> String {
+        let mut config = pod(i).unwrap();
+        config.linux = Some(cri::LinuxPodSandboxConfig {
+            security_context: Some(cri::LinuxSandboxSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    network: cri::NamespaceMode::Node as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let mut c = self.daemon.runtime().await.unwrap();
+        let id = c
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(config),
+                runtime_handler: String::new(),
+            })
+            .await
+            .expect("RunPodSandbox")
+            .into_inner()
+            .pod_sandbox_id;
+        self.ids.push(id.clone());
+        id
+    }
+
+    async fn stop(&self, id: &str) -> Result<(), tonic::Status> {
+        let mut c = self.daemon.runtime().await.unwrap();
+        c.stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: id.into(),
+        })
+        .await
+        .map(|_| ())
+    }
+
+    async fn remove_all(&mut self) {
+        let mut c = self.daemon.runtime().await.unwrap();
+        for id in std::mem::take(&mut self.ids) {
+            c.remove_pod_sandbox(cri::RemovePodSandboxRequest { pod_sandbox_id: id })
+                .await
+                .expect("RemovePodSandbox");
+        }
+    }
+}
+
+impl Drop for Sandboxes<'_> {
+    fn drop(&mut self) {
+        // Only after a failure: kill what the daemon started for the sandboxes left.
+        if self.ids.is_empty() {
+            return;
+        }
+        let state = self.daemon.root().parent().unwrap().join("state");
+        for id in &self.ids {
+            let _ = std::process::Command::new("runc")
+                .arg("--root")
+                .arg(state.join("runc"))
+                .args(["delete", "--force", id])
+                .output();
+        }
+        let _ = std::process::Command::new("pkill")
+            .args(["-KILL", "-f", &state.to_string_lossy()])
+            .output();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stopping_one_of_two_sandboxes_fails_only_its_pull() {
+    if let Some(why) = sandboxes_skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "big", 2, 8, 10).await;
+    let mut sb = Sandboxes::new(&e.daemon);
+    let (a, b) = (sb.run(1).await, sb.run(2).await);
+    e.proxy.faults().set_rate_limit(Some(4 * MIB));
+    let mut calls = Vec::new();
+    for i in [1, 2] {
+        let mut d = e.daemon.images().await.unwrap();
+        let r = r.clone();
+        calls.push(tokio::spawn(async move {
+            d.pull_image(pull_req(&r, pod(i))).await
+        }));
+    }
+    wait_until("the download to start", Duration::from_secs(10), || {
+        e.proxy.total_blob_bytes() > 2 * MIB
+    })
+    .await;
+
+    // Both pods hold a reference, each named by its sandbox.
+    let mut admin = PullsClient::new(e.daemon.channel().await.unwrap());
+    let jobs = admin
+        .list_pulls(admin::ListPullsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs;
+    assert_eq!(jobs.len(), 1, "one job for both pods");
+    let mut holders: Vec<&str> = jobs[0]
+        .requesters
+        .iter()
+        .map(|q| q.sandbox_id.as_str())
+        .collect();
+    holders.sort();
+    let mut expected = vec![a.as_str(), b.as_str()];
+    expected.sort();
+    assert_eq!(holders, expected);
+
+    let [call_a, call_b]: [_; 2] = calls.try_into().unwrap();
+    let started = Instant::now();
+    let stop = tokio::spawn({
+        let ch = e.daemon.channel().await.unwrap();
+        let a = a.clone();
+        async move {
+            minicri_proto::runtime::v1::runtime_service_client::RuntimeServiceClient::new(ch)
+                .stop_pod_sandbox(cri::StopPodSandboxRequest { pod_sandbox_id: a })
+                .await
+        }
+    });
+    let err = call_a.await.unwrap().unwrap_err();
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_millis(500),
+        "the stopped pod's pull returned after {waited:?}"
+    );
+    assert_eq!(err.code(), Code::Cancelled, "{err:?}");
+    assert!(
+        err.message().contains(&a),
+        "names the sandbox: {}",
+        err.message()
+    );
+    stop.await.unwrap().expect("StopPodSandbox");
+
+    // The other pod's pull carries on and completes; nothing was downloaded twice.
+    e.proxy.faults().set_rate_limit(None);
+    assert_eq!(
+        call_b.await.unwrap().unwrap().into_inner().image_ref,
+        img.config_digest
+    );
+    assert_each_blob_served_once(&e.proxy, &img);
+
+    // A stopped sandbox gets no new pulls.
+    let err = pull(&e.daemon, &r, pod(1)).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains(&a), "{}", err.message());
+    sb.remove_all().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stopping_the_only_sandbox_stops_the_download_and_the_next_pull_resumes() {
+    if let Some(why) = sandboxes_skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "big", 1, 16, 11).await;
+    let mut sb = Sandboxes::new(&e.daemon);
+    let id = sb.run(1).await;
+    let stop = async {
+        let d = e.daemon.images().await.unwrap();
+        let r2 = r.clone();
+        let call = tokio::spawn(async move {
+            let mut d = d;
+            d.pull_image(pull_req(&r2, pod(1))).await
+        });
+        wait_until("the download to start", Duration::from_secs(10), || {
+            e.proxy.total_blob_bytes() > 2 * MIB
+        })
+        .await;
+        let ch = e.daemon.channel().await.unwrap();
+        let id2 = id.clone();
+        let stop = tokio::spawn(async move {
+            minicri_proto::runtime::v1::runtime_service_client::RuntimeServiceClient::new(ch)
+                .stop_pod_sandbox(cri::StopPodSandboxRequest {
+                    pod_sandbox_id: id2,
+                })
+                .await
+        });
+        let err = call.await.unwrap().unwrap_err();
+        assert_eq!(err.code(), Code::Cancelled, "{err:?}");
+        assert!(err.message().contains(&id), "{}", err.message());
+        // Bytes are measured from the moment the pod's PullImage returned, not StopPodSandbox.
+        stop
+    };
+    let stop = stop_then_resume(&e, &img, &r, stop).await;
+    stop.await.unwrap().expect("StopPodSandbox");
+    sb.stop(&id).await.expect("StopPodSandbox is idempotent");
+    sb.remove_all().await;
 }

@@ -122,15 +122,24 @@ impl ImageService for ImageHandler {
             let creds = credentials(req.auth);
             // A pull for a pod is that pod's sandbox's reference; any other is the call's own.
             let requester = match req.sandbox_config.and_then(|c| c.metadata) {
-                Some(m) => Requester::pod(
-                    PodRef {
-                        namespace: m.namespace,
-                        name: m.name,
-                        uid: m.uid,
-                        attempt: m.attempt,
-                    },
-                    None,
-                ),
+                Some(m) => {
+                    let sandbox = self.daemon.pods.sandbox_of_pod(&m.uid, m.attempt);
+                    if let Some((id, false)) = &sandbox {
+                        return Err(Error::FailedPrecondition(format!(
+                            "pod sandbox {id} ({}/{}) is stopped; not pulling {name} for it",
+                            m.namespace, m.name
+                        )));
+                    }
+                    Requester::pod(
+                        PodRef {
+                            namespace: m.namespace,
+                            name: m.name,
+                            uid: m.uid,
+                            attempt: m.attempt,
+                        },
+                        sandbox.map(|(id, _)| id),
+                    )
+                }
                 None => Requester::anonymous(),
             };
             let rec = self.daemon.pulls.pull(&name, &creds, requester).await?;

@@ -141,6 +141,16 @@ impl PodService {
         Ok(svc)
     }
 
+    /// The sandbox that runs the pod `uid` at `attempt` (PullImage names pods, not sandboxes):
+    /// its id and whether it is ready.
+    pub fn sandbox_of_pod(&self, uid: &str, attempt: u32) -> Option<(String, bool)> {
+        self.store.sandboxes().into_iter().find_map(|r| {
+            let m = r.config().metadata?;
+            (m.uid == uid && m.attempt == attempt)
+                .then(|| (r.id.clone(), r.state == store::SandboxState::Ready))
+        })
+    }
+
     fn recover(self: &Arc<Self>) {
         let (mut running, mut exited) = (0, 0);
         for c in self.store.containers() {

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_store::pull::AbortTarget;
 use prost::Message;
 
 use super::store::{SandboxRecord, SandboxState};
@@ -198,6 +197,17 @@ impl PodService {
         let Some(rec) = self.store.sandbox(id) else {
             return Ok(());
         };
+        // First, so that the pod's PullImage calls return at once, whatever the rest costs.
+        if let Some(m) = rec.config().metadata {
+            let n = self.pulls.close_pod(
+                &m.uid,
+                m.attempt,
+                &format!("pod sandbox {id} ({}/{}) was stopped", m.namespace, m.name),
+            );
+            if n > 0 {
+                tracing::info!(sandbox = %id, references = n, "dropped the pod's pull references");
+            }
+        }
         for c in self.store.containers_of(id) {
             self.stop_container_inner(&c.id, 0).await?;
         }
@@ -227,18 +237,6 @@ impl PodService {
             blocking(move || Ok(crate::netns::remove(&ns)?)).await?;
             self.store.update_sandbox(id, |r| r.netns = None)?;
         }
-        if let Some(m) = &config.metadata {
-            let n = self.pulls.abort(
-                &AbortTarget::PodUid {
-                    uid: m.uid.clone(),
-                    attempt: Some(m.attempt),
-                },
-                &format!("pod sandbox {id} stopped"),
-            );
-            if n > 0 {
-                tracing::info!(sandbox = %id, references = n, "dropped the pod's pull references");
-            }
-        }
         Ok(())
     }
 
@@ -263,9 +261,10 @@ impl PodService {
     pub async fn remove_pod_sandbox(self: &Arc<Self>, id: String) -> Result<()> {
         let svc = self.clone();
         tokio::spawn(async move {
-            if svc.store.sandbox(&id).is_none() {
+            let Some(rec) = svc.store.sandbox(&id) else {
                 return Ok(());
-            }
+            };
+            let rec_metadata = rec.config().metadata;
             svc.stop_sandbox_inner(&id).await?;
             for c in svc.store.containers_of(&id) {
                 svc.remove_container_inner(&c.id).await?;
@@ -276,6 +275,9 @@ impl PodService {
             super::remove_dir(&svc.sandbox_dir(&id))?;
             super::remove_dir(&svc.bundle_dir(&id))?;
             svc.store.delete_sandbox(&id)?;
+            if let Some(m) = rec_metadata {
+                svc.pulls.reopen_pod(&m.uid, m.attempt);
+            }
             drop(_guard);
             svc.store.forget_op_lock(&id);
             Ok(())
