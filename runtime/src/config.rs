@@ -87,6 +87,16 @@ pub struct ServeArgs {
     #[arg(long = "cni-bin-dir", value_name = "DIR")]
     #[serde(default)]
     pub cni_bin_dirs: Vec<PathBuf>,
+
+    /// OCI runtime binary with runc's command line (runc, crun), a name on PATH or a path.
+    /// [default: runc]
+    #[arg(long, value_name = "BINARY")]
+    pub oci_runtime: Option<PathBuf>,
+
+    /// Serve Prometheus metrics on this loopback address (e.g. 127.0.0.1:9464) at /metrics.
+    /// [default: off]
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_address: Option<String>,
 }
 
 /// The cgroup driver the runtime uses and reports.
@@ -115,6 +125,8 @@ pub struct Config {
     pub ingest_min_free: f64,
     pub cni_conf_dirs: Vec<PathBuf>,
     pub cni_bin_dirs: Vec<PathBuf>,
+    pub oci_runtime: PathBuf,
+    pub metrics_address: Option<std::net::SocketAddr>,
 }
 
 impl ServeArgs {
@@ -165,6 +177,8 @@ impl ServeArgs {
             } else {
                 self.cni_bin_dirs
             },
+            oci_runtime: self.oci_runtime.or(base.oci_runtime),
+            metrics_address: self.metrics_address.or(base.metrics_address),
         }
     }
 
@@ -207,6 +221,24 @@ impl ServeArgs {
             t if !t.is_finite() || t < 0.0 => bail!("ingest_ttl must be a number of hours >= 0"),
             t => std::time::Duration::from_secs_f64(t * 3600.0),
         };
+        let metrics_address = match self.metrics_address.as_deref() {
+            None | Some("") => None,
+            Some(a) => {
+                let addr: std::net::SocketAddr = a
+                    .parse()
+                    .map_err(|_| anyhow::anyhow!("metrics_address {a:?} is not IP:PORT"))?;
+                if !addr.ip().is_loopback() {
+                    bail!(
+                        "metrics_address {a:?} is not a loopback address: metrics are only served on loopback (127.0.0.1 or ::1)"
+                    );
+                }
+                Some(addr)
+            }
+        };
+        let oci_runtime = self.oci_runtime.unwrap_or_else(|| "runc".into());
+        if oci_runtime.as_os_str().is_empty() {
+            bail!("oci_runtime must name a binary");
+        }
         Ok(Config {
             socket: self
                 .socket
@@ -235,6 +267,8 @@ impl ServeArgs {
             } else {
                 self.cni_bin_dirs
             },
+            oci_runtime,
+            metrics_address,
         })
     }
 }
@@ -304,5 +338,41 @@ mod tests {
             .resolve()
             .is_err()
         );
+    }
+
+    #[test]
+    fn metrics_only_on_loopback_and_off_by_default() {
+        let with = |a: &str| {
+            ServeArgs {
+                metrics_address: Some(a.into()),
+                ..Default::default()
+            }
+            .finish()
+        };
+        assert_eq!(ServeArgs::default().finish().unwrap().metrics_address, None);
+        assert_eq!(
+            with("127.0.0.1:9464").unwrap().metrics_address,
+            Some("127.0.0.1:9464".parse().unwrap())
+        );
+        assert!(with("[::1]:9464").is_ok());
+        let err = with("0.0.0.0:9464").unwrap_err().to_string();
+        assert!(err.contains("loopback"), "{err}");
+        let err = with("localhost").unwrap_err().to_string();
+        assert!(err.contains("IP:PORT"), "{err}");
+    }
+
+    #[test]
+    fn oci_runtime_defaults_to_runc() {
+        assert_eq!(
+            ServeArgs::default().finish().unwrap().oci_runtime,
+            PathBuf::from("runc")
+        );
+        let c = ServeArgs {
+            oci_runtime: Some("/usr/bin/crun".into()),
+            ..Default::default()
+        }
+        .finish()
+        .unwrap();
+        assert_eq!(c.oci_runtime, PathBuf::from("/usr/bin/crun"));
     }
 }

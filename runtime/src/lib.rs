@@ -21,6 +21,7 @@ pub mod cri;
 pub mod daemon;
 pub mod error;
 pub mod logs;
+pub mod metrics;
 pub mod netns;
 pub mod oci;
 pub mod pause;

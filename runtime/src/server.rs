@@ -127,6 +127,10 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
 
     // Partial downloads nobody resumes are collected after their TTL, or sooner when space is low.
     let gc = minicri_store::gc::spawn_periodic(daemon.ingest_gc.clone(), Duration::from_secs(60));
+    let metrics = match daemon.config.metrics_address {
+        Some(addr) => Some(crate::metrics::spawn(addr, daemon.clone()).await?),
+        None => None,
+    };
     let listener = bind_socket(&socket).await?;
     let _socket_guard = SocketGuard(socket.clone());
     tracing::info!(socket = %socket.display(), version = env!("CARGO_PKG_VERSION"), "minicri serving");
@@ -160,6 +164,9 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     }
     drop(listener);
     gc.abort();
+    if let Some(m) = metrics {
+        m.abort();
+    }
     tokio::select! {
         _ = graceful.shutdown() => tracing::info!("all connections closed"),
         _ = tokio::time::sleep(SHUTDOWN_GRACE) => tracing::warn!("shutdown grace period over; closing remaining calls"),

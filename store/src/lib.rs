@@ -28,6 +28,8 @@ pub use digest::Digest;
 pub use error::{ErrorKind, Result, StoreError};
 pub use hosts::RegistryHosts;
 pub use images::{ImageRecord, ImageStore};
-pub use pull::{AbortTarget, JobSnapshot, PodRef, PullConfig, PullManager, Requester};
+pub use pull::{
+    AbortTarget, JobSnapshot, PodRef, PullConfig, PullCounters, PullManager, Requester,
+};
 pub use reference::Reference;
 pub use registry::{Credentials, Registry};

@@ -209,6 +209,30 @@ pub struct JobSnapshot {
     pub started_at: chrono::DateTime<chrono::Utc>,
 }
 
+/// Counts since the daemon started, for the metrics endpoint. Bytes are counted per job when it
+/// ends (a blob shared by two concurrent jobs counts for both).
+#[derive(Debug, Default)]
+pub struct PullCounters {
+    /// PullImage calls that took a reference on a job.
+    pub calls: AtomicU64,
+    /// Of those, calls that joined a job already running.
+    pub calls_joined: AtomicU64,
+    pub jobs_started: AtomicU64,
+    /// Jobs that stored their image.
+    pub jobs_done: AtomicU64,
+    /// Jobs stopped because their last reference went.
+    pub jobs_stopped: AtomicU64,
+    /// Jobs that failed (registry, digest, unpack errors).
+    pub jobs_failed: AtomicU64,
+    pub bytes_downloaded: AtomicU64,
+    /// Bytes found on disk from earlier attempts and not downloaded again.
+    pub bytes_resumed: AtomicU64,
+    /// References dropped by aborts: stopped sandboxes, operators, the progress watchdog.
+    pub references_aborted: AtomicU64,
+    /// Pulls refused because their sandbox was stopped.
+    pub refused: AtomicU64,
+}
+
 /// Runs pulls: the jobs, their requesters and the shared blob downloads.
 pub struct PullManager {
     content: Arc<ContentStore>,
@@ -222,6 +246,7 @@ pub struct PullManager {
     /// Requester keys of stopped sandboxes, with the reason: their pulls are refused. Written
     /// under the `jobs` lock so that a join either sees the mark or is seen by the abort.
     closed: Mutex<HashMap<String, String>>,
+    counters: PullCounters,
 }
 
 /// A call's reference on a job; dropping it releases the reference.
@@ -258,6 +283,7 @@ impl PullManager {
             jobs: Mutex::new(HashMap::new()),
             next_job: AtomicU64::new(1),
             closed: Mutex::new(HashMap::new()),
+            counters: PullCounters::default(),
         })
     }
 
@@ -287,6 +313,10 @@ impl PullManager {
                 }
             }
         }
+    }
+
+    pub fn counters(&self) -> &PullCounters {
+        &self.counters
     }
 
     pub fn blobs(&self) -> &Arc<BlobDownloads> {
@@ -388,7 +418,11 @@ impl PullManager {
             e.calls += 1;
         }
         job.joined.fetch_add(1, Ordering::Relaxed);
-        if !created {
+        self.counters.calls.fetch_add(1, Ordering::Relaxed);
+        if created {
+            self.counters.jobs_started.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.counters.calls_joined.fetch_add(1, Ordering::Relaxed);
             tracing::info!(job = job.id, image = %reference, requester = %rkey, "joined running pull");
         }
         Ok((
@@ -405,9 +439,12 @@ impl PullManager {
     /// Fails for a requester whose sandbox was stopped ([`PullManager::close_pod`]).
     fn refuse_closed(&self, reference: &Reference, requester: &Requester) -> Result<()> {
         match self.closed.lock().unwrap().get(&requester.key()) {
-            Some(why) => Err(StoreError::Cancelled(format!(
-                "not pulling {reference}: {why}"
-            ))),
+            Some(why) => {
+                self.counters.refused.fetch_add(1, Ordering::Relaxed);
+                Err(StoreError::Cancelled(format!(
+                    "not pulling {reference}: {why}"
+                )))
+            }
             None => Ok(()),
         }
     }
@@ -486,6 +523,9 @@ impl PullManager {
                     *e.reason.lock().unwrap() = Some(reason.to_string());
                     e.abort.cancel();
                     dropped += 1;
+                    self.counters
+                        .references_aborted
+                        .fetch_add(1, Ordering::Relaxed);
                 }
             }
         }
@@ -518,6 +558,15 @@ impl PullManager {
             Ok(_) => "done".to_string(),
             Err(e) => e.to_string(),
         };
+        let c = &self.counters;
+        match &result {
+            Ok(_) => &c.jobs_done,
+            Err(StoreError::Cancelled(_)) => &c.jobs_stopped,
+            Err(_) => &c.jobs_failed,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+        c.bytes_downloaded.fetch_add(downloaded, Ordering::Relaxed);
+        c.bytes_resumed.fetch_add(resumed, Ordering::Relaxed);
         tracing::info!(
             job = job.id,
             image = %job.reference,

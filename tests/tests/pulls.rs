@@ -704,3 +704,93 @@ async fn stopping_the_only_sandbox_stops_the_download_and_the_next_pull_resumes(
     sb.stop(&id).await.expect("StopPodSandbox is idempotent");
     sb.remove_all().await;
 }
+
+/// `GET /metrics` over plain HTTP/1.1.
+async fn scrape(addr: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("metrics port");
+    s.write_all(
+        format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    out
+}
+
+fn sample(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no sample {name} in\n{text}"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_count_calls_jobs_and_bytes() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let e = env(&["--metrics-address", &addr]).await;
+    let (img, r) = big(&e, "big", 2, 2, 12).await;
+    let before = scrape(&addr).await;
+    assert_eq!(sample(&before, "minicri_pull_calls_total"), 0);
+    e.proxy.faults().set_rate_limit(Some(4 * MIB));
+    let mut calls = Vec::new();
+    for i in 0..3 {
+        let mut d = e.daemon.images().await.unwrap();
+        let r = r.clone();
+        calls.push(tokio::spawn(async move {
+            d.pull_image(pull_req(&r, pod(i))).await
+        }));
+    }
+    wait_until("all three calls joined", Duration::from_secs(10), || {
+        e.proxy.total_blob_bytes() > MIB
+    })
+    .await;
+    let during = scrape(&addr).await;
+    assert_eq!(sample(&during, "minicri_pull_jobs_active"), 1, "{during}");
+    for c in calls {
+        assert_eq!(
+            c.await.unwrap().unwrap().into_inner().image_ref,
+            img.config_digest
+        );
+    }
+    let after = scrape(&addr).await;
+    assert_eq!(sample(&after, "minicri_pull_calls_total"), 3, "{after}");
+    assert_eq!(sample(&after, "minicri_pull_calls_joined_total"), 2);
+    assert_eq!(sample(&after, "minicri_pull_jobs_started_total"), 1);
+    assert_eq!(
+        sample(&after, "minicri_pull_jobs_finished_total{outcome=\"done\"}"),
+        1
+    );
+    assert_eq!(sample(&after, "minicri_pull_jobs_active"), 0);
+    let blob_bytes: u64 = img.config_size + img.layers.iter().map(|l| l.size).sum::<u64>();
+    assert_eq!(
+        sample(&after, "minicri_pull_downloaded_bytes_total"),
+        blob_bytes
+    );
+    assert_eq!(sample(&after, "minicri_pull_resumed_bytes_total"), 0);
+}
+
+#[test]
+fn metrics_are_refused_off_loopback() {
+    let out = std::process::Command::new(minicri_tests::daemon::minicri_bin())
+        .args([
+            "serve",
+            "--metrics-address",
+            "0.0.0.0:9464",
+            "--root",
+            "/nonexistent/x",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("loopback"), "{err}");
+}

@@ -121,7 +121,7 @@ impl PodService {
             config.cni_bin_dirs.clone(),
             &state,
         ));
-        let mut runtime = Runc::new("runc", state.join("runc"));
+        let mut runtime = Runc::new(config.oci_runtime.clone(), state.join("runc"));
         runtime.systemd_cgroup = config.cgroup_driver == CgroupDriver::Systemd;
         let svc = Arc::new(PodService {
             store,

@@ -1,0 +1,221 @@
+//! Prometheus metrics of the pull machinery, served over HTTP on a loopback address.
+//!
+//! Off by default; `--metrics-address 127.0.0.1:PORT` turns it on (the configuration refuses
+//! other addresses: the numbers name images and nothing here authenticates the reader).
+//! `GET /metrics` answers in the text exposition format (version 0.0.4); counters come from
+//! [`PullCounters`], gauges from the running jobs at the moment of the scrape.
+
+use std::convert::Infallible;
+use std::fmt::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use minicri_store::{JobSnapshot, PullCounters};
+
+use crate::daemon::Daemon;
+
+/// What one scrape reports.
+pub struct Sample<'a> {
+    pub counters: &'a PullCounters,
+    pub jobs: &'a [JobSnapshot],
+    pub blob_transfers: usize,
+}
+
+fn metric(out: &mut String, name: &str, kind: &str, help: &str, lines: &[(String, u64)]) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+    for (labels, v) in lines {
+        let _ = writeln!(out, "{name}{labels} {v}");
+    }
+}
+
+/// The exposition text for `s`.
+pub fn render(s: &Sample) -> String {
+    let c = s.counters;
+    let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let one = |v: u64| vec![(String::new(), v)];
+    let mut out = String::new();
+    metric(
+        &mut out,
+        "minicri_pull_calls_total",
+        "counter",
+        "PullImage calls that took a reference on a pull job.",
+        &one(get(&c.calls)),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_calls_joined_total",
+        "counter",
+        "PullImage calls that joined a pull job already running.",
+        &one(get(&c.calls_joined)),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_jobs_started_total",
+        "counter",
+        "Pull jobs started.",
+        &one(get(&c.jobs_started)),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_jobs_finished_total",
+        "counter",
+        "Pull jobs finished, by outcome: done (image stored), stopped (no requester left), failed.",
+        &[
+            ("{outcome=\"done\"}".into(), get(&c.jobs_done)),
+            ("{outcome=\"stopped\"}".into(), get(&c.jobs_stopped)),
+            ("{outcome=\"failed\"}".into(), get(&c.jobs_failed)),
+        ],
+    );
+    metric(
+        &mut out,
+        "minicri_pull_downloaded_bytes_total",
+        "counter",
+        "Bytes downloaded by finished pull jobs.",
+        &one(get(&c.bytes_downloaded)),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_resumed_bytes_total",
+        "counter",
+        "Bytes finished pull jobs found on disk from earlier attempts and did not download again.",
+        &one(get(&c.bytes_resumed)),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_references_aborted_total",
+        "counter",
+        "Pull references dropped by a stopped sandbox, an operator or the progress watchdog.",
+        &one(get(&c.references_aborted)),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_refused_total",
+        "counter",
+        "PullImage calls refused because their pod sandbox was stopped.",
+        &one(get(&c.refused)),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_jobs_active",
+        "gauge",
+        "Pull jobs running now.",
+        &one(s.jobs.len() as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_requesters_active",
+        "gauge",
+        "Requesters (pod sandboxes or calls) holding a reference on a running pull job.",
+        &one(s.jobs.iter().map(|j| j.requesters.len() as u64).sum()),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_active_done_bytes",
+        "gauge",
+        "Bytes on disk of the running pull jobs' blobs.",
+        &one(s.jobs.iter().map(|j| j.bytes_done).sum()),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_active_total_bytes",
+        "gauge",
+        "Total size of the running pull jobs' blobs.",
+        &one(s.jobs.iter().map(|j| j.bytes_total).sum()),
+    );
+    metric(
+        &mut out,
+        "minicri_blob_transfers_active",
+        "gauge",
+        "Blob downloads in progress on the node (shared between jobs).",
+        &one(s.blob_transfers as u64),
+    );
+    out
+}
+
+fn respond(daemon: &Daemon, req: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+    if req.uri().path() != "/metrics" {
+        return Response::builder()
+            .status(StatusCode::NOT_FOUND)
+            .body(Full::new(Bytes::from_static(b"only /metrics is served here\n")))
+            .expect("static response");
+    }
+    let pulls = &daemon.pulls;
+    let jobs = pulls.list();
+    let text = render(&Sample {
+        counters: pulls.counters(),
+        jobs: &jobs,
+        blob_transfers: pulls.blobs().active().len(),
+    });
+    Response::builder()
+        .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
+        .body(Full::new(Bytes::from(text)))
+        .expect("valid response")
+}
+
+/// Binds `addr` and serves `/metrics` until the returned task is aborted.
+pub async fn spawn(
+    addr: SocketAddr,
+    daemon: Arc<Daemon>,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("binding the metrics address {addr}: {e}"))?;
+    tracing::info!(address = %listener.local_addr()?, "serving Prometheus metrics on /metrics");
+    Ok(tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let daemon = daemon.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| {
+                    let resp = respond(&daemon, &req);
+                    async move { Ok::<_, Infallible>(resp) }
+                });
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc);
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "metrics connection ended with an error");
+                }
+            });
+        }
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_and_gauges() {
+        let c = PullCounters::default();
+        c.calls.store(10, Ordering::Relaxed);
+        c.calls_joined.store(9, Ordering::Relaxed);
+        c.jobs_done.store(1, Ordering::Relaxed);
+        c.bytes_downloaded.store(1234, Ordering::Relaxed);
+        let text = render(&Sample {
+            counters: &c,
+            jobs: &[],
+            blob_transfers: 2,
+        });
+        assert!(text.contains("\nminicri_pull_calls_total 10\n"), "{text}");
+        assert!(text.contains("\nminicri_pull_calls_joined_total 9\n"));
+        assert!(text.contains("minicri_pull_jobs_finished_total{outcome=\"done\"} 1\n"));
+        assert!(text.contains("minicri_pull_jobs_finished_total{outcome=\"failed\"} 0\n"));
+        assert!(text.contains("\nminicri_pull_downloaded_bytes_total 1234\n"));
+        assert!(text.contains("\nminicri_blob_transfers_active 2\n"));
+        assert!(text.contains("# TYPE minicri_pull_jobs_active gauge\n"));
+        // Every sample line is `name[{labels}] value`.
+        for l in text.lines().filter(|l| !l.starts_with('#')) {
+            let (name, v) = l.rsplit_once(' ').unwrap();
+            assert!(name.starts_with("minicri_"), "{l}");
+            v.parse::<u64>().unwrap();
+        }
+    }
+}
