@@ -172,15 +172,49 @@ pub fn render(jobs: &[admin::PullJob]) -> String {
     out
 }
 
+/// The message after a layer's bar: its state, the daemon's measured speed while it moves, and
+/// where it resumed.
+fn layer_message(l: &admin::LayerProgress) -> String {
+    let mut m = l.state.clone();
+    if l.state == "downloading" && l.bytes_per_second > 0.0 {
+        m.push_str(&format!(" {}/s", human(l.bytes_per_second)));
+        if l.size > l.done {
+            let eta = (l.size - l.done) as f64 / l.bytes_per_second;
+            m.push_str(&format!(", {eta:.0}s left"));
+        }
+    }
+    if l.resumed_from > 0 {
+        m.push_str(&format!(" (resumed at {})", human(l.resumed_from as f64)));
+    }
+    m
+}
+
+fn job_header(j: &admin::PullJob) -> String {
+    let who: Vec<String> = j.requesters.iter().map(requester).collect();
+    format!(
+        "#{} {} [{}] {} / {} at {}/s for {}",
+        j.id,
+        j.image,
+        j.state,
+        human(j.bytes_done as f64),
+        human(j.bytes_total as f64),
+        human(j.bytes_per_second),
+        if who.is_empty() {
+            "nobody (stopping)".to_string()
+        } else {
+            who.join(", ")
+        }
+    )
+}
+
 async fn watch(client: &mut PullsClient<Channel>) -> anyhow::Result<()> {
     let multi = MultiProgress::new();
-    let style = ProgressStyle::with_template(
-        "{prefix:>24} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} {msg}",
-    )
-    .expect("valid template")
-    .progress_chars("=> ");
+    // Speeds and times come from the daemon's measurements, not from this poll loop.
+    let style = ProgressStyle::with_template("{prefix:>24} [{bar:40}] {bytes}/{total_bytes} {msg}")
+        .expect("valid template")
+        .progress_chars("=> ");
     let mut bars: std::collections::HashMap<(u64, String), ProgressBar> = Default::default();
-    let mut headers: std::collections::HashMap<u64, ProgressBar> = Default::default();
+    let mut headers: std::collections::HashMap<u64, (ProgressBar, String)> = Default::default();
     let mut idle_said = false;
     loop {
         let jobs = tokio::select! {
@@ -188,10 +222,13 @@ async fn watch(client: &mut PullsClient<Channel>) -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => return Ok(()),
         };
         let live: std::collections::HashSet<u64> = jobs.iter().map(|j| j.id).collect();
-        headers.retain(|id, b| {
+        headers.retain(|id, (b, image)| {
             let keep = live.contains(id);
             if !keep {
                 b.finish_and_clear();
+                multi
+                    .println(format!("#{id} {image}: no longer running"))
+                    .ok();
             }
             keep
         });
@@ -203,17 +240,12 @@ async fn watch(client: &mut PullsClient<Channel>) -> anyhow::Result<()> {
             keep
         });
         for j in &jobs {
-            let header = headers
-                .entry(j.id)
-                .or_insert_with(|| multi.add(ProgressBar::new_spinner()));
-            let who: Vec<String> = j.requesters.iter().map(requester).collect();
-            header.set_message(format!(
-                "#{} {} [{}] for {}",
-                j.id,
-                j.image,
-                j.state,
-                who.join(", ")
-            ));
+            let (header, _) = headers.entry(j.id).or_insert_with(|| {
+                let b = multi.add(ProgressBar::new_spinner());
+                b.enable_steady_tick(Duration::from_millis(120));
+                (b, j.image.clone())
+            });
+            header.set_message(job_header(j));
             for l in &j.layers {
                 let bar = bars.entry((j.id, l.digest.clone())).or_insert_with(|| {
                     let b = multi.add(ProgressBar::new(l.size));
@@ -222,7 +254,7 @@ async fn watch(client: &mut PullsClient<Channel>) -> anyhow::Result<()> {
                     b
                 });
                 bar.set_position(l.done);
-                bar.set_message(l.state.clone());
+                bar.set_message(layer_message(l));
             }
         }
         // Say so once per idle spell, not at every poll.

@@ -2,7 +2,8 @@
 //! documented standard set (`push-standard`) or one big image of random layers for benchmarks
 //! (`push-big`). It prints what it pushed: reference, manifest digest, config digest.
 //! `pull` asks a running minicri to pull an image over the CRI and prints how long it took
-//! (used by hack/bench-pull.sh, so the benchmark needs no crictl).
+//! (used by hack/bench-pull.sh, so the benchmark needs no crictl). `proxy` serves a rate-limited
+//! view of a registry, to watch a pull go by.
 //! Build it with `--release` for big layers: making random gzip layers is ~25x slower in a
 //! debug build.
 
@@ -79,6 +80,16 @@ enum Command {
         socket: std::path::PathBuf,
         image: String,
     },
+    /// Serve a rate-limited proxy of the registry UPSTREAM until interrupted, to watch a slow
+    /// pull (`minicri pulls --watch`). Prints the proxy's host:port.
+    Proxy {
+        /// Registry host:port (plain HTTP).
+        #[arg(long, default_value = "127.0.0.1:5000")]
+        upstream: String,
+        /// Bytes per second across all connections, MiB.
+        #[arg(long, default_value_t = 10)]
+        rate_mib: u64,
+    },
 }
 
 fn print_image(image: &PushedImage) {
@@ -134,6 +145,12 @@ async fn main() -> Result<()> {
                 .await?
                 .into_inner();
             println!("{}	{:.3}", r.image_ref, start.elapsed().as_secs_f64());
+        }
+        Command::Proxy { upstream, rate_mib } => {
+            let proxy = minicri_tests::proxy::Proxy::start(&upstream)?;
+            proxy.faults().set_rate_limit(Some(rate_mib * 1024 * 1024));
+            println!("{}", proxy.addr());
+            tokio::signal::ctrl_c().await?;
         }
         Command::PushStandard { registry } => {
             let set = push_standard_set_with(&registry.client()).await?;
