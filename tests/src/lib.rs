@@ -1,8 +1,10 @@
 //! Support for minicri's black-box tests: real registries started from Debian's `docker-registry`,
 //! test images built from busybox-static and pushed over the registry HTTP API, a fault-injecting
-//! registry proxy, and a harness that runs the `minicri` binary on a temporary socket and root.
+//! registry proxy, a harness that runs the `minicri` binary on a temporary socket and root, and a
+//! pod test environment (daemon, images, a CNI network, cleanup) in [`pod_env`].
 
 pub mod daemon;
 pub mod images;
+pub mod pod_env;
 pub mod proxy;
 pub mod registry;

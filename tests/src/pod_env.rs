@@ -1,0 +1,301 @@
+//! A pod test environment: a registry with the standard test images, a minicri daemon, a CNI
+//! bridge network of its own and the cleanup of whatever a failed test leaves behind.
+//!
+//! For tests that run pod sandboxes and containers (root, runc, Debian's CNI plugins in
+//! `/usr/lib/cni`): [`skip_reason`] says why a test cannot run here. Each [`PodEnv`] has its own
+//! bridge and a /28 inside 10.199.0.0/16 without masquerading; its [`Leftovers`] removes runc
+//! containers, shims, mounts, the bridge and the cgroup parents the test asked for
+//! ([`PodEnv::cgroup_parent`]) when it is dropped, after the daemon.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use minicri_proto::runtime::v1 as cri;
+use minicri_proto::runtime::v1::runtime_service_client::RuntimeServiceClient;
+use tonic::transport::Channel;
+
+use crate::daemon::{Daemon, HostsDir};
+use crate::images;
+use crate::registry::Registry;
+
+/// The CNI plugins the environment's network uses.
+pub const CNI_BIN: &str = "/usr/lib/cni";
+
+/// Why pod tests cannot run here (`None`: they can).
+pub fn skip_reason() -> Option<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("not root".into());
+    }
+    if !Path::new(CNI_BIN).join("bridge").exists() {
+        return Some(format!("no CNI plugins in {CNI_BIN}"));
+    }
+    if Command::new("runc").arg("--version").output().is_err() {
+        return Some("no runc".into());
+    }
+    None
+}
+
+/// 8 hex digits, different per test process and call.
+pub fn unique_hex() -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    let x = (std::process::id().wrapping_mul(2_654_435_761))
+        ^ N.fetch_add(1, Ordering::SeqCst).wrapping_mul(40503)
+        ^ nanos;
+    format!("{x:08x}")
+}
+
+/// A /28 inside 10.199.0.0/16 that no host address or route uses: (network address, CIDR).
+pub fn free_subnet() -> (String, String) {
+    let out = |args: &[&str]| {
+        String::from_utf8_lossy(&Command::new("ip").args(args).output().unwrap().stdout)
+            .into_owned()
+    };
+    let in_use = out(&["-4", "-o", "addr", "show"]) + &out(&["-4", "route"]);
+    for _ in 0..200 {
+        let idx = u32::from_str_radix(&unique_hex(), 16).unwrap() % 4096;
+        let (a, b) = (idx / 16, (idx % 16) * 16);
+        let net = format!("10.199.{a}.{b}");
+        if !(b..b + 16).any(|h| in_use.contains(&format!("10.199.{a}.{h}/"))) {
+            return (net.clone(), format!("{net}/28"));
+        }
+    }
+    panic!("no free /28 in 10.199.0.0/16");
+}
+
+/// Mount points under `dir`, deepest first.
+pub fn mounts_under(dir: &Path) -> Vec<String> {
+    let prefix = dir.to_string_lossy().into_owned();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut v: Vec<String> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|m| m.starts_with(&prefix))
+        .map(String::from)
+        .collect();
+    v.sort_by_key(|m| std::cmp::Reverse(m.len()));
+    v
+}
+
+/// Pids of processes whose command line mentions `needle`.
+pub fn processes_mentioning(needle: &str) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(needle) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Cleans up after a test, also a failed one: runc containers under the daemon's state, shims,
+/// mounts under the daemon's directory, the bridge, cgroup parents.
+pub struct Leftovers {
+    dir: PathBuf,
+    bridge: String,
+    /// Cgroup parents (cgroupfs paths, e.g. `/minicri-test-1234`) to remove from every hierarchy.
+    cgroups: Mutex<Vec<String>>,
+}
+
+/// Removes the cgroup directory `dir` and its children, deepest first (rmdir: a cgroup still
+/// holding processes stays).
+fn remove_cgroup_tree(dir: &Path) {
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            remove_cgroup_tree(&e.path());
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
+}
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        let runc_root = self.dir.join("state/runc");
+        if let Ok(out) = Command::new("runc")
+            .arg("--root")
+            .arg(&runc_root)
+            .args(["list", "-q"])
+            .output()
+        {
+            for id in String::from_utf8_lossy(&out.stdout).lines() {
+                let _ = Command::new("runc")
+                    .arg("--root")
+                    .arg(&runc_root)
+                    .args(["delete", "--force", id])
+                    .output();
+            }
+        }
+        for pid in processes_mentioning(&self.dir.join("state").to_string_lossy()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        for m in mounts_under(&self.dir) {
+            let _ = nix::mount::umount2(m.as_str(), nix::mount::MntFlags::MNT_DETACH);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.bridge])
+            .output();
+        let cgroups = self.cgroups.lock().unwrap_or_else(|p| p.into_inner());
+        for parent in cgroups.iter() {
+            let rel = parent.trim_start_matches('/');
+            // Every v1 hierarchy (/sys/fs/cgroup/<controller>/…) and the v2 root.
+            let hierarchies = std::fs::read_dir("/sys/fs/cgroup")
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path())
+                .chain([PathBuf::from("/sys/fs/cgroup")]);
+            for h in hierarchies {
+                let d = h.join(rel);
+                if d.is_dir() {
+                    remove_cgroup_tree(&d);
+                }
+            }
+        }
+    }
+}
+
+/// A registry with the standard image set, a daemon, and a CNI network of the test's own.
+pub struct PodEnv {
+    _registry: Registry,
+    pub set: images::StandardSet,
+    _hosts: HostsDir,
+    pub daemon: Daemon,
+    /// The network address of the pod subnet (a /28); `.1` is the bridge (gateway).
+    pub subnet_base: String,
+    /// A directory for the pods' `log_directory`.
+    pub logs: tempfile::TempDir,
+    // Dropped last: after the daemon is gone.
+    leftovers: Leftovers,
+}
+
+impl PodEnv {
+    pub async fn new() -> PodEnv {
+        let registry = Registry::start();
+        let set = images::push_standard_set(&registry.addr(), None)
+            .await
+            .expect("push standard set");
+        let hosts = HostsDir::new();
+        let daemon = Daemon::start(hosts.path()).await.expect("start minicri");
+        let dir = daemon.root().parent().unwrap().to_path_buf();
+        let hex = unique_hex();
+        let (subnet_base, subnet) = free_subnet();
+        let leftovers = Leftovers {
+            dir: dir.clone(),
+            bridge: format!("mcp{hex}"),
+            cgroups: Mutex::new(Vec::new()),
+        };
+        // The daemon reads its CNI configuration directory at every operation.
+        let conf_dir = dir.join("cni");
+        std::fs::create_dir_all(&conf_dir).unwrap();
+        let list = serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": format!("mcpnet-{hex}"),
+            "plugins": [{
+                "type": "bridge",
+                "bridge": leftovers.bridge,
+                "isGateway": true,
+                "ipMasq": false,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{ "subnet": subnet }]],
+                    "dataDir": dir.join("ipam"),
+                }
+            }]
+        });
+        std::fs::write(
+            conf_dir.join("10-test.conflist"),
+            serde_json::to_vec_pretty(&list).unwrap(),
+        )
+        .unwrap();
+        PodEnv {
+            _registry: registry,
+            set,
+            _hosts: hosts,
+            daemon,
+            subnet_base,
+            logs: tempfile::tempdir().unwrap(),
+            leftovers,
+        }
+    }
+
+    pub async fn runtime(&self) -> RuntimeServiceClient<Channel> {
+        self.daemon.runtime().await.unwrap()
+    }
+
+    /// Pulls the OCI busybox test image; returns its image ref.
+    pub async fn pull_busybox(&self) -> String {
+        let mut c = self.daemon.images().await.unwrap();
+        c.pull_image(cri::PullImageRequest {
+            image: Some(cri::ImageSpec {
+                image: self.set.busybox_oci.reference.clone(),
+                ..Default::default()
+            }),
+            auth: None,
+            sandbox_config: None,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .image_ref
+    }
+
+    /// The daemon's state directory.
+    pub fn state(&self) -> PathBuf {
+        self.daemon.root().parent().unwrap().join("state")
+    }
+
+    /// A fresh cgroupfs cgroup parent (`/minicri-test-<hex>`), removed from every hierarchy
+    /// when the environment is dropped.
+    pub fn cgroup_parent(&self) -> String {
+        let p = format!("/minicri-test-{}", unique_hex());
+        self.leftovers
+            .cgroups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(p.clone());
+        p
+    }
+}
+
+/// A pod sandbox config in namespace `pods-test` with uid `uid-<name>`, attempt 1, label
+/// `app=<name>` and an annotation with spaces, a newline and `=`.
+pub fn pod_config(name: &str, log_dir: &Path) -> cri::PodSandboxConfig {
+    cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata {
+            name: name.into(),
+            namespace: "pods-test".into(),
+            uid: format!("uid-{name}"),
+            attempt: 1,
+        }),
+        hostname: name.into(),
+        log_directory: log_dir.display().to_string(),
+        labels: [("app".to_string(), name.to_string())].into(),
+        annotations: [("note".to_string(), "a b\nc=d".to_string())].into(),
+        ..Default::default()
+    }
+}
+
+/// Polls `f` every 20 ms for up to 10 s.
+pub async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
