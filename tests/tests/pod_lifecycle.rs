@@ -512,3 +512,73 @@ async fn removing_every_pod_leaves_nothing_behind() {
         assert!(found.is_empty(), "state left: {found:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn container_events_follow_the_lifecycle() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let env = PodEnv::new().await;
+    let image = env.pull_busybox().await;
+    let mut c = env.runtime().await;
+    let mut events = c
+        .get_container_events(cri::GetEventsRequest {})
+        .await
+        .expect("GetContainerEvents")
+        .into_inner();
+    let pod = pod_config("events", env.logs.path());
+    let sb = run_pod(&mut c, &pod).await;
+    let id = start(
+        &mut c,
+        &sb,
+        &pod,
+        container("main", &image, "exec sleep 1000"),
+    )
+    .await;
+    c.stop_container(cri::StopContainerRequest {
+        container_id: id.clone(),
+        timeout: 0,
+    })
+    .await
+    .expect("StopContainer");
+    c.remove_container(cri::RemoveContainerRequest {
+        container_id: id.clone(),
+    })
+    .await
+    .expect("RemoveContainer");
+
+    use cri::ContainerEventType as T;
+    let expected = [
+        (
+            T::ContainerCreatedEvent,
+            Some(cri::ContainerState::ContainerCreated),
+        ),
+        (
+            T::ContainerStartedEvent,
+            Some(cri::ContainerState::ContainerRunning),
+        ),
+        (
+            T::ContainerStoppedEvent,
+            Some(cri::ContainerState::ContainerExited),
+        ),
+        (T::ContainerDeletedEvent, None),
+    ];
+    let mut last_at = 0;
+    for (kind, state) in expected {
+        let ev = tokio::time::timeout(Duration::from_secs(10), events.message())
+            .await
+            .expect("an event within 10 s")
+            .expect("stream open")
+            .expect("an event");
+        assert_eq!(ev.container_id, id);
+        assert_eq!(ev.container_event_type, kind as i32, "{ev:?}");
+        assert!(ev.created_at >= last_at && ev.created_at > 0);
+        last_at = ev.created_at;
+        let pod_status = ev.pod_sandbox_status.expect("pod status");
+        assert_eq!(pod_status.id, sb);
+        let own = ev.containers_statuses.iter().find(|s| s.id == id);
+        assert_eq!(own.map(|s| s.state), state.map(|s| s as i32), "{kind:?}");
+    }
+    remove_pod(&mut c, &sb).await;
+}

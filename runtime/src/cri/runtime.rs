@@ -212,6 +212,13 @@ impl RuntimeService for RuntimeHandler {
         pods::reopen_container_log(&self.daemon, req).await
     }
 
+    async fn get_container_events(
+        &self,
+        _req: Request<cri::GetEventsRequest>,
+    ) -> Result<Response<tonic::codegen::BoxStream<cri::ContainerEventResponse>>, Status> {
+        super::events::get_container_events(&self.daemon)
+    }
+
     async fn exec_sync(
         &self,
         req: Request<cri::ExecSyncRequest>,

@@ -143,10 +143,34 @@ struct Inner {
     names: HashMap<String, String>,
 }
 
+/// A container lifecycle change, as GetContainerEvents reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContainerEventKind {
+    Created,
+    Started,
+    Stopped,
+    Deleted,
+}
+
+/// Emitted by the store as records change, so that every path (RPCs, exit watchers, restart
+/// recovery) reports its transitions.
+#[derive(Debug, Clone)]
+pub struct ContainerEvent {
+    pub container_id: String,
+    pub sandbox_id: String,
+    pub kind: ContainerEventKind,
+    /// Nanoseconds since the epoch.
+    pub at: i64,
+}
+
+/// Events kept for subscribers that fall behind; older ones are dropped (they are told so).
+const EVENT_BUFFER: usize = 1024;
+
 /// The records, in memory and on disk.
 pub struct Store {
     dir: PathBuf,
     inner: Mutex<Inner>,
+    events: tokio::sync::broadcast::Sender<ContainerEvent>,
     /// One lock per object id with a state-changing operation under way.
     ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -185,7 +209,23 @@ impl Store {
             dir: dir.to_path_buf(),
             inner: Mutex::new(inner),
             ops: Mutex::new(HashMap::new()),
+            events: tokio::sync::broadcast::Sender::new(EVENT_BUFFER),
         })
+    }
+
+    /// Container events from now on.
+    pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<ContainerEvent> {
+        self.events.subscribe()
+    }
+
+    fn emit(&self, rec: &ContainerRecord, kind: ContainerEventKind) {
+        // No subscriber is not an error.
+        let _ = self.events.send(ContainerEvent {
+            container_id: rec.id.clone(),
+            sandbox_id: rec.sandbox_id.clone(),
+            kind,
+            at: super::now_ns(),
+        });
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -307,7 +347,12 @@ impl Store {
 
     pub fn put_container(&self, rec: ContainerRecord) -> Result<()> {
         self.write("containers", &rec.id, &rec)?;
-        self.lock().containers.insert(rec.id.clone(), rec);
+        let mut g = self.lock();
+        let new = !g.containers.contains_key(&rec.id);
+        if new {
+            self.emit(&rec, ContainerEventKind::Created);
+        }
+        g.containers.insert(rec.id.clone(), rec);
         Ok(())
     }
 
@@ -340,17 +385,28 @@ impl Store {
         let mut new = r.clone();
         f(&mut new);
         self.write("containers", id, &new)?;
+        let was = r.state;
         *r = new.clone();
+        match (was, new.state) {
+            (ContainerState::Created, ContainerState::Running) => {
+                self.emit(&new, ContainerEventKind::Started)
+            }
+            (ContainerState::Created | ContainerState::Running, ContainerState::Exited) => {
+                self.emit(&new, ContainerEventKind::Stopped)
+            }
+            _ => {}
+        }
         Ok(Some(new))
     }
 
     pub fn delete_container(&self, id: &str) -> Result<()> {
         self.delete_file("containers", id)?;
         let mut g = self.lock();
-        if let Some(r) = g.containers.remove(id)
-            && g.names.get(&r.name).is_some_and(|i| i == id)
-        {
-            g.names.remove(&r.name);
+        if let Some(r) = g.containers.remove(id) {
+            self.emit(&r, ContainerEventKind::Deleted);
+            if g.names.get(&r.name).is_some_and(|i| i == id) {
+                g.names.remove(&r.name);
+            }
         }
         Ok(())
     }
