@@ -210,7 +210,7 @@ fn has_cni_config(dir: &Path) -> bool {
         })
 }
 
-const SNAPSHOT_USAGE_TTL: std::time::Duration = std::time::Duration::from_secs(5);
+pub(crate) const SNAPSHOT_USAGE_TTL: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Opens the layer snapshotter under `<root>/snapshots` with the configured backend; overlay falls
 /// back to the copy backend, with a warning, where overlayfs cannot be used.

@@ -6,3 +6,4 @@ pub mod events;
 pub mod image;
 pub mod pods;
 pub mod runtime;
+pub mod stats;

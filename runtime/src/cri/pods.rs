@@ -14,7 +14,7 @@ use crate::rpc::{Verbosity, call, deadline};
 
 type Reply<T> = Result<Response<T>, Status>;
 
-fn require_id(field: &str, id: &str) -> Result<(), Error> {
+pub(super) fn require_id(field: &str, id: &str) -> Result<(), Error> {
     if id.is_empty() {
         return Err(Error::InvalidArgument(format!("{field} is required")));
     }

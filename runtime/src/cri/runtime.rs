@@ -1,6 +1,7 @@
 //! CRI RuntimeService. Version, Status and RuntimeConfig are answered here; the pod and container
-//! RPCs delegate to [`super::pods`]; streaming (Exec, Attach, PortForward), stats and the newer
-//! RPCs answer UNIMPLEMENTED through the generated default stubs.
+//! RPCs delegate to [`super::pods`], the stats RPCs to [`super::stats`]; streaming (Exec, Attach,
+//! PortForward), the streamed stats variants and the newer RPCs answer UNIMPLEMENTED through the
+//! generated default stubs.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,7 +10,7 @@ use minicri_proto::runtime::v1 as cri;
 use minicri_proto::runtime::v1::runtime_service_server::RuntimeService;
 use tonic::{Request, Response, Status};
 
-use super::pods;
+use super::{pods, stats};
 use crate::config::CgroupDriver;
 use crate::daemon::Daemon;
 use crate::rpc::{Verbosity, call, deadline};
@@ -224,5 +225,33 @@ impl RuntimeService for RuntimeHandler {
         req: Request<cri::ExecSyncRequest>,
     ) -> Result<Response<cri::ExecSyncResponse>, Status> {
         pods::exec_sync(&self.daemon, req).await
+    }
+
+    async fn container_stats(
+        &self,
+        req: Request<cri::ContainerStatsRequest>,
+    ) -> Result<Response<cri::ContainerStatsResponse>, Status> {
+        stats::container_stats(&self.daemon, req).await
+    }
+
+    async fn list_container_stats(
+        &self,
+        req: Request<cri::ListContainerStatsRequest>,
+    ) -> Result<Response<cri::ListContainerStatsResponse>, Status> {
+        stats::list_container_stats(&self.daemon, req).await
+    }
+
+    async fn pod_sandbox_stats(
+        &self,
+        req: Request<cri::PodSandboxStatsRequest>,
+    ) -> Result<Response<cri::PodSandboxStatsResponse>, Status> {
+        stats::pod_sandbox_stats(&self.daemon, req).await
+    }
+
+    async fn list_pod_sandbox_stats(
+        &self,
+        req: Request<cri::ListPodSandboxStatsRequest>,
+    ) -> Result<Response<cri::ListPodSandboxStatsResponse>, Status> {
+        stats::list_pod_sandbox_stats(&self.daemon, req).await
     }
 }

@@ -6,7 +6,9 @@
 //! - [`sandbox`]: RunPodSandbox, StopPodSandbox, RemovePodSandbox, status and list;
 //! - [`container`]: CreateContainer … RemoveContainer, status, list, ExecSync, ReopenContainerLog,
 //!   UpdateContainerResources;
-//! - [`cgroups`]: what the kernel says about a container's cgroup (OOM kills).
+//! - [`cgroups`]: what the kernel says about a container's or pod's cgroup (OOM kills, CPU,
+//!   memory and process counters);
+//! - [`stats`]: ContainerStats, ListContainerStats, PodSandboxStats, ListPodSandboxStats.
 //!
 //! Layout under the state directory: `pods/` (records), `sandboxes/<id>/` (hostname, resolv.conf,
 //! hosts, shm), `containers/<id>/rootfs` (the mounted writable snapshot), `b/<id[..32]>/` (OCI
@@ -25,6 +27,7 @@
 pub mod cgroups;
 pub mod container;
 pub mod sandbox;
+pub mod stats;
 pub mod store;
 
 use std::io::Read;
@@ -54,6 +57,8 @@ pub struct PodService {
     pub content: Arc<ContentStore>,
     pub snapshotter: Arc<dyn Snapshotter>,
     pub pulls: Arc<PullManager>,
+    /// Samples the stats RPCs keep between calls.
+    pub stats: stats::StatsState,
     infra: Mutex<Option<crate::pause::InfraRootfs>>,
 }
 
@@ -135,6 +140,7 @@ impl PodService {
             content,
             snapshotter,
             pulls,
+            stats: stats::StatsState::new(config.root.clone()),
             infra: Mutex::new(None),
         });
         svc.recover();
