@@ -673,6 +673,8 @@ async fn stopping_the_only_sandbox_stops_the_download_and_the_next_pull_resumes(
     let (img, r) = big(&e, "big", 1, 16, 11).await;
     let mut sb = Sandboxes::new(&e.daemon);
     let id = sb.run(1).await;
+    // The future hands back the StopPodSandbox task: it is awaited after the byte checks.
+    #[allow(clippy::async_yields_async)]
     let stop = async {
         let d = e.daemon.images().await.unwrap();
         let r2 = r.clone();
