@@ -97,6 +97,11 @@ pub struct ServeArgs {
     /// [default: off]
     #[arg(long, value_name = "ADDR")]
     pub metrics_address: Option<String>,
+
+    /// Loopback address of the streaming server (exec), IP:PORT; port 0 picks a free port.
+    /// [default: 127.0.0.1:0]
+    #[arg(long, value_name = "ADDR")]
+    pub stream_address: Option<String>,
 }
 
 /// The cgroup driver the runtime uses and reports.
@@ -127,6 +132,8 @@ pub struct Config {
     pub cni_bin_dirs: Vec<PathBuf>,
     pub oci_runtime: PathBuf,
     pub metrics_address: Option<std::net::SocketAddr>,
+    /// Where the streaming server listens (loopback only; port 0: any free port).
+    pub stream_address: std::net::SocketAddr,
 }
 
 impl ServeArgs {
@@ -179,6 +186,7 @@ impl ServeArgs {
             },
             oci_runtime: self.oci_runtime.or(base.oci_runtime),
             metrics_address: self.metrics_address.or(base.metrics_address),
+            stream_address: self.stream_address.or(base.stream_address),
         }
     }
 
@@ -235,6 +243,19 @@ impl ServeArgs {
                 Some(addr)
             }
         };
+        let stream_address = self
+            .stream_address
+            .as_deref()
+            .filter(|a| !a.is_empty())
+            .unwrap_or("127.0.0.1:0");
+        let stream_address: std::net::SocketAddr = stream_address
+            .parse()
+            .map_err(|_| anyhow::anyhow!("stream_address {stream_address:?} is not IP:PORT"))?;
+        if !stream_address.ip().is_loopback() {
+            bail!(
+                "stream_address {stream_address} is not a loopback address: the streaming server (exec) is only served on loopback (127.0.0.1 or ::1)"
+            );
+        }
         let oci_runtime = self.oci_runtime.unwrap_or_else(|| "runc".into());
         if oci_runtime.as_os_str().is_empty() {
             bail!("oci_runtime must name a binary");
@@ -269,6 +290,7 @@ impl ServeArgs {
             },
             oci_runtime,
             metrics_address,
+            stream_address,
         })
     }
 }
@@ -358,6 +380,32 @@ mod tests {
         let err = with("0.0.0.0:9464").unwrap_err().to_string();
         assert!(err.contains("loopback"), "{err}");
         let err = with("localhost").unwrap_err().to_string();
+        assert!(err.contains("IP:PORT"), "{err}");
+    }
+
+    #[test]
+    fn stream_address_is_loopback_with_a_free_port_by_default() {
+        let with = |a: &str| {
+            ServeArgs {
+                stream_address: Some(a.into()),
+                ..Default::default()
+            }
+            .finish()
+        };
+        assert_eq!(
+            ServeArgs::default().finish().unwrap().stream_address,
+            "127.0.0.1:0".parse().unwrap()
+        );
+        assert_eq!(
+            with("127.0.0.1:10010").unwrap().stream_address,
+            "127.0.0.1:10010".parse().unwrap()
+        );
+        assert!(with("[::1]:0").is_ok());
+        let err = with("0.0.0.0:10010").unwrap_err().to_string();
+        assert!(err.contains("loopback"), "{err}");
+        let err = with("10.1.2.3:10010").unwrap_err().to_string();
+        assert!(err.contains("loopback"), "{err}");
+        let err = with("localhost:10010").unwrap_err().to_string();
         assert!(err.contains("IP:PORT"), "{err}");
     }
 

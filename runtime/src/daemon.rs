@@ -27,6 +27,8 @@ pub struct Daemon {
     pub snapshotter: Arc<dyn Snapshotter>,
     /// Pod sandboxes and containers.
     pub pods: Arc<crate::pods::PodService>,
+    /// The streaming server (exec URLs), bound here and served by [`crate::server::serve`].
+    pub streaming: Arc<crate::stream::StreamServer>,
     /// (when, bytes, inodes) of the last snapshot usage walk: ImageFsInfo is polled often.
     snapshot_usage: Mutex<Option<(std::time::Instant, u64, u64)>>,
     pod_cidr: Mutex<String>,
@@ -73,6 +75,7 @@ impl Daemon {
             pulls.clone(),
         )
         .context("loading pod records")?;
+        let streaming = Arc::new(crate::stream::StreamServer::bind(config.stream_address)?);
         Ok(Daemon {
             config,
             content,
@@ -81,6 +84,7 @@ impl Daemon {
             ingest_gc,
             snapshotter,
             pods,
+            streaming,
             snapshot_usage: Mutex::new(None),
             pod_cidr: Mutex::new(String::new()),
         })
@@ -185,6 +189,7 @@ impl Daemon {
             "ingestTtlSeconds": c.ingest_ttl.as_secs(),
             "ingestMinFreePercent": c.ingest_min_free * 100.0,
             "cniConfDirs": c.cni_conf_dirs, "cniBinDirs": c.cni_bin_dirs,
+            "streamAddress": self.streaming.address().to_string(),
             "podCIDR": *self.pod_cidr.lock().unwrap(),
         })
         .to_string()

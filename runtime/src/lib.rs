@@ -12,7 +12,9 @@
 //! - [`shim`]: the per-container monitor process (`minicri shim`) and the daemon's client of it;
 //! - [`logs`]: the CRI log line format (writer, splitter, parser);
 //! - [`pause`]: the sandbox infra process (`minicri pause`) and its rootfs;
-//! - [`pods`]: pod sandboxes and containers (records, lifecycle, exits).
+//! - [`pods`]: pod sandboxes and containers (records, lifecycle, exits);
+//! - [`stream`]: the streaming server behind the Exec RPC's URLs (HTTP/1.1, SPDY/3.1,
+//!   remotecommand).
 
 pub mod admin;
 pub mod cni;
@@ -30,3 +32,4 @@ pub mod pulls_cli;
 pub mod rpc;
 pub mod server;
 pub mod shim;
+pub mod stream;

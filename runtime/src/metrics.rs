@@ -142,7 +142,9 @@ fn respond(daemon: &Daemon, req: &Request<hyper::body::Incoming>) -> Response<Fu
     if req.uri().path() != "/metrics" {
         return Response::builder()
             .status(StatusCode::NOT_FOUND)
-            .body(Full::new(Bytes::from_static(b"only /metrics is served here\n")))
+            .body(Full::new(Bytes::from_static(
+                b"only /metrics is served here\n",
+            )))
             .expect("static response");
     }
     let pulls = &daemon.pulls;

@@ -127,6 +127,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
 
     // Partial downloads nobody resumes are collected after their TTL, or sooner when space is low.
     let gc = minicri_store::gc::spawn_periodic(daemon.ingest_gc.clone(), Duration::from_secs(60));
+    let streaming = daemon.streaming.spawn(daemon.pods.clone())?;
     let metrics = match daemon.config.metrics_address {
         Some(addr) => Some(crate::metrics::spawn(addr, daemon.clone()).await?),
         None => None,
@@ -164,6 +165,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     }
     drop(listener);
     gc.abort();
+    streaming.abort();
     if let Some(m) = metrics {
         m.abort();
     }

@@ -7,3 +7,4 @@ pub mod image;
 pub mod pods;
 pub mod runtime;
 pub mod stats;
+pub mod streaming;

@@ -1,7 +1,7 @@
 //! CRI RuntimeService. Version, Status and RuntimeConfig are answered here; the pod and container
-//! RPCs delegate to [`super::pods`], the stats RPCs to [`super::stats`]; streaming (Exec, Attach,
-//! PortForward), the streamed stats variants and the newer RPCs answer UNIMPLEMENTED through the
-//! generated default stubs.
+//! RPCs delegate to [`super::pods`], the stats RPCs to [`super::stats`], Exec to
+//! [`super::streaming`]; Attach, PortForward, the streamed stats variants and the newer RPCs
+//! answer UNIMPLEMENTED through the generated default stubs.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,7 +10,7 @@ use minicri_proto::runtime::v1 as cri;
 use minicri_proto::runtime::v1::runtime_service_server::RuntimeService;
 use tonic::{Request, Response, Status};
 
-use super::{pods, stats};
+use super::{pods, stats, streaming};
 use crate::config::CgroupDriver;
 use crate::daemon::Daemon;
 use crate::rpc::{Verbosity, call, deadline};
@@ -225,6 +225,13 @@ impl RuntimeService for RuntimeHandler {
         req: Request<cri::ExecSyncRequest>,
     ) -> Result<Response<cri::ExecSyncResponse>, Status> {
         pods::exec_sync(&self.daemon, req).await
+    }
+
+    async fn exec(
+        &self,
+        req: Request<cri::ExecRequest>,
+    ) -> Result<Response<cri::ExecResponse>, Status> {
+        streaming::exec(&self.daemon, req).await
     }
 
     async fn container_stats(

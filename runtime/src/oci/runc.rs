@@ -36,6 +36,13 @@ pub struct ExecProcess {
 }
 
 impl ExecProcess {
+    /// The `--pid-file` where the runtime writes the host pid of the process in the container
+    /// once it runs (killing `runc exec` itself would leave that process running). Removed by
+    /// [`ExecProcess::wait`].
+    pub fn pid_file(&self) -> Option<PathBuf> {
+        self.scratch.get(1).cloned()
+    }
+
     /// Waits for the process and returns its exit code; a failure of the runtime itself (e.g.
     /// the executable is missing) is an error.
     pub async fn wait(mut self) -> Result<i32> {
@@ -241,6 +248,31 @@ fn runtime_message(stderr: &[u8]) -> String {
         "failed (no message)".into()
     } else {
         msgs.join("; ")
+    }
+
+    /// `exec` in the foreground with the given stdio instead of pipes. For a process with
+    /// `terminal: true`, pass the slave side of a pty as all three: the runtime then makes the
+    /// container's own pty, relays between the two and resizes the container's to the given
+    /// one's size on SIGWINCH.
+    pub fn exec_spawn_stdio(
+        &self,
+        opts: ExecOpts,
+        stdin: Stdio,
+        stdout: Stdio,
+        stderr: Stdio,
+    ) -> Result<ExecProcess> {
+        let (mut c, scratch, log) = self.exec_command(&opts.id, &opts.process, false)?;
+        c.stdin(stdin).stdout(stdout).stderr(stderr);
+        let child = c
+            .spawn()
+            .map_err(|e| OciError::io("run", &self.binary, e))?;
+        Ok(ExecProcess {
+            child,
+            scratch,
+            log,
+            binary: self.name(),
+            id: opts.id,
+        })
     }
 }
 

@@ -6,6 +6,7 @@
 //! - [`sandbox`]: RunPodSandbox, StopPodSandbox, RemovePodSandbox, status and list;
 //! - [`container`]: CreateContainer … RemoveContainer, status, list, ExecSync, ReopenContainerLog,
 //!   UpdateContainerResources;
+//! - [`exec`]: streaming exec (the Exec RPC's check, the process with piped stdio);
 //! - [`cgroups`]: what the kernel says about a container's or pod's cgroup (OOM kills, CPU,
 //!   memory and process counters);
 //! - [`stats`]: ContainerStats, ListContainerStats, PodSandboxStats, ListPodSandboxStats.
@@ -26,6 +27,7 @@
 
 pub mod cgroups;
 pub mod container;
+pub mod exec;
 pub mod sandbox;
 pub mod stats;
 pub mod store;

@@ -1,0 +1,115 @@
+//! Streaming exec's side of the pod service: the check the Exec RPC makes before it hands out a
+//! URL, and the process started when the client connects to it.
+//!
+//! The process gets the container's process settings from its bundle's `config.json` (user,
+//! groups, environment, working directory, capabilities, no_new_privileges, AppArmor/SELinux
+//! labels), as ExecSync does, with the request's `cmd`; `runc exec` stays its parent, with the
+//! process's stdio on pipes, or with a terminal: `runc exec` gets the slave side of a pty made
+//! here as its stdio and relays it to the container's own pty (runc's foreground terminal
+//! mode); the caller keeps the master side.
+
+use std::os::fd::OwnedFd;
+use std::process::Stdio;
+
+use super::PodService;
+use super::store::{ContainerRecord, ContainerState};
+use crate::error::{Error, Result};
+use crate::oci::{ExecOpts, ExecProcess, OciRuntime};
+
+impl PodService {
+    /// The container `id` if it exists and is running: NOT_FOUND or FAILED_PRECONDITION naming
+    /// it otherwise.
+    pub fn exec_target(&self, id: &str) -> Result<ContainerRecord> {
+        let r = self
+            .store
+            .container(id)
+            .ok_or_else(|| Error::NotFound(format!("container {id} not found")))?;
+        if r.state != ContainerState::Running {
+            return Err(Error::FailedPrecondition(format!(
+                "container {id} is not running (state {:?})",
+                r.state
+            )));
+        }
+        Ok(r)
+    }
+
+    /// The process of an exec of `cmd` in the running container `id`.
+    fn exec_process(
+        &self,
+        id: &str,
+        cmd: Vec<String>,
+        terminal: bool,
+    ) -> Result<oci_spec::runtime::Process> {
+        let r = self.exec_target(id)?;
+        if cmd.is_empty() {
+            return Err(Error::InvalidArgument("cmd is required".into()));
+        }
+        let spec = oci_spec::runtime::Spec::load(r.bundle.join("config.json"))
+            .map_err(|e| Error::Internal(format!("reading the spec of {id}: {e}")))?;
+        let mut process = spec.process().clone().unwrap_or_default();
+        process.set_args(Some(cmd));
+        process.set_terminal(Some(terminal));
+        if terminal {
+            // As containerd does for a tty exec: programs need to know what the terminal is.
+            let mut env = process.env().clone().unwrap_or_default();
+            if !env.iter().any(|e| e.starts_with("TERM=")) {
+                env.push("TERM=xterm".into());
+            }
+            process.set_env(Some(env));
+        }
+        Ok(process)
+    }
+
+    /// Starts `cmd` in the running container `id` with piped stdin, stdout and stderr.
+    pub async fn exec_streaming(&self, id: &str, cmd: Vec<String>) -> Result<ExecProcess> {
+        let process = self.exec_process(id, cmd, false)?;
+        Ok(self
+            .runtime
+            .exec_spawn(ExecOpts {
+                id: id.to_string(),
+                process,
+                stdin: None,
+                timeout: None,
+            })
+            .await?)
+    }
+
+    /// Starts `cmd` in the running container `id` with a terminal; returns the process and the
+    /// master side of the pty `runc exec` relays to the container's terminal.
+    pub async fn exec_streaming_tty(
+        &self,
+        id: &str,
+        cmd: Vec<String>,
+    ) -> Result<(ExecProcess, OwnedFd)> {
+        let process = self.exec_process(id, cmd, true)?;
+        let pty = nix::pty::openpty(None, None)
+            .map_err(|e| Error::Internal(format!("opening a pty: {e}")))?;
+        for fd in [&pty.master, &pty.slave] {
+            // No other child the daemon starts may keep the slave open (the master would never
+            // see the end) or get the master.
+            nix::fcntl::fcntl(
+                fd,
+                nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+            )
+            .map_err(|e| Error::Internal(format!("pty: {e}")))?;
+        }
+        let dup = |fd: &OwnedFd| {
+            fd.try_clone()
+                .map_err(|e| Error::Internal(format!("pty: {e}")))
+        };
+        let (stdin, stdout) = (dup(&pty.slave)?, dup(&pty.slave)?);
+        // The slave copies go with the command: only the runtime holds them once it started.
+        let p = self.runtime.exec_spawn_stdio(
+            ExecOpts {
+                id: id.to_string(),
+                process,
+                stdin: None,
+                timeout: None,
+            },
+            Stdio::from(stdin),
+            Stdio::from(stdout),
+            Stdio::from(pty.slave),
+        )?;
+        Ok((p, pty.master))
+    }
+}

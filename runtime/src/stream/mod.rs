@@ -1,0 +1,154 @@
+//! The CRI streaming server: where `crictl exec` and the kubelet connect after the Exec RPC.
+//!
+//! The CRI does not stream over gRPC: Exec (and Attach, PortForward) answer a URL, and the
+//! client opens it with HTTP/1.1, upgrades the connection to SPDY/3.1 and speaks the Kubernetes
+//! remotecommand protocol on it. minicri serves that URL on a loopback address
+//! (`stream_address`, default `127.0.0.1:0`: any free port), like containerd's default
+//! `stream_server_address`; nothing here authenticates the client beyond the token, so the
+//! configuration refuses other addresses.
+//!
+//! - this module: [`StreamServer`]: the listener and the pending requests, each under a random
+//!   single-use token that expires after [`TOKEN_TTL`];
+//! - [`http`]: the HTTP/1.1 request, upgrade and protocol negotiation;
+//! - [`spdy`]: SPDY/3.1 framing, header compression, flow control, the connection;
+//! - [`remotecommand`]: protocol versions, stream types, the error stream's status;
+//! - [`exec`]: one exec session, and [`ExecBackend`], the seam to the pod service;
+//! - [`pty`]: a pty master as async I/O, and terminal resizes (exec with a tty).
+//!
+//! Attach and PortForward are not implemented (their RPCs answer UNIMPLEMENTED).
+
+pub mod exec;
+pub mod http;
+pub mod pty;
+pub mod remotecommand;
+pub mod spdy;
+#[cfg(test)]
+mod testing;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use hyper_util::rt::TokioIo;
+
+use crate::error::{Error, Result};
+pub use exec::{ExecBackend, ExecRequest};
+
+/// How long a URL handed out by Exec stays valid.
+pub const TOKEN_TTL: Duration = Duration::from_secs(60);
+/// Requests waiting for their client, at most (as the kubelet's streaming server).
+pub const MAX_PENDING: usize = 1000;
+
+/// A request waiting for its client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Pending {
+    Exec(ExecRequest),
+}
+
+/// The streaming server: bound at daemon start, serving once [`StreamServer::spawn`]ed.
+pub struct StreamServer {
+    addr: SocketAddr,
+    listener: Mutex<Option<std::net::TcpListener>>,
+    pending: Mutex<HashMap<String, (Instant, Pending)>>,
+    ttl: Duration,
+}
+
+impl StreamServer {
+    /// Binds `addr` (port 0: any free port).
+    pub fn bind(addr: SocketAddr) -> anyhow::Result<StreamServer> {
+        let listener = std::net::TcpListener::bind(addr)
+            .map_err(|e| anyhow::anyhow!("binding the streaming address {addr}: {e}"))?;
+        listener.set_nonblocking(true)?;
+        Ok(StreamServer {
+            addr: listener.local_addr()?,
+            listener: Mutex::new(Some(listener)),
+            pending: Mutex::new(HashMap::new()),
+            ttl: TOKEN_TTL,
+        })
+    }
+
+    /// The address actually bound.
+    pub fn address(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Keeps an exec request for its client; returns the URL to hand out.
+    pub fn register_exec(&self, req: ExecRequest) -> Result<String> {
+        let token = self.insert(Pending::Exec(req))?;
+        Ok(format!("http://{}/exec/{token}", self.addr))
+    }
+
+    fn insert(&self, p: Pending) -> Result<String> {
+        let token = new_token()?;
+        let now = Instant::now();
+        let mut pending = self.pending.lock().unwrap();
+        pending.retain(|_, (expires, _)| *expires > now);
+        if pending.len() >= MAX_PENDING {
+            return Err(Error::Unavailable(format!(
+                "{MAX_PENDING} streaming requests are already waiting for their clients"
+            )));
+        }
+        pending.insert(token.clone(), (now + self.ttl, p));
+        Ok(token)
+    }
+
+    /// Takes the request under `token`: each token works once, and not after it expired.
+    pub fn take(&self, token: &str) -> Option<Pending> {
+        let (expires, p) = self.pending.lock().unwrap().remove(token)?;
+        (expires > Instant::now()).then_some(p)
+    }
+
+    /// Starts serving; sessions run their processes through `backend`. Runs until the returned
+    /// task is aborted (sessions in progress carry on).
+    pub fn spawn(
+        self: &Arc<Self>,
+        backend: Arc<dyn ExecBackend>,
+    ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+        let std_listener = self
+            .listener
+            .lock()
+            .unwrap()
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("the streaming server is already serving"))?;
+        let listener = tokio::net::TcpListener::from_std(std_listener)?;
+        tracing::info!(address = %self.addr, "streaming server (exec) listening");
+        let server = self.clone();
+        Ok(tokio::spawn(async move {
+            loop {
+                let stream = match listener.accept().await {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "streaming server accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let (server, backend) = (server.clone(), backend.clone());
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| {
+                        http::handle(req, server.clone(), backend.clone())
+                    });
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .with_upgrades();
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "streaming connection ended with an error");
+                    }
+                });
+            }
+        }))
+    }
+}
+
+/// 32 hex digits from the kernel's random source (URL-safe).
+fn new_token() -> Result<String> {
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|e| Error::Internal(format!("reading /dev/urandom: {e}")))?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}

@@ -1,0 +1,631 @@
+//! The server side of a SPDY/3.1 connection over an async byte stream (an upgraded HTTP/1.1
+//! connection).
+//!
+//! Two tasks own the connection: the reader decodes frames, answers SYN_STREAM with SYN_REPLY,
+//! echoes the peer's PINGs, applies WINDOW_UPDATE / SETTINGS to the [`SendWindows`] and hands
+//! each new stream, with a channel of its DATA, to the user as an [`Event::Stream`]; the writer
+//! encodes every outgoing frame in queue order, which keeps the header compressor's zlib stream
+//! in wire order and puts each SYN_REPLY before any DATA of its stream.
+//!
+//! Invariants: streams are opened only by the peer (odd, increasing ids; anything else gets
+//! RST_STREAM PROTOCOL_ERROR); a stream's DATA channel ends at the peer's FIN or RST_STREAM; a
+//! [`StreamWriter`] stops at the peer's RST_STREAM or after its own FIN; when the connection
+//! ends (EOF, I/O or protocol error, [`Handle::close`]) every channel ends, waiting writers give
+//! up and [`Event::Closed`] is the last event.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::sync::{mpsc, oneshot};
+
+use super::flow::{RecvWindow, SendBlocked, SendWindows};
+use super::headers::{HeaderCompressor, HeaderDecompressor, Headers};
+use super::{FLAG_FIN, FLAG_UNIDIRECTIONAL, Frame, SpdyError, decode, encode, goaway, rst};
+
+/// Largest DATA frame this side sends.
+pub const MAX_DATA_CHUNK: usize = 32 * 1024;
+/// DATA frames of one stream buffered for its reader before the connection's reader waits.
+const DATA_QUEUE: usize = 16;
+
+/// What the connection tells its user.
+#[derive(Debug)]
+pub enum Event {
+    /// The peer opened a stream; it has been answered with SYN_REPLY.
+    Stream(IncomingStream),
+    /// The connection ended: the peer closed it or sent garbage, or I/O failed. Last event.
+    Closed(String),
+}
+
+/// A stream the peer opened.
+#[derive(Debug)]
+pub struct IncomingStream {
+    pub id: u32,
+    pub headers: Headers,
+    /// The peer's DATA; ends at its FIN or RST_STREAM (or when the connection ends).
+    pub data: mpsc::Receiver<Vec<u8>>,
+    pub writer: StreamWriter,
+}
+
+enum Outgoing {
+    Frame(Frame),
+    /// Flush, shut the write side down, then answer.
+    Shutdown(oneshot::Sender<()>),
+}
+
+/// Sends DATA on one stream.
+#[derive(Clone)]
+pub struct StreamWriter {
+    id: u32,
+    out: mpsc::Sender<Outgoing>,
+    windows: Arc<SendWindows>,
+}
+
+impl std::fmt::Debug for StreamWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StreamWriter({})", self.id)
+    }
+}
+
+impl StreamWriter {
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// Sends `data` as DATA frames of at most [`MAX_DATA_CHUNK`] bytes, within the send windows.
+    pub async fn write(&self, mut data: &[u8]) -> Result<(), SendBlocked> {
+        while !data.is_empty() {
+            let n = self
+                .windows
+                .reserve(self.id, data.len().min(MAX_DATA_CHUNK))
+                .await?;
+            let frame = Frame::Data {
+                stream_id: self.id,
+                flags: 0,
+                data: data[..n].to_vec(),
+            };
+            self.out
+                .send(Outgoing::Frame(frame))
+                .await
+                .map_err(|_| SendBlocked::Closed)?;
+            data = &data[n..];
+        }
+        Ok(())
+    }
+
+    /// Half-closes the stream: an empty DATA frame with FIN. Later writes fail.
+    pub async fn close(&self) -> Result<(), SendBlocked> {
+        // Only a stream still open for sending gets its FIN.
+        self.windows.try_reserve(self.id, 0)?;
+        self.windows.close_stream(self.id);
+        self.out
+            .send(Outgoing::Frame(Frame::Data {
+                stream_id: self.id,
+                flags: FLAG_FIN,
+                data: Vec::new(),
+            }))
+            .await
+            .map_err(|_| SendBlocked::Closed)
+    }
+
+    /// Aborts the stream with RST_STREAM `status`.
+    pub async fn reset(&self, status: u32) {
+        self.windows.close_stream(self.id);
+        let _ = self
+            .out
+            .send(Outgoing::Frame(Frame::RstStream {
+                stream_id: self.id,
+                status,
+            }))
+            .await;
+    }
+}
+
+/// The user's handle on a connection.
+pub struct Handle {
+    out: mpsc::Sender<Outgoing>,
+    windows: Arc<SendWindows>,
+    reader: tokio::task::JoinHandle<()>,
+    /// The last stream id the peer opened (for GOAWAY).
+    last_id: Arc<AtomicU32>,
+}
+
+impl Handle {
+    /// Sends GOAWAY (status OK), flushes what is queued and closes the connection.
+    pub async fn close(self) {
+        let _ = self
+            .out
+            .send(Outgoing::Frame(Frame::GoAway {
+                last_good_stream_id: self.last_id.load(Ordering::Relaxed),
+                status: goaway::OK,
+            }))
+            .await;
+        let (tx, rx) = oneshot::channel();
+        if self.out.send(Outgoing::Shutdown(tx)).await.is_ok() {
+            let _ = rx.await;
+        }
+        self.windows.shutdown();
+        self.reader.abort();
+    }
+}
+
+/// Starts serving `io` as the server side of a SPDY/3.1 connection.
+pub fn serve<IO>(io: IO) -> (Handle, mpsc::Receiver<Event>)
+where
+    IO: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (rd, wr) = tokio::io::split(io);
+    let (out_tx, out_rx) = mpsc::channel(64);
+    let (ev_tx, ev_rx) = mpsc::channel(16);
+    let windows = Arc::new(SendWindows::new());
+    let last_id = Arc::new(AtomicU32::new(0));
+    tokio::spawn(write_loop(wr, out_rx, windows.clone()));
+    let reader = Reader {
+        shared_last_id: last_id.clone(),
+        out: out_tx.clone(),
+        events: ev_tx,
+        windows: windows.clone(),
+        streams: HashMap::new(),
+        last_id: 0,
+        goaway: false,
+        session_recv: RecvWindow::default(),
+    };
+    let reader = tokio::spawn(reader.run(rd));
+    (
+        Handle {
+            out: out_tx,
+            windows,
+            reader,
+            last_id,
+        },
+        ev_rx,
+    )
+}
+
+async fn write_loop<W: AsyncWrite + Unpin>(
+    wr: W,
+    mut rx: mpsc::Receiver<Outgoing>,
+    windows: Arc<SendWindows>,
+) {
+    let mut wr = BufWriter::new(wr);
+    let mut z = HeaderCompressor::new();
+    let mut buf = Vec::with_capacity(MAX_DATA_CHUNK + 64);
+    while let Some(item) = rx.recv().await {
+        let frame = match item {
+            Outgoing::Frame(f) => f,
+            Outgoing::Shutdown(done) => {
+                let _ = wr.flush().await;
+                let _ = wr.shutdown().await;
+                let _ = done.send(());
+                break;
+            }
+        };
+        buf.clear();
+        if let Err(e) = encode(&frame, &mut z, &mut buf) {
+            tracing::warn!(error = %e, "cannot encode a SPDY frame");
+            continue;
+        }
+        let mut res = wr.write_all(&buf).await;
+        // Flush when nothing else is queued: batches frames without delaying the last one.
+        if res.is_ok() && rx.is_empty() {
+            res = wr.flush().await;
+        }
+        if let Err(e) = res {
+            tracing::debug!(error = %e, "SPDY connection write failed");
+            break;
+        }
+    }
+    windows.shutdown();
+}
+
+struct StreamIn {
+    /// `None` once the peer half-closed the stream.
+    data: Option<mpsc::Sender<Vec<u8>>>,
+    recv: RecvWindow,
+}
+
+struct Reader {
+    out: mpsc::Sender<Outgoing>,
+    events: mpsc::Sender<Event>,
+    windows: Arc<SendWindows>,
+    streams: HashMap<u32, StreamIn>,
+    last_id: u32,
+    shared_last_id: Arc<AtomicU32>,
+    goaway: bool,
+    session_recv: RecvWindow,
+}
+
+impl Reader {
+    async fn run<R: AsyncRead + Unpin>(mut self, rd: R) {
+        let mut rd = BufReader::new(rd);
+        let mut z = HeaderDecompressor::new();
+        let reason = loop {
+            let frame = match read_frame(&mut rd, &mut z).await {
+                Ok(Some(f)) => f,
+                Ok(None) => break "the peer closed the connection".to_string(),
+                Err(e @ (SpdyError::Protocol(_) | SpdyError::Compression(_))) => {
+                    let _ = self
+                        .send(Frame::GoAway {
+                            last_good_stream_id: self.last_id,
+                            status: goaway::PROTOCOL_ERROR,
+                        })
+                        .await;
+                    break e.to_string();
+                }
+                Err(e) => break format!("reading the connection: {e}"),
+            };
+            if let Err(reason) = self.handle(frame).await {
+                break reason;
+            }
+        };
+        tracing::debug!(%reason, "SPDY connection ended");
+        self.windows.shutdown();
+        self.streams.clear();
+        let _ = self.events.send(Event::Closed(reason)).await;
+    }
+
+    async fn send(&self, f: Frame) -> Result<(), String> {
+        self.out
+            .send(Outgoing::Frame(f))
+            .await
+            .map_err(|_| "the connection's writer is gone".to_string())
+    }
+
+    async fn handle(&mut self, frame: Frame) -> Result<(), String> {
+        match frame {
+            Frame::SynStream {
+                stream_id,
+                flags,
+                headers,
+                ..
+            } => {
+                if self.goaway {
+                    return self
+                        .send(Frame::RstStream {
+                            stream_id,
+                            status: rst::REFUSED_STREAM,
+                        })
+                        .await;
+                }
+                if stream_id % 2 == 0 || stream_id <= self.last_id {
+                    return self
+                        .send(Frame::RstStream {
+                            stream_id,
+                            status: rst::PROTOCOL_ERROR,
+                        })
+                        .await;
+                }
+                self.last_id = stream_id;
+                self.shared_last_id.store(stream_id, Ordering::Relaxed);
+                self.send(Frame::SynReply {
+                    stream_id,
+                    flags: 0,
+                    headers: Headers::new(),
+                })
+                .await?;
+                if flags & FLAG_UNIDIRECTIONAL == 0 {
+                    self.windows.open_stream(stream_id);
+                }
+                let (tx, rx) = mpsc::channel(DATA_QUEUE);
+                self.streams.insert(
+                    stream_id,
+                    StreamIn {
+                        data: (flags & FLAG_FIN == 0).then_some(tx),
+                        recv: RecvWindow::default(),
+                    },
+                );
+                let stream = IncomingStream {
+                    id: stream_id,
+                    headers,
+                    data: rx,
+                    writer: StreamWriter {
+                        id: stream_id,
+                        out: self.out.clone(),
+                        windows: self.windows.clone(),
+                    },
+                };
+                let _ = self.events.send(Event::Stream(stream)).await;
+            }
+            Frame::Data {
+                stream_id,
+                flags,
+                data,
+            } => {
+                let len = data.len();
+                let mut updates = Vec::new();
+                if let Some(d) = self.session_recv.consumed(len) {
+                    updates.push((0, d));
+                }
+                match self.streams.get_mut(&stream_id) {
+                    Some(s) => {
+                        if let Some(tx) = &s.data
+                            && !data.is_empty()
+                        {
+                            // A reader that went away just means the data is not wanted.
+                            let _ = tx.send(data).await;
+                        }
+                        if flags & FLAG_FIN != 0 {
+                            s.data = None;
+                        } else if let Some(d) = s.recv.consumed(len) {
+                            updates.push((stream_id, d));
+                        }
+                    }
+                    None if stream_id > self.last_id || stream_id % 2 == 0 => {
+                        self.send(Frame::RstStream {
+                            stream_id,
+                            status: rst::INVALID_STREAM,
+                        })
+                        .await?;
+                    }
+                    // A stream that is gone already (reset): dropped.
+                    None => {}
+                }
+                for (stream_id, delta) in updates {
+                    self.send(Frame::WindowUpdate { stream_id, delta }).await?;
+                }
+            }
+            Frame::Headers {
+                stream_id, flags, ..
+            } => {
+                if flags & FLAG_FIN != 0
+                    && let Some(s) = self.streams.get_mut(&stream_id)
+                {
+                    s.data = None;
+                }
+            }
+            Frame::RstStream { stream_id, status } => {
+                tracing::debug!(stream_id, status, "the peer reset a SPDY stream");
+                self.streams.remove(&stream_id);
+                self.windows.close_stream(stream_id);
+            }
+            Frame::Settings { entries, .. } => {
+                for e in entries {
+                    if e.id == super::SETTINGS_INITIAL_WINDOW_SIZE {
+                        self.windows.set_initial_window(e.value);
+                    }
+                }
+            }
+            Frame::Ping { id } => {
+                // Odd ids are the client's: echoed. Even ones would answer our own pings.
+                if id % 2 == 1 {
+                    self.send(Frame::Ping { id }).await?;
+                }
+            }
+            Frame::GoAway { .. } => {
+                // Streams already open carry on; new ones are refused.
+                self.goaway = true;
+            }
+            Frame::WindowUpdate { stream_id, delta } => {
+                if self.windows.window_update(stream_id, delta).is_err() {
+                    if stream_id == 0 {
+                        let _ = self
+                            .send(Frame::GoAway {
+                                last_good_stream_id: self.last_id,
+                                status: goaway::PROTOCOL_ERROR,
+                            })
+                            .await;
+                        return Err("session flow-control window overflow".into());
+                    }
+                    self.windows.close_stream(stream_id);
+                    self.streams.remove(&stream_id);
+                    self.send(Frame::RstStream {
+                        stream_id,
+                        status: rst::FLOW_CONTROL_ERROR,
+                    })
+                    .await?;
+                }
+            }
+            Frame::SynReply { stream_id, .. } => {
+                // This side never opens streams.
+                self.send(Frame::RstStream {
+                    stream_id,
+                    status: rst::PROTOCOL_ERROR,
+                })
+                .await?;
+            }
+            Frame::Unknown { frame_type } => {
+                tracing::debug!(frame_type, "skipped an unknown SPDY control frame");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads one frame; `None` at a clean end of the connection (EOF between frames).
+async fn read_frame<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    z: &mut HeaderDecompressor,
+) -> Result<Option<Frame>, SpdyError> {
+    let mut header = [0u8; 8];
+    let mut got = 0;
+    while got < 8 {
+        let n = rd.read(&mut header[got..]).await?;
+        if n == 0 {
+            if got == 0 {
+                return Ok(None);
+            }
+            return Err(SpdyError::Protocol(
+                "connection ended inside a frame".into(),
+            ));
+        }
+        got += n;
+    }
+    let mut payload = vec![0u8; super::payload_len(&header)];
+    rd.read_exact(&mut payload).await?;
+    decode(&header, payload, z).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_peer::Peer;
+    use super::super::{DEFAULT_WINDOW, Setting};
+    use super::*;
+    use tokio::io::DuplexStream;
+
+    fn start() -> (Peer<DuplexStream>, Handle, mpsc::Receiver<Event>) {
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let (h, ev) = serve(b);
+        (Peer::new(a), h, ev)
+    }
+
+    async fn next_stream(ev: &mut mpsc::Receiver<Event>) -> IncomingStream {
+        match ev.recv().await.unwrap() {
+            Event::Stream(s) => s,
+            other => panic!("expected a stream, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn streams_are_replied_data_flows_both_ways_and_pings_are_echoed() {
+        let (mut peer, handle, mut ev) = start();
+        peer.open(1, "stdin").await;
+        assert_eq!(
+            peer.recv().await,
+            Frame::SynReply {
+                stream_id: 1,
+                flags: 0,
+                headers: Headers::new()
+            }
+        );
+        let mut s = next_stream(&mut ev).await;
+        assert_eq!(s.headers.get("streamtype"), Some("stdin"));
+        peer.send(Frame::Data {
+            stream_id: 1,
+            flags: FLAG_FIN,
+            data: b"input".to_vec(),
+        })
+        .await;
+        assert_eq!(s.data.recv().await.unwrap(), b"input");
+        assert!(s.data.recv().await.is_none(), "FIN ends the data");
+        peer.send(Frame::Ping { id: 5 }).await;
+        assert_eq!(peer.recv().await, Frame::Ping { id: 5 });
+        s.writer.write(b"output").await.unwrap();
+        s.writer.close().await.unwrap();
+        assert_eq!(
+            peer.recv().await,
+            Frame::Data {
+                stream_id: 1,
+                flags: 0,
+                data: b"output".to_vec()
+            }
+        );
+        assert_eq!(
+            peer.recv().await,
+            Frame::Data {
+                stream_id: 1,
+                flags: FLAG_FIN,
+                data: vec![]
+            }
+        );
+        assert_eq!(s.writer.write(b"late").await, Err(SendBlocked::StreamGone));
+        handle.close().await;
+        assert_eq!(
+            peer.recv().await,
+            Frame::GoAway {
+                last_good_stream_id: 1,
+                status: goaway::OK,
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn bad_stream_ids_are_reset_and_eof_closes() {
+        let (mut peer, _handle, mut ev) = start();
+        peer.open(3, "error").await;
+        let _ = peer.recv().await;
+        let _ = next_stream(&mut ev).await;
+        peer.open(1, "stdout").await; // not increasing
+        assert_eq!(
+            peer.recv().await,
+            Frame::RstStream {
+                stream_id: 1,
+                status: rst::PROTOCOL_ERROR
+            }
+        );
+        peer.open(4, "stdout").await; // even: the server's ids
+        assert_eq!(
+            peer.recv().await,
+            Frame::RstStream {
+                stream_id: 4,
+                status: rst::PROTOCOL_ERROR
+            }
+        );
+        drop(peer);
+        assert!(matches!(ev.recv().await.unwrap(), Event::Closed(_)));
+        assert!(ev.recv().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn writes_wait_for_window_updates_from_peers_that_send_them() {
+        let (mut peer, _handle, mut ev) = start();
+        peer.send(Frame::Settings {
+            flags: 0,
+            entries: vec![Setting {
+                flags: 0,
+                id: crate::stream::spdy::SETTINGS_INITIAL_WINDOW_SIZE,
+                value: 1000,
+            }],
+        })
+        .await;
+        peer.open(1, "stdout").await;
+        let _ = peer.recv().await;
+        let s = next_stream(&mut ev).await;
+        let w = s.writer.clone();
+        let writer = tokio::spawn(async move { w.write(&[7u8; 1500]).await });
+        match peer.recv().await {
+            Frame::Data { data, .. } => assert_eq!(data.len(), 1000),
+            f => panic!("{f:?}"),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!writer.is_finished(), "stream window spent");
+        peer.send(Frame::WindowUpdate {
+            stream_id: 1,
+            delta: 1000,
+        })
+        .await;
+        match peer.recv().await {
+            Frame::Data { data, .. } => assert_eq!(data.len(), 500),
+            f => panic!("{f:?}"),
+        }
+        writer.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn received_data_is_acknowledged_with_window_updates() {
+        let (mut peer, _handle, mut ev) = start();
+        peer.open(1, "stdin").await;
+        let _ = peer.recv().await;
+        let mut s = next_stream(&mut ev).await;
+        let half = DEFAULT_WINDOW as usize / 2;
+        peer.send(Frame::Data {
+            stream_id: 1,
+            flags: 0,
+            data: vec![1; half],
+        })
+        .await;
+        assert_eq!(s.data.recv().await.unwrap().len(), half);
+        assert_eq!(
+            peer.recv().await,
+            Frame::WindowUpdate {
+                stream_id: 0,
+                delta: half as u32
+            }
+        );
+        assert_eq!(
+            peer.recv().await,
+            Frame::WindowUpdate {
+                stream_id: 1,
+                delta: half as u32
+            }
+        );
+        // A reset from the peer ends the stream's data and its writer.
+        peer.send(Frame::RstStream {
+            stream_id: 1,
+            status: rst::CANCEL,
+        })
+        .await;
+        assert!(s.data.recv().await.is_none());
+        assert_eq!(s.writer.write(b"x").await, Err(SendBlocked::StreamGone));
+    }
+}

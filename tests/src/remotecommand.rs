@@ -1,0 +1,318 @@
+//! A minimal client of the Kubernetes remotecommand protocol over SPDY/3.1, for black-box tests
+//! of a CRI streaming server (what `crictl exec` does through client-go, without Go).
+//!
+//! It sends the HTTP/1.1 upgrade request, opens one SPDY stream per channel (`error`, then
+//! `stdin`, `stdout`, `stderr` as asked), sends stdin followed by FIN, and reads until the error
+//! stream and the output streams are finished. It never sends WINDOW_UPDATE, like client-go's
+//! SPDY library, so a server that waited for window updates would stall past 64 KiB.
+//!
+//! Written for tests from the SPDY/3 draft and the remotecommand protocol; independent of
+//! minicri's server code on purpose.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The protocol versions client-go offers, best first.
+pub const CLIENT_GO_PROTOCOLS: [&str; 5] = [
+    "v5.channel.k8s.io",
+    "v4.channel.k8s.io",
+    "v3.channel.k8s.io",
+    "v2.channel.k8s.io",
+    "channel.k8s.io",
+];
+
+/// The SPDY/3 header dictionary: length-prefixed words, then a tail (draft section 2.6.10.1).
+fn dictionary() -> Vec<u8> {
+    const WORDS: &str = "options head post put delete trace accept accept-charset \
+        accept-encoding accept-language accept-ranges age allow authorization cache-control \
+        connection content-base content-encoding content-language content-length \
+        content-location content-md5 content-range content-type date etag expect expires from \
+        host if-match if-modified-since if-none-match if-range if-unmodified-since \
+        last-modified location max-forwards pragma proxy-authenticate proxy-authorization range \
+        referer retry-after server te trailer transfer-encoding upgrade user-agent vary via \
+        warning www-authenticate method get status 200_OK version HTTP/1.1 url public \
+        set-cookie keep-alive origin";
+    const TAIL: &str = "100101201202205206300302303304305306307402405406407408409410411412413\
+        414415416417502504505203 Non-Authoritative Information204 No Content301 Moved \
+        Permanently400 Bad Request401 Unauthorized403 Forbidden404 Not Found500 Internal \
+        Server Error501 Not Implemented503 Service UnavailableJan Feb Mar Apr May Jun Jul Aug \
+        Sept Oct Nov Dec 00:00:00 Mon, Tue, Wed, Thu, Fri, Sat, Sun, GMTchunked,text/html,\
+        image/png,image/jpg,image/gif,application/xml,application/xhtml+xml,text/plain,\
+        text/javascript,publicprivatemax-age=gzip,deflate,sdchcharset=utf-8charset=iso-8859-1,\
+        utf-,*,enq=0.";
+    let mut d = Vec::new();
+    for w in WORDS.split_whitespace() {
+        let w = w.replace('_', " ");
+        d.extend_from_slice(&(w.len() as u32).to_be_bytes());
+        d.extend_from_slice(w.as_bytes());
+    }
+    d.extend_from_slice(TAIL.as_bytes());
+    assert_eq!(d.len(), 1423, "the SPDY/3 dictionary");
+    d
+}
+
+/// The answer to the upgrade request.
+pub struct Upgrade {
+    pub status: u16,
+    /// The response head, header names lowercased.
+    pub head: String,
+    conn: TcpStream,
+}
+
+/// What an exec session produced.
+#[derive(Debug, Default)]
+pub struct ExecOutput {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    /// The bytes of the error stream (a JSON status under v4).
+    pub error: Vec<u8>,
+    pub protocol: String,
+}
+
+impl ExecOutput {
+    pub fn status(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.error).unwrap_or(serde_json::Value::Null)
+    }
+}
+
+/// Sends `METHOD path` with the SPDY upgrade headers and `protocols`; reads the response head.
+pub async fn upgrade(url: &str, protocols: &[&str]) -> anyhow::Result<Upgrade> {
+    let rest = url.strip_prefix("http://").context("an http:// URL")?;
+    let slash = rest.find('/').context("a path")?;
+    let (host, path) = rest.split_at(slash);
+    let mut conn = TcpStream::connect(host).await?;
+    let mut req = format!(
+        "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\n"
+    );
+    for p in protocols {
+        req.push_str(&format!("X-Stream-Protocol-Version: {p}\r\n"));
+    }
+    req.push_str("\r\n");
+    conn.write_all(req.as_bytes()).await?;
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut b = [0u8; 1];
+        if conn.read(&mut b).await? == 0 {
+            bail!("connection closed in the response head: {head:?}");
+        }
+        head.push(b[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    let status = head.get(9..12).context("a status line")?.parse()?;
+    Ok(Upgrade { status, head, conn })
+}
+
+struct Spdy {
+    conn: TcpStream,
+    z: Compress,
+    dz: Decompress,
+}
+
+impl Spdy {
+    fn new(conn: TcpStream) -> Spdy {
+        let mut z = Compress::new(Compression::default(), true);
+        z.set_dictionary(&dictionary()).unwrap();
+        Spdy {
+            conn,
+            z,
+            dz: Decompress::new(true),
+        }
+    }
+
+    async fn syn_stream(&mut self, id: u32, stream_type: &str) -> anyhow::Result<()> {
+        let mut block = Vec::new();
+        block.extend_from_slice(&1u32.to_be_bytes());
+        for s in ["streamtype", stream_type] {
+            block.extend_from_slice(&(s.len() as u32).to_be_bytes());
+            block.extend_from_slice(s.as_bytes());
+        }
+        let mut z = Vec::with_capacity(block.len() + 1024);
+        self.z.compress_vec(&block, &mut z, FlushCompress::Sync)?;
+        let mut f = vec![0x80, 3, 0, 1];
+        f.extend_from_slice(&((10 + z.len()) as u32).to_be_bytes());
+        f.extend_from_slice(&id.to_be_bytes());
+        f.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+        f.extend_from_slice(&z);
+        Ok(self.conn.write_all(&f).await?)
+    }
+
+    async fn data(&mut self, id: u32, data: &[u8], fin: bool) -> anyhow::Result<()> {
+        let mut f = id.to_be_bytes().to_vec();
+        f.extend_from_slice(&((u32::from(fin) << 24) | data.len() as u32).to_be_bytes());
+        f.extend_from_slice(data);
+        Ok(self.conn.write_all(&f).await?)
+    }
+
+    /// The next frame: (control type or None for data, stream id, flags, payload); None at EOF.
+    async fn frame(&mut self) -> anyhow::Result<Option<(Option<u16>, u32, u8, Vec<u8>)>> {
+        let mut h = [0u8; 8];
+        if let Err(e) = self.conn.read_exact(&mut h).await {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                return Ok(None);
+            }
+            return Err(e.into());
+        }
+        let len = u32::from_be_bytes([0, h[5], h[6], h[7]]) as usize;
+        let mut p = vec![0u8; len];
+        self.conn.read_exact(&mut p).await?;
+        if h[0] & 0x80 == 0 {
+            let id = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
+            return Ok(Some((None, id, h[4], p)));
+        }
+        let t = u16::from_be_bytes([h[2], h[3]]);
+        let id = if p.len() >= 4 {
+            u32::from_be_bytes([p[0] & 0x7f, p[1], p[2], p[3]])
+        } else {
+            0
+        };
+        if t == 2 {
+            // SYN_REPLY: its header block must be decompressed to keep the zlib stream in step.
+            let mut out = Vec::with_capacity(4096);
+            let mut input = &p[4..];
+            loop {
+                let before = self.dz.total_in();
+                match self
+                    .dz
+                    .decompress_vec(input, &mut out, FlushDecompress::Sync)
+                {
+                    Ok(_) => {}
+                    Err(e) if e.needs_dictionary().is_some() => {
+                        self.dz.set_dictionary(&dictionary())?;
+                    }
+                    Err(e) => bail!("SYN_REPLY headers: {e}"),
+                }
+                input = &input[(self.dz.total_in() - before) as usize..];
+                if input.is_empty() && out.len() < out.capacity() {
+                    break;
+                }
+                out.reserve(4096);
+            }
+        }
+        Ok(Some((Some(t), id, h[4], p)))
+    }
+}
+
+/// What the client asks for.
+#[derive(Debug, Default, Clone)]
+pub struct ExecOptions<'a> {
+    /// Sent on a `stdin` stream, followed by FIN.
+    pub stdin: Option<&'a [u8]>,
+    pub stdout: bool,
+    /// Ignored with `tty` (a terminal has one output).
+    pub stderr: bool,
+    /// Opens a `resize` stream and sends this (width, height) on it first.
+    pub tty: Option<(u16, u16)>,
+}
+
+/// Runs an exec session on `url`: opens error, then stdin (when `stdin` is given), stdout and
+/// stderr (as asked); sends `stdin` and FIN; collects everything until the streams end.
+pub async fn exec(
+    url: &str,
+    stdin: Option<&[u8]>,
+    stdout: bool,
+    stderr: bool,
+) -> anyhow::Result<ExecOutput> {
+    exec_with(
+        url,
+        ExecOptions {
+            stdin,
+            stdout,
+            stderr,
+            tty: None,
+        },
+    )
+    .await
+}
+
+/// [`exec`] with a terminal possible: then the streams are error, stdin, stdout and resize, as
+/// client-go opens them.
+pub async fn exec_with(url: &str, o: ExecOptions<'_>) -> anyhow::Result<ExecOutput> {
+    let (stdin, stdout, stderr) = (o.stdin, o.stdout, o.stderr && o.tty.is_none());
+    let up = upgrade(url, &CLIENT_GO_PROTOCOLS).await?;
+    if up.status != 101 {
+        bail!("upgrade refused: {}", up.head);
+    }
+    let protocol = up
+        .head
+        .lines()
+        .find_map(|l| l.strip_prefix("x-stream-protocol-version: "))
+        .unwrap_or("")
+        .trim()
+        .to_string();
+    let mut s = Spdy::new(up.conn);
+    let mut ids: HashMap<u32, &str> = HashMap::new();
+    let mut next = 1;
+    let mut open = |kind: &'static str| {
+        ids.insert(next, kind);
+        next += 2;
+        next - 2
+    };
+    let error_id = open("error");
+    let stdin_id = stdin.map(|_| open("stdin"));
+    let stdout_id = stdout.then(|| open("stdout"));
+    let stderr_id = stderr.then(|| open("stderr"));
+    let resize_id = o.tty.map(|_| open("resize"));
+    for id in [Some(error_id), stdin_id, stdout_id, stderr_id, resize_id]
+        .into_iter()
+        .flatten()
+    {
+        s.syn_stream(id, ids[&id]).await?;
+    }
+    if let (Some(id), Some((w, h))) = (resize_id, o.tty) {
+        s.data(
+            id,
+            format!("{{\"Width\":{w},\"Height\":{h}}}\n").as_bytes(),
+            false,
+        )
+        .await?;
+    }
+    if let (Some(id), Some(data)) = (stdin_id, stdin) {
+        for chunk in data.chunks(16 * 1024) {
+            s.data(id, chunk, false).await?;
+        }
+        s.data(id, &[], true).await?;
+    }
+    let mut out = ExecOutput {
+        protocol,
+        ..Default::default()
+    };
+    let mut pending: Vec<u32> = [Some(error_id), stdout_id, stderr_id]
+        .into_iter()
+        .flatten()
+        .collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !pending.is_empty() {
+        let f = tokio::time::timeout_at(deadline, s.frame())
+            .await
+            .context("the exec session did not end in 60 s")??;
+        let Some((kind, id, flags, payload)) = f else {
+            bail!("connection closed with streams {pending:?} open");
+        };
+        match kind {
+            None => {
+                match ids.get(&id).copied() {
+                    Some("stdout") => out.stdout.extend(&payload),
+                    Some("stderr") => out.stderr.extend(&payload),
+                    Some("error") => out.error.extend(&payload),
+                    _ => {}
+                }
+                if flags & 1 != 0 {
+                    pending.retain(|p| *p != id);
+                }
+            }
+            Some(3) => {
+                let status = u32::from_be_bytes(payload[4..8].try_into()?);
+                bail!("stream {id} reset with status {status}");
+            }
+            Some(7) => bail!("GOAWAY with streams {pending:?} open"),
+            // SYN_REPLY, PING, SETTINGS, WINDOW_UPDATE
+            Some(_) => {}
+        }
+    }
+    Ok(out)
+}
