@@ -149,6 +149,49 @@ pub fn create(dir: &Path, name: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// Pins the existing network namespace `ns_file` (e.g. `/proc/<pid>/ns/net` of a process that
+/// created it) at `<dir>/<name>` and returns that path; as [`create`], nothing is left behind
+/// on failure. For pods whose network namespace must be created by the OCI runtime (inside the
+/// pod's user namespace).
+pub fn pin(dir: &Path, name: &str, ns_file: &Path) -> Result<PathBuf> {
+    check_name(name).map_err(err("pin", &dir.join(name)))?;
+    if !exists(ns_file) {
+        return Err(err("pin", ns_file)(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a namespace file",
+        )));
+    }
+    prepare_dir(dir)?;
+    let path = dir.join(name);
+    if exists(&path) {
+        return Err(err("pin", &path)(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "a network namespace is already mounted there",
+        )));
+    }
+    match OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o444)
+        .open(&path)
+    {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(err("create mount point", &path)(e)),
+    }
+    if let Err(e) = mount(
+        Some(ns_file),
+        &path,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    ) {
+        let _ = std::fs::remove_file(&path);
+        return Err(err("pin", &path)(errno(e)));
+    }
+    Ok(path)
+}
+
 /// Runs on its own thread, which exits afterwards: only this thread enters the new namespace.
 fn pin_new_namespace(target: &Path) -> io::Result<()> {
     unshare(CloneFlags::CLONE_NEWNET).map_err(errno)?;
@@ -261,5 +304,35 @@ mod tests {
         assert!(!exists(f.path()));
         assert!(!exists(Path::new("/nonexistent/netns")));
         assert!(exists(Path::new("/proc/self/ns/net")));
+    }
+
+    #[test]
+    fn pinning_an_existing_namespace() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipping: not root");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("netns");
+        let p = pin(&dir, "pinned", Path::new("/proc/self/ns/net")).unwrap();
+        assert!(exists(&p));
+        assert_eq!(
+            std::fs::metadata(&p)
+                .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+                .unwrap(),
+            std::fs::metadata("/proc/self/ns/net")
+                .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+                .unwrap(),
+            "the same namespace"
+        );
+        let again = pin(&dir, "pinned", Path::new("/proc/self/ns/net")).unwrap_err();
+        assert_eq!(again.source.kind(), io::ErrorKind::AlreadyExists);
+        // Not a namespace: nothing is left.
+        let f = tempfile::NamedTempFile::new().unwrap();
+        assert!(pin(&dir, "bad", f.path()).is_err());
+        assert!(!dir.join("bad").exists());
+        remove(&p).unwrap();
+        assert!(!p.exists());
+        unmount_dir(&dir).unwrap();
     }
 }

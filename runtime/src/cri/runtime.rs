@@ -68,11 +68,16 @@ impl RuntimeService for RuntimeHandler {
                 runtime_handlers: vec![cri::RuntimeHandler {
                     name: String::new(),
                     features: Some(cri::RuntimeHandlerFeatures {
-                        recursive_read_only_mounts: false,
-                        user_namespaces: false,
+                        recursive_read_only_mounts: self.daemon.pods.host.recursive_read_only,
+                        user_namespaces: self.daemon.pods.host.user_namespaces,
                     }),
                 }],
-                features: Some(cri::RuntimeFeatures::default()),
+                // SupplementalGroupsPolicy: `Strict` is honoured (crate::oci::user) and
+                // ContainerStatus reports the process's groups.
+                features: Some(cri::RuntimeFeatures {
+                    supplemental_groups_policy: true,
+                    ..Default::default()
+                }),
             })
         })
         .await

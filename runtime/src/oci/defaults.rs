@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use oci_spec::runtime::{Capability, LinuxDevice, LinuxDeviceCgroup, LinuxDeviceType, Mount};
 
 use super::error::{OciError, Result};
+use super::host::HostInfo;
 
 /// The 14 capabilities a non-privileged container keeps by default.
 pub const DEFAULT_CAPABILITIES: [&str; 14] = [
@@ -79,12 +80,21 @@ pub fn parse_capability(name: &str) -> Result<Capability> {
         .map_err(|_| OciError::invalid(format!("unknown capability {name:?}")))
 }
 
-/// The capabilities the host kernel knows (`cap_last_cap` from `/proc/sys/kernel/cap_last_cap`).
-pub fn host_capabilities(cap_last_cap: u32) -> Vec<Capability> {
+/// The kernel number of a capability (its index in [`ALL_CAPABILITIES`]).
+pub fn capability_number(c: &Capability) -> Option<usize> {
     ALL_CAPABILITIES
         .iter()
-        .take(cap_last_cap as usize + 1)
-        .map(|c| parse_capability(c).expect("known capability"))
+        .position(|n| parse_capability(n).ok().as_ref() == Some(c))
+}
+
+/// Every capability a container can be given on this host: the kernel knows it and minicri's
+/// own bounding set holds it ([`HostInfo::has_capability`]).
+pub fn host_capabilities(host: &HostInfo) -> Vec<Capability> {
+    ALL_CAPABILITIES
+        .iter()
+        .enumerate()
+        .filter(|(n, _)| host.has_capability(*n))
+        .map(|(_, c)| parse_capability(c).expect("known capability"))
         .collect()
 }
 
@@ -338,8 +348,26 @@ mod tests {
             Capability::SysAdmin
         );
         assert!(parse_capability("CAP_FLY").is_err());
-        assert_eq!(host_capabilities(40).len(), 41);
-        assert_eq!(host_capabilities(37).last(), Some(&Capability::AuditRead));
+        let all = HostInfo::default();
+        assert_eq!(host_capabilities(&all).len(), 41);
+        let old_kernel = HostInfo {
+            cap_last_cap: 37,
+            ..HostInfo::default()
+        };
+        assert_eq!(
+            host_capabilities(&old_kernel).last(),
+            Some(&Capability::AuditRead)
+        );
+        // This machine's root lacks CAP_SYS_RESOURCE (24) in its bounding set.
+        let no_sys_resource = HostInfo {
+            cap_bounding: 0x1ff_feff_ffff,
+            ..HostInfo::default()
+        };
+        let caps = host_capabilities(&no_sys_resource);
+        assert_eq!(caps.len(), 40);
+        assert!(!caps.contains(&Capability::SysResource));
+        assert_eq!(capability_number(&Capability::SysResource), Some(24));
+        assert_eq!(capability_number(&Capability::Chown), Some(0));
         for c in DEFAULT_CAPABILITIES {
             parse_capability(c).unwrap();
         }

@@ -17,8 +17,19 @@ pub struct HostInfo {
     pub cap_sys_resource: bool,
     /// `/proc/sys/kernel/cap_last_cap`: the highest capability number the kernel knows.
     pub cap_last_cap: u32,
+    /// This process's bounding set (`CapBnd`, bit n = capability n): a container can only get
+    /// capabilities its runtime holds (runc fails the create with "unable to apply caps"
+    /// otherwise), so "every capability" means every one in this mask.
+    pub cap_bounding: u64,
     /// `/sys/fs/cgroup` is the cgroup v2 unified hierarchy (a hybrid host counts as v1).
     pub cgroup_v2: bool,
+    /// Recursive read-only bind mounts can be made: the kernel has `mount_setattr(2)` (5.12)
+    /// and the OCI runtime knows the `rro` mount option (the daemon clears this when it does
+    /// not, see [`super::Runc::supports_mount_option`]).
+    pub recursive_read_only: bool,
+    /// Pods can have user namespaces of their own ([`super::userns`]): the kernel has user
+    /// namespaces, idmapped mounts and overlayfs on idmapped layers (Linux >= 5.19).
+    pub user_namespaces: bool,
 }
 
 impl Default for HostInfo {
@@ -27,7 +38,10 @@ impl Default for HostInfo {
             oom_score_adj: 0,
             cap_sys_resource: true,
             cap_last_cap: 40,
+            cap_bounding: u64::MAX,
             cgroup_v2: false,
+            recursive_read_only: true,
+            user_namespaces: true,
         }
     }
 }
@@ -40,14 +54,14 @@ impl HostInfo {
             .ok()
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or(0);
-        let cap_eff = std::fs::read_to_string("/proc/self/status")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("CapEff:"))
-                    .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-            })
-            .unwrap_or(0);
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let mask = |key: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        };
+        let cap_eff = mask("CapEff:").unwrap_or(0);
         let cap_last_cap = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
             .ok()
             .and_then(|s| s.trim().parse().ok())
@@ -56,8 +70,22 @@ impl HostInfo {
             oom_score_adj,
             cap_sys_resource: cap_eff & (1 << CAP_SYS_RESOURCE) != 0,
             cap_last_cap,
+            cap_bounding: mask("CapBnd:").unwrap_or(u64::MAX),
             cgroup_v2: std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists(),
+            recursive_read_only: kernel_has_mount_setattr(),
+            user_namespaces: std::path::Path::new("/proc/self/ns/user").exists()
+                && kernel_has_mount_setattr()
+                && kernel_at_least(
+                    &std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default(),
+                    (5, 19),
+                ),
         }
+    }
+
+    /// Whether capability number `n` can be given to a container: the kernel knows it and
+    /// this process's bounding set holds it.
+    pub fn has_capability(&self, n: usize) -> bool {
+        n <= self.cap_last_cap as usize && n < 64 && self.cap_bounding & (1 << n) != 0
     }
 
     /// The `oom_score_adj` a container can actually get: the kernel refuses to set a value
@@ -72,6 +100,33 @@ impl HostInfo {
             v
         }
     }
+}
+
+/// Whether a kernel release string (`6.1.0-13-amd64`) is at least `major.minor`.
+fn kernel_at_least(release: &str, (major, minor): (u32, u32)) -> bool {
+    let mut parts = release
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let have = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    have >= (major, minor)
+}
+
+/// Whether the kernel implements `mount_setattr(2)`: a call with an invalid descriptor fails
+/// with `EBADF` (or `EINVAL`) where it exists and `ENOSYS` where it does not. Changes nothing.
+fn kernel_has_mount_setattr() -> bool {
+    // SAFETY: no pointer is dereferenced: the path is a valid C string, the attribute pointer
+    // is null with size 0, and the descriptor -1 makes the call fail before doing anything.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            -1,
+            c"".as_ptr(),
+            0,
+            std::ptr::null::<u8>(),
+            0usize,
+        )
+    };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOSYS)
 }
 
 /// `linux.cgroupsPath` for container `id` under the CRI `cgroup_parent`:
@@ -146,10 +201,20 @@ mod tests {
     }
 
     #[test]
+    fn kernel_versions() {
+        assert!(kernel_at_least("6.18.44-fc-v445", (5, 19)));
+        assert!(kernel_at_least("5.19.0", (5, 19)));
+        assert!(!kernel_at_least("5.10.0-26-amd64", (5, 19)));
+        assert!(!kernel_at_least("", (5, 19)));
+    }
+
+    #[test]
     fn detect_reads_this_process() {
         let h = HostInfo::detect();
         assert!((-1000..=1000).contains(&h.oom_score_adj));
         assert!(h.cap_last_cap >= 30);
+        assert!(h.has_capability(0), "the tests run with CAP_CHOWN");
+        assert!(!h.has_capability(64));
     }
 
     #[test]

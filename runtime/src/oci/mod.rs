@@ -6,26 +6,32 @@
 //! - [`sandbox`]: [`sandbox_spec`] for the infra process, the namespaces containers join and the
 //!   files (hostname, resolv.conf, hosts, shm) a sandbox shares;
 //! - [`user`]: uid, gid and groups from the security context, the image and `/etc/passwd`;
+//! - [`userns`]: pods in their own user namespace: validation, idmapped rootfs layers;
 //! - [`defaults`]: default capabilities, mounts, masked paths and device rules;
 //! - [`seccomp`]: the `RuntimeDefault` profile and `Localhost` profiles;
 //! - [`host`]: host facts ([`HostInfo`]: oom_score_adj clamp, capabilities, cgroup version)
 //!   and cgroups paths per driver;
 //! - [`image_config`]: the image config fields that matter for running;
+//! - [`propagation`]: host-side preparation of bind mount sources (created when missing, made
+//!   shared for `rshared` / `rslave` propagation) and mountinfo parsing;
 //! - [`error`]: the error type, [`OciError`].
 //!
 //! Spec building reads files (the rootfs's passwd, device nodes, seccomp profiles) but changes
-//! nothing; only [`SandboxFiles::prepare`] and the runtime calls have effects.
+//! nothing; only [`SandboxFiles::prepare`], [`propagation::prepare_bind_sources`] and the
+//! runtime calls have effects.
 
 pub mod defaults;
 pub mod error;
 pub mod host;
 pub mod image_config;
+pub mod propagation;
 pub mod runc;
 pub mod runtime;
 pub mod sandbox;
 pub mod seccomp;
 pub mod spec;
 pub mod user;
+pub mod userns;
 
 #[cfg(test)]
 mod sandbox_tests;

@@ -81,6 +81,29 @@ impl Runc {
         }
     }
 
+    /// Whether `<binary> features` lists `option` among the mount options it understands (the
+    /// command exists in runc >= 1.1 and crun >= 1.5; a runtime without it is taken to know
+    /// none of the newer options such as `rro`). Runs the binary once, synchronously: for
+    /// startup.
+    pub fn supports_mount_option(&self, option: &str) -> bool {
+        let Ok(out) = std::process::Command::new(&self.binary)
+            .arg("features")
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .output()
+        else {
+            return false;
+        };
+        out.status.success()
+            && serde_json::from_slice::<serde_json::Value>(&out.stdout)
+                .ok()
+                .and_then(|v| {
+                    let list = v.get("mountOptions")?.as_array()?.clone();
+                    Some(list.iter().any(|o| o.as_str() == Some(option)))
+                })
+                .unwrap_or(false)
+    }
+
     /// Where temporary process and resources files go.
     pub fn scratch_dir(&self) -> PathBuf {
         let mut s = self.root.clone().into_os_string();
@@ -222,6 +245,31 @@ impl Runc {
         c.arg(id).kill_on_drop(false);
         Ok((c, vec![process_file, pid_file], log))
     }
+
+    /// `exec` in the foreground with the given stdio instead of pipes. For a process with
+    /// `terminal: true`, pass the slave side of a pty as all three: the runtime then makes the
+    /// container's own pty, relays between the two and resizes the container's to the given
+    /// one's size on SIGWINCH.
+    pub fn exec_spawn_stdio(
+        &self,
+        opts: ExecOpts,
+        stdin: Stdio,
+        stdout: Stdio,
+        stderr: Stdio,
+    ) -> Result<ExecProcess> {
+        let (mut c, scratch, log) = self.exec_command(&opts.id, &opts.process, false)?;
+        c.stdin(stdin).stdout(stdout).stderr(stderr);
+        let child = c
+            .spawn()
+            .map_err(|e| OciError::io("run", &self.binary, e))?;
+        Ok(ExecProcess {
+            child,
+            scratch,
+            log,
+            binary: self.name(),
+            id: opts.id,
+        })
+    }
 }
 
 static SCRATCH_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -248,31 +296,6 @@ fn runtime_message(stderr: &[u8]) -> String {
         "failed (no message)".into()
     } else {
         msgs.join("; ")
-    }
-
-    /// `exec` in the foreground with the given stdio instead of pipes. For a process with
-    /// `terminal: true`, pass the slave side of a pty as all three: the runtime then makes the
-    /// container's own pty, relays between the two and resizes the container's to the given
-    /// one's size on SIGWINCH.
-    pub fn exec_spawn_stdio(
-        &self,
-        opts: ExecOpts,
-        stdin: Stdio,
-        stdout: Stdio,
-        stderr: Stdio,
-    ) -> Result<ExecProcess> {
-        let (mut c, scratch, log) = self.exec_command(&opts.id, &opts.process, false)?;
-        c.stdin(stdin).stdout(stdout).stderr(stderr);
-        let child = c
-            .spawn()
-            .map_err(|e| OciError::io("run", &self.binary, e))?;
-        Ok(ExecProcess {
-            child,
-            scratch,
-            log,
-            binary: self.name(),
-            id: opts.id,
-        })
     }
 }
 
@@ -598,6 +621,26 @@ mod tests {
             other.to_string().contains("runc start x: cannot start"),
             "{other}"
         );
+    }
+
+    #[test]
+    fn mount_options_from_features() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let fake = dir.path().join("fake-runc");
+        std::fs::write(
+            &fake,
+            "#!/bin/sh\n[ \"$1\" = features ] || exit 1\necho '{\"mountOptions\": [\"ro\", \"rro\"]}'\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let r = Runc::new(&fake, dir.path().join("root"));
+        assert!(r.supports_mount_option("rro"));
+        assert!(!r.supports_mount_option("ridmap"));
+        let old = Runc::new("/bin/false", dir.path().join("root"));
+        assert!(!old.supports_mount_option("rro"));
+        let missing = Runc::new(dir.path().join("nope"), dir.path().join("root"));
+        assert!(!missing.supports_mount_option("rro"));
     }
 
     #[test]

@@ -58,6 +58,8 @@ pub struct SandboxNamespaces {
     pub uts: Option<PathBuf>,
     /// The sandbox's PID namespace, for containers in `POD` pid mode.
     pub pid: Option<PathBuf>,
+    /// The pod's own user namespace ([`super::userns`]); `None`: the host's.
+    pub user: Option<PathBuf>,
 }
 
 impl SandboxNamespaces {
@@ -79,6 +81,10 @@ impl SandboxNamespaces {
             } else {
                 ns("pid")
             },
+            user: super::userns::pod_userns(config)
+                .ok()
+                .flatten()
+                .and_then(|_| ns("user")),
         }
     }
 }
@@ -190,8 +196,7 @@ impl SandboxFiles {
     }
 }
 
-/// Whether `path` is a mount point (its device differs from its parent's, or it is listed in
-/// mountinfo).
+/// Whether `path` is a mount point (listed in this process's mountinfo).
 pub fn is_mountpoint(path: &Path) -> bool {
     let Ok(canon) = path.canonicalize() else {
         return false;
@@ -199,17 +204,9 @@ pub fn is_mountpoint(path: &Path) -> bool {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return false;
     };
-    info.lines().any(|l| {
-        l.split(' ').nth(4).map(unescape_mountinfo).as_deref()
-            == Some(canon.as_os_str().to_str().unwrap_or(""))
-    })
-}
-
-fn unescape_mountinfo(s: &str) -> String {
-    s.replace("\\040", " ")
-        .replace("\\011", "\t")
-        .replace("\\012", "\n")
-        .replace("\\134", "\\")
+    super::propagation::parse_mountinfo(&info)
+        .iter()
+        .any(|m| m.mount_point == canon)
 }
 
 /// Inputs of [`sandbox_spec`].
@@ -261,18 +258,29 @@ pub fn validate_sysctls(config: &cri::PodSandboxConfig) -> Result<()> {
 /// sandbox's PID namespace, with new network (or `netns`), IPC and UTS namespaces unless the
 /// pod uses the host's; the pod's hostname and sysctls; no capabilities, `no_new_privileges`,
 /// the default seccomp profile (unless the pod's is `Unconfined` or `Localhost`), uid/gid 65535
-/// unless `run_as_user`/`run_as_group` say otherwise; `oom_score_adj` -998 clamped.
+/// unless `run_as_user`/`run_as_group` say otherwise; `oom_score_adj` -998 clamped. A pod with
+/// its own user namespace ([`super::userns`]) gets it here, with its mappings, and then
+/// creates its network namespace too (`netns` must be `None`); the infra runs as its root.
 pub fn sandbox_spec(p: &SandboxSpecParams<'_>) -> Result<Spec> {
     validate_sysctls(p.config)?;
     let linux_cfg = p.config.linux.clone().unwrap_or_default();
     let sc = linux_cfg.security_context.clone().unwrap_or_default();
     let o = sc.namespace_options.as_ref();
     let host_net = mode(o, |o| o.network) == cri::NamespaceMode::Node;
+    let userns = super::userns::pod_userns(p.config)?;
+    if userns.is_some() && p.netns.is_some() {
+        return Err(OciError::invalid(
+            "a pod with its own user namespace creates its network namespace with it",
+        ));
+    }
 
+    // In a user namespace the infra runs as its root (no capability, no host privilege): the
+    // default 65535 need not be mapped.
+    let default_id = if userns.is_some() { 0 } else { INFRA_UID };
     let mut user = User::default();
     let uid = sc
         .run_as_user
-        .map_or(Ok(INFRA_UID), |v| u32::try_from(v.value))
+        .map_or(Ok(default_id), |v| u32::try_from(v.value))
         .map_err(|_| OciError::invalid("run_as_user out of range"))?;
     let gid = sc
         .run_as_group
@@ -280,7 +288,7 @@ pub fn sandbox_spec(p: &SandboxSpecParams<'_>) -> Result<Spec> {
             Ok(if sc.run_as_user.is_some() {
                 0
             } else {
-                INFRA_UID
+                default_id
             }),
             |v| u32::try_from(v.value),
         )
@@ -328,6 +336,9 @@ pub fn sandbox_spec(p: &SandboxSpecParams<'_>) -> Result<Spec> {
 
     use LinuxNamespaceType as T;
     let mut namespaces = vec![namespace(T::Mount, None)];
+    if userns.is_some() {
+        namespaces.push(namespace(T::User, None));
+    }
     if mode(o, |o| o.pid) != cri::NamespaceMode::Node {
         namespaces.push(namespace(T::Pid, None));
     }
@@ -345,8 +356,8 @@ pub fn sandbox_spec(p: &SandboxSpecParams<'_>) -> Result<Spec> {
     let mut resources = LinuxResources::default();
     resources.set_devices(Some(defaults::default_device_rules()));
     let mut l = oci_spec::runtime::Linux::default();
-    l.set_uid_mappings(None);
-    l.set_gid_mappings(None);
+    l.set_uid_mappings(userns.map(|u| vec![u.uid]));
+    l.set_gid_mappings(userns.map(|u| vec![u.gid]));
     l.set_namespaces(Some(namespaces));
     l.set_resources(Some(resources));
     l.set_cgroups_path(Some(cgroups_path(

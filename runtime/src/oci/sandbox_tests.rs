@@ -45,6 +45,9 @@ fn sandbox_spec_shape() {
         oom_score_adj: 0,
         cap_sys_resource: false,
         cap_last_cap: 40,
+        cap_bounding: u64::MAX,
+        recursive_read_only: true,
+        user_namespaces: true,
         cgroup_v2: false,
     };
     let dir = tempfile::tempdir().unwrap();
@@ -149,4 +152,84 @@ fn sandbox_file_contents() {
     );
     assert!(sandbox::hosts_file("pod-a").contains("127.0.0.1\tlocalhost\n"));
     assert!(sandbox::hosts_file("pod-a").ends_with("pod-a\n"));
+}
+
+fn userns_pod() -> cri::PodSandboxConfig {
+    let mut sandbox = sandbox_config();
+    let m = vec![cri::IdMapping {
+        host_id: 1000,
+        container_id: 0,
+        length: 100_000,
+    }];
+    sandbox.linux.as_mut().unwrap().security_context = Some(cri::LinuxSandboxSecurityContext {
+        namespace_options: Some(cri::NamespaceOption {
+            userns_options: Some(cri::UserNamespace {
+                mode: cri::NamespaceMode::Pod as i32,
+                uids: m.clone(),
+                gids: m,
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    sandbox
+}
+
+#[test]
+fn sandbox_in_its_own_user_namespace() {
+    let host = HostInfo::default();
+    let dir = tempfile::tempdir().unwrap();
+    let infra = crate::pause::prepare_infra_rootfs(
+        &dir.path().join("infra"),
+        &std::env::current_exe().unwrap(),
+    )
+    .unwrap();
+    let sandbox = userns_pod();
+    let params = SandboxSpecParams {
+        id: "sb1",
+        config: &sandbox,
+        infra: &infra,
+        netns: None,
+        cgroup_driver: CgroupDriver::Cgroupfs,
+        host: &host,
+    };
+    let spec = sandbox_spec(&params).unwrap();
+    use LinuxNamespaceType as T;
+    let ns = ns_of(&spec);
+    assert!(ns.contains(&(T::User, None)), "{ns:?}");
+    assert!(
+        ns.contains(&(T::Network, None)),
+        "the infra creates the pod's netns inside the user namespace: {ns:?}"
+    );
+    let l = spec.linux().as_ref().unwrap();
+    for maps in [l.uid_mappings(), l.gid_mappings()] {
+        let m = maps.as_ref().unwrap();
+        assert_eq!(m.len(), 1);
+        assert_eq!(
+            (m[0].container_id(), m[0].host_id(), m[0].size()),
+            (0, 1000, 100_000)
+        );
+    }
+    let u = spec.process().as_ref().unwrap().user();
+    assert_eq!(
+        (u.uid(), u.gid()),
+        (0, 0),
+        "the namespace's root, unprivileged"
+    );
+    // A host-owned network namespace cannot be joined from inside the user namespace.
+    let netns = PathBuf::from("/run/netns/x");
+    assert!(
+        sandbox_spec(&SandboxSpecParams {
+            netns: Some(&netns),
+            ..params
+        })
+        .is_err()
+    );
+    // Containers of the pod join it.
+    let ns = SandboxNamespaces::of_infra(77, &sandbox);
+    assert_eq!(ns.user, Some(PathBuf::from("/proc/77/ns/user")));
+    assert_eq!(
+        SandboxNamespaces::of_infra(77, &sandbox_config()).user,
+        None
+    );
 }

@@ -11,7 +11,8 @@
 //! - namespaces: a new mount namespace; network, IPC and UTS of the sandbox (absent, i.e. the
 //!   host's, for host-network / host-IPC pods); PID per the container's `NamespaceMode`
 //!   (`POD`: the sandbox's, `CONTAINER`: a new one, `NODE`: the host's, `TARGET`: another
-//!   container's); a cgroup namespace on cgroup v2 hosts;
+//!   container's); a cgroup namespace on cgroup v2 hosts; the pod's user namespace, with its
+//!   mappings, when it has one ([`super::userns`]);
 //! - mounts: [`super::defaults::standard_mounts`], `/dev/shm` from the sandbox, the sandbox's
 //!   `/etc/hostname`, `/etc/resolv.conf` and `/etc/hosts`, then the CRI mounts (bind, with
 //!   `rprivate` / `rslave` / `rshared` propagation and `ro`); a CRI mount replaces a default
@@ -71,25 +72,38 @@ pub(crate) fn namespace(typ: LinuxNamespaceType, path: Option<&Path>) -> LinuxNa
 }
 
 /// The capability set from the defaults and the CRI `add`/`drop` lists (`ALL` in `add` grants
-/// every capability the host knows; `ALL` in `drop` starts from none, then adds apply).
+/// every capability the host can give, `ALL` in `drop` starts from none, then adds apply; drops
+/// win over adds). Defaults the host cannot give are left out; naming such a capability in
+/// `add` is an error, since the OCI runtime would fail the create with a less clear one.
 pub fn capability_set(
     caps: Option<&cri::Capability>,
     host: &HostInfo,
 ) -> Result<HashSet<Capability>> {
+    let available =
+        |c: &Capability| defaults::capability_number(c).is_some_and(|n| host.has_capability(n));
     let mut set: HashSet<Capability> = defaults::DEFAULT_CAPABILITIES
         .iter()
         .map(|c| defaults::parse_capability(c))
-        .collect::<Result<_>>()?;
+        .collect::<Result<HashSet<_>>>()?
+        .into_iter()
+        .filter(available)
+        .collect();
     let Some(caps) = caps else { return Ok(set) };
     let is_all = |c: &String| c.eq_ignore_ascii_case("ALL");
     if caps.drop_capabilities.iter().any(is_all) {
         set.clear();
     }
     if caps.add_capabilities.iter().any(is_all) {
-        set.extend(defaults::host_capabilities(host.cap_last_cap));
+        set.extend(defaults::host_capabilities(host));
     }
     for c in caps.add_capabilities.iter().filter(|c| !is_all(c)) {
-        set.insert(defaults::parse_capability(c)?);
+        let cap = defaults::parse_capability(c)?;
+        if !available(&cap) {
+            return Err(OciError::invalid(format!(
+                "capability {c} cannot be granted: minicri does not hold it (bounding set)"
+            )));
+        }
+        set.insert(cap);
     }
     for c in caps.drop_capabilities.iter().filter(|c| !is_all(c)) {
         set.remove(&defaults::parse_capability(c)?);
@@ -219,41 +233,95 @@ fn propagation(p: i32) -> Result<&'static str> {
     }
 }
 
-/// The CRI mounts as OCI bind mounts, parents first, and the rootfs propagation they need.
-pub fn cri_mounts(mounts: &[cri::Mount]) -> Result<(Vec<Mount>, Option<&'static str>)> {
+/// Checks one CRI mount (everything but id mappings, see [`cri_mounts`]) and returns its OCI
+/// propagation option.
+///
+/// `recursive_read_only` (CRI): every mount below the source is read-only too (the OCI runtime's
+/// `rro` option, `mount_setattr(2)` with `AT_RECURSIVE`); it requires `readonly` and private
+/// propagation, as the CRI says, and a host that can do it ([`HostInfo::recursive_read_only`]).
+fn check_mount(m: &cri::Mount, host: &HostInfo) -> Result<&'static str> {
+    if !m.container_path.starts_with('/') {
+        return Err(OciError::invalid(format!(
+            "mount container_path {:?} is not absolute",
+            m.container_path
+        )));
+    }
+    if m.host_path.is_empty() {
+        return Err(OciError::invalid(format!(
+            "mount {:?} has no host_path",
+            m.container_path
+        )));
+    }
+    if m.image.as_ref().is_some_and(|i| !i.image.is_empty()) {
+        return Err(OciError::invalid("image volume mounts are not supported"));
+    }
+    let prop = propagation(m.propagation)?;
+    if m.recursive_read_only {
+        if !m.readonly {
+            return Err(OciError::invalid(format!(
+                "mount {:?}: recursive_read_only needs readonly",
+                m.container_path
+            )));
+        }
+        if prop != "rprivate" {
+            return Err(OciError::invalid(format!(
+                "mount {:?}: recursive_read_only needs private propagation, not {prop}",
+                m.container_path
+            )));
+        }
+        if !host.recursive_read_only {
+            return Err(OciError::invalid(
+                "recursive read-only mounts are not supported on this host \
+                 (they need Linux >= 5.12 and an OCI runtime that knows `rro`)",
+            ));
+        }
+    }
+    Ok(prop)
+}
+
+/// Checks the CRI mounts of a container, but for id mappings (which
+/// [`super::userns::check_volume_mappings`] checks): CreateContainer calls it before it
+/// prepares their sources on the host, so that a refused request changes nothing there.
+pub fn validate_mounts(mounts: &[cri::Mount], host: &HostInfo) -> Result<()> {
+    mounts
+        .iter()
+        .try_for_each(|m| check_mount(m, host).map(drop))
+}
+
+/// The CRI mounts as OCI bind mounts, parents first, and the rootfs propagation they need
+/// (`rshared` when any mount is bidirectional, else `rslave` when any is host-to-container:
+/// the container's copy of the host mount must stay in the host's peer group, or become its
+/// slave, for mounts to cross). Mounts still carrying id mappings are refused: the caller
+/// replaces them with idmapped sources first ([`super::userns::idmap_volumes`]).
+pub fn cri_mounts(
+    mounts: &[cri::Mount],
+    host: &HostInfo,
+) -> Result<(Vec<Mount>, Option<&'static str>)> {
     let mut out = Vec::new();
     let mut root_propagation = None;
     let mut sorted: Vec<&cri::Mount> = mounts.iter().collect();
     sorted.sort_by_key(|m| Path::new(&m.container_path).components().count());
     for m in sorted {
-        if !m.container_path.starts_with('/') {
+        let prop = check_mount(m, host)?;
+        if !m.uid_mappings.is_empty() || !m.gid_mappings.is_empty() {
             return Err(OciError::invalid(format!(
-                "mount container_path {:?} is not absolute",
+                "mount {:?}: id mappings are only supported in a pod with its own user namespace",
                 m.container_path
             )));
         }
-        if m.image.as_ref().is_some_and(|i| !i.image.is_empty()) {
-            return Err(OciError::invalid("image volume mounts are not supported"));
-        }
-        if !m.uid_mappings.is_empty() || !m.gid_mappings.is_empty() {
-            return Err(OciError::invalid("id-mapped mounts are not supported"));
-        }
-        if m.recursive_read_only {
-            return Err(OciError::invalid(
-                "recursive read-only mounts are not supported",
-            ));
-        }
-        let prop = propagation(m.propagation)?;
         match prop {
             "rshared" => root_propagation = Some("rshared"),
             "rslave" if root_propagation.is_none() => root_propagation = Some("rslave"),
             _ => {}
         }
-        let ro = if m.readonly { "ro" } else { "rw" };
+        let mut opts = vec![prop, if m.readonly { "ro" } else { "rw" }];
+        if m.recursive_read_only {
+            opts.push("rro");
+        }
         out.push(bind_mount(
             &m.container_path,
             Path::new(&m.host_path),
-            &[prop, ro],
+            &opts,
         ));
     }
     Ok((out, root_propagation))
@@ -354,9 +422,7 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
             .unwrap_or_default()
     };
     let caps = if sc.privileged {
-        defaults::host_capabilities(p.host.cap_last_cap)
-            .into_iter()
-            .collect()
+        defaults::host_capabilities(p.host).into_iter().collect()
     } else {
         capability_set(sc.capabilities.as_ref(), p.host)?
     };
@@ -387,7 +453,7 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
     );
 
     // Mounts: defaults unless a CRI mount takes the destination.
-    let (user_mounts, root_propagation) = cri_mounts(&c.mounts)?;
+    let (user_mounts, root_propagation) = cri_mounts(&c.mounts, p.host)?;
     let taken: HashSet<PathBuf> = user_mounts
         .iter()
         .map(|m| m.destination().clone())
@@ -458,6 +524,18 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
     if p.host.cgroup_v2 {
         namespaces.push(namespace(T::Cgroup, None));
     }
+    // The pod's user namespace, with the same mappings (runc wants them also when joining).
+    let userns = match &p.namespaces.user {
+        Some(path) => {
+            let u = super::userns::pod_userns(p.sandbox_config)?.ok_or_else(|| {
+                OciError::invalid("the sandbox has a user namespace its config does not ask for")
+            })?;
+            namespaces.push(namespace(T::User, Some(path)));
+            Some(u)
+        }
+        None => None,
+    };
+    super::userns::check_container(c, userns.as_ref())?;
 
     // Linux section.
     let mut resources = match &linux.resources {
@@ -487,8 +565,8 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
     }
     resources.set_devices(Some(rules));
     let mut l = oci_spec::runtime::Linux::default();
-    l.set_uid_mappings(None);
-    l.set_gid_mappings(None);
+    l.set_uid_mappings(userns.map(|u| vec![u.uid]));
+    l.set_gid_mappings(userns.map(|u| vec![u.gid]));
     l.set_sysctl(None);
     l.set_namespaces(Some(namespaces));
     l.set_resources(Some(resources));

@@ -56,6 +56,9 @@ fn fixture() -> Fixture {
         oom_score_adj: 0,
         cap_sys_resource: false,
         cap_last_cap: 40,
+        cap_bounding: u64::MAX,
+        recursive_read_only: true,
+        user_namespaces: true,
         cgroup_v2: false,
     };
     Fixture {
@@ -189,7 +192,7 @@ fn users() {
     let u = spec.process().as_ref().unwrap().user();
     assert_eq!(
         (u.uid(), u.gid(), u.additional_gids().clone()),
-        (1001, 1002, Some(vec![3000, 5]))
+        (1001, 1002, Some(vec![1002, 3000, 5]))
     );
     let spec = build(
         &f,
@@ -257,7 +260,8 @@ fn namespaces_join_the_sandbox() {
             net: None,
             ipc: None,
             uts: None,
-            pid: None
+            pid: None,
+            user: None,
         }
     );
     let spec = build(&host, &cri::ContainerConfig::default()).unwrap();
@@ -642,4 +646,331 @@ fn resources_and_oom_clamp() {
         spec.linux().as_ref().unwrap().cgroups_path().as_deref(),
         Some(Path::new("/kubepods/pod1/ctr1"))
     );
+}
+
+/// This machine's root: every capability but `CAP_SYS_RESOURCE` (24) in its bounding set.
+fn host_without_sys_resource() -> HostInfo {
+    HostInfo {
+        cap_bounding: 0x1ff_feff_ffff,
+        ..fixture().host
+    }
+}
+
+#[test]
+fn capabilities_follow_the_bounding_set() {
+    let host = host_without_sys_resource();
+    let all = cri::Capability {
+        add_capabilities: vec!["ALL".into()],
+        ..Default::default()
+    };
+    let set = spec::capability_set(Some(&all), &host).unwrap();
+    assert_eq!(set.len(), 40);
+    assert!(!set.contains(&Capability::SysResource));
+    assert!(set.contains(&Capability::SysAdmin) && set.contains(&Capability::CheckpointRestore));
+    // Naming a capability the runtime cannot pass on is an error, not a runc failure later.
+    let explicit = cri::Capability {
+        add_capabilities: vec!["SYS_RESOURCE".into()],
+        ..Default::default()
+    };
+    let err = spec::capability_set(Some(&explicit), &host).unwrap_err();
+    assert!(err.to_string().contains("SYS_RESOURCE"), "{err}");
+    // Defaults the host lacks are left out quietly.
+    let no_audit = HostInfo {
+        cap_bounding: !(1 << 29), // CAP_AUDIT_WRITE
+        ..fixture().host
+    };
+    let set = spec::capability_set(None, &no_audit).unwrap();
+    assert_eq!(set.len(), 13);
+    assert!(!set.contains(&Capability::AuditWrite));
+    // An older kernel knows fewer capabilities.
+    let old = HostInfo {
+        cap_last_cap: 37,
+        ..fixture().host
+    };
+    assert_eq!(spec::capability_set(Some(&all), &old).unwrap().len(), 38);
+
+    // A privileged container gets exactly what the host can give, in every set.
+    let mut f = fixture();
+    f.host = host;
+    f.sandbox.linux.as_mut().unwrap().security_context = Some(cri::LinuxSandboxSecurityContext {
+        privileged: true,
+        ..Default::default()
+    });
+    let spec = build(
+        &f,
+        &with_sc(cri::LinuxContainerSecurityContext {
+            privileged: true,
+            ..Default::default()
+        }),
+    )
+    .unwrap();
+    let caps = spec
+        .process()
+        .as_ref()
+        .unwrap()
+        .capabilities()
+        .clone()
+        .unwrap();
+    for set in [caps.bounding(), caps.effective(), caps.permitted()] {
+        let set = set.as_ref().unwrap();
+        assert_eq!(set.len(), 40);
+        assert!(!set.contains(&Capability::SysResource));
+    }
+    assert!(caps.inheritable().as_ref().unwrap().is_empty());
+}
+
+#[test]
+fn recursive_read_only_mounts() {
+    let f = fixture();
+    let rro = |readonly: bool, propagation: cri::MountPropagation| cri::ContainerConfig {
+        mounts: vec![cri::Mount {
+            container_path: "/mnt".into(),
+            host_path: "/h/tree".into(),
+            readonly,
+            recursive_read_only: true,
+            propagation: propagation as i32,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let spec = build(&f, &rro(true, cri::MountPropagation::PropagationPrivate)).unwrap();
+    assert_eq!(
+        mount_of(&spec, "/mnt").unwrap().options().as_ref().unwrap(),
+        &["rbind", "rprivate", "ro", "rro"]
+    );
+    assert_eq!(
+        spec.linux()
+            .as_ref()
+            .unwrap()
+            .rootfs_propagation()
+            .as_deref(),
+        None,
+        "private mounts leave the rootfs propagation to the runtime's default"
+    );
+    // The CRI's rules: read-only, and private propagation.
+    for (readonly, prop) in [
+        (false, cri::MountPropagation::PropagationPrivate),
+        (true, cri::MountPropagation::PropagationHostToContainer),
+        (true, cri::MountPropagation::PropagationBidirectional),
+    ] {
+        let err = build(&f, &rro(readonly, prop)).unwrap_err();
+        assert!(err.to_string().contains("recursive_read_only"), "{err}");
+    }
+    // A host (kernel or OCI runtime) that cannot do it refuses instead of mounting rw below.
+    let mut old = fixture();
+    old.host.recursive_read_only = false;
+    let err = build(&old, &rro(true, cri::MountPropagation::PropagationPrivate)).unwrap_err();
+    assert!(err.to_string().contains("not supported"), "{err}");
+    // Plain read-only mounts need nothing of the host.
+    let ro = cri::ContainerConfig {
+        mounts: vec![cri::Mount {
+            container_path: "/mnt".into(),
+            host_path: "/h/tree".into(),
+            readonly: true,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    assert_eq!(
+        mount_of(&build(&old, &ro).unwrap(), "/mnt")
+            .unwrap()
+            .options()
+            .as_ref()
+            .unwrap(),
+        &["rbind", "rprivate", "ro"]
+    );
+    // The same rules are checked before CreateContainer touches the host; id mappings are
+    // left to the pod's user namespace (crate::oci::userns), cri_mounts refuses them.
+    let bad = rro(true, cri::MountPropagation::PropagationBidirectional);
+    assert!(spec::validate_mounts(&bad.mounts, &f.host).is_err());
+    let mapped = vec![cri::Mount {
+        container_path: "/v".into(),
+        host_path: "/h/v".into(),
+        uid_mappings: vec![cri::IdMapping {
+            host_id: 1000,
+            container_id: 0,
+            length: 10,
+        }],
+        ..Default::default()
+    }];
+    spec::validate_mounts(&mapped, &f.host).unwrap();
+    let err = spec::cri_mounts(&mapped, &f.host).unwrap_err();
+    assert!(err.to_string().contains("user namespace"), "{err}");
+    // A mount needs a source.
+    let no_source = cri::ContainerConfig {
+        mounts: vec![cri::Mount {
+            container_path: "/mnt".into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    assert!(build(&f, &no_source).is_err());
+}
+
+#[test]
+fn bidirectional_wins_over_host_to_container() {
+    let f = fixture();
+    let m = |path: &str, p: cri::MountPropagation| cri::Mount {
+        container_path: path.into(),
+        host_path: path.into(),
+        propagation: p as i32,
+        ..Default::default()
+    };
+    let c = cri::ContainerConfig {
+        mounts: vec![
+            m("/b", cri::MountPropagation::PropagationBidirectional),
+            m("/a", cri::MountPropagation::PropagationHostToContainer),
+            m("/c", cri::MountPropagation::PropagationPrivate),
+        ],
+        ..Default::default()
+    };
+    let spec = build(&f, &c).unwrap();
+    assert_eq!(
+        spec.linux()
+            .as_ref()
+            .unwrap()
+            .rootfs_propagation()
+            .as_deref(),
+        Some("rshared")
+    );
+    let opts = |d: &str| mount_of(&spec, d).unwrap().options().clone().unwrap();
+    assert_eq!(opts("/a"), ["rbind", "rslave", "rw"]);
+    assert_eq!(opts("/b"), ["rbind", "rshared", "rw"]);
+    assert_eq!(opts("/c"), ["rbind", "rprivate", "rw"]);
+}
+
+#[test]
+fn supplementary_groups_hold_the_primary_gid() {
+    let f = fixture();
+    // run_as_user 1001 (app, primary 1002, member of extra 3000) plus a CRI group.
+    let merge = with_sc(cri::LinuxContainerSecurityContext {
+        run_as_user: Some(cri::Int64Value { value: 1001 }),
+        supplemental_groups: vec![1234],
+        ..Default::default()
+    });
+    let u = build(&f, &merge)
+        .unwrap()
+        .process()
+        .clone()
+        .unwrap()
+        .user()
+        .clone();
+    assert_eq!((u.uid(), u.gid()), (1001, 1002));
+    assert_eq!(
+        u.additional_gids().as_deref(),
+        Some(&[1002, 3000, 1234][..])
+    );
+    // Strict: the image's /etc/group is not consulted.
+    let strict = with_sc(cri::LinuxContainerSecurityContext {
+        run_as_user: Some(cri::Int64Value { value: 1001 }),
+        supplemental_groups: vec![1234],
+        supplemental_groups_policy: cri::SupplementalGroupsPolicy::Strict as i32,
+        ..Default::default()
+    });
+    let u = build(&f, &strict)
+        .unwrap()
+        .process()
+        .clone()
+        .unwrap()
+        .user()
+        .clone();
+    assert_eq!(u.additional_gids().as_deref(), Some(&[1002, 1234][..]));
+    // A uid without a passwd entry: gid 0 unless run_as_group says otherwise.
+    let unknown = with_sc(cri::LinuxContainerSecurityContext {
+        run_as_user: Some(cri::Int64Value { value: 4321 }),
+        run_as_group: Some(cri::Int64Value { value: 8765 }),
+        ..Default::default()
+    });
+    let u = build(&f, &unknown)
+        .unwrap()
+        .process()
+        .clone()
+        .unwrap()
+        .user()
+        .clone();
+    assert_eq!((u.uid(), u.gid()), (4321, 8765));
+    assert_eq!(u.additional_gids().as_deref(), Some(&[8765][..]));
+    // run_as_group alone is refused (CRI).
+    let group_only = with_sc(cri::LinuxContainerSecurityContext {
+        run_as_group: Some(cri::Int64Value { value: 5 }),
+        ..Default::default()
+    });
+    assert!(build(&f, &group_only).is_err());
+}
+
+#[test]
+fn oom_score_adj_is_never_below_the_daemons() {
+    // This machine: no CAP_SYS_RESOURCE, the daemon at 0. Whatever is asked, nothing negative.
+    let f = fixture();
+    for asked in [-1000, -998, -1, 0] {
+        let c = cri::ContainerConfig {
+            linux: Some(cri::LinuxContainerConfig {
+                resources: Some(cri::LinuxContainerResources {
+                    oom_score_adj: asked,
+                    ..Default::default()
+                }),
+                security_context: None,
+            }),
+            ..Default::default()
+        };
+        let spec = build(&f, &c).unwrap();
+        assert_eq!(spec.process().as_ref().unwrap().oom_score_adj(), Some(0));
+    }
+}
+
+#[test]
+fn containers_join_the_pods_user_namespace() {
+    let mut f = fixture();
+    let m = vec![cri::IdMapping {
+        host_id: 200_000,
+        container_id: 0,
+        length: 65_536,
+    }];
+    let userns = cri::NamespaceOption {
+        userns_options: Some(cri::UserNamespace {
+            mode: cri::NamespaceMode::Pod as i32,
+            uids: m.clone(),
+            gids: m,
+        }),
+        ..Default::default()
+    };
+    f.sandbox.linux.as_mut().unwrap().security_context = Some(cri::LinuxSandboxSecurityContext {
+        namespace_options: Some(userns.clone()),
+        ..Default::default()
+    });
+    f.ns = SandboxNamespaces::of_infra(4242, &f.sandbox);
+    let spec = build(&f, &cri::ContainerConfig::default()).unwrap();
+    assert!(ns_of(&spec).contains(&(
+        LinuxNamespaceType::User,
+        Some(PathBuf::from("/proc/4242/ns/user"))
+    )));
+    let l = spec.linux().as_ref().unwrap();
+    let uid = l.uid_mappings().as_ref().unwrap();
+    assert_eq!((uid[0].host_id(), uid[0].size()), (200_000, 65_536));
+    assert_eq!(l.gid_mappings(), l.uid_mappings());
+    // The kubelet repeats the pod's options on the container: fine; others are refused.
+    let same = with_sc(cri::LinuxContainerSecurityContext {
+        namespace_options: Some(userns),
+        ..Default::default()
+    });
+    build(&f, &same).unwrap();
+    let host = with_sc(cri::LinuxContainerSecurityContext {
+        namespace_options: Some(cri::NamespaceOption {
+            userns_options: Some(cri::UserNamespace {
+                mode: cri::NamespaceMode::Node as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    assert!(build(&f, &host).is_err());
+    // Without a pod user namespace: no user namespace, no mappings.
+    let plain = build(&fixture(), &cri::ContainerConfig::default()).unwrap();
+    assert!(
+        !ns_of(&plain)
+            .iter()
+            .any(|(t, _)| *t == LinuxNamespaceType::User)
+    );
+    assert!(plain.linux().as_ref().unwrap().uid_mappings().is_none());
 }

@@ -8,9 +8,12 @@
 //! 4. otherwise root (0:0).
 //!
 //! `run_as_group` then replaces the primary gid (only allowed together with 1 or 2, as the CRI
-//! validates). Additional gids are the groups of `/etc/group` listing the user by name (not when
-//! the image's `User` names a group explicitly, nor with the `Strict` supplemental groups policy),
-//! plus the CRI `supplemental_groups`, without duplicates or the primary gid.
+//! validates). Additional gids (the process's supplementary group list, `setgroups(2)`) are the
+//! primary gid, the groups of `/etc/group` listing the user by name (not when the image's `User`
+//! names a group explicitly, nor with the `Strict` supplemental groups policy), and the CRI
+//! `supplemental_groups`, without duplicates. The primary gid is in the list so that the
+//! process keeps it when it changes its effective gid, and because that is the identity the
+//! CRI's `LinuxContainerUser.supplemental_groups` reports (containerd and CRI-O do the same).
 //!
 //! The rootfs is untrusted: files are read through [`read_in_root`], which resolves symlinks as
 //! if the rootfs were `/`, so an image cannot point `/etc/passwd` at a host file.
@@ -210,7 +213,7 @@ pub fn resolve_user(rootfs: &Path, req: &UserRequest<'_>) -> Result<ResolvedUser
         gid = id_from_i64(g, "run_as_group")?;
     }
 
-    let mut additional = Vec::new();
+    let mut additional = vec![gid];
     if let Some(e) = entry.filter(|_| !explicit_group && !req.strict_groups) {
         additional.extend(
             groups
@@ -223,7 +226,7 @@ pub fn resolve_user(rootfs: &Path, req: &UserRequest<'_>) -> Result<ResolvedUser
         additional.push(id_from_i64(*g, "supplemental group")?);
     }
     let mut seen = std::collections::HashSet::new();
-    additional.retain(|g| *g != gid && seen.insert(*g));
+    additional.retain(|g| seen.insert(*g));
     Ok(ResolvedUser {
         uid,
         gid,
@@ -281,6 +284,7 @@ mod tests {
             (u.uid, u.gid, u.username.as_deref(), u.home.as_deref()),
             (0, 0, Some("root"), Some("/root"))
         );
+        assert_eq!(u.additional_gids, [0]);
     }
 
     #[test]
@@ -292,7 +296,7 @@ mod tests {
         })
         .unwrap();
         assert_eq!((u.uid, u.gid), (1000, 1000));
-        assert_eq!(u.additional_gids, [44, 29, 50]);
+        assert_eq!(u.additional_gids, [1000, 44, 29, 50]);
         let strict = r(UserRequest {
             run_as_username: "bob",
             strict_groups: true,
@@ -300,7 +304,7 @@ mod tests {
             ..Default::default()
         })
         .unwrap();
-        assert_eq!(strict.additional_gids, [50]);
+        assert_eq!(strict.additional_gids, [1000, 50]);
         assert!(
             r(UserRequest {
                 run_as_username: "nobody",
@@ -319,7 +323,7 @@ mod tests {
         })
         .unwrap();
         assert_eq!((u.uid, u.gid, u.username.as_deref()), (33, 7, Some("www")));
-        assert_eq!(u.additional_gids, [44]);
+        assert_eq!(u.additional_gids, [7, 44]);
         let unknown = r(UserRequest {
             run_as_user: Some(4242),
             image_user: "bob",
@@ -355,7 +359,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             (u.uid, u.gid, u.additional_gids.clone()),
-            (33, 33, vec![44])
+            (33, 33, vec![33, 44])
         );
         let u = r(UserRequest {
             image_user: "bob:staff",
@@ -363,8 +367,9 @@ mod tests {
         })
         .unwrap();
         assert_eq!((u.uid, u.gid), (1000, 50));
-        assert!(
-            u.additional_gids.is_empty(),
+        assert_eq!(
+            u.additional_gids,
+            [50],
             "an explicit group replaces /etc/group membership"
         );
         let u = r(UserRequest {

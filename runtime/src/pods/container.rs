@@ -28,7 +28,32 @@ fn not_found(id: &str) -> Error {
     Error::NotFound(format!("container {id} not found"))
 }
 
+/// CRI `ContainerUser`: the identity of the container's first process, its supplementary
+/// groups sorted as the kernel keeps them.
+fn container_user(u: &oci_spec::runtime::User) -> cri::ContainerUser {
+    let mut groups: Vec<i64> = u
+        .additional_gids()
+        .iter()
+        .flatten()
+        .map(|g| i64::from(*g))
+        .collect();
+    groups.sort_unstable();
+    groups.dedup();
+    cri::ContainerUser {
+        linux: Some(cri::LinuxContainerUser {
+            uid: i64::from(u.uid()),
+            gid: i64::from(u.gid()),
+            supplemental_groups: groups,
+        }),
+    }
+}
+
 impl PodService {
+    /// Where the idmapped mounts of container `id` go (only in a pod user namespace).
+    fn idmap_dir(&self, id: &str) -> PathBuf {
+        self.state_dir.join("idmap").join(id)
+    }
+
     /// CreateContainer: returns the new container's id.
     pub async fn create_container(
         self: &Arc<Self>,
@@ -97,6 +122,11 @@ impl PodService {
             Error::FailedPrecondition(format!("image {image_name:?} is not unpacked"))
         })?;
         let image_config = ImageConfig::from_document(&self.content.read(&image.config)?)?;
+        // Mounts are checked before anything is done on the host for them (their sources may
+        // be made shared below, which is not undone).
+        let pod_userns = oci::userns::pod_userns(&sb_config)?;
+        oci::spec::validate_mounts(&config.mounts, &self.host)?;
+        oci::userns::check_volume_mappings(&config.mounts, pod_userns.as_ref())?;
 
         let id = self.new_id()?;
         let sm = sb_config.metadata.clone().unwrap_or_default();
@@ -110,20 +140,34 @@ impl PodService {
             id: id.clone(),
         });
 
-        // The writable snapshot, mounted.
+        // The writable snapshot, mounted; in a pod with its own user namespace, on idmapped
+        // layers (crate::oci::userns).
+        let userns_path =
+            pod_userns.map(|_| PathBuf::from(format!("/proc/{}/ns/user", sb.infra_pid)));
+        let userns = pod_userns
+            .zip(userns_path.clone())
+            .map(|(u, path)| (path, (u.uid.host_id(), u.gid.host_id())));
         let dir = self.container_dir(&id);
         let rootfs = dir.join("rootfs");
+        // Idmapped mounts stay out of `dir`, which undo removes recursively (crate::oci::userns).
+        let idmap = self.idmap_dir(&id);
         undo.push(Undo::RemoveDir(dir.clone()));
         undo.push(Undo::RemoveSnapshot(id.clone()));
         undo.push(Undo::Unmount(rootfs.clone()));
+        undo.push(Undo::RemoveIdmapped(idmap.clone()));
         {
             let snap = self.snapshotter.clone();
-            let (key, rootfs) = (id.clone(), rootfs.clone());
+            let (key, rootfs, layers) = (id.clone(), rootfs.clone(), idmap.join("layers"));
             blocking(move || {
                 let m = snap.prepare(&key, Some(&chain_id))?;
                 std::fs::create_dir_all(&rootfs)
                     .map_err(|e| Error::Internal(format!("creating {}: {e}", rootfs.display())))?;
-                m.mount_at(&rootfs)?;
+                match userns {
+                    Some((ns, root)) => {
+                        oci::userns::mount_rootfs(&m, &rootfs, &layers, &ns, root)?;
+                    }
+                    None => m.mount_at(&rootfs)?,
+                }
                 Ok(())
             })
             .await?;
@@ -156,9 +200,30 @@ impl PodService {
                 Ok(PathBuf::from(format!("/proc/{}/ns/pid", t.pid)))
             })
             .transpose()?;
+        // Bind sources: created when missing, made shared when their propagation needs it;
+        // in a pod user namespace, idmapped when the kubelet asks (the spec then binds those).
+        let mounts = config.mounts.clone();
+        let volumes = idmap.join("volumes");
+        let (mounts, _) = blocking(move || {
+            oci::propagation::prepare_bind_sources(&mounts)?;
+            match &userns_path {
+                Some(ns) => Ok(oci::userns::idmap_volumes(
+                    &mounts,
+                    pod_userns.as_ref(),
+                    ns,
+                    &volumes,
+                )?),
+                None => Ok((mounts, Vec::new())),
+            }
+        })
+        .await?;
+        let spec_config = cri::ContainerConfig {
+            mounts,
+            ..config.clone()
+        };
         let spec = oci::container_spec(&ContainerSpecParams {
             id: &id,
-            config: &config,
+            config: &spec_config,
             sandbox_config: &sb_config,
             image: &image_config,
             rootfs: &rootfs,
@@ -196,6 +261,7 @@ impl PodService {
             stop_signal: image_config.stop_signal_number().unwrap_or(libc::SIGTERM),
             shim: None,
             pid: 0,
+            user: spec.process().as_ref().map(|p| p.user().clone()),
         };
         self.store.put_container(rec)?;
         tracing::info!(container = %id, sandbox = %sandbox_id, name = %meta.name, "container created");
@@ -397,8 +463,10 @@ impl PodService {
         }
         let snap = self.snapshotter.clone();
         let (rootfs, key) = (rec.rootfs.clone(), id.to_string());
+        let idmap = self.idmap_dir(id);
         blocking(move || {
             super::unmount_all(&rootfs)?;
+            oci::userns::remove_idmapped(&idmap)?;
             match snap.remove(&key) {
                 Ok(_) | Err(minicri_snapshotter::Error::NotFound { .. }) => Ok(()),
                 Err(e) => Err(e.into()),
@@ -440,6 +508,7 @@ impl PodService {
                 .map(|p| p.display().to_string())
                 .unwrap_or_default(),
             image_id: r.image_id.clone(),
+            user: r.user.as_ref().map(container_user),
             ..Default::default()
         })
     }

@@ -15,7 +15,8 @@
 //! hosts, shm), `containers/<id>/rootfs` (the mounted writable snapshot), `b/<id[..32]>/` (OCI
 //! bundles with the shim's files: the full id would make the shim's socket path too long),
 //! `netns/<id>` (pinned network namespaces), `infra/` (the infra rootfs), `runc/` (the OCI
-//! runtime's root).
+//! runtime's root), `idmap/<id>/` (idmapped layers and volumes of containers in pod user
+//! namespaces, see `crate::oci::userns`).
 //!
 //! Invariants:
 //! - a multi-step operation that fails half-way undoes every step it completed ([`Undo`]);
@@ -108,6 +109,9 @@ pub(crate) enum Undo {
     },
     Unmount(PathBuf),
     RemoveSnapshot(String),
+    /// Idmapped mounts of a container in a pod user namespace, and their directory
+    /// (`crate::oci::userns::remove_idmapped`: never a recursive removal).
+    RemoveIdmapped(PathBuf),
 }
 
 impl PodService {
@@ -130,11 +134,13 @@ impl PodService {
         ));
         let mut runtime = Runc::new(config.oci_runtime.clone(), state.join("runc"));
         runtime.systemd_cgroup = config.cgroup_driver == CgroupDriver::Systemd;
+        let mut host = HostInfo::detect();
+        host.recursive_read_only &= runtime.supports_mount_option("rro");
         let svc = Arc::new(PodService {
             store,
             cni: Arc::new(cni),
             runtime,
-            host: HostInfo::detect(),
+            host,
             cgroup_driver: config.cgroup_driver,
             shim_binary: std::env::current_exe()?,
             state_dir: state,
@@ -281,6 +287,7 @@ impl PodService {
                 }
             }
             Undo::Unmount(p) => unmount_all(&p)?,
+            Undo::RemoveIdmapped(p) => crate::oci::userns::remove_idmapped(&p)?,
             Undo::RemoveSnapshot(key) => {
                 let snap = self.snapshotter.clone();
                 blocking(move || match snap.remove(&key) {

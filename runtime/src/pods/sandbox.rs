@@ -89,6 +89,14 @@ impl PodService {
             )));
         }
         oci::sandbox::validate_sysctls(&config)?;
+        // A pod in its own user namespace gets its network namespace from the infra process,
+        // which creates both; CNI attaches it after `create` (see crate::oci::userns).
+        let own_userns = oci::userns::pod_userns(&config)?.is_some();
+        if own_userns && !self.host.user_namespaces {
+            return Err(Error::InvalidArgument(
+                "pod user namespaces need Linux >= 5.19 (idmapped overlay layers)".into(),
+            ));
+        }
         let id = self.new_id()?;
         let name = sandbox_name(&meta);
         self.store.reserve(&name, &id)?;
@@ -100,16 +108,13 @@ impl PodService {
         // Network: a pinned namespace, attached through CNI.
         let mut netns = None;
         let mut ips = Vec::new();
-        if !host_network(&config) {
+        if !host_network(&config) && !own_userns {
             let dir = self.netns_dir();
             let nid = id.clone();
             let path = blocking(move || Ok(crate::netns::create(&dir, &nid)?)).await?;
             undo.push(Undo::RemoveNetns(path.clone()));
             netns = Some(path.clone());
-            let pod = PodNetwork::from_sandbox_config(&id, path, &config);
-            let status = self.cni.setup(&pod).await?;
-            undo.push(Undo::CniTeardown(pod));
-            ips = status.ips.iter().map(|ip| ip.to_string()).collect();
+            ips = self.attach_network(&id, path, &config, undo).await?;
         }
 
         // Shared files.
@@ -151,6 +156,15 @@ impl PodService {
             id: id.clone(),
             shim: Some(shim.clone()),
         });
+        if !host_network(&config) && own_userns {
+            let dir = self.netns_dir();
+            let nid = id.clone();
+            let ns = std::path::PathBuf::from(format!("/proc/{}/ns/net", shim.init_pid));
+            let path = blocking(move || Ok(crate::netns::pin(&dir, &nid, &ns)?)).await?;
+            undo.push(Undo::RemoveNetns(path.clone()));
+            netns = Some(path.clone());
+            ips = self.attach_network(&id, path, &config, undo).await?;
+        }
         self.runtime.start(&id).await?;
 
         let rec = SandboxRecord {
@@ -170,6 +184,20 @@ impl PodService {
         self.watch_infra(id.clone(), shim);
         tracing::info!(sandbox = %id, pod = %format!("{}/{}", meta.namespace, meta.name), "pod sandbox running");
         Ok(id)
+    }
+
+    /// CNI ADD for the sandbox's pinned network namespace `netns`; returns the pod's IPs.
+    async fn attach_network(
+        &self,
+        id: &str,
+        netns: std::path::PathBuf,
+        config: &cri::PodSandboxConfig,
+        undo: &mut Vec<Undo>,
+    ) -> Result<Vec<String>> {
+        let pod = PodNetwork::from_sandbox_config(id, netns, config);
+        let status = self.cni.setup(&pod).await?;
+        undo.push(Undo::CniTeardown(pod));
+        Ok(status.ips.iter().map(|ip| ip.to_string()).collect())
     }
 
     /// Marks the sandbox NotReady when its infra process exits.

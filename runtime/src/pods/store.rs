@@ -104,6 +104,10 @@ pub struct ContainerRecord {
     pub stop_signal: i32,
     pub shim: Option<ShimHandle>,
     pub pid: i32,
+    /// uid, gid and supplementary groups of the container's process (ContainerStatus `user`);
+    /// absent in records written before it existed.
+    #[serde(default)]
+    pub user: Option<oci_spec::runtime::User>,
 }
 
 impl ContainerRecord {
