@@ -61,22 +61,13 @@ impl PodService {
         config: cri::ContainerConfig,
         sandbox_config: Option<cri::PodSandboxConfig>,
     ) -> Result<String> {
-        let svc = self.clone();
-        tokio::spawn(async move {
-            let mut undo = Vec::new();
-            match svc
-                .create_steps(&sandbox_id, config, sandbox_config, &mut undo)
-                .await
-            {
-                Ok(id) => Ok(id),
-                Err(e) => {
-                    svc.undo(undo).await;
-                    Err(e)
-                }
-            }
+        self.undoable("CreateContainer", move |svc, undo| {
+            Box::pin(async move {
+                svc.create_steps(&sandbox_id, config, sandbox_config, undo)
+                    .await
+            })
         })
         .await
-        .map_err(|e| Error::Internal(format!("CreateContainer task: {e}")))?
     }
 
     async fn create_steps(

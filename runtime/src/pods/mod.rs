@@ -258,6 +258,32 @@ impl PodService {
         }
     }
 
+    /// Runs a multi-step operation (RunPodSandbox, CreateContainer) in its own task, so that a
+    /// client hanging up does not stop it half-way. `steps` records how to undo each step it
+    /// completes; when it fails, those run in reverse and its error is returned.
+    pub(crate) async fn undoable<T, F>(self: &Arc<Self>, what: &'static str, steps: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: for<'a> FnOnce(
+                Arc<PodService>,
+                &'a mut Vec<Undo>,
+            ) -> futures::future::BoxFuture<'a, Result<T>>
+            + Send
+            + 'static,
+    {
+        let svc = self.clone();
+        tokio::spawn(async move {
+            let mut undo = Vec::new();
+            let result = steps(svc.clone(), &mut undo).await;
+            if result.is_err() {
+                svc.undo(undo).await;
+            }
+            result
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("{what} task: {e}")))?
+    }
+
     /// Undoes completed steps, last first; failures are logged (the original error is what
     /// the caller reports).
     pub(crate) async fn undo(&self, steps: Vec<Undo>) {

@@ -58,22 +58,10 @@ impl PodService {
         config: cri::PodSandboxConfig,
         runtime_handler: String,
     ) -> Result<String> {
-        let svc = self.clone();
-        tokio::spawn(async move {
-            let mut undo = Vec::new();
-            match svc
-                .run_sandbox_steps(config, runtime_handler, &mut undo)
-                .await
-            {
-                Ok(id) => Ok(id),
-                Err(e) => {
-                    svc.undo(undo).await;
-                    Err(e)
-                }
-            }
+        self.undoable("RunPodSandbox", move |svc, undo| {
+            Box::pin(async move { svc.run_sandbox_steps(config, runtime_handler, undo).await })
         })
         .await
-        .map_err(|e| Error::Internal(format!("RunPodSandbox task: {e}")))?
     }
 
     async fn run_sandbox_steps(
