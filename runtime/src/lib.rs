@@ -22,6 +22,7 @@ pub mod config;
 pub mod cri;
 pub mod daemon;
 pub mod error;
+pub mod fsutil;
 pub mod logs;
 pub mod metrics;
 pub mod netns;

@@ -115,13 +115,8 @@ impl Cache {
         let id = &entry.container_id;
         std::fs::create_dir_all(&self.dir).map_err(self.io_err(id))?;
         let path = self.path(id);
-        let tmp = self.dir.join(format!(".{id}.json.tmp"));
         let bytes = serde_json::to_vec_pretty(entry).expect("plain data serialises");
-        std::fs::write(&tmp, bytes).map_err(self.io_err(id))?;
-        std::fs::rename(&tmp, &path).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            self.io_err(id)(e)
-        })
+        crate::fsutil::write_atomic(&path, &bytes).map_err(self.io_err(id))
     }
 
     /// Removes the entry of `id`; fine when there is none.

@@ -52,6 +52,6 @@ pub fn write_bundle(bundle: &std::path::Path, spec: &oci_spec::runtime::Spec) ->
     std::fs::create_dir_all(bundle).map_err(|e| OciError::io("create", bundle, e))?;
     let json = serde_json::to_vec_pretty(spec)
         .map_err(|e| OciError::Other(format!("config.json: {e}")))?;
-    crate::shim::protocol::write_atomic(&bundle.join("config.json"), &json)
+    crate::fsutil::write_atomic(&bundle.join("config.json"), &json)
         .map_err(|e| OciError::io("write", bundle.join("config.json"), e))
 }

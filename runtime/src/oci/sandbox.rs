@@ -125,9 +125,7 @@ pub fn hosts_file(hostname: &str) -> String {
 }
 
 fn write(path: &Path, contents: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, contents).map_err(|e| OciError::io("write", &tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| OciError::io("rename", path, e))
+    crate::fsutil::write_atomic(path, contents).map_err(|e| OciError::io("write", path, e))
 }
 
 impl SandboxFiles {

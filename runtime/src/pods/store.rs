@@ -21,8 +21,8 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::fsutil::write_atomic;
 use crate::shim::ShimHandle;
-use crate::shim::protocol::write_atomic;
 
 /// `SANDBOX_READY` / `SANDBOX_NOTREADY`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -22,7 +22,8 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::Pid;
 
-use super::protocol::{ExitRecord, Ready, Request, Response, ShimPaths, write_atomic};
+use super::protocol::{ExitRecord, Ready, Request, Response, ShimPaths};
+use crate::fsutil::write_atomic;
 use crate::logs::{CriLogFile, DEFAULT_MAX_LINE, LineSplitter, Stream};
 use crate::oci::runc::{Runc, read_runtime_log};
 

@@ -1,7 +1,6 @@
 //! What the shim and the daemon exchange: the readiness report, the control socket requests and
 //! responses, and the exit file. All are JSON; socket messages are one JSON object per line.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -104,17 +103,7 @@ pub enum Response {
     },
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename, so readers see all or
-/// nothing.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)
-}
+pub use crate::fsutil::write_atomic;
 
 /// Reads the exit file; `Ok(None)` when it is not there (yet).
 pub fn read_exit_file(path: &Path) -> std::io::Result<Option<ExitRecord>> {
