@@ -13,6 +13,8 @@
 //! - [`logs`]: the CRI log line format (writer, splitter, parser);
 //! - [`pause`]: the sandbox infra process (`minicri pause`) and its rootfs;
 //! - [`pods`]: pod sandboxes and containers (records, lifecycle, exits);
+//! - [`metrics`]: Prometheus metrics of the pulls (loopback, off by default);
+//! - [`fsutil`]: atomic file replacement, shared by the modules that persist state;
 //! - [`stream`]: the streaming server behind the Exec RPC's URLs (HTTP/1.1, SPDY/3.1,
 //!   remotecommand).
 
