@@ -183,6 +183,8 @@ pub struct PodEnv {
 }
 
 impl PodEnv {
+    /// Starts the registry (with the standard images pushed), the daemon, and writes the CNI
+    /// configuration of a fresh bridge and /28.
     pub async fn new() -> PodEnv {
         let registry = Registry::start();
         let set = images::push_standard_set(&registry.addr(), None)
@@ -232,6 +234,7 @@ impl PodEnv {
         }
     }
 
+    /// A RuntimeService client connected to the daemon.
     pub async fn runtime(&self) -> RuntimeServiceClient<Channel> {
         self.daemon.runtime().await.unwrap()
     }
@@ -256,6 +259,34 @@ impl PodEnv {
     /// The daemon's state directory.
     pub fn state(&self) -> PathBuf {
         self.daemon.root().parent().unwrap().join("state")
+    }
+
+    /// What pods left under the daemon's state directory: mounts (but the netns directory
+    /// itself, which stays a shared self-bound mount point for the daemon's lifetime, as `ip
+    /// netns` keeps /run/netns), pinned network namespaces, and processes other than the daemon
+    /// whose command line names the state directory (monitors, infra). Empty when all is clean.
+    pub fn stray_state(&self) -> Vec<String> {
+        let state = self.state();
+        let mut out: Vec<String> = mounts_under(&state)
+            .into_iter()
+            .filter(|m| Path::new(m) != state.join("netns"))
+            .map(|m| format!("mount {m}"))
+            .collect();
+        out.extend(
+            std::fs::read_dir(state.join("netns"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| format!("netns {}", e.path().display())),
+        );
+        let daemon = self.daemon.pid().map(|p| p as i32);
+        out.extend(
+            processes_mentioning(&state.to_string_lossy())
+                .into_iter()
+                .filter(|p| Some(*p) != daemon)
+                .map(|p| format!("process {p}")),
+        );
+        out
     }
 
     /// A fresh cgroupfs cgroup parent (`/minicri-test-<hex>`), removed from every hierarchy

@@ -7,47 +7,23 @@
 //! Root only, with runc and Debian's CNI plugins ([`skip_reason`]).
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_proto::runtime::v1::runtime_service_client::RuntimeServiceClient;
 use minicri_tests::pod_env::{PodEnv, pod_config, skip_reason};
+use minicri_tests::pod_rpc::{
+    RuntimeClient, create_container, run_container, run_pod, sh_container_config,
+    stop_and_remove_pod,
+};
 use minicri_tests::remotecommand::{self, CLIENT_GO_PROTOCOLS};
-use tonic::transport::Channel;
 
+/// A container that sleeps, with an environment variable and a working directory of its own.
 fn container(name: &str, image: &str) -> cri::ContainerConfig {
     cri::ContainerConfig {
-        metadata: Some(cri::ContainerMetadata {
-            name: name.into(),
-            attempt: 0,
-        }),
-        image: Some(cri::ImageSpec {
-            image: image.into(),
-            ..Default::default()
-        }),
-        command: vec!["sh".into(), "-c".into(), "exec sleep 1000".into()],
         envs: vec![cri::KeyValue {
             key: "GREETING".into(),
             value: "from-the-container-spec".into(),
         }],
         working_dir: "/tmp".into(),
-        log_path: format!("{name}/0.log"),
-        ..Default::default()
+        ..sh_container_config(name, image, "exec sleep 1000")
     }
-}
-
-async fn create(
-    c: &mut RuntimeServiceClient<Channel>,
-    sandbox: &str,
-    pod: &cri::PodSandboxConfig,
-    config: cri::ContainerConfig,
-) -> String {
-    c.create_container(cri::CreateContainerRequest {
-        pod_sandbox_id: sandbox.into(),
-        config: Some(config),
-        sandbox_config: Some(pod.clone()),
-    })
-    .await
-    .expect("CreateContainer")
-    .into_inner()
-    .container_id
 }
 
 fn exec_request(id: &str, cmd: &[&str]) -> cri::ExecRequest {
@@ -61,11 +37,11 @@ fn exec_request(id: &str, cmd: &[&str]) -> cri::ExecRequest {
     }
 }
 
-async fn exec_url(c: &mut RuntimeServiceClient<Channel>, req: cri::ExecRequest) -> String {
+async fn exec_url(c: &mut RuntimeClient, req: cri::ExecRequest) -> String {
     c.exec(req).await.expect("Exec").into_inner().url
 }
 
-async fn exec_err(c: &mut RuntimeServiceClient<Channel>, req: cri::ExecRequest) -> tonic::Status {
+async fn exec_err(c: &mut RuntimeClient, req: cri::ExecRequest) -> tonic::Status {
     c.exec(req).await.expect_err("Exec must fail")
 }
 
@@ -79,21 +55,8 @@ async fn exec_streams_output_exit_codes_and_stdin() {
     let image = env.pull_busybox().await;
     let mut c = env.runtime().await;
     let pod = pod_config("exec", env.logs.path());
-    let sb = c
-        .run_pod_sandbox(cri::RunPodSandboxRequest {
-            config: Some(pod.clone()),
-            runtime_handler: String::new(),
-        })
-        .await
-        .expect("RunPodSandbox")
-        .into_inner()
-        .pod_sandbox_id;
-    let id = create(&mut c, &sb, &pod, container("shell", &image)).await;
-    c.start_container(cri::StartContainerRequest {
-        container_id: id.clone(),
-    })
-    .await
-    .expect("StartContainer");
+    let sb = run_pod(&mut c, &pod).await;
+    let id = run_container(&mut c, &sb, &pod, container("shell", &image)).await;
 
     // A zero exit: output on its streams, the v4 Success status, in the container's settings.
     let url = exec_url(
@@ -219,7 +182,9 @@ async fn exec_streams_output_exit_codes_and_stdin() {
     let e = exec_err(&mut c, exec_request(&"f".repeat(64), &["true"])).await;
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
     assert!(e.message().contains(&"f".repeat(64)), "{e:?}");
-    let created = create(&mut c, &sb, &pod, container("idle", &image)).await;
+    let created = create_container(&mut c, &sb, &pod, container("idle", &image))
+        .await
+        .expect("CreateContainer");
     let e = exec_err(&mut c, exec_request(&created, &["true"])).await;
     assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
     assert!(e.message().contains(&created), "{e:?}");
@@ -247,12 +212,5 @@ async fn exec_streams_output_exit_codes_and_stdin() {
         .unwrap();
     assert_eq!(up.status, 403, "{}", up.head);
 
-    c.stop_pod_sandbox(cri::StopPodSandboxRequest {
-        pod_sandbox_id: sb.clone(),
-    })
-    .await
-    .expect("StopPodSandbox");
-    c.remove_pod_sandbox(cri::RemovePodSandboxRequest { pod_sandbox_id: sb })
-        .await
-        .expect("RemovePodSandbox");
+    stop_and_remove_pod(&mut c, &sb).await;
 }

@@ -10,101 +10,13 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_proto::runtime::v1::runtime_service_client::RuntimeServiceClient;
 use minicri_tests::pod_env::{
     PodEnv, eventually, mounts_under, pod_config, processes_mentioning, skip_reason,
 };
-use tonic::transport::Channel;
-
-fn container(name: &str, image: &str, script: &str) -> cri::ContainerConfig {
-    cri::ContainerConfig {
-        metadata: Some(cri::ContainerMetadata {
-            name: name.into(),
-            attempt: 0,
-        }),
-        image: Some(cri::ImageSpec {
-            image: image.into(),
-            ..Default::default()
-        }),
-        command: vec!["sh".into(), "-c".into(), script.into()],
-        log_path: format!("{name}/0.log"),
-        ..Default::default()
-    }
-}
-
-async fn run_pod(c: &mut RuntimeServiceClient<Channel>, config: &cri::PodSandboxConfig) -> String {
-    c.run_pod_sandbox(cri::RunPodSandboxRequest {
-        config: Some(config.clone()),
-        runtime_handler: String::new(),
-    })
-    .await
-    .expect("RunPodSandbox")
-    .into_inner()
-    .pod_sandbox_id
-}
-
-/// Creates and starts a container; returns its id.
-async fn start(
-    c: &mut RuntimeServiceClient<Channel>,
-    sandbox: &str,
-    sandbox_config: &cri::PodSandboxConfig,
-    config: cri::ContainerConfig,
-) -> String {
-    let id = c
-        .create_container(cri::CreateContainerRequest {
-            pod_sandbox_id: sandbox.into(),
-            config: Some(config),
-            sandbox_config: Some(sandbox_config.clone()),
-        })
-        .await
-        .expect("CreateContainer")
-        .into_inner()
-        .container_id;
-    c.start_container(cri::StartContainerRequest {
-        container_id: id.clone(),
-    })
-    .await
-    .expect("StartContainer");
-    id
-}
-
-async fn exec(c: &mut RuntimeServiceClient<Channel>, id: &str, cmd: &[&str]) -> (i32, String) {
-    let r = c
-        .exec_sync(cri::ExecSyncRequest {
-            container_id: id.into(),
-            cmd: cmd.iter().map(|s| s.to_string()).collect(),
-            timeout: 10,
-        })
-        .await
-        .expect("ExecSync")
-        .into_inner();
-    (r.exit_code, String::from_utf8_lossy(&r.stdout).into_owned())
-}
-
-async fn status(c: &mut RuntimeServiceClient<Channel>, id: &str) -> cri::ContainerStatus {
-    c.container_status(cri::ContainerStatusRequest {
-        container_id: id.into(),
-        verbose: false,
-    })
-    .await
-    .expect("ContainerStatus")
-    .into_inner()
-    .status
-    .expect("status")
-}
-
-async fn remove_pod(c: &mut RuntimeServiceClient<Channel>, id: &str) {
-    c.stop_pod_sandbox(cri::StopPodSandboxRequest {
-        pod_sandbox_id: id.into(),
-    })
-    .await
-    .expect("StopPodSandbox");
-    c.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: id.into(),
-    })
-    .await
-    .expect("RemovePodSandbox");
-}
+use minicri_tests::pod_rpc::{
+    container_status, exec_text, list_pod_sandboxes, pod_sandbox_status, run_container, run_pod,
+    sh_container_config, stop_and_remove_pod, stop_container,
+};
 
 /// One CRI log entry.
 #[derive(Debug)]
@@ -166,7 +78,13 @@ async fn logs_split_a_1mib_line_and_follow_a_reopen() {
     let sb = run_pod(&mut c, &pod).await;
     let script = "head -c 1048576 /dev/zero | tr '\\000' a; echo; echo to-stderr >&2; \
                   while [ ! -e /tmp/go ]; do sleep 0.05; done; echo after-reopen; sleep 1000";
-    let id = start(&mut c, &sb, &pod, container("writer", &image, script)).await;
+    let id = run_container(
+        &mut c,
+        &sb,
+        &pod,
+        sh_container_config("writer", &image, script),
+    )
+    .await;
     let log = env.logs.path().join("writer/0.log");
     eventually("the first lines in the log", || {
         lines_of(&read_log(&log), "stderr") == ["to-stderr"]
@@ -193,7 +111,7 @@ async fn logs_split_a_1mib_line_and_follow_a_reopen() {
     .await
     .expect("ReopenContainerLog");
     assert!(log.exists(), "the log file is created again at once");
-    assert_eq!(exec(&mut c, &id, &["touch", "/tmp/go"]).await.0, 0);
+    assert_eq!(exec_text(&mut c, &id, &["touch", "/tmp/go"], 10).await.0, 0);
     eventually("the line after the reopen", || {
         lines_of(&read_log(&log), "stdout") == ["after-reopen"]
     })
@@ -206,12 +124,7 @@ async fn logs_split_a_1mib_line_and_follow_a_reopen() {
     );
 
     // Reopening a container that is not running is FAILED_PRECONDITION, an unknown one NOT_FOUND.
-    c.stop_container(cri::StopContainerRequest {
-        container_id: id.clone(),
-        timeout: 0,
-    })
-    .await
-    .expect("StopContainer");
+    stop_container(&mut c, &id, 0).await;
     let err = c
         .reopen_container_log(cri::ReopenContainerLogRequest {
             container_id: id.clone(),
@@ -226,7 +139,7 @@ async fn logs_split_a_1mib_line_and_follow_a_reopen() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
-    remove_pod(&mut c, &sb).await;
+    stop_and_remove_pod(&mut c, &sb).await;
 }
 
 /// `GET /` over plain HTTP from the host; the response body.
@@ -251,32 +164,33 @@ async fn containers_of_a_pod_share_localhost_and_the_pod_ip_answers_from_the_hos
     let mut c = env.runtime().await;
     let pod = pod_config("net", env.logs.path());
     let sb = run_pod(&mut c, &pod).await;
-    let server = start(
+    let server = run_container(
         &mut c,
         &sb,
         &pod,
-        container(
+        sh_container_config(
             "server",
             &image,
             "mkdir -p /www && echo hello-from-server > /www/index.html && exec httpd -f -p 8080 -h /www",
         ),
     )
     .await;
-    let client = start(
+    let client = run_container(
         &mut c,
         &sb,
         &pod,
-        container("client", &image, "exec sleep 1000"),
+        sh_container_config("client", &image, "exec sleep 1000"),
     )
     .await;
 
     // The client reaches the server on 127.0.0.1: one network namespace per pod.
     let mut got = String::new();
     for _ in 0..100 {
-        let (code, out) = exec(
+        let (code, out, _) = exec_text(
             &mut c,
             &client,
             &["wget", "-q", "-O", "-", "http://127.0.0.1:8080/"],
+            10,
         )
         .await;
         if code == 0 {
@@ -288,23 +202,14 @@ async fn containers_of_a_pod_share_localhost_and_the_pod_ip_answers_from_the_hos
     assert_eq!(got.trim(), "hello-from-server");
 
     // The host reaches the pod at the IP PodSandboxStatus reports, inside the test's subnet.
-    let st = c
-        .pod_sandbox_status(cri::PodSandboxStatusRequest {
-            pod_sandbox_id: sb.clone(),
-            verbose: false,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-        .unwrap();
+    let st = pod_sandbox_status(&mut c, &sb).await;
     let ip = st.network.unwrap().ip;
     let prefix = env.subnet_base.rsplit_once('.').unwrap().0;
     assert!(ip.starts_with(prefix), "{ip} in {}", env.subnet_base);
     let body = http_get(&format!("{ip}:8080")).expect("pod IP reachable from the host");
     assert_eq!(body.trim(), "hello-from-server");
     let _ = server;
-    remove_pod(&mut c, &sb).await;
+    stop_and_remove_pod(&mut c, &sb).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -319,7 +224,13 @@ async fn a_container_that_exits_while_the_daemon_is_down_reports_its_exit() {
     let pod = pod_config("down", env.logs.path());
     let sb = run_pod(&mut c, &pod).await;
     let script = "echo before; while [ ! -e /tmp/exit ]; do sleep 0.05; done; echo after; exit 7";
-    let id = start(&mut c, &sb, &pod, container("main", &image, script)).await;
+    let id = run_container(
+        &mut c,
+        &sb,
+        &pod,
+        sh_container_config("main", &image, script),
+    )
+    .await;
     let log = env.logs.path().join("main/0.log");
     eventually("the first line", || {
         lines_of(&read_log(&log), "stdout") == ["before"]
@@ -338,7 +249,7 @@ async fn a_container_that_exits_while_the_daemon_is_down_reports_its_exit() {
     env.daemon.restart().await.unwrap();
 
     let mut c = env.runtime().await;
-    let st = status(&mut c, &id).await;
+    let st = container_status(&mut c, &id).await;
     assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
     assert_eq!(st.exit_code, 7);
     assert_eq!(st.reason, "Error");
@@ -348,7 +259,7 @@ async fn a_container_that_exits_while_the_daemon_is_down_reports_its_exit() {
     );
     // The shim kept writing the log while the daemon was away.
     assert_eq!(lines_of(&read_log(&log), "stdout"), ["before", "after"]);
-    remove_pod(&mut c, &sb).await;
+    stop_and_remove_pod(&mut c, &sb).await;
 }
 
 /// Directories named `name` anywhere under `dir`.
@@ -435,7 +346,7 @@ async fn removing_every_pod_leaves_nothing_behind() {
             ..Default::default()
         });
         let sb = run_pod(&mut c, &pod).await;
-        let mut cfg = container("main", &image, "exec sleep 1000");
+        let mut cfg = sh_container_config("main", &image, "exec sleep 1000");
         cfg.linux = Some(cri::LinuxContainerConfig {
             resources: Some(cri::LinuxContainerResources {
                 memory_limit_in_bytes: 64 << 20,
@@ -443,9 +354,15 @@ async fn removing_every_pod_leaves_nothing_behind() {
             }),
             ..Default::default()
         });
-        let id = start(&mut c, &sb, &pod, cfg).await;
+        let id = run_container(&mut c, &sb, &pod, cfg).await;
         // A second container that has exited before the pod goes.
-        let done = start(&mut c, &sb, &pod, container("done", &image, "exit 0")).await;
+        let done = run_container(
+            &mut c,
+            &sb,
+            &pod,
+            sh_container_config("done", &image, "exit 0"),
+        )
+        .await;
         ids.extend([id, done]);
         ids.push(sb.clone());
         sandboxes.push(sb);
@@ -464,41 +381,19 @@ async fn removing_every_pod_leaves_nothing_behind() {
     );
 
     for sb in &sandboxes {
-        remove_pod(&mut c, sb).await;
+        stop_and_remove_pod(&mut c, sb).await;
     }
-    let listed = c
-        .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
-        .await
-        .unwrap()
-        .into_inner()
-        .items;
+    let listed = list_pod_sandboxes(&mut c).await;
     assert!(listed.is_empty(), "{listed:?}");
-    // The netns directory stays a (shared, self-bound) mount point for the daemon's lifetime,
-    // as `ip netns` keeps /run/netns; nothing below it may stay.
-    let mounts: Vec<String> = mounts_under(&state)
-        .into_iter()
-        .filter(|m| Path::new(m) != state.join("netns"))
-        .collect();
-    assert!(mounts.is_empty(), "mounts left: {mounts:?}");
-    let netns: Vec<_> = std::fs::read_dir(state.join("netns"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .collect();
-    assert!(netns.is_empty(), "network namespaces left: {netns:?}");
+    // Mounts, pinned netns and monitor processes (the daemon's own aside).
+    let stray = env.stray_state();
+    assert!(stray.is_empty(), "left behind: {stray:?}");
     for id in &ids {
         let left = cgroups_of(&parent, id);
         assert!(left.is_empty(), "cgroups left: {left:?}");
     }
     assert!(veths_on(&bridge).is_empty(), "veths left on {bridge}");
-    // Monitors carry the state directory on their command line; runc's containers are listed.
-    let daemon = env.daemon.pid().map(|p| p as i32);
-    let procs: Vec<i32> = processes_mentioning(&state.to_string_lossy())
-        .into_iter()
-        .filter(|p| Some(*p) != daemon)
-        .collect();
-    assert!(procs.is_empty(), "processes left: {procs:?}");
+    // runc's own record of containers.
     let runc = std::process::Command::new("runc")
         .arg("--root")
         .arg(state.join("runc"))
@@ -529,19 +424,14 @@ async fn container_events_follow_the_lifecycle() {
         .into_inner();
     let pod = pod_config("events", env.logs.path());
     let sb = run_pod(&mut c, &pod).await;
-    let id = start(
+    let id = run_container(
         &mut c,
         &sb,
         &pod,
-        container("main", &image, "exec sleep 1000"),
+        sh_container_config("main", &image, "exec sleep 1000"),
     )
     .await;
-    c.stop_container(cri::StopContainerRequest {
-        container_id: id.clone(),
-        timeout: 0,
-    })
-    .await
-    .expect("StopContainer");
+    stop_container(&mut c, &id, 0).await;
     c.remove_container(cri::RemoveContainerRequest {
         container_id: id.clone(),
     })
@@ -580,5 +470,5 @@ async fn container_events_follow_the_lifecycle() {
         let own = ev.containers_statuses.iter().find(|s| s.id == id);
         assert_eq!(own.map(|s| s.state), state.map(|s| s as i32), "{kind:?}");
     }
-    remove_pod(&mut c, &sb).await;
+    stop_and_remove_pod(&mut c, &sb).await;
 }

@@ -4,10 +4,9 @@
 //!
 //! Root only, with runc and Debian's CNI plugins ([`skip_reason`]).
 
-use std::path::Path;
-
 use minicri_proto::runtime::v1 as cri;
-use minicri_tests::pod_env::{PodEnv, mounts_under, pod_config, processes_mentioning, skip_reason};
+use minicri_tests::pod_env::{PodEnv, pod_config, skip_reason};
+use minicri_tests::pod_rpc::{list_pod_sandboxes, stop_and_remove_pod};
 
 /// Interfaces enslaved to `bridge`.
 fn ports_of(bridge: &str) -> Vec<String> {
@@ -55,36 +54,14 @@ async fn a_failing_cni_plugin_rolls_the_sandbox_back() {
     );
 
     // Nothing of the half-made sandbox is left.
-    let state = env.state();
-    let listed = c
-        .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
-        .await
-        .unwrap()
-        .into_inner()
-        .items;
+    let listed = list_pod_sandboxes(&mut c).await;
     assert!(listed.is_empty(), "{listed:?}");
     assert!(
         ports_of(&bridge).is_empty(),
         "the bridge plugin's veth was deleted (CNI DEL)"
     );
-    let mounts: Vec<String> = mounts_under(&state)
-        .into_iter()
-        .filter(|m| Path::new(m) != state.join("netns"))
-        .collect();
-    assert!(mounts.is_empty(), "mounts left: {mounts:?}");
-    let netns: Vec<_> = std::fs::read_dir(state.join("netns"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .collect();
-    assert!(netns.is_empty(), "network namespaces left: {netns:?}");
-    let daemon = env.daemon.pid().map(|p| p as i32);
-    let procs: Vec<i32> = processes_mentioning(&state.to_string_lossy())
-        .into_iter()
-        .filter(|p| Some(*p) != daemon)
-        .collect();
-    assert!(procs.is_empty(), "processes left: {procs:?}");
+    let stray = env.stray_state();
+    assert!(stray.is_empty(), "left behind: {stray:?}");
 
     // The name was released: with the plugin chain fixed, the same pod runs.
     std::fs::write(&conf, good).unwrap();
@@ -98,13 +75,6 @@ async fn a_failing_cni_plugin_rolls_the_sandbox_back() {
         .into_inner()
         .pod_sandbox_id;
     assert_eq!(ports_of(&bridge).len(), 1);
-    c.stop_pod_sandbox(cri::StopPodSandboxRequest {
-        pod_sandbox_id: id.clone(),
-    })
-    .await
-    .unwrap();
-    c.remove_pod_sandbox(cri::RemovePodSandboxRequest { pod_sandbox_id: id })
-        .await
-        .unwrap();
+    stop_and_remove_pod(&mut c, &id).await;
     assert!(ports_of(&bridge).is_empty());
 }

@@ -12,28 +12,12 @@ use std::path::Path;
 use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_proto::runtime::v1::runtime_service_client::RuntimeServiceClient;
 use minicri_tests::pod_env::{PodEnv, mounts_under, pod_config, skip_reason};
+use minicri_tests::pod_rpc::{
+    RuntimeClient, container_config, container_status, create_container, exec_text,
+    pod_sandbox_status, run_container, run_pod, stop_and_remove_pod,
+};
 use tonic::Code;
-use tonic::transport::Channel;
-
-type Client = RuntimeServiceClient<Channel>;
-
-fn container(name: &str, image: &str, args: &[&str]) -> cri::ContainerConfig {
-    cri::ContainerConfig {
-        metadata: Some(cri::ContainerMetadata {
-            name: name.into(),
-            attempt: 0,
-        }),
-        image: Some(cri::ImageSpec {
-            image: image.into(),
-            ..Default::default()
-        }),
-        command: args.iter().map(|s| s.to_string()).collect(),
-        log_path: format!("{name}/0.log"),
-        ..Default::default()
-    }
-}
 
 fn with_sc(
     mut c: cri::ContainerConfig,
@@ -57,100 +41,16 @@ fn privileged_pod(name: &str, env: &PodEnv) -> cri::PodSandboxConfig {
     p
 }
 
-async fn run_pod(c: &mut Client, config: &cri::PodSandboxConfig) -> String {
-    c.run_pod_sandbox(cri::RunPodSandboxRequest {
-        config: Some(config.clone()),
-        runtime_handler: String::new(),
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .pod_sandbox_id
-}
-
-async fn create(
-    c: &mut Client,
-    sb: &str,
-    pod: &cri::PodSandboxConfig,
-    config: cri::ContainerConfig,
-) -> Result<String, tonic::Status> {
-    Ok(c.create_container(cri::CreateContainerRequest {
-        pod_sandbox_id: sb.into(),
-        config: Some(config),
-        sandbox_config: Some(pod.clone()),
-    })
-    .await?
-    .into_inner()
-    .container_id)
-}
-
-/// Creates and starts a container; panics if either fails.
-async fn run(
-    c: &mut Client,
-    sb: &str,
-    pod: &cri::PodSandboxConfig,
-    config: cri::ContainerConfig,
-) -> String {
-    let name = config.metadata.as_ref().unwrap().name.clone();
-    let id = create(c, sb, pod, config)
-        .await
-        .unwrap_or_else(|e| panic!("create {name}: {e:?}"));
-    c.start_container(cri::StartContainerRequest {
-        container_id: id.clone(),
-    })
-    .await
-    .unwrap_or_else(|e| panic!("start {name}: {e:?}"));
-    id
-}
-
-async fn status(c: &mut Client, id: &str) -> cri::ContainerStatus {
-    c.container_status(cri::ContainerStatusRequest {
-        container_id: id.into(),
-        verbose: false,
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .status
-    .unwrap()
-}
-
-/// Runs `sh -c script` in the container: (exit code, stdout, stderr).
-async fn sh(c: &mut Client, id: &str, script: &str) -> (i32, String, String) {
-    let out = c
-        .exec_sync(cri::ExecSyncRequest {
-            container_id: id.into(),
-            cmd: vec!["sh".into(), "-c".into(), script.into()],
-            timeout: 20,
-        })
-        .await
-        .unwrap_or_else(|e| panic!("exec {script:?}: {e:?}"))
-        .into_inner();
-    (
-        out.exit_code,
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+/// Runs `sh -c script` in the container with a 20 s timeout: (exit code, stdout, stderr).
+async fn sh(c: &mut RuntimeClient, id: &str, script: &str) -> (i32, String, String) {
+    exec_text(c, id, &["sh", "-c", script], 20).await
 }
 
 /// stdout of a command that must succeed.
-async fn ok(c: &mut Client, id: &str, script: &str) -> String {
+async fn ok(c: &mut RuntimeClient, id: &str, script: &str) -> String {
     let (code, out, err) = sh(c, id, script).await;
     assert_eq!(code, 0, "{script:?} failed: {err}");
     out
-}
-
-async fn remove_pod(c: &mut Client, sb: &str) {
-    c.stop_pod_sandbox(cri::StopPodSandboxRequest {
-        pod_sandbox_id: sb.into(),
-    })
-    .await
-    .unwrap();
-    c.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: sb.into(),
-    })
-    .await
-    .unwrap();
 }
 
 fn numbers(s: &str) -> BTreeSet<i64> {
@@ -182,10 +82,10 @@ async fn process_identity() {
     let mut c = env.runtime().await;
     let pod = pod_config("identity", env.logs.path());
     let sb = run_pod(&mut c, &pod).await;
-    let sleeper = |name: &str| container(name, &image, &["sleep", "1000"]);
+    let sleeper = |name: &str| container_config(name, &image, &["sleep", "1000"]);
 
     // run_as_user + run_as_group + a supplemental group; the uid has no passwd entry.
-    let id = run(
+    let id = run_container(
         &mut c,
         &sb,
         &pod,
@@ -211,7 +111,12 @@ async fn process_identity() {
     assert!(init.contains("Uid:\t1234\t1234\t1234\t1234"), "{init}");
     assert!(init.contains("Gid:\t5678\t5678\t5678\t5678"), "{init}");
     assert!(init.contains("Groups:\t4242 5678"), "{init}");
-    let user = status(&mut c, &id).await.user.unwrap().linux.unwrap();
+    let user = container_status(&mut c, &id)
+        .await
+        .user
+        .unwrap()
+        .linux
+        .unwrap();
     assert_eq!(
         (user.uid, user.gid, user.supplemental_groups),
         (1234, 5678, vec![4242, 5678])
@@ -219,7 +124,7 @@ async fn process_identity() {
 
     // run_as_username: uid and primary group from the image's /etc/passwd, and /etc/group
     // membership (minicri is also in extra, 1001).
-    let id = run(
+    let id = run_container(
         &mut c,
         &sb,
         &pod,
@@ -238,14 +143,19 @@ async fn process_identity() {
         numbers(&ok(&mut c, &id, "id -G").await),
         numbers("1000 1001 4242")
     );
-    let user = status(&mut c, &id).await.user.unwrap().linux.unwrap();
+    let user = container_status(&mut c, &id)
+        .await
+        .user
+        .unwrap()
+        .linux
+        .unwrap();
     assert_eq!(
         (user.uid, user.gid, user.supplemental_groups),
         (1000, 1000, vec![1000, 1001, 4242])
     );
 
     // SupplementalGroupsPolicy Strict: /etc/group is not consulted.
-    let id = run(
+    let id = run_container(
         &mut c,
         &sb,
         &pod,
@@ -282,12 +192,12 @@ async fn process_identity() {
             },
         ),
     ] {
-        let err = create(&mut c, &sb, &pod, with_sc(sleeper(name), sc))
+        let err = create_container(&mut c, &sb, &pod, with_sc(sleeper(name), sc))
             .await
             .unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument, "{name}: {err:?}");
     }
-    remove_pod(&mut c, &sb).await;
+    stop_and_remove_pod(&mut c, &sb).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -307,7 +217,7 @@ async fn capabilities_in_the_kernel() {
     let pod = privileged_pod("caps", &env);
     let sb = run_pod(&mut c, &pod).await;
     let caps_of = |name: &str, sc: cri::LinuxContainerSecurityContext| {
-        with_sc(container(name, &image, &["sleep", "1000"]), sc)
+        with_sc(container_config(name, &image, &["sleep", "1000"]), sc)
     };
     let cap = |add: &[&str], drop: &[&str]| cri::LinuxContainerSecurityContext {
         capabilities: Some(cri::Capability {
@@ -340,7 +250,7 @@ async fn capabilities_in_the_kernel() {
         ),
     ];
     for (name, sc, want) in cases {
-        let id = run(&mut c, &sb, &pod, caps_of(name, sc)).await;
+        let id = run_container(&mut c, &sb, &pod, caps_of(name, sc)).await;
         let st = ok(&mut c, &id, "cat /proc/1/status").await;
         for key in ["CapEff:", "CapPrm:", "CapBnd:"] {
             assert_eq!(
@@ -352,10 +262,10 @@ async fn capabilities_in_the_kernel() {
         }
     }
     // The kernel enforces them: without NET_ADMIN no interface changes, with it they work.
-    let weak = run(&mut c, &sb, &pod, caps_of("weak", cap(&[], &[]))).await;
+    let weak = run_container(&mut c, &sb, &pod, caps_of("weak", cap(&[], &[]))).await;
     let (code, _, _) = sh(&mut c, &weak, "ip link set lo mtu 1400").await;
     assert_ne!(code, 0, "NET_ADMIN is not a default capability");
-    let strong = run(
+    let strong = run_container(
         &mut c,
         &sb,
         &pod,
@@ -364,10 +274,11 @@ async fn capabilities_in_the_kernel() {
     .await;
     ok(&mut c, &strong, "ip link set lo mtu 1400").await;
     // Without CHOWN, root cannot give a file away.
-    let no_chown = run(&mut c, &sb, &pod, caps_of("no-chown", cap(&[], &["CHOWN"]))).await;
+    let no_chown =
+        run_container(&mut c, &sb, &pod, caps_of("no-chown", cap(&[], &["CHOWN"]))).await;
     let (code, _, err) = sh(&mut c, &no_chown, "touch /tmp/f && chown 1000 /tmp/f").await;
     assert_ne!(code, 0, "chown without CAP_CHOWN: {err}");
-    remove_pod(&mut c, &sb).await;
+    stop_and_remove_pod(&mut c, &sb).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -382,9 +293,9 @@ async fn read_only_rootfs_and_paths() {
     let mut c = env.runtime().await;
     let pod = pod_config("readonly", env.logs.path());
     let sb = run_pod(&mut c, &pod).await;
-    let sleeper = |name: &str| container(name, &image, &["sleep", "1000"]);
+    let sleeper = |name: &str| container_config(name, &image, &["sleep", "1000"]);
 
-    let ro = run(
+    let ro = run_container(
         &mut c,
         &sb,
         &pod,
@@ -405,11 +316,11 @@ async fn read_only_rootfs_and_paths() {
     // The pod's shared memory stays writable.
     ok(&mut c, &ro, "touch /dev/shm/ok").await;
 
-    let rw = run(&mut c, &sb, &pod, sleeper("rw")).await;
+    let rw = run_container(&mut c, &sb, &pod, sleeper("rw")).await;
     ok(&mut c, &rw, "touch /file /tmp/file && echo x > /etc/hosts").await;
 
     // readonly_paths and masked_paths replace the defaults.
-    let paths = run(
+    let paths = run_container(
         &mut c,
         &sb,
         &pod,
@@ -447,7 +358,7 @@ async fn read_only_rootfs_and_paths() {
     )
     .await;
     assert!(code != 0 && err.contains("Read-only file system"), "{err}");
-    remove_pod(&mut c, &sb).await;
+    stop_and_remove_pod(&mut c, &sb).await;
 }
 
 /// The propagation fields of the mountinfo line of `mount_point`.
@@ -525,7 +436,7 @@ async fn mount_propagation() {
         ..Default::default()
     };
     let mut config = with_sc(
-        container("mounter", &image, &["sleep", "1000"]),
+        container_config("mounter", &image, &["sleep", "1000"]),
         cri::LinuxContainerSecurityContext {
             privileged: true,
             ..Default::default()
@@ -546,14 +457,14 @@ async fn mount_propagation() {
         mount("private", &src("private"), PropagationPrivate),
         mount("created", &missing, PropagationPrivate),
     ];
-    let id = run(&mut c, &sb, &pod, config).await;
+    let id = run_container(&mut c, &sb, &pod, config).await;
     assert!(missing.is_dir(), "a missing source is created");
     for n in ["bidirectional", "host-to-container"] {
         let p = propagation_of(&src(n)).unwrap();
         assert!(p.contains("shared:"), "{n} was made shared: {p:?}");
     }
     assert_eq!(propagation_of(&src("private")).as_deref(), Some(""));
-    let statuses = status(&mut c, &id).await.mounts;
+    let statuses = container_status(&mut c, &id).await.mounts;
     assert_eq!(statuses.len(), 4);
     assert_eq!(statuses[0].propagation, PropagationBidirectional as i32);
 
@@ -586,7 +497,7 @@ async fn mount_propagation() {
             "{n}: the container's mount reached the host"
         );
     }
-    remove_pod(&mut c, &sb).await;
+    stop_and_remove_pod(&mut c, &sb).await;
     drop(host);
 }
 
@@ -631,12 +542,12 @@ async fn recursive_read_only_mounts() {
         ..Default::default()
     };
     use cri::MountPropagation::*;
-    let mut config = container("rro", &image, &["sleep", "1000"]);
+    let mut config = container_config("rro", &image, &["sleep", "1000"]);
     config.mounts = vec![
         mount("/rro", true, true, PropagationPrivate),
         mount("/ro", true, false, PropagationPrivate),
     ];
-    let id = run(&mut c, &sb, &pod, config).await;
+    let id = run_container(&mut c, &sb, &pod, config).await;
     for path in ["/rro/x", "/rro/sub/x", "/ro/x"] {
         let (code, _, err) = sh(&mut c, &id, &format!("touch {path}")).await;
         assert!(
@@ -654,14 +565,16 @@ async fn recursive_read_only_mounts() {
         ("slave", mount("/m", true, true, PropagationHostToContainer)),
         ("shared", mount("/m", true, true, PropagationBidirectional)),
     ] {
-        let mut config = container(name, &image, &["sleep", "1000"]);
+        let mut config = container_config(name, &image, &["sleep", "1000"]);
         config.mounts = vec![m];
-        let err = create(&mut c, &sb, &pod, config).await.unwrap_err();
+        let err = create_container(&mut c, &sb, &pod, config)
+            .await
+            .unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument, "{name}: {err:?}");
     }
     // A refused request changes nothing on the host: the source was not made shared.
     assert_eq!(propagation_of(&tree).as_deref(), Some(""));
-    remove_pod(&mut c, &sb).await;
+    stop_and_remove_pod(&mut c, &sb).await;
     drop(host);
 }
 
@@ -682,7 +595,7 @@ async fn out_of_memory_is_oomkilled() {
     });
     let sb = run_pod(&mut c, &pod).await;
     // dd allocates its 64 MiB block and fills it from /dev/zero: beyond a 16 MiB limit.
-    let mut config = container(
+    let mut config = container_config(
         "hog",
         &image,
         &["dd", "if=/dev/zero", "of=/dev/null", "bs=64M", "count=4"],
@@ -697,14 +610,14 @@ async fn out_of_memory_is_oomkilled() {
         }),
         security_context: None,
     });
-    let id = run(&mut c, &sb, &pod, config).await;
-    let mut st = status(&mut c, &id).await;
+    let id = run_container(&mut c, &sb, &pod, config).await;
+    let mut st = container_status(&mut c, &id).await;
     for _ in 0..300 {
         if st.state == cri::ContainerState::ContainerExited as i32 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-        st = status(&mut c, &id).await;
+        st = container_status(&mut c, &id).await;
     }
     assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
     assert_eq!(
@@ -714,7 +627,7 @@ async fn out_of_memory_is_oomkilled() {
     );
 
     // The same program within its limit completes.
-    let mut fits = container(
+    let mut fits = container_config(
         "fits",
         &image,
         &["dd", "if=/dev/zero", "of=/dev/null", "bs=1M", "count=4"],
@@ -726,21 +639,21 @@ async fn out_of_memory_is_oomkilled() {
         }),
         security_context: None,
     });
-    let id = run(&mut c, &sb, &pod, fits).await;
-    let mut st = status(&mut c, &id).await;
+    let id = run_container(&mut c, &sb, &pod, fits).await;
+    let mut st = container_status(&mut c, &id).await;
     for _ in 0..300 {
         if st.state == cri::ContainerState::ContainerExited as i32 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-        st = status(&mut c, &id).await;
+        st = container_status(&mut c, &id).await;
     }
     assert_eq!(
         (st.reason.as_str(), st.exit_code),
         ("Completed", 0),
         "{st:?}"
     );
-    remove_pod(&mut c, &sb).await;
+    stop_and_remove_pod(&mut c, &sb).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -788,25 +701,13 @@ async fn pod_user_namespace() {
         ..Default::default()
     });
     let sb = run_pod(&mut c, &pod).await;
-    let ip = c
-        .pod_sandbox_status(cri::PodSandboxStatusRequest {
-            pod_sandbox_id: sb.clone(),
-            verbose: false,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-        .unwrap()
-        .network
-        .unwrap()
-        .ip;
+    let ip = pod_sandbox_status(&mut c, &sb).await.network.unwrap().ip;
     assert!(
         !ip.is_empty(),
         "CNI attached the pod's own network namespace"
     );
     let mut config = with_sc(
-        container("main", &image, &["sleep", "1000"]),
+        container_config("main", &image, &["sleep", "1000"]),
         cri::LinuxContainerSecurityContext {
             namespace_options: Some(userns.clone()),
             ..Default::default()
@@ -826,7 +727,7 @@ async fn pod_user_namespace() {
             ..Default::default()
         });
     }
-    let id = run(&mut c, &sb, &pod, config).await;
+    let id = run_container(&mut c, &sb, &pod, config).await;
 
     // Root inside, HOST_ID outside.
     let map = ok(&mut c, &id, "cat /proc/self/uid_map").await;
@@ -835,7 +736,7 @@ async fn pod_user_namespace() {
         ["0", &HOST_ID.to_string(), "65536"]
     );
     assert_eq!(ok(&mut c, &id, "id -u").await, "0\n");
-    let st = status(&mut c, &id).await;
+    let st = container_status(&mut c, &id).await;
     assert_eq!(st.state, cri::ContainerState::ContainerRunning as i32);
     let user = st.user.unwrap().linux.unwrap();
     assert_eq!(
@@ -887,7 +788,7 @@ async fn pod_user_namespace() {
     // The pod's network namespace is its own: the CNI address is on eth0.
     assert!(ok(&mut c, &id, "ip -4 addr show eth0").await.contains(&ip));
 
-    remove_pod(&mut c, &sb).await;
+    stop_and_remove_pod(&mut c, &sb).await;
     // Nothing stays mounted: neither the rootfs nor its idmapped layers.
     let netns_dir = env.state().join("netns").display().to_string();
     let left: Vec<String> = mounts_under(&env.state())

@@ -9,10 +9,11 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_proto::runtime::v1::runtime_service_client::RuntimeServiceClient;
 use minicri_tests::pod_env::{PodEnv, eventually, pod_config, skip_reason};
+use minicri_tests::pod_rpc::{
+    RuntimeClient, container_config, remove_pod_sandbox, run_container, run_pod, stop_container,
+};
 use tonic::Code;
-use tonic::transport::Channel;
 
 const MIB: u64 = 1 << 20;
 
@@ -27,64 +28,21 @@ const BURNER: &str = "x=$(head -c 16777216 /dev/zero | tr '\\000' a); \
      head -c 1048576 /dev/urandom > /data.bin; sync; echo ready; \
      while :; do i=0; while [ $i -lt 2000 ]; do i=$((i+1)); done; sleep 0.05; done";
 
-fn container_config(name: &str, image: &str, args: &[&str], role: &str) -> cri::ContainerConfig {
+/// [`container_config`] with a `role` label, the kubelet's container name label and an
+/// annotation with a newline and `=`.
+fn labelled_container(name: &str, image: &str, args: &[&str], role: &str) -> cri::ContainerConfig {
     cri::ContainerConfig {
-        metadata: Some(cri::ContainerMetadata {
-            name: name.into(),
-            attempt: 0,
-        }),
-        image: Some(cri::ImageSpec {
-            image: image.into(),
-            ..Default::default()
-        }),
-        command: args.iter().map(|s| s.to_string()).collect(),
-        log_path: format!("{name}/0.log"),
         labels: [
             ("role".to_string(), role.to_string()),
             ("io.kubernetes.container.name".to_string(), name.to_string()),
         ]
         .into(),
         annotations: [("why".to_string(), format!("stats of {name}\n=x"))].into(),
-        ..Default::default()
+        ..container_config(name, image, args)
     }
 }
 
-async fn run_pod(c: &mut RuntimeServiceClient<Channel>, config: &cri::PodSandboxConfig) -> String {
-    c.run_pod_sandbox(cri::RunPodSandboxRequest {
-        config: Some(config.clone()),
-        runtime_handler: String::new(),
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .pod_sandbox_id
-}
-
-async fn run_container(
-    c: &mut RuntimeServiceClient<Channel>,
-    sandbox: &str,
-    sandbox_config: &cri::PodSandboxConfig,
-    config: &cri::ContainerConfig,
-) -> String {
-    let id = c
-        .create_container(cri::CreateContainerRequest {
-            pod_sandbox_id: sandbox.into(),
-            config: Some(config.clone()),
-            sandbox_config: Some(sandbox_config.clone()),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .container_id;
-    c.start_container(cri::StartContainerRequest {
-        container_id: id.clone(),
-    })
-    .await
-    .unwrap();
-    id
-}
-
-async fn container_stats(c: &mut RuntimeServiceClient<Channel>, id: &str) -> cri::ContainerStats {
+async fn container_stats(c: &mut RuntimeClient, id: &str) -> cri::ContainerStats {
     c.container_stats(cri::ContainerStatsRequest {
         container_id: id.into(),
     })
@@ -95,7 +53,7 @@ async fn container_stats(c: &mut RuntimeServiceClient<Channel>, id: &str) -> cri
     .unwrap()
 }
 
-async fn pod_stats(c: &mut RuntimeServiceClient<Channel>, id: &str) -> cri::PodSandboxStats {
+async fn pod_stats(c: &mut RuntimeClient, id: &str) -> cri::PodSandboxStats {
     c.pod_sandbox_stats(cri::PodSandboxStatsRequest {
         pod_sandbox_id: id.into(),
     })
@@ -108,7 +66,7 @@ async fn pod_stats(c: &mut RuntimeServiceClient<Channel>, id: &str) -> cri::PodS
 
 /// The container ids ListContainerStats returns for `filter`.
 async fn listed(
-    c: &mut RuntimeServiceClient<Channel>,
+    c: &mut RuntimeClient,
     filter: Option<cri::ContainerStatsFilter>,
 ) -> BTreeSet<String> {
     c.list_container_stats(cri::ListContainerStatsRequest { filter })
@@ -123,7 +81,7 @@ async fn listed(
 
 /// The sandbox ids ListPodSandboxStats returns for `filter`.
 async fn listed_pods(
-    c: &mut RuntimeServiceClient<Channel>,
+    c: &mut RuntimeClient,
     filter: Option<cri::PodSandboxStatsFilter>,
 ) -> BTreeSet<String> {
     c.list_pod_sandbox_stats(cri::ListPodSandboxStatsRequest { filter })
@@ -158,10 +116,10 @@ async fn container_and_pod_stats() {
     // Pod A (default cgroup parent): the burner and an idle container.
     let config_a = pod_config("stats-a", env.logs.path());
     let pod_a = run_pod(&mut c, &config_a).await;
-    let burner_config = container_config("burner", &image, &["sh", "-c", BURNER], "burner");
-    let burner = run_container(&mut c, &pod_a, &config_a, &burner_config).await;
-    let idle_config = container_config("idle", &image, &["sleep", "1000"], "idle");
-    let idle = run_container(&mut c, &pod_a, &config_a, &idle_config).await;
+    let burner_config = labelled_container("burner", &image, &["sh", "-c", BURNER], "burner");
+    let burner = run_container(&mut c, &pod_a, &config_a, burner_config.clone()).await;
+    let idle_config = labelled_container("idle", &image, &["sleep", "1000"], "idle");
+    let idle = run_container(&mut c, &pod_a, &config_a, idle_config.clone()).await;
     // Pod B, with a cgroup parent of its own: its stats come from that cgroup.
     let mut config_b = pod_config("stats-b", env.logs.path());
     config_b.linux = Some(cri::LinuxPodSandboxConfig {
@@ -169,7 +127,7 @@ async fn container_and_pod_stats() {
         ..Default::default()
     });
     let pod_b = run_pod(&mut c, &config_b).await;
-    let idle_b = run_container(&mut c, &pod_b, &config_b, &idle_config).await;
+    let idle_b = run_container(&mut c, &pod_b, &config_b, idle_config).await;
 
     let log = env.logs.path().join("burner/0.log");
     eventually("the burner to be ready", || {
@@ -339,22 +297,13 @@ async fn container_and_pod_stats() {
     assert!(e.message().contains(&unknown), "{e:?}");
 
     // A stopped container still has stats: its attributes and writable layer.
-    c.stop_container(cri::StopContainerRequest {
-        container_id: burner.clone(),
-        timeout: 0,
-    })
-    .await
-    .unwrap();
+    stop_container(&mut c, &burner, 0).await;
     let s = container_stats(&mut c, &burner).await;
     assert_eq!(s.attributes.unwrap().id, burner);
     assert!(val(&s.writable_layer.expect("writable layer").used_bytes) >= WRITTEN);
 
     for pod in [&pod_a, &pod_b] {
-        c.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-            pod_sandbox_id: pod.to_string(),
-        })
-        .await
-        .unwrap();
+        remove_pod_sandbox(&mut c, pod).await;
     }
     assert!(listed(&mut c, None).await.is_empty());
     assert!(listed_pods(&mut c, None).await.is_empty());
