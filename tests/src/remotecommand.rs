@@ -5,6 +5,12 @@
 //! `stdin`, `stdout`, `stderr` as asked), sends stdin followed by FIN, and reads until the error
 //! stream and the output streams are finished. It never sends WINDOW_UPDATE, like client-go's
 //! SPDY library, so a server that waited for window updates would stall past 64 KiB.
+//! [`Session`] keeps the same streams open for interactive use (attach): input in steps, output
+//! read as it comes.
+//!
+//! [`PortForward`] speaks `portforward.k8s.io` on the same transport, as
+//! k8s.io/client-go/tools/portforward does: per forwarded connection an `error` stream (half-closed
+//! at once) and a `data` stream, both with `port` and `requestID` headers.
 //!
 //! Written for tests from the SPDY/3 draft and the remotecommand protocol; independent of
 //! minicri's server code on purpose.
@@ -125,9 +131,15 @@ impl Spdy {
     }
 
     async fn syn_stream(&mut self, id: u32, stream_type: &str) -> anyhow::Result<()> {
+        self.syn_stream_with(id, &[("streamtype", stream_type)])
+            .await
+    }
+
+    /// Opens stream `id` with `headers` (names lowercase, as SPDY/3 wants them).
+    async fn syn_stream_with(&mut self, id: u32, headers: &[(&str, &str)]) -> anyhow::Result<()> {
         let mut block = Vec::new();
-        block.extend_from_slice(&1u32.to_be_bytes());
-        for s in ["streamtype", stream_type] {
+        block.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+        for s in headers.iter().flat_map(|(k, v)| [*k, *v]) {
             block.extend_from_slice(&(s.len() as u32).to_be_bytes());
             block.extend_from_slice(s.as_bytes());
         }
@@ -315,4 +327,240 @@ pub async fn exec_with(url: &str, o: ExecOptions<'_>) -> anyhow::Result<ExecOutp
         }
     }
     Ok(out)
+}
+
+/// What one forwarded connection produced.
+#[derive(Debug, Default)]
+pub struct Forwarded {
+    /// The bytes the remote side sent back.
+    pub data: Vec<u8>,
+    /// The bytes of the error stream (empty when the forward worked).
+    pub error: Vec<u8>,
+}
+
+/// A port-forward session: one upgraded connection carrying any number of forwards.
+pub struct PortForward {
+    s: Spdy,
+    next_id: u32,
+    next_request: u32,
+    /// The protocol the server announced (`x-stream-protocol-version`).
+    pub protocol: String,
+}
+
+impl PortForward {
+    /// Opens `url` offering `portforward.k8s.io`.
+    pub async fn connect(url: &str) -> anyhow::Result<PortForward> {
+        let up = upgrade(url, &["portforward.k8s.io"]).await?;
+        if up.status != 101 {
+            bail!("upgrade refused: {}", up.head);
+        }
+        let protocol = up
+            .head
+            .lines()
+            .find_map(|l| l.strip_prefix("x-stream-protocol-version: "))
+            .unwrap_or("")
+            .trim()
+            .to_string();
+        Ok(PortForward {
+            s: Spdy::new(up.conn),
+            next_id: 1,
+            next_request: 0,
+            protocol,
+        })
+    }
+
+    /// Forwards one connection to `port`: sends `request` (no FIN), reads until the server has
+    /// finished both the data and the error stream; half-closes the data stream when the server
+    /// has finished it.
+    pub async fn forward(&mut self, port: u16, request: &[u8]) -> anyhow::Result<Forwarded> {
+        let (error_id, data_id) = (self.next_id, self.next_id + 2);
+        self.next_id += 4;
+        let rid = self.next_request.to_string();
+        self.next_request += 1;
+        let port = port.to_string();
+        for (id, kind) in [(error_id, "error"), (data_id, "data")] {
+            self.s
+                .syn_stream_with(
+                    id,
+                    &[("streamtype", kind), ("port", &port), ("requestid", &rid)],
+                )
+                .await?;
+            if kind == "error" {
+                // client-go half-closes the error stream at once: it only reads from it.
+                self.s.data(error_id, &[], true).await?;
+            }
+        }
+        if !request.is_empty() {
+            self.s.data(data_id, request, false).await?;
+        }
+        let mut out = Forwarded::default();
+        let mut pending = vec![error_id, data_id];
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while !pending.is_empty() {
+            let f = tokio::time::timeout_at(deadline, self.s.frame())
+                .await
+                .context("the forward did not end in 60 s")??;
+            let Some((kind, id, flags, payload)) = f else {
+                bail!("connection closed with streams {pending:?} open");
+            };
+            match kind {
+                None => {
+                    if id == data_id {
+                        out.data.extend(&payload);
+                    } else if id == error_id {
+                        out.error.extend(&payload);
+                    }
+                    if flags & 1 != 0 {
+                        pending.retain(|p| *p != id);
+                        if id == data_id {
+                            // The remote side is done: so is this one (client-go resets).
+                            self.s.data(data_id, &[], true).await?;
+                        }
+                    }
+                }
+                Some(3) if pending.contains(&id) => {
+                    let status = u32::from_be_bytes(payload[4..8].try_into()?);
+                    bail!("stream {id} reset with status {status}");
+                }
+                Some(7) => bail!("GOAWAY with streams {pending:?} open"),
+                Some(_) => {}
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// An interactive remotecommand session (what `crictl attach` and `kubectl attach` do): the
+/// streams stay open while the test sends input in steps and reads output as it comes.
+pub struct Session {
+    s: Spdy,
+    ids: HashMap<u32, &'static str>,
+    stdin_id: Option<u32>,
+    /// Output streams and the error stream not finished yet.
+    open: Vec<u32>,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    /// The bytes of the error stream.
+    pub error: Vec<u8>,
+    pub protocol: String,
+}
+
+impl Session {
+    /// Upgrades `url` and opens error, then stdin, stdout and stderr as asked (no terminal).
+    pub async fn open(
+        url: &str,
+        stdin: bool,
+        stdout: bool,
+        stderr: bool,
+    ) -> anyhow::Result<Session> {
+        let up = upgrade(url, &CLIENT_GO_PROTOCOLS).await?;
+        if up.status != 101 {
+            bail!("upgrade refused: {}", up.head);
+        }
+        let protocol = up
+            .head
+            .lines()
+            .find_map(|l| l.strip_prefix("x-stream-protocol-version: "))
+            .unwrap_or("")
+            .trim()
+            .to_string();
+        let mut session = Session {
+            s: Spdy::new(up.conn),
+            ids: HashMap::new(),
+            stdin_id: None,
+            open: Vec::new(),
+            stdout: Vec::new(),
+            stderr: Vec::new(),
+            error: Vec::new(),
+            protocol,
+        };
+        let mut next = 1;
+        for (kind, on) in [
+            ("error", true),
+            ("stdin", stdin),
+            ("stdout", stdout),
+            ("stderr", stderr),
+        ] {
+            if !on {
+                continue;
+            }
+            session.s.syn_stream(next, kind).await?;
+            session.ids.insert(next, kind);
+            if kind == "stdin" {
+                session.stdin_id = Some(next);
+            } else {
+                session.open.push(next);
+            }
+            next += 2;
+        }
+        Ok(session)
+    }
+
+    /// Sends `data` on the stdin stream.
+    pub async fn send(&mut self, data: &[u8]) -> anyhow::Result<()> {
+        let id = self.stdin_id.context("the session has no stdin")?;
+        self.s.data(id, data, false).await
+    }
+
+    /// Half-closes the stdin stream (FIN).
+    pub async fn close_stdin(&mut self) -> anyhow::Result<()> {
+        let id = self.stdin_id.context("the session has no stdin")?;
+        self.s.data(id, &[], true).await
+    }
+
+    /// Whether the server has finished every output stream and the error stream.
+    pub fn ended(&self) -> bool {
+        self.open.is_empty()
+    }
+
+    /// Reads frames until `done(self)` holds; an error when `timeout` passes first (the session
+    /// is not usable after that) or the connection ends.
+    pub async fn read_until(
+        &mut self,
+        timeout: Duration,
+        done: impl Fn(&Session) -> bool,
+    ) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while !done(self) {
+            let f = tokio::time::timeout_at(deadline, self.s.frame())
+                .await
+                .with_context(|| {
+                    format!(
+                        "timed out after {timeout:?}; stdout so far {:?}",
+                        String::from_utf8_lossy(&self.stdout)
+                    )
+                })??;
+            let Some((kind, id, flags, payload)) = f else {
+                bail!("connection closed with streams {:?} open", self.open);
+            };
+            match kind {
+                None => {
+                    match self.ids.get(&id).copied() {
+                        Some("stdout") => self.stdout.extend(&payload),
+                        Some("stderr") => self.stderr.extend(&payload),
+                        Some("error") => self.error.extend(&payload),
+                        _ => {}
+                    }
+                    if flags & 1 != 0 {
+                        self.open.retain(|p| *p != id);
+                    }
+                }
+                Some(3) => {
+                    let status = u32::from_be_bytes(payload[4..8].try_into()?);
+                    bail!("stream {id} reset with status {status}");
+                }
+                Some(7) => bail!("GOAWAY with streams {:?} open", self.open),
+                Some(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads until stdout contains `text`.
+    pub async fn read_stdout_until(&mut self, text: &str, timeout: Duration) -> anyhow::Result<()> {
+        self.read_until(timeout, |s| {
+            String::from_utf8_lossy(&s.stdout).contains(text)
+        })
+        .await
+    }
 }

@@ -1,6 +1,6 @@
 //! CRI RuntimeService. Version, Status and RuntimeConfig are answered here; the pod and container
-//! RPCs delegate to [`super::pods`], the stats RPCs to [`super::stats`], Exec to
-//! [`super::streaming`]; Attach, PortForward, the streamed stats variants and the newer RPCs
+//! RPCs delegate to [`super::pods`], the stats RPCs to [`super::stats`], Exec, Attach
+//! and PortForward to [`super::streaming`]; the streamed stats variants and the newer RPCs
 //! answer UNIMPLEMENTED through the generated default stubs.
 
 use std::collections::HashMap;
@@ -237,6 +237,20 @@ impl RuntimeService for RuntimeHandler {
         req: Request<cri::ExecRequest>,
     ) -> Result<Response<cri::ExecResponse>, Status> {
         streaming::exec(&self.daemon, req).await
+    }
+
+    async fn attach(
+        &self,
+        req: Request<cri::AttachRequest>,
+    ) -> Result<Response<cri::AttachResponse>, Status> {
+        streaming::attach(&self.daemon, req).await
+    }
+
+    async fn port_forward(
+        &self,
+        req: Request<cri::PortForwardRequest>,
+    ) -> Result<Response<cri::PortForwardResponse>, Status> {
+        streaming::port_forward(&self.daemon, req).await
     }
 
     async fn container_stats(

@@ -291,6 +291,9 @@ impl PodService {
         }
         let mut cfg = ShimConfig::new(id, &rec.bundle, self.runtime.clone(), &self.shim_binary);
         cfg.log_path = rec.log_path.clone();
+        let config = rec.config();
+        cfg.stdin = config.stdin;
+        cfg.stdin_once = config.stdin_once;
         let started = async {
             let shim = spawn_shim(cfg).await?;
             if let Err(e) = self.runtime.start(id).await {

@@ -14,6 +14,14 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
 use super::protocol::{ExitRecord, Ready, Request, Response, ShimPaths, read_exit_file};
+
+/// An attach session with a shim ([`ShimHandle::attach`]): [`super::protocol::Frame`]s are
+/// read from `reader` (which may already hold some) and written to `writer`. Shutting
+/// `writer` down, or dropping both, detaches.
+pub struct ShimAttach {
+    pub reader: BufReader<tokio::net::unix::OwnedReadHalf>,
+    pub writer: tokio::net::unix::OwnedWriteHalf,
+}
 use crate::oci::error::{OciError, Result};
 use crate::oci::runc::Runc;
 
@@ -36,6 +44,10 @@ pub struct ShimConfig {
     pub shim_binary: PathBuf,
     /// How long to wait for the container to be created.
     pub ready_timeout: Duration,
+    /// Keep a stdin pipe open for attach sessions (CRI `ContainerConfig.stdin`).
+    pub stdin: bool,
+    /// Close that stdin when the first attach session with stdin ends (`stdin_once`).
+    pub stdin_once: bool,
 }
 
 impl ShimConfig {
@@ -52,6 +64,8 @@ impl ShimConfig {
             log_path: None,
             shim_binary: shim_binary.into(),
             ready_timeout: Duration::from_secs(120),
+            stdin: false,
+            stdin_once: false,
         }
     }
 }
@@ -104,6 +118,12 @@ pub fn spawn_shim_blocking(cfg: &ShimConfig) -> Result<ShimHandle> {
     }
     if let Some(log) = &cfg.log_path {
         cmd.arg("--log-path").arg(log);
+    }
+    if cfg.stdin {
+        cmd.arg("--stdin");
+        if cfg.stdin_once {
+            cmd.arg("--stdin-once");
+        }
     }
     let err_log = shim_log
         .try_clone()
@@ -263,6 +283,38 @@ impl ShimHandle {
             Err(e) => Err(OciError::Other(format!(
                 "container {} is not running (shim: {e})",
                 self.id
+            ))),
+        }
+    }
+
+    /// Starts an attach session (CRI `Attach`) for the streams asked for. Fails when the
+    /// container has exited, or `stdin` is asked of a container created without it.
+    pub async fn attach(&self, stdin: bool, stdout: bool, stderr: bool) -> Result<ShimAttach> {
+        let gone = |e: std::io::Error| {
+            OciError::Other(format!("container {} is not running (shim: {e})", self.id))
+        };
+        let s = UnixStream::connect(self.paths.socket())
+            .await
+            .map_err(gone)?;
+        let (r, mut writer) = s.into_split();
+        let mut line = serde_json::to_vec(&Request::Attach {
+            stdin,
+            stdout,
+            stderr,
+        })
+        .map_err(|e| OciError::Other(e.to_string()))?;
+        line.push(b'\n');
+        writer.write_all(&line).await.map_err(gone)?;
+        let mut reader = BufReader::new(r);
+        let mut resp = String::new();
+        if reader.read_line(&mut resp).await.map_err(gone)? == 0 {
+            return Err(gone(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        match serde_json::from_str(&resp) {
+            Ok(Response::Attached) => Ok(ShimAttach { reader, writer }),
+            Ok(Response::Error { message }) => Err(OciError::Other(message)),
+            other => Err(OciError::Other(format!(
+                "unexpected shim response {other:?}"
             ))),
         }
     }

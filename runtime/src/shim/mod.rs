@@ -9,9 +9,10 @@
 //!    starts a new session, closes every inherited descriptor but stdio and fd 3, and becomes a
 //!    child subreaper. Reparented to init, it survives the daemon being killed or restarted.
 //! 2. The shim runs `<runtime> --root DIR --log <bundle>/runtime-log.json --log-format json
-//!    create --bundle DIR --pid-file <bundle>/init.pid ID` with stdin on `/dev/null` and two
-//!    pipes as stdout and stderr (runc passes them to the container), then writes one JSON
-//!    line on fd 3: `{"ok":true,"shim_pid":N,"init_pid":M}` or `{"ok":false,"error":"..."}`
+//!    create --bundle DIR --pid-file <bundle>/init.pid ID` with stdin on `/dev/null` (a pipe with
+//!    `--stdin`, see below) and two pipes as stdout and stderr (runc passes them to the
+//!    container), then writes one JSON line on fd 3: `{"ok":true,"shim_pid":N,"init_pid":M}`
+//!    or `{"ok":false,"error":"..."}`
 //!    (the runtime's own error message), and closes it.
 //! 3. The daemon starts the container itself with `runtime start ID`
 //!    ([`crate::oci::OciRuntime::start`]); likewise kill, exec, update and delete go straight
@@ -30,6 +31,14 @@
 //! - `{"op":"state"}` → `{"status":"state","shim_pid":N,"init_pid":M,"exited":null|EXIT}`
 //! - `{"op":"reopen_log"}` → `{"status":"ok"}` or `{"status":"error","message":"..."}`
 //! - `{"op":"wait"}` → `{"status":"exited","exit":EXIT}` once the init has exited
+//! - `{"op":"attach","stdin":B,"stdout":B,"stderr":B}` → `{"status":"attached"}`, then binary
+//!   frames both ways (`[kind u8][len u32 BE][bytes]`, [`protocol::Frame`]): the container's
+//!   stdout (1) / stderr (2) as the shim reads them (after writing them to the log; a session
+//!   more than 1024 chunks behind is cut off), stdin (0) and the end of the session's stdin (3)
+//!   from the daemon. The daemon half-closing the connection detaches; the shim closes it when
+//!   the container's output ends. With `--stdin` (CRI `stdin`) the container's stdin is a pipe
+//!   the shim keeps open across sessions (else `/dev/null`, and stdin attach is refused); with
+//!   `--stdin-once` it is closed when the first session with stdin ends.
 //!
 //! where `EXIT` is the content of `exit.json`:
 //! `{"pid":M,"exit_code":3,"signal":null,"exited_at":"<RFC3339Nano>","exited_at_ns":N}`
@@ -40,6 +49,6 @@ pub mod client;
 pub mod monitor;
 pub mod protocol;
 
-pub use client::{ShimConfig, ShimHandle, spawn_shim, spawn_shim_blocking};
+pub use client::{ShimAttach, ShimConfig, ShimHandle, spawn_shim, spawn_shim_blocking};
 pub use monitor::{ShimArgs, main};
 pub use protocol::{ExitRecord, Request, Response, ShimPaths, read_exit_file};

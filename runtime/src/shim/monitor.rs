@@ -22,7 +22,9 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::Pid;
 
-use super::protocol::{ExitRecord, Ready, Request, Response, ShimPaths};
+use super::protocol::{
+    ExitRecord, Frame, FrameDecoder, FrameKind, Ready, Request, Response, ShimPaths,
+};
 use crate::fsutil::write_atomic;
 use crate::logs::{CriLogFile, DEFAULT_MAX_LINE, LineSplitter, Stream};
 use crate::oci::runc::{Runc, read_runtime_log};
@@ -54,9 +56,109 @@ pub struct ShimArgs {
     /// Do not fork and start a new session (for debugging).
     #[arg(long)]
     pub foreground: bool,
+    /// Give the container a stdin pipe the shim keeps open for attach sessions (CRI
+    /// `ContainerConfig.stdin`); without it the container's stdin is `/dev/null`.
+    #[arg(long)]
+    pub stdin: bool,
+    /// Close the container's stdin when the first attach session with stdin ends (CRI
+    /// `ContainerConfig.stdin_once`).
+    #[arg(long, requires = "stdin")]
+    pub stdin_once: bool,
 }
 
 type SharedLog = Arc<Mutex<Option<CriLogFile>>>;
+
+/// Queued output frames per attach session; a session further behind is cut off, so a slow
+/// client never holds up the container or its log.
+const ATTACH_QUEUE: usize = 1024;
+
+/// One attach session's share of the output.
+struct Subscriber {
+    id: u64,
+    stdout: bool,
+    stderr: bool,
+    tx: std::sync::mpsc::SyncSender<Frame>,
+}
+
+/// The attach sessions and the container's stdin.
+#[derive(Default)]
+struct Attachments {
+    subscribers: Mutex<Vec<Subscriber>>,
+    next_id: std::sync::atomic::AtomicU64,
+    /// Output pumps still running; at 0 the output has ended and sessions are closed.
+    open_outputs: Mutex<usize>,
+    /// Sessions still writing to their connection (the shim lets them finish before leaving).
+    active: Mutex<usize>,
+    /// The write end of the container's stdin (with `--stdin`), until it is closed.
+    stdin: Mutex<Option<std::fs::File>>,
+    /// Whether the container was created with a stdin pipe (`--stdin`).
+    has_stdin: bool,
+    stdin_once: bool,
+}
+
+impl Attachments {
+    /// Hands `data` read from `stream` to every session that asked for it.
+    fn publish(&self, stream: Stream, data: &[u8]) {
+        let mut subs = self.subscribers.lock().unwrap();
+        if subs.is_empty() {
+            return;
+        }
+        let kind = match stream {
+            Stream::Stdout => FrameKind::Stdout,
+            Stream::Stderr => FrameKind::Stderr,
+        };
+        subs.retain(|s| {
+            let wanted = match kind {
+                FrameKind::Stdout => s.stdout,
+                _ => s.stderr,
+            };
+            if !wanted {
+                return true;
+            }
+            match s.tx.try_send(Frame::new(kind, data)) {
+                Ok(()) => true,
+                Err(std::sync::mpsc::TrySendError::Full(_)) => {
+                    eprintln!(
+                        "minicri shim: attach session {} is {ATTACH_QUEUE} chunks behind: cut off",
+                        s.id
+                    );
+                    false
+                }
+                Err(std::sync::mpsc::TrySendError::Disconnected(_)) => false,
+            }
+        });
+    }
+
+    /// One output pump reached EOF; after the last one, every session is told the end.
+    fn output_closed(&self) {
+        let mut open = self.open_outputs.lock().unwrap();
+        *open = open.saturating_sub(1);
+        if *open == 0 {
+            self.subscribers.lock().unwrap().clear();
+        }
+    }
+
+    fn unsubscribe(&self, id: u64) {
+        self.subscribers.lock().unwrap().retain(|s| s.id != id);
+    }
+
+    fn write_stdin(&self, data: &[u8]) {
+        let mut stdin = self.stdin.lock().unwrap();
+        if let Some(f) = stdin.as_mut()
+            && let Err(e) = f.write_all(data)
+        {
+            eprintln!("minicri shim: write to the container's stdin: {e}");
+            *stdin = None;
+        }
+    }
+
+    /// The end of a session's stdin: with `stdin_once` the container's stdin is closed.
+    fn stdin_done(&self) {
+        if self.stdin_once {
+            self.stdin.lock().unwrap().take();
+        }
+    }
+}
 
 struct Shared {
     shim_pid: i32,
@@ -66,6 +168,7 @@ struct Shared {
     log: SharedLog,
     /// Connections waiting for the exit, answered before the shim leaves.
     waiters: Mutex<usize>,
+    attach: Arc<Attachments>,
 }
 
 /// Closes every descriptor but stdio and `keep`, so nothing of the spawner's stays open.
@@ -172,6 +275,21 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
     let (err_r, err_w) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+    // With `--stdin`, a pipe whose write end the shim keeps for attach sessions.
+    let (stdin, stdin_w) = if args.stdin {
+        let (r, w) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
+        (Stdio::from(r), Some(std::fs::File::from(w)))
+    } else {
+        (Stdio::null(), None)
+    };
+    let attach = Arc::new(Attachments {
+        open_outputs: Mutex::new(2),
+        stdin: Mutex::new(stdin_w),
+        has_stdin: args.stdin,
+        stdin_once: args.stdin_once,
+        ..Default::default()
+    });
     let mut runc = Runc::new(&args.runtime, &args.runtime_root);
     runc.systemd_cgroup = args.systemd_cgroup;
     let mut cmd = Command::new(&args.runtime);
@@ -181,7 +299,7 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
         &paths.init_pid(),
         &paths.runtime_log(),
     ))
-    .stdin(Stdio::null())
+    .stdin(stdin)
     .stdout(Stdio::from(out_w))
     .stderr(Stdio::from(err_w));
     // SAFETY: sigprocmask is async-signal-safe.
@@ -204,8 +322,10 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
     for (fd, stream) in [(out_r, Stream::Stdout), (err_r, Stream::Stderr)] {
         let log = log.clone();
         let done = done_tx.clone();
+        let attach = attach.clone();
         std::thread::spawn(move || {
-            pump(fd, stream, &log);
+            pump(fd, stream, &log, &attach);
+            attach.output_closed();
             let _ = done.send(());
         });
     }
@@ -245,6 +365,7 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
         cond: Condvar::new(),
         log: log.clone(),
         waiters: Mutex::new(0),
+        attach: attach.clone(),
     });
     {
         let shared = shared.clone();
@@ -295,7 +416,9 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
     shared.cond.notify_all();
     // Let connections already waiting get their answer.
     let until = Instant::now() + Duration::from_secs(1);
-    while *shared.waiters.lock().unwrap() > 0 && Instant::now() < until {
+    while (*shared.waiters.lock().unwrap() > 0 || *attach.active.lock().unwrap() > 0)
+        && Instant::now() < until
+    {
         std::thread::sleep(Duration::from_millis(10));
     }
     let _ = std::fs::remove_file(paths.socket());
@@ -323,8 +446,8 @@ fn wait_init(init_pid: i32, mut seen: HashMap<i32, WaitStatus>) -> Option<WaitSt
     }
 }
 
-/// Copies one output pipe into the CRI log until EOF.
-fn pump(fd: OwnedFd, stream: Stream, log: &SharedLog) {
+/// Copies one output pipe into the CRI log, and to the attach sessions, until EOF.
+fn pump(fd: OwnedFd, stream: Stream, log: &SharedLog, attach: &Attachments) {
     let mut pipe = std::fs::File::from(fd);
     let mut splitter = LineSplitter::new(DEFAULT_MAX_LINE);
     let mut buf = vec![0u8; 64 * 1024];
@@ -338,7 +461,10 @@ fn pump(fd: OwnedFd, stream: Stream, log: &SharedLog) {
     loop {
         match pipe.read(&mut buf) {
             Ok(0) => break,
-            Ok(n) => splitter.feed(&buf[..n], &mut write),
+            Ok(n) => {
+                splitter.feed(&buf[..n], &mut write);
+                attach.publish(stream, &buf[..n]);
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => {
                 eprintln!("minicri shim: read {}: {e}", stream.as_str());
@@ -401,6 +527,11 @@ fn handle(conn: UnixStream, shared: &Shared) -> std::io::Result<()> {
             Ok(()) => Response::Ok,
             Err(message) => Response::Error { message },
         },
+        Ok(Request::Attach {
+            stdin,
+            stdout,
+            stderr,
+        }) => return attach(conn, shared, stdin, stdout, stderr),
         Ok(Request::Wait) => {
             *shared.waiters.lock().unwrap() += 1;
             let mut exited = shared.exited.lock().unwrap();
@@ -420,4 +551,189 @@ fn handle(conn: UnixStream, shared: &Shared) -> std::io::Result<()> {
     let mut out = serde_json::to_vec(&response).map_err(std::io::Error::other)?;
     out.push(b'\n');
     (&conn).write_all(&out)
+}
+
+/// Serves one attach session on `conn` (see [`Request::Attach`]): this thread copies the
+/// subscribed output to the connection, a second one reads the daemon's frames (stdin).
+fn attach(
+    conn: UnixStream,
+    shared: &Shared,
+    stdin: bool,
+    stdout: bool,
+    stderr: bool,
+) -> std::io::Result<()> {
+    let a = shared.attach.clone();
+    let refuse = |message: String| {
+        let mut out = serde_json::to_vec(&Response::Error { message })?;
+        out.push(b'\n');
+        (&conn).write_all(&out)
+    };
+    if stdin && !a.has_stdin {
+        return refuse("the container was not created with stdin".into());
+    }
+    let (tx, rx) = std::sync::mpsc::sync_channel(ATTACH_QUEUE);
+    let id = a.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    {
+        // Subscribe under the pumps' counter, so the end of the output cannot slip by.
+        let open = a.open_outputs.lock().unwrap();
+        if *open == 0 {
+            drop(open);
+            return refuse("the container's output has ended (it exited)".into());
+        }
+        a.subscribers.lock().unwrap().push(Subscriber {
+            id,
+            stdout,
+            stderr,
+            tx,
+        });
+    }
+    *a.active.lock().unwrap() += 1;
+    let result = (|| {
+        let mut out = serde_json::to_vec(&Response::Attached).map_err(std::io::Error::other)?;
+        out.push(b'\n');
+        (&conn).write_all(&out)?;
+        let reader = conn.try_clone()?;
+        let ra = a.clone();
+        std::thread::spawn(move || read_stdin(reader, &ra, id, stdin));
+        for frame in rx {
+            (&conn).write_all(&frame.encode())?;
+        }
+        Ok(())
+    })();
+    // The output has ended, the daemon detached, or the connection broke.
+    a.unsubscribe(id);
+    let _ = conn.shutdown(std::net::Shutdown::Both);
+    *a.active.lock().unwrap() -= 1;
+    result
+}
+
+/// Reads an attach session's frames until the daemon detaches: stdin goes to the container.
+fn read_stdin(mut conn: UnixStream, a: &Attachments, id: u64, with_stdin: bool) {
+    let mut decoder = FrameDecoder::default();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut stdin_open = with_stdin;
+    'read: loop {
+        let n = match conn.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        decoder.feed(&buf[..n]);
+        loop {
+            match decoder.next_frame() {
+                Ok(Some(f)) => match f.kind {
+                    FrameKind::Stdin if stdin_open => a.write_stdin(&f.data),
+                    FrameKind::CloseStdin if stdin_open => {
+                        stdin_open = false;
+                        a.stdin_done();
+                    }
+                    _ => {}
+                },
+                Ok(None) => break,
+                Err(e) => {
+                    eprintln!("minicri shim: attach session {id}: {e}");
+                    break 'read;
+                }
+            }
+        }
+    }
+    // Detached: a session that had stdin ends it too (stdin_once closes the container's).
+    if stdin_open {
+        a.stdin_done();
+    }
+    a.unsubscribe(id);
+    let _ = conn.shutdown(std::net::Shutdown::Both);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn subscribe(
+        a: &Attachments,
+        id: u64,
+        stdout: bool,
+        stderr: bool,
+    ) -> std::sync::mpsc::Receiver<Frame> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(ATTACH_QUEUE);
+        a.subscribers.lock().unwrap().push(Subscriber {
+            id,
+            stdout,
+            stderr,
+            tx,
+        });
+        rx
+    }
+
+    #[test]
+    fn output_goes_to_the_sessions_that_asked_for_it() {
+        let a = Attachments {
+            open_outputs: Mutex::new(2),
+            ..Default::default()
+        };
+        let both = subscribe(&a, 1, true, true);
+        let out = subscribe(&a, 2, true, false);
+        a.publish(Stream::Stdout, b"o");
+        a.publish(Stream::Stderr, b"e");
+        assert_eq!(
+            both.try_iter().collect::<Vec<_>>(),
+            [
+                Frame::new(FrameKind::Stdout, b"o".to_vec()),
+                Frame::new(FrameKind::Stderr, b"e".to_vec())
+            ]
+        );
+        assert_eq!(
+            out.try_iter().collect::<Vec<_>>(),
+            [Frame::new(FrameKind::Stdout, b"o".to_vec())]
+        );
+        // A session that went away is dropped at the next chunk.
+        drop(out);
+        a.publish(Stream::Stdout, b"x");
+        assert_eq!(a.subscribers.lock().unwrap().len(), 1);
+        // The end of both outputs ends every session.
+        a.output_closed();
+        assert_eq!(a.subscribers.lock().unwrap().len(), 1);
+        a.output_closed();
+        assert!(a.subscribers.lock().unwrap().is_empty());
+        assert_eq!(both.try_iter().count(), 1);
+        assert!(both.recv().is_err(), "disconnected");
+    }
+
+    #[test]
+    fn a_session_that_falls_behind_is_cut_off() {
+        let a = Attachments::default();
+        let slow = subscribe(&a, 1, true, true);
+        for _ in 0..ATTACH_QUEUE {
+            a.publish(Stream::Stdout, b"chunk");
+        }
+        assert_eq!(a.subscribers.lock().unwrap().len(), 1);
+        a.publish(Stream::Stdout, b"one too many");
+        assert!(a.subscribers.lock().unwrap().is_empty());
+        assert_eq!(slow.try_iter().count(), ATTACH_QUEUE);
+    }
+
+    #[test]
+    fn stdin_once_closes_the_containers_stdin() {
+        let (r, w) = nix::unistd::pipe().unwrap();
+        let a = Attachments {
+            stdin: Mutex::new(Some(std::fs::File::from(w))),
+            has_stdin: true,
+            stdin_once: true,
+            ..Default::default()
+        };
+        a.write_stdin(b"in\n");
+        a.stdin_done();
+        assert!(a.stdin.lock().unwrap().is_none());
+        let mut got = String::new();
+        std::fs::File::from(r).read_to_string(&mut got).unwrap();
+        assert_eq!(got, "in\n", "EOF after the input: the write end is closed");
+
+        let (_r, w) = nix::unistd::pipe().unwrap();
+        let kept = Attachments {
+            stdin: Mutex::new(Some(std::fs::File::from(w))),
+            has_stdin: true,
+            ..Default::default()
+        };
+        kept.stdin_done();
+        assert!(kept.stdin.lock().unwrap().is_some(), "without stdin_once");
+    }
 }

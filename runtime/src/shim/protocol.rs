@@ -84,6 +84,15 @@ pub enum Request {
     ReopenLog,
     /// Answered with [`Response::Exited`] once the init has exited and its output is written.
     Wait,
+    /// CRI `Attach`: answered with [`Response::Attached`] (or `Error`), after which the
+    /// connection carries [`Frame`]s both ways: the container's output as the shim reads it
+    /// (the streams asked for), and stdin from the daemon. The daemon half-closing its side
+    /// detaches; the shim closes the connection when the container's output has ended.
+    Attach {
+        stdin: bool,
+        stdout: bool,
+        stderr: bool,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -98,9 +107,107 @@ pub enum Response {
     Exited {
         exit: ExitRecord,
     },
+    /// The attach session has started; frames follow.
+    Attached,
     Error {
         message: String,
     },
+}
+
+/// The kind of an attach [`Frame`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrameKind {
+    /// Daemon to shim: bytes for the container's stdin.
+    Stdin = 0,
+    /// Shim to daemon: the container's stdout.
+    Stdout = 1,
+    /// Shim to daemon: the container's stderr.
+    Stderr = 2,
+    /// Daemon to shim: the client closed its stdin (with `stdin_once`, the container's stdin
+    /// is closed; otherwise it stays open for the next session).
+    CloseStdin = 3,
+}
+
+impl FrameKind {
+    fn from_u8(b: u8) -> Option<FrameKind> {
+        Some(match b {
+            0 => FrameKind::Stdin,
+            1 => FrameKind::Stdout,
+            2 => FrameKind::Stderr,
+            3 => FrameKind::CloseStdin,
+            _ => return None,
+        })
+    }
+}
+
+/// The largest frame payload accepted (the shim reads at most 64 KiB at a time).
+pub const MAX_FRAME: usize = 1 << 20;
+
+/// One attach frame: `[kind: u8][length: u32 big-endian][payload]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    pub kind: FrameKind,
+    pub data: Vec<u8>,
+}
+
+impl Frame {
+    pub fn new(kind: FrameKind, data: impl Into<Vec<u8>>) -> Frame {
+        Frame {
+            kind,
+            data: data.into(),
+        }
+    }
+
+    /// The frame's bytes on the wire.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(5 + self.data.len());
+        v.push(self.kind as u8);
+        v.extend_from_slice(&(self.data.len() as u32).to_be_bytes());
+        v.extend_from_slice(&self.data);
+        v
+    }
+}
+
+/// Splits a byte stream into [`Frame`]s, whatever the read boundaries (no I/O of its own, so
+/// the shim's threads and the daemon's tasks share it).
+#[derive(Debug, Default)]
+pub struct FrameDecoder {
+    buf: Vec<u8>,
+}
+
+impl FrameDecoder {
+    /// Adds bytes read from the connection.
+    pub fn feed(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// The next complete frame, `Ok(None)` when more bytes are needed; an error for an unknown
+    /// kind or an oversized frame (the connection is then unusable).
+    pub fn next_frame(&mut self) -> std::io::Result<Option<Frame>> {
+        if self.buf.len() < 5 {
+            return Ok(None);
+        }
+        let kind = FrameKind::from_u8(self.buf[0]).ok_or_else(|| {
+            std::io::Error::other(format!("unknown attach frame kind {}", self.buf[0]))
+        })?;
+        let len = u32::from_be_bytes(self.buf[1..5].try_into().expect("4 bytes")) as usize;
+        if len > MAX_FRAME {
+            return Err(std::io::Error::other(format!(
+                "attach frame of {len} bytes (at most {MAX_FRAME})"
+            )));
+        }
+        if self.buf.len() < 5 + len {
+            return Ok(None);
+        }
+        let data = self.buf[5..5 + len].to_vec();
+        self.buf.drain(..5 + len);
+        Ok(Some(Frame { kind, data }))
+    }
+
+    /// Bytes received that do not make a whole frame yet.
+    pub fn pending(&self) -> usize {
+        self.buf.len()
+    }
 }
 
 pub use crate::fsutil::write_atomic;
@@ -144,6 +251,64 @@ mod tests {
             serde_json::from_str::<Response>(&s).unwrap(),
             Response::Exited { exit }
         );
+    }
+
+    #[test]
+    fn attach_request_and_answer() {
+        let r = Request::Attach {
+            stdin: true,
+            stdout: true,
+            stderr: false,
+        };
+        let s = serde_json::to_string(&r).unwrap();
+        assert_eq!(
+            s,
+            r#"{"op":"attach","stdin":true,"stdout":true,"stderr":false}"#
+        );
+        assert_eq!(serde_json::from_str::<Request>(&s).unwrap(), r);
+        assert_eq!(
+            serde_json::to_string(&Response::Attached).unwrap(),
+            r#"{"status":"attached"}"#
+        );
+        assert!(serde_json::from_str::<Request>(r#"{"op":"attach"}"#).is_err());
+    }
+
+    #[test]
+    fn frames_survive_any_split() {
+        let frames = vec![
+            Frame::new(FrameKind::Stdout, b"hello\n".to_vec()),
+            Frame::new(FrameKind::Stderr, Vec::new()),
+            Frame::new(FrameKind::Stdin, vec![0u8; 70_000]),
+            Frame::new(FrameKind::CloseStdin, Vec::new()),
+        ];
+        let wire: Vec<u8> = frames.iter().flat_map(|f| f.encode()).collect();
+        assert_eq!(&wire[..5], &[1, 0, 0, 0, 6]);
+        for step in [1, 2, 5, 7, 4096, wire.len()] {
+            let mut d = FrameDecoder::default();
+            let mut got = Vec::new();
+            for chunk in wire.chunks(step) {
+                d.feed(chunk);
+                while let Some(f) = d.next_frame().unwrap() {
+                    got.push(f);
+                }
+            }
+            assert_eq!(got, frames, "chunks of {step}");
+            assert_eq!(d.pending(), 0);
+        }
+    }
+
+    #[test]
+    fn bad_frames_are_errors() {
+        let mut d = FrameDecoder::default();
+        d.feed(&[9, 0, 0, 0, 0]);
+        assert!(d.next_frame().is_err());
+        let mut d = FrameDecoder::default();
+        d.feed(&[1]);
+        d.feed(&((MAX_FRAME + 1) as u32).to_be_bytes());
+        assert!(d.next_frame().is_err());
+        let mut d = FrameDecoder::default();
+        d.feed(&[2, 0, 0]);
+        assert_eq!(d.next_frame().unwrap(), None);
     }
 
     #[test]

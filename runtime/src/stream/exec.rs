@@ -36,9 +36,9 @@ use super::spdy::rst;
 /// How long the client has to open its streams after the upgrade.
 pub const STREAM_CREATION_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long output may keep flowing after the process exited.
-const DRAIN_GRACE: Duration = Duration::from_secs(2);
+pub(super) const DRAIN_GRACE: Duration = Duration::from_secs(2);
 /// How long the client gets to close the connection after the last frame.
-const LINGER: Duration = Duration::from_secs(5);
+pub(super) const LINGER: Duration = Duration::from_secs(5);
 
 /// What the Exec RPC accepted, kept under its token until the client connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,6 +79,18 @@ pub trait ExecBackend: Send + Sync + 'static {
         cmd: Vec<String>,
         tty: bool,
     ) -> BoxFuture<'a, Result<Spawned, String>>;
+
+    /// Attaches to the running container's own stdio (CRI `Attach`, [`super::attach`]), for
+    /// the streams asked for. The default refuses.
+    fn attach<'a>(
+        &'a self,
+        container_id: &'a str,
+        _stdin: bool,
+        _stdout: bool,
+        _stderr: bool,
+    ) -> BoxFuture<'a, Result<super::attach::Attached, String>> {
+        Box::pin(async move { Err(format!("cannot attach to {container_id} here")) })
+    }
 }
 
 impl ExecBackend for crate::pods::PodService {
@@ -153,16 +165,26 @@ impl ExecBackend for crate::pods::PodService {
             })
         })
     }
+
+    fn attach<'a>(
+        &'a self,
+        container_id: &'a str,
+        stdin: bool,
+        stdout: bool,
+        stderr: bool,
+    ) -> BoxFuture<'a, Result<super::attach::Attached, String>> {
+        super::attach::pod_attach(self, container_id, stdin, stdout, stderr)
+    }
 }
 
 /// The client's streams, by type.
 #[derive(Default)]
-struct Channels {
-    error: Option<IncomingStream>,
-    stdin: Option<IncomingStream>,
-    stdout: Option<IncomingStream>,
-    stderr: Option<IncomingStream>,
-    resize: Option<IncomingStream>,
+pub(super) struct Channels {
+    pub(super) error: Option<IncomingStream>,
+    pub(super) stdin: Option<IncomingStream>,
+    pub(super) stdout: Option<IncomingStream>,
+    pub(super) stderr: Option<IncomingStream>,
+    pub(super) resize: Option<IncomingStream>,
 }
 
 impl Channels {
@@ -255,7 +277,15 @@ async fn collect_streams(
     protocol: Protocol,
     timeout: Duration,
 ) -> Result<Channels, String> {
-    let expected = expected_streams(req, protocol);
+    collect(events, expected_streams(req, protocol), timeout).await
+}
+
+/// Waits until the client has opened every stream of `expected` (exec and attach alike).
+pub(super) async fn collect(
+    events: &mut mpsc::Receiver<Event>,
+    expected: Vec<StreamType>,
+    timeout: Duration,
+) -> Result<Channels, String> {
     let mut ch = Channels::default();
     let deadline = tokio::time::sleep(timeout);
     tokio::pin!(deadline);
@@ -384,7 +414,7 @@ async fn apply_resizes(mut rx: mpsc::Receiver<Vec<u8>>, resize: Resize) {
     }
 }
 
-async fn copy_in(mut rx: mpsc::Receiver<Vec<u8>>, mut w: BoxWrite) {
+pub(super) async fn copy_in(mut rx: mpsc::Receiver<Vec<u8>>, mut w: BoxWrite) {
     while let Some(chunk) = rx.recv().await {
         if w.write_all(&chunk).await.is_err() || w.flush().await.is_err() {
             return;
@@ -394,7 +424,7 @@ async fn copy_in(mut rx: mpsc::Receiver<Vec<u8>>, mut w: BoxWrite) {
 }
 
 /// Copies a pipe to a stream (or to nowhere), then half-closes the stream.
-async fn copy_out(r: Option<BoxRead>, mut w: Option<StreamWriter>) {
+pub(super) async fn copy_out(r: Option<BoxRead>, mut w: Option<StreamWriter>) {
     if let Some(mut r) = r {
         let mut buf = vec![0u8; MAX_DATA_CHUNK];
         loop {
@@ -416,7 +446,7 @@ async fn copy_out(r: Option<BoxRead>, mut w: Option<StreamWriter>) {
 }
 
 /// Closes the output streams, reports the outcome on the error stream, closes the rest.
-async fn finish(ch: &Channels, protocol: Protocol, outcome: &Outcome, cmd: &[String]) {
+pub(super) async fn finish(ch: &Channels, protocol: Protocol, outcome: &Outcome, cmd: &[String]) {
     for s in [&ch.stdout, &ch.stderr].into_iter().flatten() {
         // Already closed by the copy unless it was cut short.
         let _ = s.writer.close().await;
@@ -426,6 +456,16 @@ async fn finish(ch: &Channels, protocol: Protocol, outcome: &Outcome, cmd: &[Str
         if !payload.is_empty() {
             let _ = e.writer.write(&payload).await;
         }
+    }
+    for w in ch.writers() {
+        let _ = w.close().await;
+    }
+}
+
+/// Half-closes every stream, reporting nothing on the error stream.
+pub(super) async fn close_all(ch: &Channels) {
+    for s in [&ch.stdout, &ch.stderr].into_iter().flatten() {
+        let _ = s.writer.close().await;
     }
     for w in ch.writers() {
         let _ = w.close().await;

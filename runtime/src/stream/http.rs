@@ -1,5 +1,6 @@
-//! The streaming server's HTTP/1.1 side: `/exec/<token>` requests, the upgrade to SPDY/3.1 and
-//! the remotecommand version negotiation.
+//! The streaming server's HTTP/1.1 side: `/exec/<token>` and `/attach/<token>` requests, the
+//! upgrade to SPDY/3.1 and the remotecommand version negotiation; `/portforward/<token>`
+//! goes to [`super::portforward`], which negotiates `portforward.k8s.io` itself.
 //!
 //! A request's token is consumed whatever happens next (single use, as the kubelet's streaming
 //! server does). Refusals carry a plain-text body, which client-go shows as the error:
@@ -27,7 +28,7 @@ use super::{Pending, StreamServer};
 /// The `Upgrade` token of SPDY/3.1.
 pub const SPDY_31: &str = "SPDY/3.1";
 
-fn text(status: StatusCode, msg: impl Into<String>) -> Response<Full<Bytes>> {
+pub(super) fn text(status: StatusCode, msg: impl Into<String>) -> Response<Full<Bytes>> {
     let mut body = msg.into();
     body.push('\n');
     Response::builder()
@@ -38,7 +39,7 @@ fn text(status: StatusCode, msg: impl Into<String>) -> Response<Full<Bytes>> {
 }
 
 /// Whether a comma-separated header (`Connection`, `Upgrade`) lists `token`.
-fn lists(req: &Request<Incoming>, name: hyper::header::HeaderName, token: &str) -> bool {
+pub(super) fn lists(req: &Request<Incoming>, name: hyper::header::HeaderName, token: &str) -> bool {
     req.headers()
         .get_all(name)
         .iter()
@@ -53,24 +54,35 @@ pub async fn handle(
     server: Arc<StreamServer>,
     backend: Arc<dyn ExecBackend>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
-    let Some(token) = req.uri().path().strip_prefix("/exec/") else {
-        return Ok(text(
-            StatusCode::NOT_FOUND,
-            "only /exec/<token> is served here (attach and port-forward are not implemented)",
-        ));
+    if let Some(token) = req.uri().path().strip_prefix("/portforward/") {
+        let token = token.to_string();
+        return Ok(super::portforward::handle_http(req, &token, &server));
+    }
+    // Exec and attach share the upgrade and the remotecommand negotiation.
+    let path = req.uri().path().to_string();
+    let (kind, token) = match (path.strip_prefix("/exec/"), path.strip_prefix("/attach/")) {
+        (Some(t), _) => ("exec", t),
+        (_, Some(t)) => ("attach", t),
+        _ => {
+            return Ok(text(
+                StatusCode::NOT_FOUND,
+                "only /exec/<token>, /attach/<token> and /portforward/<token> are served here",
+            ));
+        }
     };
     if req.method() != Method::POST && req.method() != Method::GET {
         return Ok(text(
             StatusCode::METHOD_NOT_ALLOWED,
-            "exec streams are opened with POST or GET",
+            format!("{kind} streams are opened with POST or GET"),
         ));
     }
-    let exec_req = match server.take(token) {
-        Some(Pending::Exec(r)) => r,
-        None => {
+    let session = match server.take(token) {
+        Some(p @ Pending::Exec(_)) if kind == "exec" => p,
+        Some(p @ Pending::Attach(_)) if kind == "attach" => p,
+        _ => {
             return Ok(text(
                 StatusCode::NOT_FOUND,
-                format!("exec session {token:?} not found: unknown, already used or expired"),
+                format!("{kind} session {token:?} not found: unknown, already used or expired"),
             ));
         }
     };
@@ -106,11 +118,15 @@ pub async fn handle(
     };
     let on_upgrade = hyper::upgrade::on(&mut req);
     tokio::spawn(async move {
-        match on_upgrade.await {
-            Ok(upgraded) => exec::serve(TokioIo::new(upgraded), protocol, exec_req, backend).await,
-            Err(e) => {
-                tracing::info!(container = %exec_req.container_id, error = %e, "exec upgrade failed")
+        match (on_upgrade.await, session) {
+            (Ok(upgraded), Pending::Exec(r)) => {
+                exec::serve(TokioIo::new(upgraded), protocol, r, backend).await
             }
+            (Ok(upgraded), Pending::Attach(r)) => {
+                super::attach::serve(TokioIo::new(upgraded), protocol, r, backend).await
+            }
+            (Ok(_), _) => {}
+            (Err(e), _) => tracing::info!(error = %e, "{kind} upgrade failed"),
         }
     });
     let mut r = Response::builder()

@@ -12,13 +12,18 @@
 //! - [`http`]: the HTTP/1.1 request, upgrade and protocol negotiation;
 //! - [`spdy`]: SPDY/3.1 framing, header compression, flow control, the connection;
 //! - [`remotecommand`]: protocol versions, stream types, the error stream's status;
+//! - [`attach`]: one attach session, on the container's own stdio through its shim;
 //! - [`exec`]: one exec session, and [`ExecBackend`], the seam to the pod service;
+//! - [`portforward`]: one port-forward session (`portforward.k8s.io`): TCP connections into
+//!   the pod's network namespace;
 //! - [`pty`]: a pty master as async I/O, and terminal resizes (exec with a tty).
 //!
-//! Attach and PortForward are not implemented (their RPCs answer UNIMPLEMENTED).
+//! Attach shares exec's upgrade and streams; the container's stdio comes from its shim.
 
+pub mod attach;
 pub mod exec;
 pub mod http;
+pub mod portforward;
 pub mod pty;
 pub mod remotecommand;
 pub mod spdy;
@@ -36,7 +41,9 @@ use std::time::{Duration, Instant};
 use hyper_util::rt::TokioIo;
 
 use crate::error::{Error, Result};
+pub use attach::AttachRequest;
 pub use exec::{ExecBackend, ExecRequest};
+pub use portforward::PortForwardRequest;
 
 /// How long a URL handed out by Exec stays valid.
 pub const TOKEN_TTL: Duration = Duration::from_secs(60);
@@ -47,6 +54,8 @@ pub const MAX_PENDING: usize = 1000;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Pending {
     Exec(ExecRequest),
+    Attach(AttachRequest),
+    PortForward(PortForwardRequest),
 }
 
 /// The streaming server: bound at daemon start, serving once [`StreamServer::spawn`]ed.
@@ -80,6 +89,18 @@ impl StreamServer {
     pub fn register_exec(&self, req: ExecRequest) -> Result<String> {
         let token = self.insert(Pending::Exec(req))?;
         Ok(format!("http://{}/exec/{token}", self.addr))
+    }
+
+    /// Keeps a port-forward request for its client; returns the URL to hand out.
+    pub fn register_port_forward(&self, req: PortForwardRequest) -> Result<String> {
+        let token = self.insert(Pending::PortForward(req))?;
+        Ok(format!("http://{}/portforward/{token}", self.addr))
+    }
+
+    /// Keeps an attach request for its client; returns the URL to hand out.
+    pub fn register_attach(&self, req: AttachRequest) -> Result<String> {
+        let token = self.insert(Pending::Attach(req))?;
+        Ok(format!("http://{}/attach/{token}", self.addr))
     }
 
     fn insert(&self, p: Pending) -> Result<String> {

@@ -1,0 +1,547 @@
+//! One port-forward session: the `portforward.k8s.io` protocol on an upgraded connection, what
+//! `kubectl port-forward` and `crictl port-forward` speak through
+//! k8s.io/client-go/tools/portforward.
+//!
+//! The URL handed out by the PortForward RPC names a pod sandbox, not a port: one SPDY
+//! connection carries any number of forwarded TCP connections, each as a pair of streams the
+//! client opens with the headers `streamType` (`error` or `data`), `port` and `requestID` (the
+//! pair's common key; clients older than `requestID` are paired as the kubelet does: an error
+//! stream's key is its own id, a data stream's its id minus 2). For each complete pair:
+//!
+//! 1. connect to `localhost:<port>` inside the pod's network namespace: on a dedicated thread
+//!    that joined the namespace (`setns`, [`crate::netns::run_in`]), 127.0.0.1 then ::1; the
+//!    socket keeps its namespace and is then driven by tokio. Host-network pods (no namespace
+//!    of their own) connect on the host's loopback;
+//! 2. copy both ways: the client's DATA to the socket (its FIN or RST_STREAM half-closes the
+//!    socket with `shutdown(SHUT_WR)`), the socket's bytes as DATA (its EOF becomes our FIN);
+//!    the pair ends when both directions are done, or when the socket's side is done and the
+//!    client cannot be written to any more;
+//! 3. a failure (bad port, refused connection, I/O error) is written as text on the error
+//!    stream, which client-go shows as "an error occurred forwarding L -> P: <text>"; then both
+//!    streams are half-closed (FIN).
+//!
+//! A pair left incomplete for [`super::exec::STREAM_CREATION_TIMEOUT`] gets "timed out waiting
+//! for complete stream pair" on its error stream (as the kubelet). A stream of another type, or
+//! a second stream of one type for a key, is refused (RST_STREAM REFUSED_STREAM). The session
+//! ends when the client closes the connection; forwards in progress then stop.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::exec::STREAM_CREATION_TIMEOUT;
+use super::remotecommand::STREAM_TYPE_HEADER;
+use super::spdy::conn::{self, Event, IncomingStream, MAX_DATA_CHUNK};
+use super::spdy::rst;
+
+/// The subprotocol client-go asks for in `X-Stream-Protocol-Version`.
+pub const PROTOCOL: &str = "portforward.k8s.io";
+/// The stream header naming the remote port.
+pub const PORT_HEADER: &str = "port";
+/// The stream header pairing an error stream with its data stream.
+pub const REQUEST_ID_HEADER: &str = "requestID";
+/// How long one connection attempt inside the pod may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What the PortForward RPC accepted, kept under its token until the client connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortForwardRequest {
+    pub sandbox_id: String,
+    /// The pod's network namespace; `None`: the host's (host-network pod).
+    pub netns: Option<PathBuf>,
+}
+
+/// Answers `/portforward/<token>`: the token is consumed, then the request must be an upgrade
+/// to SPDY/3.1 offering `portforward.k8s.io` (or no protocol at all: the legacy form, answered
+/// without the header); the session runs on the upgraded connection. Refusals as for exec:
+/// 405, 404, 400, and 403 naming the protocol spoken here.
+pub fn handle_http(
+    mut req: hyper::Request<hyper::body::Incoming>,
+    token: &str,
+    server: &super::StreamServer,
+) -> hyper::Response<http_body_util::Full<hyper::body::Bytes>> {
+    use super::http::{SPDY_31, lists, text};
+    use super::remotecommand::{ACCEPTED_PROTOCOLS_HEADER, PROTOCOL_HEADER};
+    use hyper::header::{CONNECTION, UPGRADE};
+    use hyper::{Method, StatusCode};
+
+    if req.method() != Method::POST && req.method() != Method::GET {
+        return text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "port-forward streams are opened with POST or GET",
+        );
+    }
+    let pf = match server.take(token) {
+        Some(super::Pending::PortForward(r)) => r,
+        _ => {
+            return text(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "port-forward session {token:?} not found: unknown, already used or expired"
+                ),
+            );
+        }
+    };
+    if !lists(&req, CONNECTION, "upgrade") || !lists(&req, UPGRADE, SPDY_31) {
+        return text(
+            StatusCode::BAD_REQUEST,
+            "unable to upgrade: the request must carry Connection: Upgrade and Upgrade: SPDY/3.1 (WebSocket streaming is not supported)",
+        );
+    }
+    let offered: Vec<String> = req
+        .headers()
+        .get_all(PROTOCOL_HEADER)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+        .collect();
+    if !offered.is_empty() && !offered.iter().any(|p| p == PROTOCOL) {
+        let mut r = text(
+            StatusCode::FORBIDDEN,
+            format!(
+                "unable to upgrade: unable to negotiate protocol: client supports {offered:?}, server supports [{PROTOCOL:?}]"
+            ),
+        );
+        r.headers_mut().insert(
+            ACCEPTED_PROTOCOLS_HEADER,
+            hyper::header::HeaderValue::from_static(PROTOCOL),
+        );
+        return r;
+    }
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    tokio::spawn(async move {
+        match on_upgrade.await {
+            Ok(upgraded) => serve(hyper_util::rt::TokioIo::new(upgraded), pf).await,
+            Err(e) => {
+                tracing::info!(sandbox = %pf.sandbox_id, error = %e, "port-forward upgrade failed")
+            }
+        }
+    });
+    let mut r = hyper::Response::builder()
+        .status(StatusCode::SWITCHING_PROTOCOLS)
+        .header(CONNECTION, "Upgrade")
+        .header(UPGRADE, SPDY_31);
+    if !offered.is_empty() {
+        r = r.header(PROTOCOL_HEADER, PROTOCOL);
+    }
+    r.body(http_body_util::Full::new(hyper::body::Bytes::new()))
+        .expect("valid response")
+}
+
+/// The two halves of one forwarded connection.
+#[derive(Default)]
+struct Pair {
+    error: Option<IncomingStream>,
+    data: Option<IncomingStream>,
+}
+
+/// The pairing key of a stream: its `requestID`, or the kubelet's fallback for old clients.
+fn pair_key(s: &IncomingStream, kind: &str) -> String {
+    match s.headers.get(REQUEST_ID_HEADER) {
+        Some(id) => id.to_string(),
+        None if kind == "data" => s.id.saturating_sub(2).to_string(),
+        None => s.id.to_string(),
+    }
+}
+
+/// Parses a `port` header: 1 to 65535.
+pub fn parse_port(v: Option<&str>) -> Result<u16, String> {
+    let v = v.ok_or("the data stream has no port header")?;
+    match v.trim().parse::<u16>() {
+        Ok(p) if p > 0 => Ok(p),
+        _ => Err(format!("invalid port {v:?}: ports are 1 to 65535")),
+    }
+}
+
+/// Runs one port-forward session on an upgraded connection.
+pub async fn serve<IO>(io: IO, req: PortForwardRequest)
+where
+    IO: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let req = Arc::new(req);
+    let (conn, mut events) = conn::serve(io);
+    // Tells the forwards in progress that the connection is gone.
+    let (closed_tx, closed_rx) = watch::channel(false);
+    let mut pairs: HashMap<String, (Instant, Pair)> = HashMap::new();
+    let mut forwards = 0u64;
+    let reason = loop {
+        let next_expiry = pairs
+            .values()
+            .map(|(t, _)| *t + STREAM_CREATION_TIMEOUT)
+            .min();
+        let ev = match next_expiry {
+            Some(at) => tokio::select! {
+                ev = events.recv() => ev,
+                _ = tokio::time::sleep_until(at) => {
+                    expire(&mut pairs).await;
+                    continue;
+                }
+            },
+            None => events.recv().await,
+        };
+        let s = match ev {
+            Some(Event::Stream(s)) => s,
+            Some(Event::Closed(reason)) => break reason,
+            None => break "the connection's reader is gone".to_string(),
+        };
+        let kind = s.headers.get(STREAM_TYPE_HEADER).unwrap_or("").to_string();
+        if kind != "error" && kind != "data" {
+            tracing::debug!(sandbox = %req.sandbox_id, stream_type = %kind, "port-forward stream refused");
+            s.writer.reset(rst::REFUSED_STREAM).await;
+            continue;
+        }
+        let key = pair_key(&s, &kind);
+        let (_, pair) = pairs
+            .entry(key.clone())
+            .or_insert_with(|| (Instant::now(), Pair::default()));
+        let slot = if kind == "error" {
+            &mut pair.error
+        } else {
+            &mut pair.data
+        };
+        if slot.is_some() {
+            s.writer.reset(rst::REFUSED_STREAM).await;
+            continue;
+        }
+        *slot = Some(s);
+        if pair.error.is_some() && pair.data.is_some() {
+            let (_, pair) = pairs.remove(&key).expect("just completed");
+            let (error, data) = (pair.error.unwrap(), pair.data.unwrap());
+            forwards += 1;
+            tokio::spawn(forward(req.clone(), error, data, closed_rx.clone()));
+        }
+    };
+    let _ = closed_tx.send(true);
+    tracing::debug!(sandbox = %req.sandbox_id, forwards, %reason, "port-forward session ended");
+    conn.close().await;
+}
+
+/// Fails the pairs that waited too long for their other half.
+async fn expire(pairs: &mut HashMap<String, (Instant, Pair)>) {
+    let now = Instant::now();
+    let expired: Vec<String> = pairs
+        .iter()
+        .filter(|(_, (t, _))| *t + STREAM_CREATION_TIMEOUT <= now)
+        .map(|(k, _)| k.clone())
+        .collect();
+    for k in expired {
+        let (_, p) = pairs.remove(&k).expect("listed");
+        if let Some(e) = p.error {
+            let _ = e
+                .writer
+                .write(b"timed out waiting for complete stream pair")
+                .await;
+            let _ = e.writer.close().await;
+        }
+        if let Some(d) = p.data {
+            d.writer.reset(rst::CANCEL).await;
+        }
+    }
+}
+
+/// Connects to `localhost:port` in `netns` (the host's when `None`): 127.0.0.1, then ::1.
+pub async fn connect(netns: Option<PathBuf>, port: u16) -> Result<TcpStream, String> {
+    let dial = move || -> Result<std::net::TcpStream, String> {
+        let v4 = std::net::TcpStream::connect_timeout(
+            &(std::net::Ipv4Addr::LOCALHOST, port).into(),
+            CONNECT_TIMEOUT,
+        );
+        let e4 = match v4 {
+            Ok(s) => return Ok(s),
+            Err(e) => e,
+        };
+        std::net::TcpStream::connect_timeout(
+            &(std::net::Ipv6Addr::LOCALHOST, port).into(),
+            CONNECT_TIMEOUT,
+        )
+        .map_err(|e6| format!("IPv4: {e4}; IPv6: {e6}"))
+    };
+    let std_stream = tokio::task::spawn_blocking(move || match &netns {
+        // A dedicated thread joins the namespace and dies with it; the socket stays there.
+        Some(path) => crate::netns::run_in(path, dial).map_err(|e| e.to_string())?,
+        None => dial(),
+    })
+    .await
+    .map_err(|e| format!("connecting: {e}"))??;
+    std_stream
+        .set_nonblocking(true)
+        .map_err(|e| format!("socket: {e}"))?;
+    TcpStream::from_std(std_stream).map_err(|e| format!("socket: {e}"))
+}
+
+/// Forwards one pair's connection; reports a failure on its error stream.
+async fn forward(
+    req: Arc<PortForwardRequest>,
+    error: IncomingStream,
+    data: IncomingStream,
+    closed: watch::Receiver<bool>,
+) {
+    let data_writer = data.writer.clone();
+    let result = async {
+        let port = parse_port(data.headers.get(PORT_HEADER))?;
+        let socket = connect(req.netns.clone(), port).await.map_err(|e| {
+            format!(
+                "failed to connect to localhost:{port} inside namespace of pod {}: {e}",
+                req.sandbox_id
+            )
+        })?;
+        tracing::debug!(sandbox = %req.sandbox_id, port, "port-forward connected");
+        copy(socket, data, closed).await
+    }
+    .await;
+    if let Err(msg) = result {
+        tracing::info!(sandbox = %req.sandbox_id, error = %msg, "port-forward failed");
+        let _ = error.writer.write(msg.as_bytes()).await;
+    }
+    // Both halves end with FIN (a no-op on a data stream the copy already finished).
+    let _ = data_writer.close().await;
+    let _ = error.writer.close().await;
+}
+
+/// Copies between the socket and the data stream until both directions are done, or until the
+/// socket's side is done and the client is gone; then FINs the data stream.
+async fn copy(
+    socket: TcpStream,
+    data: IncomingStream,
+    mut closed: watch::Receiver<bool>,
+) -> Result<(), String> {
+    let IncomingStream {
+        data: mut from_client,
+        writer,
+        ..
+    } = data;
+    let (mut rd, mut wr) = socket.into_split();
+    let to_socket = async {
+        while let Some(buf) = from_client.recv().await {
+            if wr.write_all(&buf).await.is_err() {
+                // The pod's side closed its read half: nothing more can be delivered.
+                break;
+            }
+        }
+        let _ = wr.shutdown().await;
+    };
+    let to_client = async {
+        let mut buf = vec![0u8; MAX_DATA_CHUNK];
+        let res = loop {
+            match rd.read(&mut buf).await {
+                Ok(0) => break Ok(()),
+                Ok(n) => {
+                    if writer.write(&buf[..n]).await.is_err() {
+                        // The client reset the stream or the connection went away.
+                        return Ok(());
+                    }
+                }
+                Err(e) => break Err(format!("reading from the pod: {e}")),
+            }
+        };
+        let _ = writer.close().await;
+        res
+    };
+    let gone = async {
+        while !*closed.borrow_and_update() {
+            if closed.changed().await.is_err() {
+                break;
+            }
+        }
+    };
+    let both = async {
+        let ((), res) = tokio::join!(to_socket, to_client);
+        res
+    };
+    tokio::select! {
+        res = both => res,
+        () = gone => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stream::spdy::headers::Headers;
+    use crate::stream::spdy::test_peer::Peer;
+    use crate::stream::spdy::{FLAG_FIN, Frame};
+
+    #[test]
+    fn ports_are_checked() {
+        assert_eq!(parse_port(Some("8080")), Ok(8080));
+        assert_eq!(parse_port(Some("65535")), Ok(65535));
+        for bad in ["0", "65536", "-1", "http", ""] {
+            assert!(parse_port(Some(bad)).is_err(), "{bad:?}");
+        }
+        assert!(parse_port(None).is_err());
+    }
+
+    async fn open(p: &mut Peer<tokio::io::DuplexStream>, id: u32, kind: &str, h: &[(&str, &str)]) {
+        let mut headers = Headers::new().with("streamType", kind);
+        for (k, v) in h {
+            headers = headers.with(k, v);
+        }
+        p.send(Frame::SynStream {
+            stream_id: id,
+            associated_to: 0,
+            priority: 0,
+            slot: 0,
+            flags: 0,
+            headers,
+        })
+        .await;
+    }
+
+    /// Reads frames until streams `ids` all got FIN; returns each one's bytes.
+    async fn collect(p: &mut Peer<tokio::io::DuplexStream>, ids: &[u32]) -> HashMap<u32, Vec<u8>> {
+        let mut out: HashMap<u32, Vec<u8>> = ids.iter().map(|i| (*i, Vec::new())).collect();
+        let mut open: Vec<u32> = ids.to_vec();
+        while !open.is_empty() {
+            let f = tokio::time::timeout(Duration::from_secs(10), p.recv())
+                .await
+                .expect("a frame in time");
+            match f {
+                Frame::Data {
+                    stream_id,
+                    flags,
+                    data,
+                } => {
+                    out.entry(stream_id).or_default().extend(data);
+                    if flags & FLAG_FIN != 0 {
+                        open.retain(|i| *i != stream_id);
+                    }
+                }
+                Frame::RstStream { stream_id, status } => {
+                    panic!("stream {stream_id} reset ({status})")
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+
+    fn session() -> Peer<tokio::io::DuplexStream> {
+        let (client, server) = tokio::io::duplex(1 << 20);
+        tokio::spawn(serve(
+            server,
+            PortForwardRequest {
+                sandbox_id: "sb1".into(),
+                netns: None,
+            },
+        ));
+        Peer::new(client)
+    }
+
+    #[tokio::test]
+    async fn forwards_two_connections_on_one_session_and_reports_refusals() {
+        // An upper-casing echo server that answers until its client half-closes.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port().to_string();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                tokio::spawn(async move {
+                    let mut all = Vec::new();
+                    s.read_to_end(&mut all).await.unwrap();
+                    s.write_all(&all.to_ascii_uppercase()).await.unwrap();
+                });
+            }
+        });
+        let mut p = session();
+        for (n, (e, d)) in [(1u32, 3u32), (5, 7)].into_iter().enumerate() {
+            let rid = n.to_string();
+            let h = [("port", port.as_str()), ("requestID", rid.as_str())];
+            open(&mut p, e, "error", &h).await;
+            // client-go half-closes the error stream at once.
+            p.send(Frame::Data {
+                stream_id: e,
+                flags: FLAG_FIN,
+                data: vec![],
+            })
+            .await;
+            open(&mut p, d, "data", &h).await;
+            p.send(Frame::Data {
+                stream_id: d,
+                flags: 0,
+                data: b"hello ".to_vec(),
+            })
+            .await;
+            p.send(Frame::Data {
+                stream_id: d,
+                flags: FLAG_FIN,
+                data: format!("pair {n}").into_bytes(),
+            })
+            .await;
+            let out = collect(&mut p, &[e, d]).await;
+            assert_eq!(out[&d], format!("HELLO PAIR {n}").into_bytes());
+            assert!(
+                out[&e].is_empty(),
+                "{:?}",
+                String::from_utf8_lossy(&out[&e])
+            );
+        }
+
+        // Nothing listens on a port just freed: the refusal comes on the error stream.
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let closed_port = free.local_addr().unwrap().port().to_string();
+        drop(free);
+        let h = [("port", closed_port.as_str()), ("requestID", "9")];
+        open(&mut p, 9, "error", &h).await;
+        open(&mut p, 11, "data", &h).await;
+        let out = collect(&mut p, &[9, 11]).await;
+        let msg = String::from_utf8(out[&9].clone()).unwrap();
+        assert!(
+            msg.contains(&format!("failed to connect to localhost:{closed_port}"))
+                && msg.contains("sb1"),
+            "{msg}"
+        );
+        assert!(out[&11].is_empty());
+
+        // An invalid port, paired without requestID (data id = error id + 2).
+        open(&mut p, 13, "error", &[("port", "0")]).await;
+        open(&mut p, 15, "data", &[("port", "0")]).await;
+        let out = collect(&mut p, &[13, 15]).await;
+        assert!(String::from_utf8_lossy(&out[&13]).contains("invalid port"));
+
+        // Neither error nor data: refused.
+        open(&mut p, 17, "stdin", &[]).await;
+        loop {
+            match p.recv().await {
+                Frame::RstStream { stream_id, status } => {
+                    assert_eq!((stream_id, status), (17, rst::REFUSED_STREAM));
+                    break;
+                }
+                Frame::SynReply { .. } => {}
+                f => panic!("unexpected {f:?}"),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_closing_server_ends_the_data_stream() {
+        // A server that talks first and closes: the client gets its bytes and a FIN.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port().to_string();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            s.write_all(b"banner\n").await.unwrap();
+        });
+        let mut p = session();
+        let h = [("port", port.as_str()), ("requestID", "0")];
+        open(&mut p, 1, "error", &h).await;
+        open(&mut p, 3, "data", &h).await;
+        let out = collect(&mut p, &[3]).await;
+        assert_eq!(out[&3], b"banner\n");
+        // The client resets its data stream, as client-go does; the error stream then ends.
+        p.send(Frame::RstStream {
+            stream_id: 3,
+            status: rst::CANCEL,
+        })
+        .await;
+        let out = collect(&mut p, &[1]).await;
+        assert!(out[&1].is_empty());
+    }
+}
