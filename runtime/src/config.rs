@@ -98,7 +98,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR")]
     pub metrics_address: Option<String>,
 
-    /// Loopback address of the streaming server (exec), IP:PORT; port 0 picks a free port.
+    /// Loopback address of the streaming server (exec, attach, port-forward), IP:PORT; port 0
+    /// picks a free port.
     /// [default: 127.0.0.1:0]
     #[arg(long, value_name = "ADDR")]
     pub stream_address: Option<String>,
@@ -253,7 +254,7 @@ impl ServeArgs {
             .map_err(|_| anyhow::anyhow!("stream_address {stream_address:?} is not IP:PORT"))?;
         if !stream_address.ip().is_loopback() {
             bail!(
-                "stream_address {stream_address} is not a loopback address: the streaming server (exec) is only served on loopback (127.0.0.1 or ::1)"
+                "stream_address {stream_address} is not a loopback address: the streaming server (exec, attach, port-forward) is only served on loopback (127.0.0.1 or ::1)"
             );
         }
         let oci_runtime = self.oci_runtime.unwrap_or_else(|| "runc".into());

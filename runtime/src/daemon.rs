@@ -27,7 +27,7 @@ pub struct Daemon {
     pub snapshotter: Arc<dyn Snapshotter>,
     /// Pod sandboxes and containers.
     pub pods: Arc<crate::pods::PodService>,
-    /// The streaming server (exec URLs), bound here and served by [`crate::server::serve`].
+    /// The streaming server (exec, attach and port-forward URLs), bound here and served by [`crate::server::serve`].
     pub streaming: Arc<crate::stream::StreamServer>,
     /// (when, bytes, inodes) of the last snapshot usage walk: ImageFsInfo is polled often.
     snapshot_usage: Mutex<Option<(std::time::Instant, u64, u64)>>,

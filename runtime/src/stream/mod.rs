@@ -136,7 +136,7 @@ impl StreamServer {
             .take()
             .ok_or_else(|| anyhow::anyhow!("the streaming server is already serving"))?;
         let listener = tokio::net::TcpListener::from_std(std_listener)?;
-        tracing::info!(address = %self.addr, "streaming server (exec) listening");
+        tracing::info!(address = %self.addr, "streaming server (exec, attach, port-forward) listening");
         let server = self.clone();
         Ok(tokio::spawn(async move {
             loop {
