@@ -562,7 +562,8 @@ impl<'a> Sandboxes<'a> {
 
 impl Drop for Sandboxes<'_> {
     fn drop(&mut self) {
-        // Only after a failure: kill what the daemon started for the sandboxes left.
+        // Only after a failure: kill what the daemon started for the sandboxes left, unmount
+        // what it mounted for them.
         if self.ids.is_empty() {
             return;
         }
@@ -577,6 +578,10 @@ impl Drop for Sandboxes<'_> {
         let _ = std::process::Command::new("pkill")
             .args(["-KILL", "-f", &state.to_string_lossy()])
             .output();
+        // The sandboxes' /dev/shm mounts (the daemon's directory is removed with its harness).
+        for m in minicri_tests::pod_env::mounts_under(&state) {
+            let _ = nix::mount::umount2(m.as_str(), nix::mount::MntFlags::MNT_DETACH);
+        }
     }
 }
 
