@@ -4,29 +4,11 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use minicri_proto::runtime::v1 as cri;
-use oci_spec::runtime::{LinuxNamespaceType, Spec};
+use oci_spec::runtime::LinuxNamespaceType;
 
 use super::*;
 
-fn ns_of(spec: &Spec) -> Vec<(LinuxNamespaceType, Option<PathBuf>)> {
-    spec.linux()
-        .as_ref()
-        .unwrap()
-        .namespaces()
-        .as_ref()
-        .unwrap()
-        .iter()
-        .map(|n| (n.typ(), n.path().clone()))
-        .collect()
-}
-
-fn mount_of<'a>(spec: &'a Spec, dest: &str) -> Option<&'a oci_spec::runtime::Mount> {
-    spec.mounts()
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|m| m.destination() == Path::new(dest))
-}
+use super::spec_tests::{mount_of, ns_of};
 
 fn sandbox_config() -> cri::PodSandboxConfig {
     cri::PodSandboxConfig {

@@ -96,7 +96,8 @@ fn with_sc(sc: cri::LinuxContainerSecurityContext) -> cri::ContainerConfig {
     }
 }
 
-fn ns_of(spec: &Spec) -> Vec<(LinuxNamespaceType, Option<PathBuf>)> {
+/// The namespaces of `spec`: (type, path to join).
+pub(super) fn ns_of(spec: &Spec) -> Vec<(LinuxNamespaceType, Option<PathBuf>)> {
     spec.linux()
         .as_ref()
         .unwrap()
@@ -108,7 +109,8 @@ fn ns_of(spec: &Spec) -> Vec<(LinuxNamespaceType, Option<PathBuf>)> {
         .collect()
 }
 
-fn mount_of<'a>(spec: &'a Spec, dest: &str) -> Option<&'a oci_spec::runtime::Mount> {
+/// The mount of `spec` at `dest`.
+pub(super) fn mount_of<'a>(spec: &'a Spec, dest: &str) -> Option<&'a oci_spec::runtime::Mount> {
     spec.mounts()
         .as_ref()
         .unwrap()
