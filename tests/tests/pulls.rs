@@ -95,6 +95,16 @@ async fn pull(
         .image_ref)
 }
 
+type PullCall =
+    tokio::task::JoinHandle<Result<tonic::Response<cri::PullImageResponse>, tonic::Status>>;
+
+/// Starts PullImage of `image` for `sandbox` on its own task, to be awaited later.
+async fn spawn_pull(d: &Daemon, image: &str, sandbox: Option<cri::PodSandboxConfig>) -> PullCall {
+    let mut c = d.images().await.unwrap();
+    let req = pull_req(image, sandbox);
+    tokio::spawn(async move { c.pull_image(req).await })
+}
+
 fn ingest_bytes(root: &Path) -> u64 {
     let dir = root.join("content/ingest");
     std::fs::read_dir(dir)
@@ -138,17 +148,13 @@ async fn ten_sandboxes_pulling_one_image_download_each_blob_once() {
     e.proxy.faults().set_rate_limit(Some(8 * MIB));
     let mut calls = Vec::new();
     for i in 0..10 {
-        let d = e.daemon.images().await.unwrap();
-        let r = r.clone();
-        calls.push(tokio::spawn(async move {
-            let mut d = d;
-            d.pull_image(pull_req(&r, pod(i)))
-                .await
-                .map(|x| x.into_inner().image_ref)
-        }));
+        calls.push(spawn_pull(&e.daemon, &r, pod(i)).await);
     }
     for c in calls {
-        assert_eq!(c.await.unwrap().unwrap(), img.config_digest);
+        assert_eq!(
+            c.await.unwrap().unwrap().into_inner().image_ref,
+            img.config_digest
+        );
     }
     assert_each_blob_served_once(&e.proxy, &img);
     let log = e.daemon.log();
@@ -198,12 +204,7 @@ async fn one_requester_cancelling_does_not_disturb_another() {
     let e = env(&[]).await;
     let (img, r) = big(&e, "big", 1, 8, 2).await;
     e.proxy.faults().set_rate_limit(Some(4 * MIB));
-    let d1 = e.daemon.images().await.unwrap();
-    let r1 = r.clone();
-    let first = tokio::spawn(async move {
-        let mut d1 = d1;
-        d1.pull_image(pull_req(&r1, pod(1))).await
-    });
+    let first = spawn_pull(&e.daemon, &r, pod(1)).await;
     wait_until("the download to start", Duration::from_secs(10), || {
         e.proxy.total_blob_bytes() > MIB / 2
     })
@@ -287,12 +288,7 @@ async fn operator_abort_stops_the_download_and_the_next_pull_resumes() {
     let e = env(&[]).await;
     let (img, r) = big(&e, "big", 1, 16, 4).await;
     let stop = async {
-        let d = e.daemon.images().await.unwrap();
-        let r2 = r.clone();
-        let call = tokio::spawn(async move {
-            let mut d = d;
-            d.pull_image(pull_req(&r2, pod(7))).await
-        });
+        let call = spawn_pull(&e.daemon, &r, pod(7)).await;
         wait_until("the download to start", Duration::from_secs(10), || {
             e.proxy.total_blob_bytes() > 2 * MIB
         })
@@ -351,12 +347,7 @@ async fn sigkill_mid_pull_then_restart_transfers_only_the_remainder() {
     let (img, r) = big(&e, "big", 1, 16, 5).await;
     let layer = img.layers.last().unwrap().clone();
     e.proxy.faults().set_rate_limit(Some(4 * MIB));
-    let d = e.daemon.images().await.unwrap();
-    let r2 = r.clone();
-    let call = tokio::spawn(async move {
-        let mut d = d;
-        d.pull_image(pull_req(&r2, None)).await
-    });
+    let call = spawn_pull(&e.daemon, &r, None).await;
     wait_until("half the layer", Duration::from_secs(10), || {
         e.proxy.bytes_served(&layer.digest) > layer.size / 3
     })
@@ -598,11 +589,7 @@ async fn stopping_one_of_two_sandboxes_fails_only_its_pull() {
     e.proxy.faults().set_rate_limit(Some(4 * MIB));
     let mut calls = Vec::new();
     for i in [1, 2] {
-        let mut d = e.daemon.images().await.unwrap();
-        let r = r.clone();
-        calls.push(tokio::spawn(async move {
-            d.pull_image(pull_req(&r, pod(i))).await
-        }));
+        calls.push(spawn_pull(&e.daemon, &r, pod(i)).await);
     }
     wait_until("the download to start", Duration::from_secs(10), || {
         e.proxy.total_blob_bytes() > 2 * MIB
@@ -681,12 +668,7 @@ async fn stopping_the_only_sandbox_stops_the_download_and_the_next_pull_resumes(
     // The future hands back the StopPodSandbox task: it is awaited after the byte checks.
     #[allow(clippy::async_yields_async)]
     let stop = async {
-        let d = e.daemon.images().await.unwrap();
-        let r2 = r.clone();
-        let call = tokio::spawn(async move {
-            let mut d = d;
-            d.pull_image(pull_req(&r2, pod(1))).await
-        });
+        let call = spawn_pull(&e.daemon, &r, pod(1)).await;
         wait_until("the download to start", Duration::from_secs(10), || {
             e.proxy.total_blob_bytes() > 2 * MIB
         })
@@ -750,11 +732,7 @@ async fn metrics_count_calls_jobs_and_bytes() {
     e.proxy.faults().set_rate_limit(Some(4 * MIB));
     let mut calls = Vec::new();
     for i in 0..3 {
-        let mut d = e.daemon.images().await.unwrap();
-        let r = r.clone();
-        calls.push(tokio::spawn(async move {
-            d.pull_image(pull_req(&r, pod(i))).await
-        }));
+        calls.push(spawn_pull(&e.daemon, &r, pod(i)).await);
     }
     wait_until("all three calls joined", Duration::from_secs(10), || {
         e.proxy.total_blob_bytes() > MIB
