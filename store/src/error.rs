@@ -98,6 +98,10 @@ pub enum StoreError {
     #[error("{0}")]
     Cancelled(String),
 
+    /// A pull for a requester whose pod sandbox is stopped.
+    #[error("{0}")]
+    SandboxStopped(String),
+
     #[error("cannot unpack layer {layer} of {reference}: {source}")]
     Unpack {
         reference: String,
@@ -140,6 +144,7 @@ impl StoreError {
             UnsupportedMediaType { .. } | NoMatchingPlatform { .. } | Malformed { .. } => {
                 ErrorKind::FailedPrecondition
             }
+            SandboxStopped(_) => ErrorKind::FailedPrecondition,
             DigestMismatch { .. } | SizeMismatch { .. } => ErrorKind::DataLoss,
             Cancelled(_) => ErrorKind::Cancelled,
             Shared(inner) => inner.kind(),

@@ -441,7 +441,7 @@ impl PullManager {
         match self.closed.lock().unwrap().get(&requester.key()) {
             Some(why) => {
                 self.counters.refused.fetch_add(1, Ordering::Relaxed);
-                Err(StoreError::Cancelled(format!(
+                Err(StoreError::SandboxStopped(format!(
                     "not pulling {reference}: {why}"
                 )))
             }

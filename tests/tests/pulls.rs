@@ -2,7 +2,7 @@
 //! fault-injecting proxy in front of a real registry, and the assertions are on the bytes the proxy
 //! served per blob.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use minicri_proto::minicri::v1 as admin;
@@ -478,8 +478,9 @@ async fn progress_watchdog_drops_a_stalled_pull() {
 
 /// Pod sandboxes for the tests below: host network (no CNI needed), run by the real daemon
 /// through runc. Dropping it removes them (also when a test fails half-way).
-struct Sandboxes<'a> {
-    daemon: &'a Daemon,
+struct Sandboxes {
+    /// The daemon's state directory.
+    state: PathBuf,
     ids: Vec<String>,
 }
 
@@ -497,16 +498,16 @@ fn sandboxes_skip_reason() -> Option<String> {
     None
 }
 
-impl<'a> Sandboxes<'a> {
-    fn new(daemon: &'a Daemon) -> Self {
+impl Sandboxes {
+    fn new(daemon: &Daemon) -> Self {
         Sandboxes {
-            daemon,
+            state: daemon.root().parent().unwrap().join("state"),
             ids: Vec::new(),
         }
     }
 
     /// Runs the sandbox of `pod(i)`; returns its id.
-    async fn run(&mut self, i: usize) -> String {
+    async fn run(&mut self, daemon: &Daemon, i: usize) -> String {
         let mut config = pod(i).unwrap();
         config.linux = Some(cri::LinuxPodSandboxConfig {
             security_context: Some(cri::LinuxSandboxSecurityContext {
@@ -518,7 +519,7 @@ impl<'a> Sandboxes<'a> {
             }),
             ..Default::default()
         });
-        let mut c = self.daemon.runtime().await.unwrap();
+        let mut c = daemon.runtime().await.unwrap();
         let id = c
             .run_pod_sandbox(cri::RunPodSandboxRequest {
                 config: Some(config),
@@ -532,8 +533,8 @@ impl<'a> Sandboxes<'a> {
         id
     }
 
-    async fn stop(&self, id: &str) -> Result<(), tonic::Status> {
-        let mut c = self.daemon.runtime().await.unwrap();
+    async fn stop(&self, daemon: &Daemon, id: &str) -> Result<(), tonic::Status> {
+        let mut c = daemon.runtime().await.unwrap();
         c.stop_pod_sandbox(cri::StopPodSandboxRequest {
             pod_sandbox_id: id.into(),
         })
@@ -541,8 +542,8 @@ impl<'a> Sandboxes<'a> {
         .map(|_| ())
     }
 
-    async fn remove_all(&mut self) {
-        let mut c = self.daemon.runtime().await.unwrap();
+    async fn remove_all(&mut self, daemon: &Daemon) {
+        let mut c = daemon.runtime().await.unwrap();
         for id in std::mem::take(&mut self.ids) {
             c.remove_pod_sandbox(cri::RemovePodSandboxRequest { pod_sandbox_id: id })
                 .await
@@ -551,14 +552,14 @@ impl<'a> Sandboxes<'a> {
     }
 }
 
-impl Drop for Sandboxes<'_> {
+impl Drop for Sandboxes {
     fn drop(&mut self) {
         // Only after a failure: kill what the daemon started for the sandboxes left, unmount
         // what it mounted for them.
         if self.ids.is_empty() {
             return;
         }
-        let state = self.daemon.root().parent().unwrap().join("state");
+        let state = &self.state;
         for id in &self.ids {
             let _ = std::process::Command::new("runc")
                 .arg("--root")
@@ -570,7 +571,7 @@ impl Drop for Sandboxes<'_> {
             .args(["-KILL", "-f", &state.to_string_lossy()])
             .output();
         // The sandboxes' /dev/shm mounts (the daemon's directory is removed with its harness).
-        for m in minicri_tests::pod_env::mounts_under(&state) {
+        for m in minicri_tests::pod_env::mounts_under(state) {
             let _ = nix::mount::umount2(m.as_str(), nix::mount::MntFlags::MNT_DETACH);
         }
     }
@@ -582,10 +583,10 @@ async fn stopping_one_of_two_sandboxes_fails_only_its_pull() {
         eprintln!("skipping: {why}");
         return;
     }
-    let e = env(&[]).await;
+    let mut e = env(&[]).await;
     let (img, r) = big(&e, "big", 2, 8, 10).await;
     let mut sb = Sandboxes::new(&e.daemon);
-    let (a, b) = (sb.run(1).await, sb.run(2).await);
+    let (a, b) = (sb.run(&e.daemon, 1).await, sb.run(&e.daemon, 2).await);
     e.proxy.faults().set_rate_limit(Some(4 * MIB));
     let mut calls = Vec::new();
     for i in [1, 2] {
@@ -648,11 +649,19 @@ async fn stopping_one_of_two_sandboxes_fails_only_its_pull() {
     );
     assert_each_blob_served_once(&e.proxy, &img);
 
-    // A stopped sandbox gets no new pulls.
+    // A stopped sandbox gets no new pulls, also after a daemon restart; a ready one does.
     let err = pull(&e.daemon, &r, pod(1)).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     assert!(err.message().contains(&a), "{}", err.message());
-    sb.remove_all().await;
+    e.daemon.restart().await.unwrap();
+    let err = pull(&e.daemon, &r, pod(1)).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains(&a), "{}", err.message());
+    assert_eq!(
+        pull(&e.daemon, &r, pod(2)).await.unwrap(),
+        img.config_digest
+    );
+    sb.remove_all(&e.daemon).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -664,7 +673,7 @@ async fn stopping_the_only_sandbox_stops_the_download_and_the_next_pull_resumes(
     let e = env(&[]).await;
     let (img, r) = big(&e, "big", 1, 16, 11).await;
     let mut sb = Sandboxes::new(&e.daemon);
-    let id = sb.run(1).await;
+    let id = sb.run(&e.daemon, 1).await;
     // The future hands back the StopPodSandbox task: it is awaited after the byte checks.
     #[allow(clippy::async_yields_async)]
     let stop = async {
@@ -690,8 +699,10 @@ async fn stopping_the_only_sandbox_stops_the_download_and_the_next_pull_resumes(
     };
     let stop = stop_then_resume(&e, &img, &r, stop).await;
     stop.await.unwrap().expect("StopPodSandbox");
-    sb.stop(&id).await.expect("StopPodSandbox is idempotent");
-    sb.remove_all().await;
+    sb.stop(&e.daemon, &id)
+        .await
+        .expect("StopPodSandbox is idempotent");
+    sb.remove_all(&e.daemon).await;
 }
 
 /// `GET /metrics` over plain HTTP/1.1.

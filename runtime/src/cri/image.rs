@@ -123,13 +123,8 @@ impl ImageService for ImageHandler {
             // A pull for a pod is that pod's sandbox's reference; any other is the call's own.
             let requester = match req.sandbox_config.and_then(|c| c.metadata) {
                 Some(m) => {
+                    // A stopped sandbox's pulls are refused by the pull manager.
                     let sandbox = self.daemon.pods.sandbox_of_pod(&m.uid, m.attempt);
-                    if let Some((id, false)) = &sandbox {
-                        return Err(Error::FailedPrecondition(format!(
-                            "pod sandbox {id} ({}/{}) is stopped; not pulling {name} for it",
-                            m.namespace, m.name
-                        )));
-                    }
                     Requester::pod(
                         PodRef {
                             namespace: m.namespace,
@@ -137,7 +132,7 @@ impl ImageService for ImageHandler {
                             uid: m.uid,
                             attempt: m.attempt,
                         },
-                        sandbox.map(|(id, _)| id),
+                        sandbox,
                     )
                 }
                 None => Requester::anonymous(),

@@ -155,13 +155,12 @@ impl PodService {
         Ok(svc)
     }
 
-    /// The sandbox that runs the pod `uid` at `attempt` (PullImage names pods, not sandboxes):
-    /// its id and whether it is ready.
-    pub fn sandbox_of_pod(&self, uid: &str, attempt: u32) -> Option<(String, bool)> {
+    /// The id of the sandbox that runs the pod `uid` at `attempt` (PullImage names pods, not
+    /// sandboxes).
+    pub fn sandbox_of_pod(&self, uid: &str, attempt: u32) -> Option<String> {
         self.store.sandboxes().into_iter().find_map(|r| {
             let m = r.config().metadata?;
-            (m.uid == uid && m.attempt == attempt)
-                .then(|| (r.id.clone(), r.state == store::SandboxState::Ready))
+            (m.uid == uid && m.attempt == attempt).then_some(r.id)
         })
     }
 
@@ -208,6 +207,21 @@ impl PodService {
                 && tokio::runtime::Handle::try_current().is_ok()
             {
                 self.watch_infra(s.id.clone(), h);
+            }
+        }
+        // Stopped sandboxes refuse pulls across restarts too (the marks live in memory).
+        for s in self.store.sandboxes() {
+            if s.state == store::SandboxState::NotReady
+                && let Some(m) = s.config().metadata
+            {
+                self.pulls.close_pod(
+                    &m.uid,
+                    m.attempt,
+                    &format!(
+                        "pod sandbox {} ({}/{}) is not ready",
+                        s.id, m.namespace, m.name
+                    ),
+                );
             }
         }
         tracing::info!(
