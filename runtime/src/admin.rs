@@ -38,6 +38,11 @@ fn to_proto(j: JobSnapshot) -> admin::PullJob {
                         0
                     },
                     calls: r.calls as u32,
+                    held: r.held_since.is_some(),
+                    held_since: r
+                        .held_since
+                        .and_then(|t| t.timestamp_nanos_opt())
+                        .unwrap_or(0),
                 }
             })
             .collect(),

@@ -69,6 +69,23 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECONDS")]
     pub pull_progress_timeout: Option<f64>,
 
+    /// Seconds a PullImage made for a pod sandbox is held before it returns an error saying
+    /// the download continues in the background for the sandbox; the kubelet retries after its
+    /// back-off and the pod starts once the image is there. The budget is per sandbox and
+    /// kubelet sync (0: never detach). [default: 30]
+    #[arg(long, value_name = "SECONDS")]
+    pub pull_detach_after: Option<f64>,
+
+    /// Watch the API server with this kubeconfig (the kubelet's own works) for pods of this
+    /// node being deleted, and drop their pull references at once. Needs a build with the
+    /// `kube-watch` feature. [default: off]
+    #[arg(long, value_name = "FILE")]
+    pub kube_watch_kubeconfig: Option<PathBuf>,
+
+    /// The node whose pods are watched (the kubelet's node name). [default: the hostname]
+    #[arg(long, value_name = "NAME")]
+    pub kube_watch_node_name: Option<String>,
+
     /// Hours a partial download nobody resumes is kept. [default: 24]
     #[arg(long, value_name = "HOURS")]
     pub ingest_ttl: Option<f64>,
@@ -112,6 +129,13 @@ pub enum CgroupDriver {
     Systemd,
 }
 
+/// Where the API-server watch connects and which node's pods it follows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KubeWatch {
+    pub kubeconfig: PathBuf,
+    pub node_name: String,
+}
+
 /// Resolved configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -126,6 +150,10 @@ pub struct Config {
     pub max_concurrent_transfers: usize,
     pub snapshotter: String,
     pub pull_progress_timeout: Option<std::time::Duration>,
+    /// How long a pod's PullImage is held before it detaches (`None`: never).
+    pub pull_detach_after: Option<std::time::Duration>,
+    /// The API-server watch for deleted pods, when configured.
+    pub kube_watch: Option<KubeWatch>,
     pub ingest_ttl: std::time::Duration,
     /// Fraction (0..1) of the filesystem that must stay free before young ingests are collected.
     pub ingest_min_free: f64,
@@ -173,6 +201,9 @@ impl ServeArgs {
                 .or(base.max_concurrent_transfers),
             snapshotter: self.snapshotter.or(base.snapshotter),
             pull_progress_timeout: self.pull_progress_timeout.or(base.pull_progress_timeout),
+            pull_detach_after: self.pull_detach_after.or(base.pull_detach_after),
+            kube_watch_kubeconfig: self.kube_watch_kubeconfig.or(base.kube_watch_kubeconfig),
+            kube_watch_node_name: self.kube_watch_node_name.or(base.kube_watch_node_name),
             ingest_ttl: self.ingest_ttl.or(base.ingest_ttl),
             ingest_min_free: self.ingest_min_free.or(base.ingest_min_free),
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
@@ -213,12 +244,37 @@ impl ServeArgs {
         if max_concurrent_transfers == 0 {
             bail!("max_concurrent_transfers must be at least 1");
         }
-        let pull_progress_timeout = match self.pull_progress_timeout.unwrap_or(60.0) {
-            t if !t.is_finite() || t < 0.0 => {
-                bail!("pull_progress_timeout must be a number of seconds >= 0")
+        let pull_progress_timeout =
+            seconds_or_off("pull_progress_timeout", self.pull_progress_timeout, 60.0)?;
+        let pull_detach_after = seconds_or_off("pull_detach_after", self.pull_detach_after, 30.0)?;
+        let kube_watch = match (self.kube_watch_kubeconfig, self.kube_watch_node_name) {
+            (None, None) => None,
+            (None, Some(_)) => bail!("kube_watch_node_name needs kube_watch_kubeconfig"),
+            (Some(kubeconfig), node) => {
+                if !cfg!(feature = "kube-watch") {
+                    bail!(
+                        "kube_watch_kubeconfig is set, but this minicri was built without the \
+                         kube-watch feature (cargo build --features kube-watch)"
+                    );
+                }
+                let node_name = match node.filter(|n| !n.is_empty()) {
+                    Some(n) => n,
+                    None => nix::unistd::gethostname()
+                        .ok()
+                        .and_then(|h| h.into_string().ok())
+                        .filter(|h| !h.is_empty())
+                        .ok_or_else(|| {
+                            anyhow::anyhow!(
+                                "kube_watch_node_name is not set and there is no hostname"
+                            )
+                        })?
+                        .to_lowercase(),
+                };
+                Some(KubeWatch {
+                    kubeconfig,
+                    node_name,
+                })
             }
-            0.0 => None,
-            t => Some(std::time::Duration::from_secs_f64(t)),
         };
         let ingest_min_free = match self.ingest_min_free.unwrap_or(5.0) {
             p if !p.is_finite() || !(0.0..=100.0).contains(&p) => {
@@ -277,6 +333,8 @@ impl ServeArgs {
             max_concurrent_transfers,
             snapshotter,
             pull_progress_timeout,
+            pull_detach_after,
+            kube_watch,
             ingest_ttl,
             ingest_min_free,
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
@@ -293,6 +351,21 @@ impl ServeArgs {
             metrics_address,
             stream_address,
         })
+    }
+}
+
+/// A number of seconds from the configuration: `0` turns the setting off.
+fn seconds_or_off(
+    key: &str,
+    value: Option<f64>,
+    default: f64,
+) -> anyhow::Result<Option<std::time::Duration>> {
+    match value.unwrap_or(default) {
+        t if !t.is_finite() || !(0.0..=1e9).contains(&t) => {
+            bail!("{key} must be a number of seconds >= 0")
+        }
+        0.0 => Ok(None),
+        t => Ok(Some(std::time::Duration::from_secs_f64(t))),
     }
 }
 
@@ -408,6 +481,55 @@ mod tests {
         assert!(err.contains("loopback"), "{err}");
         let err = with("localhost:10010").unwrap_err().to_string();
         assert!(err.contains("IP:PORT"), "{err}");
+    }
+
+    #[test]
+    fn pull_detach_after_defaults_to_30_seconds_and_0_turns_it_off() {
+        let with = |v: f64| {
+            ServeArgs {
+                pull_detach_after: Some(v),
+                ..Default::default()
+            }
+            .finish()
+        };
+        assert_eq!(
+            ServeArgs::default().finish().unwrap().pull_detach_after,
+            Some(std::time::Duration::from_secs(30))
+        );
+        assert_eq!(with(0.0).unwrap().pull_detach_after, None);
+        assert_eq!(
+            with(2.5).unwrap().pull_detach_after,
+            Some(std::time::Duration::from_millis(2500))
+        );
+        let err = with(-1.0).unwrap_err().to_string();
+        assert!(err.contains("pull_detach_after"), "{err}");
+        assert!(with(f64::NAN).is_err());
+    }
+
+    #[test]
+    fn kube_watch_is_off_by_default_and_needs_a_kubeconfig() {
+        assert_eq!(ServeArgs::default().finish().unwrap().kube_watch, None);
+        let err = ServeArgs {
+            kube_watch_node_name: Some("n1".into()),
+            ..Default::default()
+        }
+        .finish()
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("kube_watch_kubeconfig"), "{err}");
+        let with_config = ServeArgs {
+            kube_watch_kubeconfig: Some("/etc/kubernetes/kubelet.conf".into()),
+            kube_watch_node_name: Some("n1".into()),
+            ..Default::default()
+        }
+        .finish();
+        if cfg!(feature = "kube-watch") {
+            let w = with_config.unwrap().kube_watch.unwrap();
+            assert_eq!(w.node_name, "n1");
+        } else {
+            let err = with_config.unwrap_err().to_string();
+            assert!(err.contains("kube-watch feature"), "{err}");
+        }
     }
 
     #[test]

@@ -49,6 +49,8 @@ impl Daemon {
             max_concurrent_layers: config.max_concurrent_downloads,
             max_concurrent_transfers: config.max_concurrent_transfers,
             progress_timeout: config.pull_progress_timeout,
+            detach_after: config.pull_detach_after,
+            holds_dir: Some(config.state.join("pulls")),
         };
         let snapshotter = open_snapshotter(&config)?;
         reconcile_snapshots(snapshotter.as_ref(), &images);
@@ -75,6 +77,15 @@ impl Daemon {
             pulls.clone(),
         )
         .context("loading pod records")?;
+        // Downloads that sandboxes held when the daemon stopped resume for the sandboxes that
+        // are still ready (after the pod records are loaded: stopped ones are closed by now).
+        let restored = pulls.restore_holds(|id| pods.sandbox_is_ready(id));
+        if restored > 0 {
+            tracing::info!(
+                holds = restored,
+                "resuming background downloads held by pod sandboxes"
+            );
+        }
         let streaming = Arc::new(crate::stream::StreamServer::bind(config.stream_address)?);
         Ok(Daemon {
             config,
@@ -186,6 +197,8 @@ impl Daemon {
             "platform": c.platform, "maxConcurrentDownloads": c.max_concurrent_downloads,
             "maxConcurrentTransfers": c.max_concurrent_transfers,
             "pullProgressTimeoutSeconds": c.pull_progress_timeout.map(|d| d.as_secs_f64()).unwrap_or(0.0),
+            "pullDetachAfterSeconds": c.pull_detach_after.map(|d| d.as_secs_f64()).unwrap_or(0.0),
+            "kubeWatch": c.kube_watch.as_ref().map(|w| serde_json::json!({"kubeconfig": w.kubeconfig, "nodeName": w.node_name})),
             "ingestTtlSeconds": c.ingest_ttl.as_secs(),
             "ingestMinFreePercent": c.ingest_min_free * 100.0,
             "cniConfDirs": c.cni_conf_dirs, "cniBinDirs": c.cni_bin_dirs,

@@ -43,6 +43,11 @@ impl Error {
                 ErrorKind::FailedPrecondition => Code::FailedPrecondition,
                 ErrorKind::DataLoss => Code::DataLoss,
                 ErrorKind::Cancelled => Code::Cancelled,
+                // UNKNOWN is the one code whose message the kubelet's CRI client passes on as
+                // written (it strips the `rpc error: code = … desc = …` wrapper only for it), so
+                // the pod's "Failed to pull image" event reads "… is still downloading in the
+                // background: 45% …". Every code makes the kubelet back off and retry alike.
+                ErrorKind::Detached => Code::Unknown,
                 ErrorKind::Internal => Code::Internal,
             },
         }

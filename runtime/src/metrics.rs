@@ -90,14 +90,35 @@ pub fn render(s: &Sample) -> String {
         &mut out,
         "minicri_pull_references_aborted_total",
         "counter",
-        "Pull references dropped by a stopped sandbox, an operator or the progress watchdog.",
+        "Pull references dropped by a stopped sandbox, a deleted pod, an operator or the progress watchdog.",
         &one(get(&c.references_aborted)),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_detached_total",
+        "counter",
+        "PullImage calls that returned after pull_detach_after while the download went on for their pod sandbox.",
+        &one(get(&c.detached)),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_holds_restored_total",
+        "counter",
+        "Background downloads held by pod sandboxes resumed after a daemon restart.",
+        &one(get(&c.holds_restored)),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_pods_deleted_total",
+        "counter",
+        "Pods seen deleted by the API-server watch whose pull references were dropped.",
+        &one(get(&c.pods_deleted)),
     );
     metric(
         &mut out,
         "minicri_pull_refused_total",
         "counter",
-        "PullImage calls refused because their pod sandbox was stopped.",
+        "PullImage calls refused because their pod sandbox was stopped or their pod deleted.",
         &one(get(&c.refused)),
     );
     metric(
@@ -113,6 +134,18 @@ pub fn render(s: &Sample) -> String {
         "gauge",
         "Requesters (pod sandboxes or calls) holding a reference on a running pull job.",
         &one(s.jobs.iter().map(|j| j.requesters.len() as u64).sum()),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_holds_active",
+        "gauge",
+        "Pod sandboxes holding a running pull job themselves (after a detached call).",
+        &one(s
+            .jobs
+            .iter()
+            .flat_map(|j| &j.requesters)
+            .filter(|r| r.held_since.is_some())
+            .count() as u64),
     );
     metric(
         &mut out,

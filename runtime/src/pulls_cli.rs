@@ -8,6 +8,7 @@ use clap::{Args, Subcommand};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use minicri_proto::minicri::v1 as admin;
 use minicri_proto::minicri::v1::pulls_client::PullsClient;
+use minicri_store::human_bytes as human;
 use tonic::transport::{Channel, Endpoint};
 
 #[derive(Debug, Args)]
@@ -100,21 +101,6 @@ pub async fn run(args: PullsArgs) -> anyhow::Result<()> {
     }
 }
 
-fn human(b: f64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b;
-    let mut i = 0;
-    while v >= 1024.0 && i < UNITS.len() - 1 {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{v:.0} {}", UNITS[i])
-    } else {
-        format!("{v:.1} {}", UNITS[i])
-    }
-}
-
 fn requester(r: &admin::PullRequester) -> String {
     if r.pod_uid.is_empty() {
         return format!("call #{}", r.call_id);
@@ -124,8 +110,24 @@ fn requester(r: &admin::PullRequester) -> String {
     } else {
         format!(" sandbox {}", &r.sandbox_id[..r.sandbox_id.len().min(13)])
     };
+    // A sandbox holding a detached download has no call waiting: say which it is.
+    let how = if r.held {
+        let since = chrono::DateTime::from_timestamp_nanos(r.held_since);
+        let secs = (chrono::Utc::now() - since).num_milliseconds().max(0) as f64 / 1e3;
+        let calls = if r.calls > 0 {
+            format!(", {} call(s) waiting", r.calls)
+        } else {
+            String::new()
+        };
+        format!(
+            " [held by the sandbox for {}{calls}]",
+            minicri_store::human_duration(secs)
+        )
+    } else {
+        format!(" [{} call(s) waiting]", r.calls)
+    };
     format!(
-        "pod {}/{} (uid {}, attempt {}){sandbox}",
+        "pod {}/{} (uid {}, attempt {}){sandbox}{how}",
         r.pod_namespace, r.pod_name, r.pod_uid, r.attempt
     )
 }

@@ -22,6 +22,9 @@ pub enum ErrorKind {
     DataLoss,
     /// The operation was abandoned by its caller.
     Cancelled,
+    /// The call returned while the work it asked for carries on in the background (a pull
+    /// detached after its window); the caller is expected to ask again later.
+    Detached,
     /// Anything else: a local I/O failure or a bug.
     Internal,
 }
@@ -98,6 +101,11 @@ pub enum StoreError {
     #[error("{0}")]
     Cancelled(String),
 
+    /// A pull call that returned after its detach window; the download continues for the
+    /// call's pod sandbox. The message is for the person reading the pod's events.
+    #[error("{0}")]
+    Detached(String),
+
     /// A pull for a requester whose pod sandbox is stopped.
     #[error("{0}")]
     SandboxStopped(String),
@@ -147,6 +155,7 @@ impl StoreError {
             SandboxStopped(_) => ErrorKind::FailedPrecondition,
             DigestMismatch { .. } | SizeMismatch { .. } => ErrorKind::DataLoss,
             Cancelled(_) => ErrorKind::Cancelled,
+            Detached(_) => ErrorKind::Detached,
             Shared(inner) => inner.kind(),
             Unpack { source, .. } | Snapshotter(source) => match source {
                 minicri_snapshotter::Error::DiffIdMismatch { .. } => ErrorKind::DataLoss,

@@ -1,6 +1,7 @@
 //! minicri's image store: everything between a registry and a pulled image on disk.
 //!
 //! - [`reference`]: image reference parsing and normalisation;
+//! - [`fsutil`]: durable atomic file replacement, for every record the daemon writes;
 //! - [`content`]: the content-addressed blob store and its resumable ingest area;
 //! - [`images`]: image records (CRI images) keyed by config digest, with names and blob ownership;
 //! - [`hosts`]: registry endpoints from a containerd-style `hosts.toml` directory;
@@ -14,6 +15,7 @@ pub mod blobs;
 pub mod content;
 pub mod digest;
 pub mod error;
+pub mod fsutil;
 pub mod gc;
 pub mod hosts;
 pub mod images;
@@ -28,6 +30,7 @@ pub use digest::Digest;
 pub use error::{ErrorKind, Result, StoreError};
 pub use hosts::RegistryHosts;
 pub use images::{ImageRecord, ImageStore};
+pub use pull::detach::{human_bytes, human_duration};
 pub use pull::{
     AbortTarget, JobSnapshot, PodRef, PullConfig, PullCounters, PullManager, Requester,
 };

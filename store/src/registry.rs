@@ -31,7 +31,8 @@ pub const MANIFEST_MEDIA_TYPES: &[&str] = &[
 ];
 
 /// Credentials as the CRI's AuthConfig carries them.
-#[derive(Clone, Default)]
+#[derive(Clone, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct Credentials {
     pub username: String,
     pub password: String,

@@ -116,7 +116,7 @@ impl Cache {
         std::fs::create_dir_all(&self.dir).map_err(self.io_err(id))?;
         let path = self.path(id);
         let bytes = serde_json::to_vec_pretty(entry).expect("plain data serialises");
-        crate::fsutil::write_atomic(&path, &bytes).map_err(self.io_err(id))
+        crate::fsutil::write_atomic(&path, &bytes, 0o600).map_err(self.io_err(id))
     }
 
     /// Removes the entry of `id`; fine when there is none.

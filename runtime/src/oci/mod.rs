@@ -52,6 +52,7 @@ pub fn write_bundle(bundle: &std::path::Path, spec: &oci_spec::runtime::Spec) ->
     std::fs::create_dir_all(bundle).map_err(|e| OciError::io("create", bundle, e))?;
     let json = serde_json::to_vec_pretty(spec)
         .map_err(|e| OciError::Other(format!("config.json: {e}")))?;
-    crate::fsutil::write_atomic(&bundle.join("config.json"), &json)
+    // The container's environment is in there: readable by root only.
+    crate::fsutil::write_atomic(&bundle.join("config.json"), &json, 0o600)
         .map_err(|e| OciError::io("write", bundle.join("config.json"), e))
 }

@@ -125,7 +125,8 @@ pub fn hosts_file(hostname: &str) -> String {
 }
 
 fn write(path: &Path, contents: &[u8]) -> Result<()> {
-    crate::fsutil::write_atomic(path, contents).map_err(|e| OciError::io("write", path, e))
+    // Bind-mounted into containers, whose users must read them.
+    crate::fsutil::write_atomic(path, contents, 0o644).map_err(|e| OciError::io("write", path, e))
 }
 
 impl SandboxFiles {

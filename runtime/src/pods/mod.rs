@@ -164,6 +164,13 @@ impl PodService {
         })
     }
 
+    /// Whether the sandbox `id` exists and is ready (a detached download may go on for it).
+    pub fn sandbox_is_ready(&self, id: &str) -> bool {
+        self.store
+            .sandbox(id)
+            .is_some_and(|r| r.state == store::SandboxState::Ready)
+    }
+
     fn recover(self: &Arc<Self>) {
         let (mut running, mut exited) = (0, 0);
         for c in self.store.containers() {

@@ -293,7 +293,8 @@ impl Store {
         let bytes = serde_json::to_vec(rec)
             .map_err(|e| Error::Internal(format!("encoding record {id}: {e}")))?;
         let p = self.path(kind, id);
-        write_atomic(&p, &bytes)
+        // Records hold the pods' and containers' configs (environments): root only.
+        write_atomic(&p, &bytes, 0o600)
             .map_err(|e| Error::Internal(format!("writing {}: {e}", p.display())))
     }
 

@@ -409,7 +409,7 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
         exited_at_ns: now.timestamp_nanos_opt().unwrap_or_default(),
     };
     let json = serde_json::to_vec(&record).map_err(|e| e.to_string())?;
-    if let Err(e) = write_atomic(&paths.exit_file(), &json) {
+    if let Err(e) = write_atomic(&paths.exit_file(), &json, 0o600) {
         eprintln!("minicri shim {}: write exit file: {e}", args.id);
     }
     *shared.exited.lock().unwrap() = Some(record);

@@ -323,7 +323,7 @@ mod tests {
             exited_at: "x".into(),
             exited_at_ns: 2,
         };
-        write_atomic(&p.exit_file(), &serde_json::to_vec(&e).unwrap()).unwrap();
+        write_atomic(&p.exit_file(), &serde_json::to_vec(&e).unwrap(), 0o600).unwrap();
         assert_eq!(read_exit_file(&p.exit_file()).unwrap(), Some(e));
     }
 }

@@ -5,15 +5,31 @@
 //! counted per requester (a pod sandbox, keyed by pod uid and attempt, or the call itself); the
 //! job's blob downloads are shared node-wide ([`crate::blobs`]). A reference goes when its call is
 //! cancelled or times out (the call's future is dropped), when its requester is aborted (sandbox
-//! stopped, operator command) or when the job's progress watchdog fires. When the last reference
-//! goes the job stops, and with it every blob download no other job wants; partial data stays.
+//! stopped, pod deleted, operator command) or when the job's progress watchdog fires. When the
+//! last reference goes the job stops, and with it every blob download no other job wants; partial
+//! data stays.
+//!
+//! A call made for a pod sandbox that is still waiting after the detach window
+//! ([`PullConfig::detach_after`], see [`detach`]) returns an error while the download carries on:
+//! its reference passes to the sandbox (a **hold**), which keeps it until the sandbox is stopped
+//! or removed, an operator aborts it, the watchdog fires or the job ends.
+//!
+//! - this module: jobs, requesters and their references, holds, aborts, progress snapshots;
+//! - [`procedure`]: what one job does (manifests, config, layers, unpack, the image record);
+//! - [`detach`]: the detach window, the per-sync budget, hold files and their restoration.
 //!
 //! Invariants:
 //! - an image becomes visible (its record is written) only after every blob it needs is committed;
 //! - every blob is checked against its descriptor's digest and size before it is committed;
-//! - dropping one reference never disturbs the other requesters of a job.
+//! - dropping one reference never disturbs the other requesters of a job;
+//! - a requester entry exists while it has calls waiting or a hold; a job runs while it has
+//!   requester entries (lock order: `jobs`, then a job's `requesters`).
 
-use std::collections::{BTreeSet, HashMap};
+pub mod detach;
+mod procedure;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,15 +39,16 @@ use tokio_util::sync::CancellationToken;
 
 use minicri_snapshotter::Snapshotter;
 
-use crate::blobs::{BlobDownloads, BlobHandle, BlobProgress};
+use crate::blobs::{BlobDownloads, BlobProgress, BlobState};
 use crate::content::ContentStore;
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
-use crate::images::{ImageRecord, ImageStore, LayerRecord};
-use crate::manifest::{self, Descriptor, ImageConfigDoc, ManifestDoc, Platform};
+use crate::images::{ImageRecord, ImageStore};
+use crate::manifest::Platform;
 use crate::reference::Reference;
 use crate::registry::{Credentials, FetchedManifest, Registry, Session};
-use crate::unpack::{self, LayerToApply};
+
+use detach::{Hold, SyncBudgets};
 
 /// Pull settings.
 #[derive(Debug, Clone)]
@@ -44,6 +61,12 @@ pub struct PullConfig {
     pub max_concurrent_transfers: usize,
     /// A job that receives no byte for this long drops every reference (`None`: never).
     pub progress_timeout: Option<Duration>,
+    /// How long a call made for a known pod sandbox waits before it returns and leaves the
+    /// download to the sandbox (`None`: never detach).
+    pub detach_after: Option<Duration>,
+    /// Where holds are recorded so that a restarted daemon resumes their downloads (`None`:
+    /// not recorded).
+    pub holds_dir: Option<PathBuf>,
 }
 
 impl Default for PullConfig {
@@ -53,12 +76,14 @@ impl Default for PullConfig {
             max_concurrent_layers: 3,
             max_concurrent_transfers: 6,
             progress_timeout: Some(Duration::from_secs(60)),
+            detach_after: Some(Duration::from_secs(30)),
+            holds_dir: None,
         }
     }
 }
 
 /// The pod a requester belongs to (from PullImage's `sandbox_config.metadata`).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
 pub struct PodRef {
     pub namespace: String,
     pub name: String,
@@ -111,6 +136,11 @@ fn pod_key(uid: &str, attempt: u32) -> String {
     format!("pod:{uid}:{attempt}")
 }
 
+/// The key of a pod closed in every attempt (deleted in the API server).
+fn pod_uid_key(uid: &str) -> String {
+    format!("poduid:{uid}")
+}
+
 /// Which references an abort drops.
 #[derive(Debug, Clone)]
 pub enum AbortTarget {
@@ -131,9 +161,18 @@ pub enum AbortTarget {
 
 struct RequesterEntry {
     info: Requester,
+    /// PullImage calls waiting on this reference.
     calls: usize,
+    /// The sandbox's own hold, taken when one of its calls detached.
+    hold: Option<Hold>,
     abort: CancellationToken,
     reason: Arc<Mutex<Option<String>>>,
+}
+
+impl RequesterEntry {
+    fn in_use(&self) -> bool {
+        self.calls > 0 || self.hold.is_some()
+    }
 }
 
 /// One layer (or the config) of a job, for progress reports.
@@ -144,35 +183,61 @@ struct Part {
     progress: Option<Arc<BlobProgress>>,
 }
 
+/// What a job's requesters are told when it ends.
+type JobResult = Option<Result<ImageRecord, Arc<StoreError>>>;
+
 struct Job {
     id: u64,
     key: String,
-    reference: String,
+    /// The reference of the call that started the job.
+    reference: Reference,
+    /// The digest the reference resolved to (an index or a manifest).
+    top: Digest,
     cancel: CancellationToken,
     requesters: Mutex<HashMap<String, RequesterEntry>>,
     joined: AtomicUsize,
     parts: Mutex<Vec<Part>>,
-    result: watch::Sender<Option<Result<ImageRecord, Arc<StoreError>>>>,
+    result: watch::Sender<JobResult>,
     started: Instant,
     started_at: chrono::DateTime<chrono::Utc>,
 }
 
+/// Bytes of a job: on disk, expected, downloaded by this job, found on disk when it started.
+struct JobBytes {
+    done: u64,
+    total: u64,
+    downloaded: u64,
+    resumed: u64,
+    /// Network bytes per second of the blobs downloading now.
+    rate: f64,
+}
+
 impl Job {
-    fn bytes(&self) -> (u64, u64, u64, u64) {
+    fn bytes(&self) -> JobBytes {
         let parts = self.parts.lock().unwrap();
-        let mut done = 0;
-        let mut total = 0;
-        let mut downloaded = 0;
-        let mut resumed = 0;
+        let mut b = JobBytes {
+            done: 0,
+            total: 0,
+            downloaded: 0,
+            resumed: 0,
+            rate: 0.0,
+        };
         for p in parts.iter() {
-            total += p.size;
+            b.total += p.size;
             if let Some(pr) = &p.progress {
-                done += pr.done();
-                downloaded += pr.downloaded();
-                resumed += pr.resumed_from();
+                b.done += pr.done();
+                b.downloaded += pr.downloaded();
+                b.resumed += pr.resumed_from();
+                if pr.state() == BlobState::Downloading {
+                    b.rate += pr.speed();
+                }
             }
         }
-        (done, total, downloaded, resumed)
+        b
+    }
+
+    fn finished(&self) -> bool {
+        self.result.borrow().is_some()
     }
 }
 
@@ -181,6 +246,8 @@ impl Job {
 pub struct RequesterSnapshot {
     pub requester: Requester,
     pub calls: usize,
+    /// When the sandbox took over the reference from a detached call, if it did.
+    pub held_since: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// A layer's progress, for the admin API.
@@ -227,10 +294,16 @@ pub struct PullCounters {
     pub bytes_downloaded: AtomicU64,
     /// Bytes found on disk from earlier attempts and not downloaded again.
     pub bytes_resumed: AtomicU64,
-    /// References dropped by aborts: stopped sandboxes, operators, the progress watchdog.
+    /// References dropped by aborts: stopped sandboxes, deleted pods, operators, the watchdog.
     pub references_aborted: AtomicU64,
-    /// Pulls refused because their sandbox was stopped.
+    /// Pulls refused because their sandbox was stopped or their pod deleted.
     pub refused: AtomicU64,
+    /// Calls that returned after the detach window, leaving the download to their sandbox.
+    pub detached: AtomicU64,
+    /// Holds restored from their files after a daemon restart.
+    pub holds_restored: AtomicU64,
+    /// Pods seen deleted in the API server whose references were dropped.
+    pub pods_deleted: AtomicU64,
 }
 
 /// Runs pulls: the jobs, their requesters and the shared blob downloads.
@@ -243,9 +316,12 @@ pub struct PullManager {
     snapshotter: Option<Arc<dyn Snapshotter>>,
     jobs: Mutex<HashMap<String, Arc<Job>>>,
     next_job: AtomicU64,
-    /// Requester keys of stopped sandboxes, with the reason: their pulls are refused. Written
-    /// under the `jobs` lock so that a join either sees the mark or is seen by the abort.
+    /// Requester keys of stopped sandboxes (and uid keys of deleted pods), with the reason:
+    /// their pulls are refused. Written under the `jobs` lock so that a join either sees the
+    /// mark or is seen by the abort.
     closed: Mutex<HashMap<String, String>>,
+    /// How long each sandbox's calls have been held in its current sync.
+    budgets: SyncBudgets,
     counters: PullCounters,
 }
 
@@ -262,6 +338,12 @@ impl Drop for JobRef {
     }
 }
 
+/// How a requester joins a job: with a waiting call, or as a restored hold.
+enum Joining {
+    Call,
+    Hold(Box<Hold>),
+}
+
 impl PullManager {
     /// With a snapshotter, pulls also unpack every layer, and an image is recorded only once its
     /// layers are unpacked.
@@ -273,6 +355,7 @@ impl PullManager {
         snapshotter: Option<Arc<dyn Snapshotter>>,
     ) -> Arc<PullManager> {
         let blobs = BlobDownloads::new(content.clone(), config.max_concurrent_transfers);
+        let budgets = SyncBudgets::new(config.detach_after);
         Arc::new(PullManager {
             content,
             images,
@@ -283,12 +366,17 @@ impl PullManager {
             jobs: Mutex::new(HashMap::new()),
             next_job: AtomicU64::new(1),
             closed: Mutex::new(HashMap::new()),
+            budgets,
             counters: PullCounters::default(),
         })
     }
 
     pub fn snapshotter(&self) -> Option<&Arc<dyn Snapshotter>> {
         self.snapshotter.as_ref()
+    }
+
+    pub fn config(&self) -> &PullConfig {
+        &self.config
     }
 
     /// Removes the image `name_or_id` names (all its names), the blobs only it used and its claim
@@ -324,6 +412,10 @@ impl PullManager {
     }
 
     /// Pulls `reference` for `requester`; returns the stored image record.
+    ///
+    /// A requester whose sandbox minicri runs gets the detach window: if the job is still
+    /// running when the sandbox's budget for this sync is spent, the call fails with
+    /// [`StoreError::Detached`] and the sandbox holds the job until it ends or is dropped.
     pub async fn pull(
         self: &Arc<Self>,
         reference: &str,
@@ -332,7 +424,83 @@ impl PullManager {
     ) -> Result<ImageRecord> {
         let reference = Reference::parse(reference)?;
         self.refuse_closed(&reference, &requester)?;
-        // Building registry clients loads TLS roots (slow, blocking): keep it off the async threads.
+        let budget = self.budgets.start(&requester);
+        let deadline = budget.as_ref().map(|b| b.deadline());
+
+        // A sandbox that holds a job for this very reference re-joins it without asking the
+        // registry again (the kubelet's retry after its back-off).
+        let (job, jref) = match self.held_job(&requester, &reference) {
+            Some(job) => {
+                let jref = self.join_job(&job, &requester, Joining::Call)?;
+                (job, jref)
+            }
+            None => {
+                let resolving = self.resolve(&reference, creds);
+                let (session, top) = match deadline {
+                    Some(d) => tokio::time::timeout_at(d.into(), resolving)
+                        .await
+                        .map_err(|_| StoreError::Unavailable {
+                            reference: reference.to_string(),
+                            reason: format!(
+                                "the registry did not resolve it within {:?} (pull_detach_after); \
+                                 the next attempt tries again",
+                                self.config.detach_after.unwrap_or_default()
+                            ),
+                        })??,
+                    None => resolving.await?,
+                };
+                let key = format!("{}|{}", top.digest, self.config.platform);
+                let (job, jref, created) =
+                    self.join(&key, &reference, &top.digest, &requester, Joining::Call)?;
+                if created {
+                    let mgr = self.clone();
+                    let job2 = job.clone();
+                    tokio::spawn(async move { mgr.run_job(job2, session, top).await });
+                }
+                (job, jref.expect("a call's join returns its reference"))
+            }
+        };
+        let (abort, reason) = {
+            let reqs = job.requesters.lock().unwrap();
+            let e = reqs.get(&jref.key).expect("own entry");
+            (e.abort.clone(), e.reason.clone())
+        };
+        let mut rx = job.result.subscribe();
+        let detach_at = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        let outcome = tokio::select! {
+            biased;
+            r = rx.wait_for(Option::is_some) => match r {
+                Ok(v) => v.as_ref().expect("checked").clone(),
+                Err(_) => Err(Arc::new(StoreError::Cancelled("pull job vanished".into()))),
+            },
+            _ = abort.cancelled() => {
+                let why = reason.lock().unwrap().clone().unwrap_or_else(|| "aborted".into());
+                return Err(StoreError::Cancelled(format!("pull of {reference} stopped: {why}")));
+            }
+            _ = detach_at => match self.detach(&job, &jref, &reference, creds) {
+                Ok(err) => return Err(err),
+                // The job ended as the window closed: its result is there.
+                Err(()) => job.result.borrow().clone().expect("finished"),
+            },
+        };
+        drop(jref);
+        let rec = outcome.map_err(StoreError::Shared)?;
+        // Each caller adds its own names: several references can resolve to one job.
+        self.name_image(&rec, &reference, &job.top)
+    }
+
+    /// Builds a registry session (off the async threads: it loads TLS roots) and resolves the
+    /// reference to its top manifest.
+    async fn resolve(
+        &self,
+        reference: &Reference,
+        creds: &Credentials,
+    ) -> Result<(Arc<Session>, FetchedManifest)> {
         let (registry, r, c) = (self.registry.clone(), reference.clone(), creds.clone());
         let session = tokio::task::spawn_blocking(move || registry.session(&r, &c))
             .await
@@ -342,49 +510,51 @@ impl PullManager {
             .manifest(None)
             .await
             .map_err(|e| session.fold_errors("manifest", e))?;
-        let key = format!("{}|{}", top.digest, self.config.platform);
+        Ok((session, top))
+    }
 
-        let (job, jref, created) = self.join(&key, &reference, &requester)?;
-        if created {
-            let mgr = self.clone();
-            let job2 = job.clone();
-            let session2 = session.clone();
-            let top2 = top.clone();
-            tokio::spawn(async move { mgr.run_job(job2, session2, top2).await });
-        }
-        let (abort, reason) = {
-            let reqs = job.requesters.lock().unwrap();
-            let e = reqs.get(&jref.key).expect("own entry");
-            (e.abort.clone(), e.reason.clone())
-        };
-        let mut rx = job.result.subscribe();
-        let outcome = tokio::select! {
-            r = rx.wait_for(Option::is_some) => match r {
-                Ok(v) => v.as_ref().expect("checked").clone(),
-                Err(_) => Err(Arc::new(StoreError::Cancelled("pull job vanished".into()))),
-            },
-            _ = abort.cancelled() => {
-                let why = reason.lock().unwrap().clone().unwrap_or_else(|| "aborted".into());
-                return Err(StoreError::Cancelled(format!("pull of {reference} stopped: {why}")));
-            }
-        };
-        drop(jref);
-        let rec = outcome.map_err(StoreError::Shared)?;
-        // Each caller adds its own names: several references can resolve to one job.
+    /// Records `reference` (and its digest form) as names of the pulled image `rec`.
+    fn name_image(
+        &self,
+        rec: &ImageRecord,
+        reference: &Reference,
+        top: &Digest,
+    ) -> Result<ImageRecord> {
         let mut named = rec.clone();
         named.repo_tags = reference.tagged().into_iter().collect();
-        named.repo_digests = vec![reference.with_digest(&top.digest)];
+        named.repo_digests = vec![reference.with_digest(top)];
         let (stored, _) = self.images.add(named, &self.content)?;
         Ok(stored)
     }
 
-    /// Joins the job `key` or creates it; takes a reference for `requester`.
+    /// The running job `requester`'s sandbox holds for `reference`, if any.
+    fn held_job(&self, requester: &Requester, reference: &Reference) -> Option<Arc<Job>> {
+        requester.sandbox_id.as_ref()?;
+        let key = requester.key();
+        let jobs = self.jobs.lock().unwrap();
+        jobs.values()
+            .find(|j| {
+                !j.cancel.is_cancelled()
+                    && j.requesters
+                        .lock()
+                        .unwrap()
+                        .get(&key)
+                        .and_then(|e| e.hold.as_ref())
+                        .is_some_and(|h| h.names.contains(&reference.to_string()))
+            })
+            .cloned()
+    }
+
+    /// Joins the job `key` or creates it; takes a reference for `requester` (a call's, returned,
+    /// or a hold). Returns whether the job was created: the caller then starts it.
     fn join(
         self: &Arc<Self>,
         key: &str,
         reference: &Reference,
+        top: &Digest,
         requester: &Requester,
-    ) -> Result<(Arc<Job>, JobRef, bool)> {
+        joining: Joining,
+    ) -> Result<(Arc<Job>, Option<JobRef>, bool)> {
         let mut jobs = self.jobs.lock().unwrap();
         self.refuse_closed(reference, requester)?;
         let (job, created) = match jobs.get(key).filter(|j| !j.cancel.is_cancelled()) {
@@ -393,7 +563,8 @@ impl PullManager {
                 let job = Arc::new(Job {
                     id: self.next_job.fetch_add(1, Ordering::Relaxed),
                     key: key.to_string(),
-                    reference: reference.to_string(),
+                    reference: reference.clone(),
+                    top: top.clone(),
                     cancel: CancellationToken::new(),
                     requesters: Mutex::new(HashMap::new()),
                     joined: AtomicUsize::new(0),
@@ -406,39 +577,95 @@ impl PullManager {
                 (job, true)
             }
         };
+        let jref = self.add_requester(&job, requester, joining, !created);
+        drop(jobs);
+        if created {
+            self.counters.jobs_started.fetch_add(1, Ordering::Relaxed);
+        } else {
+            tracing::info!(job = job.id, image = %reference, requester = %requester.key(), "joined running pull");
+        }
+        Ok((job, jref, created))
+    }
+
+    /// Joins a job known to be running (a sandbox's re-join); fails if it ended meanwhile.
+    fn join_job(
+        self: &Arc<Self>,
+        job: &Arc<Job>,
+        requester: &Requester,
+        joining: Joining,
+    ) -> Result<JobRef> {
+        let jobs = self.jobs.lock().unwrap();
+        self.refuse_closed(&job.reference, requester)?;
+        if !jobs.get(&job.key).is_some_and(|j| Arc::ptr_eq(j, job)) {
+            return Err(StoreError::Cancelled(format!(
+                "pull of {} ended as it was joined; try again",
+                job.reference
+            )));
+        }
+        let jref = self.add_requester(job, requester, joining, true);
+        drop(jobs);
+        tracing::info!(job = job.id, image = %job.reference, requester = %requester.key(), "rejoined the pull its sandbox holds");
+        Ok(jref.expect("a call's join returns its reference"))
+    }
+
+    /// Adds `requester`'s reference to `job` (under the `jobs` lock).
+    fn add_requester(
+        self: &Arc<Self>,
+        job: &Arc<Job>,
+        requester: &Requester,
+        joining: Joining,
+        running: bool,
+    ) -> Option<JobRef> {
         let rkey = requester.key();
+        let is_call = matches!(joining, Joining::Call);
         {
             let mut reqs = job.requesters.lock().unwrap();
             let e = reqs.entry(rkey.clone()).or_insert_with(|| RequesterEntry {
                 info: requester.clone(),
                 calls: 0,
+                hold: None,
                 abort: CancellationToken::new(),
                 reason: Arc::new(Mutex::new(None)),
             });
-            e.calls += 1;
+            // An aborted reference whose calls are still returning: a new call starts afresh.
+            if e.abort.is_cancelled() {
+                e.abort = CancellationToken::new();
+                e.reason = Arc::new(Mutex::new(None));
+            }
+            if e.info.sandbox_id.is_none() {
+                e.info.sandbox_id = requester.sandbox_id.clone();
+            }
+            match joining {
+                Joining::Call => e.calls += 1,
+                Joining::Hold(h) => e.hold = Some(*h),
+            }
         }
         job.joined.fetch_add(1, Ordering::Relaxed);
-        self.counters.calls.fetch_add(1, Ordering::Relaxed);
-        if created {
-            self.counters.jobs_started.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.counters.calls_joined.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(job = job.id, image = %reference, requester = %rkey, "joined running pull");
+        if !is_call {
+            return None;
         }
-        Ok((
-            job.clone(),
-            JobRef {
-                mgr: self.clone(),
-                job,
-                key: rkey,
-            },
-            created,
-        ))
+        self.counters.calls.fetch_add(1, Ordering::Relaxed);
+        if running {
+            self.counters.calls_joined.fetch_add(1, Ordering::Relaxed);
+        }
+        Some(JobRef {
+            mgr: self.clone(),
+            job: job.clone(),
+            key: rkey,
+        })
     }
 
-    /// Fails for a requester whose sandbox was stopped ([`PullManager::close_pod`]).
+    /// Fails for a requester whose sandbox was stopped ([`PullManager::close_pod`]) or whose pod
+    /// was deleted ([`PullManager::close_pod_uid`]).
     fn refuse_closed(&self, reference: &Reference, requester: &Requester) -> Result<()> {
-        match self.closed.lock().unwrap().get(&requester.key()) {
+        let closed = self.closed.lock().unwrap();
+        let why = closed.get(&requester.key()).or_else(|| {
+            requester
+                .pod
+                .as_ref()
+                .and_then(|p| closed.get(&pod_uid_key(&p.uid)))
+        });
+        match why {
             Some(why) => {
                 self.counters.refused.fetch_add(1, Ordering::Relaxed);
                 Err(StoreError::SandboxStopped(format!(
@@ -450,8 +677,8 @@ impl PullManager {
     }
 
     /// A pod sandbox (uid, attempt) stopped: drops its references on every job (their calls
-    /// return at once with `reason`) and refuses its later pulls until [`PullManager::reopen_pod`].
-    /// Returns how many references were dropped.
+    /// return at once with `reason`, its holds end) and refuses its later pulls until
+    /// [`PullManager::reopen_pod`]. Returns how many references were dropped.
     pub fn close_pod(&self, uid: &str, attempt: u32, reason: &str) -> usize {
         {
             let _jobs = self.jobs.lock().unwrap();
@@ -469,9 +696,34 @@ impl PullManager {
         )
     }
 
+    /// A pod was deleted (seen in the API server): drops the references of every attempt of
+    /// it and refuses its later pulls (a kubelet's serial puller may still send one it queued)
+    /// until its sandbox is removed. Returns how many references were dropped.
+    pub fn close_pod_uid(&self, uid: &str, reason: &str) -> usize {
+        {
+            let _jobs = self.jobs.lock().unwrap();
+            let mut closed = self.closed.lock().unwrap();
+            // Bounded: a uid mark only matters until the kubelet removes the pod's sandbox.
+            if closed.len() >= MAX_CLOSED_MARKS {
+                closed.retain(|k, _| !k.starts_with("poduid:"));
+            }
+            closed.insert(pod_uid_key(uid), reason.to_string());
+        }
+        self.counters.pods_deleted.fetch_add(1, Ordering::Relaxed);
+        self.abort(
+            &AbortTarget::PodUid {
+                uid: uid.to_string(),
+                attempt: None,
+            },
+            reason,
+        )
+    }
+
     /// Forgets a closed pod sandbox (it was removed).
     pub fn reopen_pod(&self, uid: &str, attempt: u32) {
-        self.closed.lock().unwrap().remove(&pod_key(uid, attempt));
+        let mut closed = self.closed.lock().unwrap();
+        closed.remove(&pod_key(uid, attempt));
+        closed.remove(&pod_uid_key(uid));
     }
 
     /// Drops one call's reference; the job stops when none is left.
@@ -480,11 +732,20 @@ impl PullManager {
         let mut reqs = job.requesters.lock().unwrap();
         if let Some(e) = reqs.get_mut(key) {
             e.calls -= 1;
-            if e.calls == 0 {
+            if !e.in_use() {
                 reqs.remove(key);
             }
         }
-        if reqs.is_empty() && job.result.borrow().is_none() && !job.cancel.is_cancelled() {
+        Self::stop_if_unwanted(&mut jobs, job, &reqs);
+    }
+
+    /// Stops `job` when no requester is left (under both locks).
+    fn stop_if_unwanted(
+        jobs: &mut HashMap<String, Arc<Job>>,
+        job: &Arc<Job>,
+        reqs: &HashMap<String, RequesterEntry>,
+    ) {
+        if reqs.is_empty() && !job.finished() && !job.cancel.is_cancelled() {
             tracing::info!(job = job.id, image = %job.reference, "last requester gone; stopping pull (partial data kept)");
             job.cancel.cancel();
             if jobs.get(&job.key).is_some_and(|j| Arc::ptr_eq(j, job)) {
@@ -493,8 +754,8 @@ impl PullManager {
         }
     }
 
-    /// Drops the references `target` names; their calls return at once with `reason`.
-    /// Returns how many references were dropped.
+    /// Drops the references `target` names: their calls return at once with `reason`, their
+    /// holds end. Returns how many references were dropped.
     pub fn abort(&self, target: &AbortTarget, reason: &str) -> usize {
         let jobs: Vec<Arc<Job>> = self.jobs.lock().unwrap().values().cloned().collect();
         let image_key = match target {
@@ -503,32 +764,57 @@ impl PullManager {
         };
         let mut dropped = 0;
         for job in jobs {
-            let reqs = job.requesters.lock().unwrap();
-            for e in reqs.values() {
-                let hit = match target {
-                    AbortTarget::Sandbox(id) => e.info.sandbox_id.as_deref() == Some(id.as_str()),
-                    AbortTarget::Pod { namespace, name } => e
-                        .info
-                        .pod
-                        .as_ref()
-                        .is_some_and(|p| &p.namespace == namespace && &p.name == name),
-                    AbortTarget::PodUid { uid, attempt } => {
-                        e.info.pod.as_ref().is_some_and(|p| {
-                            &p.uid == uid && attempt.is_none_or(|a| a == p.attempt)
-                        })
-                    }
-                    AbortTarget::Image(_) => image_key.as_deref() == Some(job.reference.as_str()),
-                };
-                if hit && !e.abort.is_cancelled() {
-                    *e.reason.lock().unwrap() = Some(reason.to_string());
-                    e.abort.cancel();
-                    dropped += 1;
-                    self.counters
-                        .references_aborted
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-            }
+            dropped += self.drop_requesters(&job, reason, |e| match target {
+                AbortTarget::Sandbox(id) => e.info.sandbox_id.as_deref() == Some(id.as_str()),
+                AbortTarget::Pod { namespace, name } => e
+                    .info
+                    .pod
+                    .as_ref()
+                    .is_some_and(|p| &p.namespace == namespace && &p.name == name),
+                AbortTarget::PodUid { uid, attempt } => e
+                    .info
+                    .pod
+                    .as_ref()
+                    .is_some_and(|p| &p.uid == uid && attempt.is_none_or(|a| a == p.attempt)),
+                AbortTarget::Image(_) => image_key.as_deref() == Some(&job.reference.to_string()),
+            });
         }
+        dropped
+    }
+
+    /// Drops the requesters of `job` that `hit` picks; returns how many.
+    fn drop_requesters(
+        &self,
+        job: &Arc<Job>,
+        reason: &str,
+        hit: impl Fn(&RequesterEntry) -> bool,
+    ) -> usize {
+        let mut ended = Vec::new();
+        let mut dropped = 0;
+        {
+            let mut jobs = self.jobs.lock().unwrap();
+            let mut reqs = job.requesters.lock().unwrap();
+            for e in reqs.values_mut() {
+                if !hit(e) || (e.abort.is_cancelled() && e.hold.is_none()) {
+                    continue;
+                }
+                *e.reason.lock().unwrap() = Some(reason.to_string());
+                e.abort.cancel();
+                if let Some(h) = e.hold.take() {
+                    tracing::info!(job = job.id, image = %job.reference, requester = %e.info.key(), %reason, "hold on a background download dropped");
+                    ended.push(h);
+                }
+                dropped += 1;
+            }
+            reqs.retain(|_, e| e.in_use());
+            Self::stop_if_unwanted(&mut jobs, job, &reqs);
+        }
+        for h in ended {
+            self.end_hold(h);
+        }
+        self.counters
+            .references_aborted
+            .fetch_add(dropped as u64, Ordering::Relaxed);
         dropped
     }
 
@@ -553,7 +839,7 @@ impl PullManager {
         if let Some(w) = watchdog {
             w.abort();
         }
-        let (_, total, downloaded, resumed) = job.bytes();
+        let bytes = job.bytes();
         let outcome = match &result {
             Ok(_) => "done".to_string(),
             Err(e) => e.to_string(),
@@ -565,15 +851,16 @@ impl PullManager {
             Err(_) => &c.jobs_failed,
         }
         .fetch_add(1, Ordering::Relaxed);
-        c.bytes_downloaded.fetch_add(downloaded, Ordering::Relaxed);
-        c.bytes_resumed.fetch_add(resumed, Ordering::Relaxed);
+        c.bytes_downloaded
+            .fetch_add(bytes.downloaded, Ordering::Relaxed);
+        c.bytes_resumed.fetch_add(bytes.resumed, Ordering::Relaxed);
         tracing::info!(
             job = job.id,
             image = %job.reference,
             outcome = %outcome,
-            bytes_total = total,
-            bytes_downloaded = downloaded,
-            bytes_resumed = resumed,
+            bytes_total = bytes.total,
+            bytes_downloaded = bytes.downloaded,
+            bytes_resumed = bytes.resumed,
             requesters_joined = job.joined.load(Ordering::Relaxed),
             duration_ms = job.started.elapsed().as_millis() as u64,
             "pull job finished"
@@ -585,277 +872,54 @@ impl PullManager {
             }
         }
         job.result.send_replace(Some(result.map_err(Arc::new)));
+        // Holds end with the job (a call detaching from now on sees the result instead); the
+        // image gets the names their calls asked for, as those calls would have done.
+        let holds: Vec<(String, Hold)> = job
+            .requesters
+            .lock()
+            .unwrap()
+            .iter_mut()
+            .filter_map(|(k, e)| Some((k.clone(), e.hold.take()?)))
+            .collect();
+        for (key, hold) in holds {
+            if let Some(Ok(rec)) = job.result.borrow().as_ref() {
+                for name in &hold.names {
+                    let named =
+                        Reference::parse(name).and_then(|r| self.name_image(rec, &r, &job.top));
+                    if let Err(e) = named {
+                        tracing::warn!(job = job.id, image = %name, error = %e, "cannot name the image a held pull stored");
+                    }
+                }
+            }
+            tracing::info!(job = job.id, image = %job.reference, requester = %key, outcome = %outcome, "background download for a sandbox ended");
+            self.end_hold(hold);
+        }
     }
 
     /// Drops every reference of a job that received no byte for `timeout`.
     async fn watchdog(&self, job: Arc<Job>, timeout: Duration) {
         let tick = (timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
-        let mut last = job.bytes().0;
+        let mut last = job.bytes().done;
         let mut since = Instant::now();
         loop {
             tokio::time::sleep(tick).await;
-            let now = job.bytes().0;
+            let now = job.bytes().done;
             if now != last {
                 last = now;
                 since = Instant::now();
             } else if since.elapsed() >= timeout {
                 let reason = format!("no progress for {timeout:?} (pull_progress_timeout)");
                 tracing::warn!(job = job.id, image = %job.reference, "{reason}; dropping every requester");
-                for e in job.requesters.lock().unwrap().values() {
-                    *e.reason.lock().unwrap() = Some(reason.clone());
-                    e.abort.cancel();
-                }
+                self.drop_requesters(&job, &reason, |_| true);
                 return;
             }
         }
     }
-
-    async fn pull_content(
-        &self,
-        job: &Job,
-        session: &Arc<Session>,
-        top: &FetchedManifest,
-    ) -> Result<ImageRecord> {
-        let reference = session.reference();
-        let mut blobs = BTreeSet::new();
-        let top_doc = parse_manifest(reference, &top.bytes)?;
-        self.content.write(&top.digest, &top.bytes)?;
-        blobs.insert(top.digest.clone());
-
-        let (manifest, doc) = if top_doc.manifests.is_some() {
-            let entry = select_platform(&self.config.platform, reference, &top_doc)?;
-            let d = parse_digest(reference, &entry.digest)?;
-            let m = session
-                .manifest(Some(&d))
-                .await
-                .map_err(|e| session.fold_errors("platform manifest", e))?;
-            let doc = parse_manifest(reference, &m.bytes)?;
-            if doc.manifests.is_some() {
-                return Err(malformed(
-                    reference,
-                    "index",
-                    "an index entry points at another index".into(),
-                ));
-            }
-            self.content.write(&m.digest, &m.bytes)?;
-            blobs.insert(m.digest.clone());
-            (m, doc)
-        } else {
-            (top.clone(), top_doc)
-        };
-
-        let config_desc = doc
-            .config
-            .as_ref()
-            .ok_or_else(|| malformed(reference, "manifest", "no config".into()))?;
-        let layers = doc.layers.clone().unwrap_or_default();
-        for l in &layers {
-            if manifest::layer_compression(&l.media_type).is_none() {
-                return Err(StoreError::UnsupportedMediaType {
-                    reference: reference.to_string(),
-                    media_type: l.media_type.clone(),
-                });
-            }
-        }
-        let config_digest = parse_digest(reference, &config_desc.digest)?;
-        let mut layer_digests = Vec::with_capacity(layers.len());
-        for l in &layers {
-            layer_digests.push(parse_digest(reference, &l.digest)?);
-        }
-        for (d, desc) in
-            std::iter::once((&config_digest, config_desc)).chain(layer_digests.iter().zip(&layers))
-        {
-            if desc.size < 0 {
-                return Err(malformed(
-                    reference,
-                    "descriptor",
-                    format!("negative size for {d}"),
-                ));
-            }
-        }
-        *job.parts.lock().unwrap() = std::iter::once((&config_digest, config_desc))
-            .chain(layer_digests.iter().zip(&layers))
-            .map(|(d, desc)| Part {
-                digest: d.clone(),
-                size: desc.size as u64,
-                progress: None,
-            })
-            .collect();
-
-        // Config first (small, and it must parse), then the layers, a bounded number at once.
-        let handle = self.acquire_part(job, 0, session);
-        handle.wait().await?;
-        drop(handle);
-        let config_bytes = self.content.read(&config_digest)?;
-        let config: ImageConfigDoc = serde_json::from_slice(&config_bytes)
-            .map_err(|e| malformed(reference, "image config", e.to_string()))?;
-        let diff_ids = config
-            .rootfs
-            .as_ref()
-            .map(|r| r.diff_ids.clone())
-            .unwrap_or_default();
-        if diff_ids.len() != layers.len() {
-            return Err(malformed(
-                reference,
-                "image config",
-                format!("{} diff_ids for {} layers", diff_ids.len(), layers.len()),
-            ));
-        }
-        blobs.insert(config_digest.clone());
-
-        // Downloads (a bounded number at once) and unpacking run together: each layer is applied
-        // as soon as the one below it is, reading its bytes as they arrive.
-        let permits = tokio::sync::Semaphore::new(self.config.max_concurrent_layers.max(1));
-        // Built in a loop, not with a closure: a closure here gives the futures a higher-ranked
-        // lifetime that tonic's Send bound cannot be proven for (a rustc limitation).
-        let mut waits = Vec::with_capacity(layers.len());
-        for i in 0..layers.len() {
-            waits.push(self.fetch_part_bounded(job, i + 1, session, &permits));
-        }
-        let downloads = futures::future::try_join_all(waits);
-        let to_apply: Vec<LayerToApply> = layers
-            .iter()
-            .zip(&layer_digests)
-            .zip(&diff_ids)
-            .map(|((l, d), diff_id)| LayerToApply {
-                digest: d.clone(),
-                media_type: l.media_type.clone(),
-                diff_id: diff_id.clone(),
-            })
-            .collect();
-        let unpacking = self.unpack_layers(job, reference, &config_digest, &to_apply);
-        let (_, chain_id) = tokio::try_join!(downloads, unpacking)?;
-        blobs.extend(layer_digests.iter().cloned());
-
-        let (uid, username) = manifest::user_of(
-            config
-                .config
-                .as_ref()
-                .and_then(|c| c.user.as_deref())
-                .unwrap_or(""),
-        );
-        let size = config_desc.size as u64
-            + manifest.bytes.len() as u64
-            + layers.iter().map(|l| l.size as u64).sum::<u64>();
-        let platform = Platform {
-            os: config.os.clone(),
-            architecture: config.architecture.clone(),
-            variant: config.variant.clone(),
-        };
-        let record = ImageRecord {
-            id: config_digest.clone(),
-            repo_tags: reference.tagged().into_iter().collect(),
-            repo_digests: vec![reference.with_digest(&top.digest)],
-            manifest: manifest.digest.clone(),
-            config: config_digest,
-            layers: layers
-                .iter()
-                .zip(&layer_digests)
-                .map(|(l, d)| LayerRecord {
-                    digest: d.clone(),
-                    size: l.size as u64,
-                    media_type: l.media_type.clone(),
-                })
-                .collect(),
-            diff_ids,
-            size,
-            uid,
-            username,
-            pinned: false,
-            platform: platform.to_string(),
-            blobs,
-            chain_id,
-            pulled_at: chrono::Utc::now(),
-        };
-        // An image removed while this pull reused its blobs lost them: fetch those again.
-        for _ in 0..3 {
-            match self.images.add(record.clone(), &self.content) {
-                Err(StoreError::BlobNotFound(b)) => {
-                    tracing::info!(image = %reference, blob = %b, "content removed during pull; fetching again");
-                    for i in 0..=layers.len() {
-                        self.fetch_part(job, i, session).await?;
-                    }
-                }
-                Ok((stored, removed)) => {
-                    for old in &removed.images {
-                        tracing::info!(image = %old.id, "image lost its last name to a newer pull and was removed");
-                    }
-                    self.release_snapshots(&removed.images);
-                    return Ok(stored);
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        Err(StoreError::Unavailable {
-            reference: reference.to_string(),
-            reason: "content kept being removed during the pull".into(),
-        })
-    }
-
-    async fn fetch_part_bounded(
-        &self,
-        job: &Job,
-        i: usize,
-        session: &Arc<Session>,
-        permits: &tokio::sync::Semaphore,
-    ) -> Result<()> {
-        let _permit = permits.acquire().await.expect("never closed");
-        self.fetch_part(job, i, session).await
-    }
-
-    /// Applies the layers bottom to top as their bytes arrive; the top chain id, if unpacking.
-    async fn unpack_layers(
-        &self,
-        job: &Job,
-        reference: &Reference,
-        image_id: &Digest,
-        layers: &[LayerToApply],
-    ) -> Result<Option<String>> {
-        let Some(snap) = &self.snapshotter else {
-            return Ok(None);
-        };
-        let mut parent = None;
-        for (i, layer) in layers.iter().enumerate() {
-            // Wait for the layer's download to be registered (or its blob to be present).
-            let progress = loop {
-                if let Some(p) = job.parts.lock().unwrap()[i + 1].progress.clone() {
-                    break Some(p);
-                }
-                if self.content.size(&layer.digest).is_some() {
-                    break None;
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            };
-            let chain = unpack::apply_layer(
-                snap,
-                &self.content,
-                &reference.to_string(),
-                image_id.as_str(),
-                layer,
-                parent,
-                progress,
-            )
-            .await?;
-            parent = Some(chain);
-        }
-        Ok(parent)
-    }
-
-    fn acquire_part(&self, job: &Job, i: usize, session: &Arc<Session>) -> BlobHandle {
-        let (digest, size) = {
-            let parts = job.parts.lock().unwrap();
-            (parts[i].digest.clone(), parts[i].size)
-        };
-        let handle = self.blobs.acquire(&digest, size, session);
-        job.parts.lock().unwrap()[i].progress = Some(handle.progress().clone());
-        handle
-    }
-
-    async fn fetch_part(&self, job: &Job, i: usize, session: &Arc<Session>) -> Result<()> {
-        let handle = self.acquire_part(job, i, session);
-        handle.wait().await
-    }
 }
+
+/// Uid marks of deleted pods kept at most (a mark matters only until the pod's sandbox is
+/// removed; past this many the oldest kind of mark is forgotten wholesale).
+const MAX_CLOSED_MARKS: usize = 16384;
 
 fn snapshot(j: &Job) -> JobSnapshot {
     let parts: Vec<PartSnapshot> = j
@@ -882,7 +946,7 @@ fn snapshot(j: &Job) -> JobSnapshot {
             },
         })
         .collect();
-    let (done, total, downloaded, _) = j.bytes();
+    let bytes = j.bytes();
     let secs = j.started.elapsed().as_secs_f64();
     let state = if j.cancel.is_cancelled() {
         "stopping"
@@ -893,7 +957,7 @@ fn snapshot(j: &Job) -> JobSnapshot {
     };
     JobSnapshot {
         id: j.id,
-        image: j.reference.clone(),
+        image: j.reference.to_string(),
         key: j.key.clone(),
         state: state.into(),
         requesters: j
@@ -904,87 +968,17 @@ fn snapshot(j: &Job) -> JobSnapshot {
             .map(|e| RequesterSnapshot {
                 requester: e.info.clone(),
                 calls: e.calls,
+                held_since: e.hold.as_ref().map(|h| h.since),
             })
             .collect(),
         parts,
-        bytes_done: done,
-        bytes_total: total,
+        bytes_done: bytes.done,
+        bytes_total: bytes.total,
         bytes_per_second: if secs > 0.0 {
-            downloaded as f64 / secs
+            bytes.downloaded as f64 / secs
         } else {
             0.0
         },
         started_at: j.started_at,
     }
-}
-
-fn select_platform<'a>(
-    want: &Platform,
-    reference: &Reference,
-    index: &'a ManifestDoc,
-) -> Result<&'a Descriptor> {
-    let entries = index.manifests.as_deref().unwrap_or_default();
-    entries
-        .iter()
-        .filter(|e| {
-            e.media_type.is_empty()
-                || e.media_type == manifest::OCI_MANIFEST
-                || e.media_type == manifest::DOCKER_MANIFEST
-        })
-        .find(|e| e.platform.as_ref().is_some_and(|p| want.matches(p)))
-        .ok_or_else(|| StoreError::NoMatchingPlatform {
-            reference: reference.to_string(),
-            platform: want.to_string(),
-            available: entries
-                .iter()
-                .filter_map(|e| e.platform.as_ref().map(ToString::to_string))
-                .collect::<Vec<_>>()
-                .join(", "),
-        })
-}
-
-fn malformed(reference: &Reference, what: &str, reason: String) -> StoreError {
-    StoreError::Malformed {
-        reference: reference.to_string(),
-        what: what.into(),
-        reason,
-    }
-}
-
-fn parse_digest(reference: &Reference, s: &str) -> Result<Digest> {
-    Digest::parse(s).map_err(|e| malformed(reference, "descriptor", e.to_string()))
-}
-
-fn parse_manifest(reference: &Reference, bytes: &[u8]) -> Result<ManifestDoc> {
-    let doc: ManifestDoc = serde_json::from_slice(bytes)
-        .map_err(|e| malformed(reference, "manifest", e.to_string()))?;
-    if doc.schema_version == Some(1) {
-        return Err(StoreError::UnsupportedMediaType {
-            reference: reference.to_string(),
-            media_type: "application/vnd.docker.distribution.manifest.v1+json (Docker schema 1)"
-                .into(),
-        });
-    }
-    if let Some(mt) = &doc.media_type
-        && ![
-            manifest::OCI_INDEX,
-            manifest::DOCKER_LIST,
-            manifest::OCI_MANIFEST,
-            manifest::DOCKER_MANIFEST,
-        ]
-        .contains(&mt.as_str())
-    {
-        return Err(StoreError::UnsupportedMediaType {
-            reference: reference.to_string(),
-            media_type: mt.clone(),
-        });
-    }
-    if doc.manifests.is_none() && doc.config.is_none() {
-        return Err(malformed(
-            reference,
-            "manifest",
-            "neither an index nor an image manifest".into(),
-        ));
-    }
-    Ok(doc)
 }

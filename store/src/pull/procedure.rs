@@ -1,0 +1,337 @@
+//! The pull procedure of one job: resolve the platform manifest, fetch the config, download the
+//! layers (a bounded number at once, shared node-wide) while unpacking them bottom to top, and
+//! record the image once every blob is committed and every layer unpacked.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::blobs::BlobHandle;
+use crate::digest::Digest;
+use crate::error::{Result, StoreError};
+use crate::images::{ImageRecord, LayerRecord};
+use crate::manifest::{self, Descriptor, ImageConfigDoc, ManifestDoc, Platform};
+use crate::reference::Reference;
+use crate::registry::{FetchedManifest, Session};
+use crate::unpack::{self, LayerToApply};
+
+use super::{Job, Part, PullManager};
+
+impl PullManager {
+    pub(super) async fn pull_content(
+        &self,
+        job: &Job,
+        session: &Arc<Session>,
+        top: &FetchedManifest,
+    ) -> Result<ImageRecord> {
+        let reference = session.reference();
+        let mut blobs = BTreeSet::new();
+        let top_doc = parse_manifest(reference, &top.bytes)?;
+        self.content.write(&top.digest, &top.bytes)?;
+        blobs.insert(top.digest.clone());
+
+        let (manifest, doc) = if top_doc.manifests.is_some() {
+            let entry = select_platform(&self.config.platform, reference, &top_doc)?;
+            let d = parse_digest(reference, &entry.digest)?;
+            let m = session
+                .manifest(Some(&d))
+                .await
+                .map_err(|e| session.fold_errors("platform manifest", e))?;
+            let doc = parse_manifest(reference, &m.bytes)?;
+            if doc.manifests.is_some() {
+                return Err(malformed(
+                    reference,
+                    "index",
+                    "an index entry points at another index".into(),
+                ));
+            }
+            self.content.write(&m.digest, &m.bytes)?;
+            blobs.insert(m.digest.clone());
+            (m, doc)
+        } else {
+            (top.clone(), top_doc)
+        };
+
+        let config_desc = doc
+            .config
+            .as_ref()
+            .ok_or_else(|| malformed(reference, "manifest", "no config".into()))?;
+        let layers = doc.layers.clone().unwrap_or_default();
+        for l in &layers {
+            if manifest::layer_compression(&l.media_type).is_none() {
+                return Err(StoreError::UnsupportedMediaType {
+                    reference: reference.to_string(),
+                    media_type: l.media_type.clone(),
+                });
+            }
+        }
+        let config_digest = parse_digest(reference, &config_desc.digest)?;
+        let mut layer_digests = Vec::with_capacity(layers.len());
+        for l in &layers {
+            layer_digests.push(parse_digest(reference, &l.digest)?);
+        }
+        for (d, desc) in
+            std::iter::once((&config_digest, config_desc)).chain(layer_digests.iter().zip(&layers))
+        {
+            if desc.size < 0 {
+                return Err(malformed(
+                    reference,
+                    "descriptor",
+                    format!("negative size for {d}"),
+                ));
+            }
+        }
+        *job.parts.lock().unwrap() = std::iter::once((&config_digest, config_desc))
+            .chain(layer_digests.iter().zip(&layers))
+            .map(|(d, desc)| Part {
+                digest: d.clone(),
+                size: desc.size as u64,
+                progress: None,
+            })
+            .collect();
+
+        // Config first (small, and it must parse), then the layers, a bounded number at once.
+        let handle = self.acquire_part(job, 0, session);
+        handle.wait().await?;
+        drop(handle);
+        let config_bytes = self.content.read(&config_digest)?;
+        let config: ImageConfigDoc = serde_json::from_slice(&config_bytes)
+            .map_err(|e| malformed(reference, "image config", e.to_string()))?;
+        let diff_ids = config
+            .rootfs
+            .as_ref()
+            .map(|r| r.diff_ids.clone())
+            .unwrap_or_default();
+        if diff_ids.len() != layers.len() {
+            return Err(malformed(
+                reference,
+                "image config",
+                format!("{} diff_ids for {} layers", diff_ids.len(), layers.len()),
+            ));
+        }
+        blobs.insert(config_digest.clone());
+
+        // Downloads (a bounded number at once) and unpacking run together: each layer is applied
+        // as soon as the one below it is, reading its bytes as they arrive.
+        let permits = tokio::sync::Semaphore::new(self.config.max_concurrent_layers.max(1));
+        // Built in a loop, not with a closure: a closure here gives the futures a higher-ranked
+        // lifetime that tonic's Send bound cannot be proven for (a rustc limitation).
+        let mut waits = Vec::with_capacity(layers.len());
+        for i in 0..layers.len() {
+            waits.push(self.fetch_part_bounded(job, i + 1, session, &permits));
+        }
+        let downloads = futures::future::try_join_all(waits);
+        let to_apply: Vec<LayerToApply> = layers
+            .iter()
+            .zip(&layer_digests)
+            .zip(&diff_ids)
+            .map(|((l, d), diff_id)| LayerToApply {
+                digest: d.clone(),
+                media_type: l.media_type.clone(),
+                diff_id: diff_id.clone(),
+            })
+            .collect();
+        let unpacking = self.unpack_layers(job, reference, &config_digest, &to_apply);
+        let (_, chain_id) = tokio::try_join!(downloads, unpacking)?;
+        blobs.extend(layer_digests.iter().cloned());
+
+        let (uid, username) = manifest::user_of(
+            config
+                .config
+                .as_ref()
+                .and_then(|c| c.user.as_deref())
+                .unwrap_or(""),
+        );
+        let size = config_desc.size as u64
+            + manifest.bytes.len() as u64
+            + layers.iter().map(|l| l.size as u64).sum::<u64>();
+        let platform = Platform {
+            os: config.os.clone(),
+            architecture: config.architecture.clone(),
+            variant: config.variant.clone(),
+        };
+        let record = ImageRecord {
+            id: config_digest.clone(),
+            repo_tags: reference.tagged().into_iter().collect(),
+            repo_digests: vec![reference.with_digest(&top.digest)],
+            manifest: manifest.digest.clone(),
+            config: config_digest,
+            layers: layers
+                .iter()
+                .zip(&layer_digests)
+                .map(|(l, d)| LayerRecord {
+                    digest: d.clone(),
+                    size: l.size as u64,
+                    media_type: l.media_type.clone(),
+                })
+                .collect(),
+            diff_ids,
+            size,
+            uid,
+            username,
+            pinned: false,
+            platform: platform.to_string(),
+            blobs,
+            chain_id,
+            pulled_at: chrono::Utc::now(),
+        };
+        // An image removed while this pull reused its blobs lost them: fetch those again.
+        for _ in 0..3 {
+            match self.images.add(record.clone(), &self.content) {
+                Err(StoreError::BlobNotFound(b)) => {
+                    tracing::info!(image = %reference, blob = %b, "content removed during pull; fetching again");
+                    for i in 0..=layers.len() {
+                        self.fetch_part(job, i, session).await?;
+                    }
+                }
+                Ok((stored, removed)) => {
+                    for old in &removed.images {
+                        tracing::info!(image = %old.id, "image lost its last name to a newer pull and was removed");
+                    }
+                    self.release_snapshots(&removed.images);
+                    return Ok(stored);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(StoreError::Unavailable {
+            reference: reference.to_string(),
+            reason: "content kept being removed during the pull".into(),
+        })
+    }
+
+    async fn fetch_part_bounded(
+        &self,
+        job: &Job,
+        i: usize,
+        session: &Arc<Session>,
+        permits: &tokio::sync::Semaphore,
+    ) -> Result<()> {
+        let _permit = permits.acquire().await.expect("never closed");
+        self.fetch_part(job, i, session).await
+    }
+
+    /// Applies the layers bottom to top as their bytes arrive; the top chain id, if unpacking.
+    async fn unpack_layers(
+        &self,
+        job: &Job,
+        reference: &Reference,
+        image_id: &Digest,
+        layers: &[LayerToApply],
+    ) -> Result<Option<String>> {
+        let Some(snap) = &self.snapshotter else {
+            return Ok(None);
+        };
+        let mut parent = None;
+        for (i, layer) in layers.iter().enumerate() {
+            // Wait for the layer's download to be registered (or its blob to be present).
+            let progress = loop {
+                if let Some(p) = job.parts.lock().unwrap()[i + 1].progress.clone() {
+                    break Some(p);
+                }
+                if self.content.size(&layer.digest).is_some() {
+                    break None;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            };
+            let chain = unpack::apply_layer(
+                snap,
+                &self.content,
+                &reference.to_string(),
+                image_id.as_str(),
+                layer,
+                parent,
+                progress,
+            )
+            .await?;
+            parent = Some(chain);
+        }
+        Ok(parent)
+    }
+
+    fn acquire_part(&self, job: &Job, i: usize, session: &Arc<Session>) -> BlobHandle {
+        let (digest, size) = {
+            let parts = job.parts.lock().unwrap();
+            (parts[i].digest.clone(), parts[i].size)
+        };
+        let handle = self.blobs.acquire(&digest, size, session);
+        job.parts.lock().unwrap()[i].progress = Some(handle.progress().clone());
+        handle
+    }
+
+    async fn fetch_part(&self, job: &Job, i: usize, session: &Arc<Session>) -> Result<()> {
+        let handle = self.acquire_part(job, i, session);
+        handle.wait().await
+    }
+}
+
+fn select_platform<'a>(
+    want: &Platform,
+    reference: &Reference,
+    index: &'a ManifestDoc,
+) -> Result<&'a Descriptor> {
+    let entries = index.manifests.as_deref().unwrap_or_default();
+    entries
+        .iter()
+        .filter(|e| {
+            e.media_type.is_empty()
+                || e.media_type == manifest::OCI_MANIFEST
+                || e.media_type == manifest::DOCKER_MANIFEST
+        })
+        .find(|e| e.platform.as_ref().is_some_and(|p| want.matches(p)))
+        .ok_or_else(|| StoreError::NoMatchingPlatform {
+            reference: reference.to_string(),
+            platform: want.to_string(),
+            available: entries
+                .iter()
+                .filter_map(|e| e.platform.as_ref().map(ToString::to_string))
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
+
+fn malformed(reference: &Reference, what: &str, reason: String) -> StoreError {
+    StoreError::Malformed {
+        reference: reference.to_string(),
+        what: what.into(),
+        reason,
+    }
+}
+
+fn parse_digest(reference: &Reference, s: &str) -> Result<Digest> {
+    Digest::parse(s).map_err(|e| malformed(reference, "descriptor", e.to_string()))
+}
+
+fn parse_manifest(reference: &Reference, bytes: &[u8]) -> Result<ManifestDoc> {
+    let doc: ManifestDoc = serde_json::from_slice(bytes)
+        .map_err(|e| malformed(reference, "manifest", e.to_string()))?;
+    if doc.schema_version == Some(1) {
+        return Err(StoreError::UnsupportedMediaType {
+            reference: reference.to_string(),
+            media_type: "application/vnd.docker.distribution.manifest.v1+json (Docker schema 1)"
+                .into(),
+        });
+    }
+    if let Some(mt) = &doc.media_type
+        && ![
+            manifest::OCI_INDEX,
+            manifest::DOCKER_LIST,
+            manifest::OCI_MANIFEST,
+            manifest::DOCKER_MANIFEST,
+        ]
+        .contains(&mt.as_str())
+    {
+        return Err(StoreError::UnsupportedMediaType {
+            reference: reference.to_string(),
+            media_type: mt.clone(),
+        });
+    }
+    if doc.manifests.is_none() && doc.config.is_none() {
+        return Err(malformed(
+            reference,
+            "manifest",
+            "neither an index nor an image manifest".into(),
+        ));
+    }
+    Ok(doc)
+}
