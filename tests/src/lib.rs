@@ -2,13 +2,14 @@
 //! test images built from busybox-static and pushed over the registry HTTP API, a fault-injecting
 //! registry proxy, a harness that runs the `minicri` binary on a temporary socket and root, a pod
 //! test environment (daemon, images, a CNI network, cleanup) in [`pod_env`], the RuntimeService
-//! calls pod tests share in [`pod_rpc`], and a minimal remotecommand-over-SPDY client for the
-//! streaming server in [`remotecommand`].
+//! calls pod tests share in [`pod_rpc`], a minimal remotecommand-over-SPDY client for the
+//! streaming server in [`remotecommand`], and what the pull tests share in [`pull_env`].
 
 pub mod daemon;
 pub mod images;
 pub mod pod_env;
 pub mod pod_rpc;
 pub mod proxy;
+pub mod pull_env;
 pub mod registry;
 pub mod remotecommand;

@@ -1,0 +1,245 @@
+//! What the pull tests share: a registry behind the fault-injecting proxy with a daemon pulling
+//! through it ([`Env`]), big incompressible test images, PullImage helpers, byte accounting per
+//! blob, and host-network pod sandboxes on real runc ([`Sandboxes`]) cleaned up on drop.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use minicri_proto::runtime::v1 as cri;
+
+use crate::daemon::{Daemon, HostsDir};
+use crate::images::{self, Compression, PushedImage};
+use crate::proxy::Proxy;
+use crate::registry::Registry;
+
+pub const MIB: u64 = 1024 * 1024;
+
+pub struct Env {
+    pub registry: Registry,
+    pub proxy: Proxy,
+    pub hosts: HostsDir,
+    pub daemon: Daemon,
+}
+
+pub async fn env(args: &[&str]) -> Env {
+    let registry = Registry::start();
+    let proxy = Proxy::start(&registry.addr()).expect("proxy");
+    let hosts = HostsDir::new();
+    // Partial data must survive for the resume assertions whatever this machine's free space:
+    // the low-space collection of young ingests is off here (its own unit tests cover it).
+    let mut args = args.to_vec();
+    args.extend(["--ingest-min-free", "0"]);
+    let daemon = Daemon::start_with(hosts.path(), &args)
+        .await
+        .expect("minicri");
+    Env {
+        registry,
+        proxy,
+        hosts,
+        daemon,
+    }
+}
+
+/// An image of `layers` incompressible layers of `mib` MiB, pushed straight to the registry and
+/// referenced through the proxy.
+pub async fn big(e: &Env, name: &str, layers: u64, mib: u64, seed: u64) -> (PushedImage, String) {
+    let client = images::RegistryClient::new(e.proxy.upstream());
+    let img = images::push_big_image(
+        &client,
+        &format!("minicri-test/{name}:latest"),
+        layers,
+        mib,
+        Compression::None,
+        seed,
+    )
+    .await
+    .expect("push big image");
+    let via_proxy = format!("{}/minicri-test/{name}:latest", e.proxy.addr());
+    (img, via_proxy)
+}
+
+pub fn pod(i: usize) -> Option<cri::PodSandboxConfig> {
+    Some(cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata {
+            name: format!("pod-{i}"),
+            uid: format!("uid-{i}"),
+            namespace: "pulls".into(),
+            attempt: 0,
+        }),
+        ..Default::default()
+    })
+}
+
+pub fn pull_req(image: &str, sandbox: Option<cri::PodSandboxConfig>) -> cri::PullImageRequest {
+    cri::PullImageRequest {
+        image: Some(cri::ImageSpec {
+            image: image.into(),
+            ..Default::default()
+        }),
+        auth: None,
+        sandbox_config: sandbox,
+    }
+}
+
+pub async fn pull(
+    d: &Daemon,
+    image: &str,
+    sandbox: Option<cri::PodSandboxConfig>,
+) -> Result<String, tonic::Status> {
+    let mut c = d.images().await.unwrap();
+    Ok(c.pull_image(pull_req(image, sandbox))
+        .await?
+        .into_inner()
+        .image_ref)
+}
+
+pub type PullCall =
+    tokio::task::JoinHandle<Result<tonic::Response<cri::PullImageResponse>, tonic::Status>>;
+
+/// Starts PullImage of `image` for `sandbox` on its own task, to be awaited later.
+pub async fn spawn_pull(
+    d: &Daemon,
+    image: &str,
+    sandbox: Option<cri::PodSandboxConfig>,
+) -> PullCall {
+    let mut c = d.images().await.unwrap();
+    let req = pull_req(image, sandbox);
+    tokio::spawn(async move { c.pull_image(req).await })
+}
+
+pub fn ingest_bytes(root: &Path) -> u64 {
+    let dir = root.join("content/ingest");
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| std::fs::metadata(e.path().join("data")).ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+pub async fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+pub fn assert_each_blob_served_once(proxy: &Proxy, img: &PushedImage) {
+    for d in img.blob_digests() {
+        let size = if d == img.config_digest {
+            img.config_size
+        } else {
+            img.layers.iter().find(|l| l.digest == d).unwrap().size
+        };
+        assert_eq!(
+            proxy.bytes_served(&d),
+            size,
+            "blob {d} ({size} bytes) served once: {:?}",
+            proxy.blob_requests(&d)
+        );
+    }
+}
+
+/// Pod sandboxes for the tests below: host network (no CNI needed), run by the real daemon
+/// through runc. Dropping it removes them (also when a test fails half-way).
+pub struct Sandboxes {
+    /// The daemon's state directory.
+    state: PathBuf,
+    ids: Vec<String>,
+}
+
+pub fn sandboxes_skip_reason() -> Option<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("not root".into());
+    }
+    if std::process::Command::new("runc")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        return Some("no runc".into());
+    }
+    None
+}
+
+impl Sandboxes {
+    pub fn new(daemon: &Daemon) -> Self {
+        Sandboxes {
+            state: daemon.root().parent().unwrap().join("state"),
+            ids: Vec::new(),
+        }
+    }
+
+    /// Runs the sandbox of `pod(i)`; returns its id.
+    pub async fn run(&mut self, daemon: &Daemon, i: usize) -> String {
+        let mut config = pod(i).unwrap();
+        config.linux = Some(cri::LinuxPodSandboxConfig {
+            security_context: Some(cri::LinuxSandboxSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    network: cri::NamespaceMode::Node as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let mut c = daemon.runtime().await.unwrap();
+        let id = c
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(config),
+                runtime_handler: String::new(),
+            })
+            .await
+            .expect("RunPodSandbox")
+            .into_inner()
+            .pod_sandbox_id;
+        self.ids.push(id.clone());
+        id
+    }
+
+    pub async fn stop(&self, daemon: &Daemon, id: &str) -> Result<(), tonic::Status> {
+        let mut c = daemon.runtime().await.unwrap();
+        c.stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: id.into(),
+        })
+        .await
+        .map(|_| ())
+    }
+
+    pub async fn remove_all(&mut self, daemon: &Daemon) {
+        let mut c = daemon.runtime().await.unwrap();
+        for id in std::mem::take(&mut self.ids) {
+            c.remove_pod_sandbox(cri::RemovePodSandboxRequest { pod_sandbox_id: id })
+                .await
+                .expect("RemovePodSandbox");
+        }
+    }
+}
+
+impl Drop for Sandboxes {
+    fn drop(&mut self) {
+        // Only after a failure: kill what the daemon started for the sandboxes left, unmount
+        // what it mounted for them.
+        if self.ids.is_empty() {
+            return;
+        }
+        let state = &self.state;
+        for id in &self.ids {
+            let _ = std::process::Command::new("runc")
+                .arg("--root")
+                .arg(state.join("runc"))
+                .args(["delete", "--force", id])
+                .output();
+        }
+        let _ = std::process::Command::new("pkill")
+            .args(["-KILL", "-f", &state.to_string_lossy()])
+            .output();
+        // The sandboxes' /dev/shm mounts (the daemon's directory is removed with its harness).
+        for m in crate::pod_env::mounts_under(state) {
+            let _ = nix::mount::umount2(m.as_str(), nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+}
