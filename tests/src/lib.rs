@@ -3,10 +3,13 @@
 //! registry proxy, a harness that runs the `minicri` binary on a temporary socket and root, a pod
 //! test environment (daemon, images, a CNI network, cleanup) in [`pod_env`], the RuntimeService
 //! calls pod tests share in [`pod_rpc`], a minimal remotecommand-over-SPDY client for the
-//! streaming server in [`remotecommand`], and what the pull tests share in [`pull_env`].
+//! streaming server in [`remotecommand`], what the pull tests share in [`pull_env`], and a
+//! kubelet simulator (pod workers, image pullers, back-off, deletion) that drives the daemon as
+//! the kubelet does in [`kubelet_sim`].
 
 pub mod daemon;
 pub mod images;
+pub mod kubelet_sim;
 pub mod pod_env;
 pub mod pod_rpc;
 pub mod proxy;
