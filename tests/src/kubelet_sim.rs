@@ -22,15 +22,14 @@
 //!   Neither looks at the pod's deletion before calling the runtime: a pod deleted while its
 //!   request is queued is still pulled.
 //! - [`KubeletSim::delete_pod`] only sets a flag (and calls [`SimConfig::on_delete`], the
-//!   API-server side of a deletion). A worker notices it between steps only: when its PullImage
-//!   returns (any result), at the start of a sync, or at once while idle between syncs (the
-//!   kubelet's pod update wakes an idle worker). It then abandons the sync and terminates the
-//!   pod: StopContainer, StopPodSandbox, RemoveContainer, RemovePodSandbox; the pod is gone.
+//!   API-server side of a deletion). A worker notices it only between syncs: a sync in progress
+//!   runs to its end (every remaining container's pull and start included: the kubelet's
+//!   container loop does not look at the pod's deletion), and a worker idle between syncs
+//!   notices it at once (the kubelet's pod update wakes it). It then terminates the pod:
+//!   StopContainer, StopPodSandbox, RemoveContainer, RemovePodSandbox; the pod is gone.
 //!
 //! Simplifications: only regular containers (no init containers, probes or restarts of exited
-//! containers); no periodic resync of a Running pod; the real kubelet finishes the rest of the
-//! container loop (further pulls included) before it acts on a deletion it could have seen when
-//! a pull returned, where the simulator stops at that point as listed above. RPCs other than
+//! containers); no periodic resync of a Running pod. RPCs other than
 //! PullImage get the kubelet's 2-minute runtime request timeout; termination gives up after
 //! [`TERMINATION_ATTEMPTS`] failed rounds, where the kubelet would retry forever.
 
@@ -402,7 +401,6 @@ enum SyncOutcome {
 enum Ensure {
     Ref(String),
     Failed,
-    DeletionNoticed,
 }
 
 /// One pod's worker: its view of the pod's sandboxes and containers.
@@ -591,7 +589,6 @@ impl Worker {
             }
             let image = self.spec.images[i].clone();
             match self.ensure_image(&image).await {
-                Ensure::DeletionNoticed => return SyncOutcome::DeletionNoticed,
                 Ensure::Failed => failed = true,
                 Ensure::Ref(image_ref) => {
                     if !self.start_container(i, &image, image_ref).await {
@@ -599,6 +596,11 @@ impl Worker {
                     }
                 }
             }
+        }
+        // The sync is over: only now does the worker act on a deletion that came during it.
+        if self.deleted() {
+            self.notice_deletion();
+            return SyncOutcome::DeletionNoticed;
         }
         if failed {
             SyncOutcome::Failed
@@ -649,7 +651,7 @@ impl Worker {
             .1
             .clone();
         let outcome = self.inner.pull(self.uid(), image, &sandbox).await;
-        let result = match outcome {
+        match outcome {
             Ok(image_ref) => Ensure::Ref(image_ref),
             Err(f) => {
                 let backoff = self.inner.core.lock().backoff.next(&key, Instant::now());
@@ -660,12 +662,7 @@ impl Worker {
                 });
                 Ensure::Failed
             }
-        };
-        if self.deleted() {
-            self.notice_deletion();
-            return Ensure::DeletionNoticed;
         }
-        result
     }
 
     /// CreateContainer and StartContainer of container `i`; whether both succeeded.
