@@ -5,7 +5,7 @@
 //! calls pod tests share in [`pod_rpc`], a minimal remotecommand-over-SPDY client for the
 //! streaming server in [`remotecommand`], what the pull tests share in [`pull_env`], and a
 //! kubelet simulator (pod workers, image pullers, back-off, deletion) that drives the daemon as
-//! the kubelet does in [`kubelet_sim`].
+//! the kubelet does in [`kubelet_sim`], with the environment its tests share in [`sim_env`].
 
 pub mod daemon;
 pub mod images;
@@ -16,3 +16,4 @@ pub mod proxy;
 pub mod pull_env;
 pub mod registry;
 pub mod remotecommand;
+pub mod sim_env;

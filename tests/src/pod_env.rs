@@ -37,6 +37,18 @@ pub fn skip_reason() -> Option<String> {
     None
 }
 
+/// Why tests of host-network pods cannot run here (`None`: they can): they need root and runc,
+/// not the CNI plugins.
+pub fn runc_skip_reason() -> Option<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("not root".into());
+    }
+    if Command::new("runc").arg("--version").output().is_err() {
+        return Some("no runc".into());
+    }
+    None
+}
+
 /// 8 hex digits, different per test process and call.
 pub fn unique_hex() -> String {
     use std::sync::atomic::{AtomicU32, Ordering};

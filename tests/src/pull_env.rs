@@ -9,6 +9,7 @@ use minicri_proto::runtime::v1 as cri;
 
 use crate::daemon::{Daemon, HostsDir};
 use crate::images::{self, Compression, PushedImage};
+pub use crate::pod_env::runc_skip_reason as sandboxes_skip_reason;
 use crate::proxy::Proxy;
 use crate::registry::Registry;
 
@@ -149,20 +150,6 @@ pub struct Sandboxes {
     /// The daemon's state directory.
     state: PathBuf,
     ids: Vec<String>,
-}
-
-pub fn sandboxes_skip_reason() -> Option<String> {
-    if !nix::unistd::geteuid().is_root() {
-        return Some("not root".into());
-    }
-    if std::process::Command::new("runc")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        return Some("no runc".into());
-    }
-    None
 }
 
 impl Sandboxes {
