@@ -1,0 +1,533 @@
+//! A pod deleted mid-pull is released: the kubelet simulator (tests/src/kubelet_sim.rs) drives
+//! a real daemon that pulls a 1 GiB image through the rate-limiting proxy in front of a real
+//! registry, and the assertions are on the simulated pod worker's events and the bytes the proxy
+//! served. Host-network sandboxes on runc: root and runc are needed.
+//!
+//! The daemon runs with a short detach window ([`WINDOW`]) and the simulator with back-offs
+//! longer than the daemon's sync gap, as the kubelet's 10 s back-off is longer than its 5 s.
+
+use std::time::{Duration, Instant};
+
+use minicri_proto::minicri::v1 as admin;
+use minicri_proto::minicri::v1::pulls_client::PullsClient;
+use minicri_proto::runtime::v1 as cri;
+use minicri_tests::images::PushedImage;
+use minicri_tests::kubelet_sim::{EventKind, KubeletSim, PodSpec, Puller, SimConfig};
+use minicri_tests::pull_env::{Sandboxes, assert_each_blob_served_once, ingest_bytes, pod};
+use minicri_tests::sim_env::*;
+use tonic::Code;
+
+/// `--pull-detach-after` of these tests.
+const WINDOW: Duration = Duration::from_secs(3);
+
+/// The image: the busybox base and one incompressible layer of this many MiB.
+const BIG_MIB: u64 = 1024;
+
+fn daemon_args() -> Vec<&'static str> {
+    // Partial data must survive whatever this machine's free space (see pulls.rs).
+    vec!["--pull-detach-after", "3", "--ingest-min-free", "0"]
+}
+
+fn sim_config(puller: Puller) -> SimConfig {
+    SimConfig {
+        backoff_base: Duration::from_secs(2),
+        backoff_max: Duration::from_secs(8),
+        requeue: Duration::from_millis(200),
+        grace_period_secs: 0,
+        puller,
+        on_delete: None,
+    }
+}
+
+/// Whether the pod's worker is inside a PullImage call now.
+fn in_pull(sim: &KubeletSim, uid: &str) -> bool {
+    let ev = sim.events(uid);
+    let started = ev
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::PullStarted(_)))
+        .count();
+    let returned = ev
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::PullReturned { .. }))
+        .count();
+    started > returned
+}
+
+/// The PullImage calls of a pod that returned the detach error, with how long each was held.
+fn detaches(sim: &KubeletSim, uid: &str) -> Vec<(Duration, String)> {
+    sim.events(uid)
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            EventKind::PullReturned {
+                result: Err(f),
+                held,
+                ..
+            } if f.code == Code::Unknown => Some((held, f.message)),
+            _ => None,
+        })
+        .collect()
+}
+
+async fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Bytes the proxy served for the big layer, sampled at `at` + 100 ms and 500 ms later: equal
+/// when the transfer stopped within 100 ms of `at`.
+async fn bytes_after(e: &Env, layer: &str, at: Instant) -> (u64, u64) {
+    tokio::time::sleep_until((at + Duration::from_millis(100)).into()).await;
+    let a = e.proxy.bytes_served(layer);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    (a, e.proxy.bytes_served(layer))
+}
+
+async fn big_image(e: &Env, name: &str, seed: u64) -> (PushedImage, String, String) {
+    let (img, r) = e.big(name, BIG_MIB, seed).await;
+    let layer = img.layers.last().unwrap().digest.clone();
+    (img, r, layer)
+}
+
+async fn image_present(e: &Env, image: &str) -> bool {
+    let mut c = e.daemon.images().await.unwrap();
+    c.image_status(cri::ImageStatusRequest {
+        image: Some(cri::ImageSpec {
+            image: image.into(),
+            ..Default::default()
+        }),
+        verbose: false,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .image
+    .is_some()
+}
+
+async fn list_pulls(e: &Env) -> Vec<admin::PullJob> {
+    PullsClient::new(e.daemon.channel().await.unwrap())
+        .list_pulls(admin::ListPullsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pod_deleted_mid_pull_is_released_within_the_window_and_a_later_pod_resumes() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let e = env_with(&daemon_args()).await;
+    let (img, r, layer) = big_image(&e, "huge", 1).await;
+    let size = img.layers.last().unwrap().size;
+    // 40 MiB/s: the whole layer would take about 26 s.
+    e.proxy.faults().set_rate_limit(Some(40 * MIB));
+    let sim = KubeletSim::for_daemon(&e.daemon, sim_config(Puller::Serial))
+        .await
+        .unwrap();
+    let a = PodSpec::new("a", &[&r]);
+    sim.create_pod(a.clone());
+
+    // Five seconds into the download, while the worker is blocked in PullImage, the pod is
+    // deleted.
+    let first_pull = sim
+        .wait_for(&a.uid, LONG, "a PullImage", |ev| {
+            ev.iter()
+                .find(|e| matches!(e.kind, EventKind::PullStarted(_)))
+                .map(|e| Ok(e.at))
+        })
+        .await
+        .unwrap();
+    wait_until("5 s into the pull, in a PullImage", LONG, || {
+        first_pull.elapsed() >= Duration::from_secs(5) && in_pull(&sim, &a.uid)
+    })
+    .await;
+    let deleted = Instant::now();
+    sim.delete_pod(&a.uid);
+    sim.wait_gone(&a.uid, LONG).await.unwrap();
+    let timeline = sim.timeline(&a.uid);
+    eprintln!("{timeline}");
+    let ev = sim.events(&a.uid);
+    let at = |f: &dyn Fn(&EventKind) -> bool| {
+        ev.iter()
+            .find(|e| f(&e.kind))
+            .unwrap_or_else(|| panic!("missing event\n{timeline}"))
+            .at
+    };
+    let noticed = at(&|k| *k == EventKind::DeletionNoticed);
+    let stopped = at(&|k| matches!(k, EventKind::SandboxStopped(_)));
+    assert!(
+        noticed - deleted <= WINDOW + Duration::from_secs(1),
+        "the worker was free {:?} after the deletion\n{timeline}",
+        noticed - deleted
+    );
+
+    // Every call was held at most the window and said how far the download was.
+    let d = detaches(&sim, &a.uid);
+    assert!(
+        d.len() >= 2,
+        "the first call and a re-join detached\n{timeline}"
+    );
+    for (held, message) in &d {
+        assert!(
+            *held <= WINDOW + Duration::from_millis(700),
+            "held {held:?}\n{timeline}"
+        );
+        assert!(
+            message.contains("still downloading in the background")
+                && message.contains("% (")
+                && message.contains("of 1.0 GiB")
+                && message.contains("left")
+                && message.contains("The pod starts when the download completes"),
+            "{message}"
+        );
+    }
+    // Nothing started a second transfer: every call after the first re-joined the held job.
+    assert_eq!(
+        e.daemon
+            .log()
+            .matches("rejoined the pull its sandbox holds")
+            .count(),
+        d.len() - 1,
+        "{timeline}"
+    );
+
+    // The last reference went with StopPodSandbox: the transfer stopped within 100 ms and the
+    // partial data stayed.
+    let (b1, b2) = bytes_after(&e, &layer, stopped).await;
+    assert_eq!(b1, b2, "bytes kept flowing after the stop");
+    assert!(
+        b2 > 100 * MIB && b2 < size,
+        "stopped mid-blob: {b2} of {size}"
+    );
+    let kept = ingest_bytes(&e.daemon.root());
+    assert!(
+        kept + MIB >= b2 && kept <= b2,
+        "partial kept: {kept} of {b2}"
+    );
+    assert!(list_pulls(&e).await.is_empty(), "no job left running");
+    assert!(
+        !e.daemon
+            .root()
+            .parent()
+            .unwrap()
+            .join("state/pulls")
+            .exists()
+            || std::fs::read_dir(e.daemon.root().parent().unwrap().join("state/pulls"))
+                .unwrap()
+                .next()
+                .is_none(),
+        "the hold record is gone"
+    );
+
+    // A later pod for the image resumes the partial data: only the remainder moves.
+    e.proxy.reset_stats();
+    e.proxy.faults().set_rate_limit(None);
+    let c = PodSpec::new("c", &[&r]);
+    sim.create_pod(c.clone());
+    sim.wait_running(&c.uid, Duration::from_secs(180))
+        .await
+        .unwrap();
+    let second = e.proxy.bytes_served(&layer);
+    assert!(
+        second >= size - b2 && second <= size - b2 + MIB,
+        "the later pod moved {second}; the remainder was {}",
+        size - b2
+    );
+    sim.shutdown().await;
+    assert!(e.sandboxes().await.is_empty());
+    assert_eq!(e.stray_state(), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_pod_keeps_the_transfer_and_starts_once_the_download_completes() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let e = env_with(&daemon_args()).await;
+    let (img, r, layer) = big_image(&e, "shared", 2).await;
+    e.proxy.faults().set_rate_limit(Some(40 * MIB));
+    let cfg = sim_config(Puller::Serial);
+    let requeue = cfg.requeue;
+    let sim = KubeletSim::for_daemon(&e.daemon, cfg).await.unwrap();
+    let a = PodSpec::new("a", &[&r]);
+    let b = PodSpec::new("b", &[&r]);
+    sim.create_pod(a.clone());
+    sim.create_pod(b.clone());
+
+    // Both pods hold the one job once their first calls detached.
+    for p in [&a, &b] {
+        sim.wait_for(&p.uid, LONG, "a detached call", |ev| {
+            ev.iter()
+                .any(|e| {
+                    matches!(&e.kind, EventKind::PullReturned { result: Err(f), .. } if f.code == Code::Unknown)
+                })
+                .then_some(Ok(()))
+        })
+        .await
+        .unwrap();
+    }
+    let jobs = list_pulls(&e).await;
+    assert_eq!(jobs.len(), 1, "{jobs:?}");
+    let mut held: Vec<&str> = jobs[0]
+        .requesters
+        .iter()
+        .filter(|q| q.held)
+        .map(|q| q.pod_name.as_str())
+        .collect();
+    held.sort();
+    assert_eq!(held, vec!["a", "b"], "{:?}", jobs[0].requesters);
+
+    // Pod a goes; b's hold keeps the transfer alive.
+    sim.delete_pod(&a.uid);
+    sim.wait_gone(&a.uid, LONG).await.unwrap();
+    let before = e.proxy.bytes_served(&layer);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        e.proxy.bytes_served(&layer) > before + 10 * MIB,
+        "the transfer went on for pod b"
+    );
+
+    // The rest at full speed; b starts at its next sync after the image is complete.
+    e.proxy.faults().set_rate_limit(None);
+    let start = Instant::now();
+    while !image_present(&e, &r).await {
+        assert!(start.elapsed() < Duration::from_secs(180), "never complete");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let complete = Instant::now();
+    let running = sim.wait_running(&b.uid, LONG).await.unwrap();
+    let timeline = sim.timeline(&b.uid);
+    eprintln!("{timeline}");
+    let syncs_between = sim
+        .events(&b.uid)
+        .iter()
+        .filter(|e| e.kind == EventKind::SyncStarted && e.at > complete && e.at < running)
+        .count();
+    assert!(
+        syncs_between <= 1,
+        "{syncs_between} syncs between completion and start\n{timeline}"
+    );
+    assert!(
+        running - complete < requeue + Duration::from_secs(5),
+        "started {:?} after completion\n{timeline}",
+        running - complete
+    );
+    // Each blob crossed the network once for both pods.
+    assert_each_blob_served_once(&e.proxy, &img);
+    sim.shutdown().await;
+    assert!(e.sandboxes().await.is_empty());
+    assert_eq!(e.stray_state(), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn serial_puller_delays_a_small_image_by_at_most_one_window() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let e = env_with(&daemon_args()).await;
+    let (_, big_ref, _) = big_image(&e, "blocker", 3).await;
+    let (_, small_ref) = e.busybox("small").await;
+    e.proxy.faults().set_rate_limit(Some(40 * MIB));
+    let sim = KubeletSim::for_daemon(&e.daemon, sim_config(Puller::Serial))
+        .await
+        .unwrap();
+    let a = PodSpec::new("a", &[&big_ref]);
+    sim.create_pod(a.clone());
+    sim.wait_for(&a.uid, LONG, "a's PullImage", |ev| {
+        ev.iter()
+            .any(|e| matches!(e.kind, EventKind::PullStarted(_)))
+            .then_some(Ok(()))
+    })
+    .await
+    .unwrap();
+    let b = PodSpec::new("b", &[&small_ref]);
+    sim.create_pod(b.clone());
+    sim.wait_running(&b.uid, LONG).await.unwrap();
+    let (queued, started, _) = pull_times(&sim, &b.uid);
+    assert!(
+        started - queued <= WINDOW + Duration::from_millis(500),
+        "b's pull waited {:?} behind a's\n{}\n{}",
+        started - queued,
+        sim.timeline(&a.uid),
+        sim.timeline(&b.uid)
+    );
+    sim.shutdown().await;
+    assert!(e.sandboxes().await.is_empty());
+    assert_eq!(e.stray_state(), Vec::<String>::new());
+}
+
+/// PullImage of `image` for [`pod`]`(1)`, as the kubelet calls it: no deadline.
+async fn pull_for_pod_1(
+    ch: tonic::transport::Channel,
+    image: String,
+) -> Result<tonic::Response<cri::PullImageResponse>, tonic::Status> {
+    minicri_proto::runtime::v1::image_service_client::ImageServiceClient::new(ch)
+        .pull_image(cri::PullImageRequest {
+            image: Some(cri::ImageSpec {
+                image,
+                ..Default::default()
+            }),
+            auth: None,
+            sandbox_config: pod(1),
+        })
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_held_download_resumes_after_sigkill_and_the_next_pull_finds_it() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let mut e = env_with(&daemon_args()).await;
+    let (img, r, layer) = big_image(&e, "restart", 4).await;
+    let size = img.layers.last().unwrap().size;
+    let mut sb = Sandboxes::new(&e.daemon);
+    let id = sb.run(&e.daemon, 1).await;
+    e.proxy.faults().set_rate_limit(Some(40 * MIB));
+    let start = Instant::now();
+    let err = pull_for_pod_1(e.daemon.channel().await.unwrap(), r.clone())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unknown, "{err:?}");
+    assert!(start.elapsed() < WINDOW + Duration::from_millis(700));
+    let jobs = list_pulls(&e).await;
+    assert_eq!(jobs.len(), 1);
+    let q = &jobs[0].requesters[0];
+    assert!(q.held && q.calls == 0 && q.sandbox_id == id, "{q:?}");
+    let holds = e.daemon.root().parent().unwrap().join("state/pulls");
+    wait_until("the hold record", Duration::from_secs(5), || {
+        std::fs::read_dir(&holds).is_ok_and(|mut d| d.next().is_some())
+    })
+    .await;
+
+    // SIGKILL mid-download; the bytes stop.
+    wait_until("a quarter of the layer", LONG, || {
+        e.proxy.bytes_served(&layer) > size / 4
+    })
+    .await;
+    e.daemon.kill();
+    let at_kill = e.proxy.bytes_served(&layer);
+    let log_before = e.daemon.log().len();
+
+    // Restarted, the daemon resumes the sandbox's download without any PullImage.
+    e.daemon.restart().await.unwrap();
+    wait_until("the download to resume", LONG, || {
+        e.proxy.bytes_served(&layer) > at_kill + 20 * MIB
+    })
+    .await;
+    let after = e.daemon.log()[log_before..].to_string();
+    assert!(
+        after.contains("resumed a sandbox's background download after restart"),
+        "{after}"
+    );
+    assert!(!after.contains("method=\"PullImage\""), "{after}");
+    let jobs = list_pulls(&e).await;
+    assert_eq!(jobs.len(), 1);
+    let job_id = jobs[0].id;
+    assert!(
+        jobs[0]
+            .requesters
+            .iter()
+            .any(|q| q.held && q.sandbox_id == id),
+        "{jobs:?}"
+    );
+    let resumed: u64 = jobs[0].layers.iter().map(|l| l.resumed_from).max().unwrap();
+    assert!(resumed > size / 4 - MIB, "resumed from {resumed}");
+
+    // The kubelet's next PullImage joins that job; at full speed it completes.
+    let next = tokio::spawn(pull_for_pod_1(e.daemon.channel().await.unwrap(), r.clone()));
+    wait_until("the call to join", Duration::from_secs(5), || {
+        e.daemon.log()[log_before..].contains("rejoined the pull its sandbox holds")
+    })
+    .await;
+    let jobs = list_pulls(&e).await;
+    assert_eq!(jobs.len(), 1);
+    assert_eq!(jobs[0].id, job_id, "the same job");
+    e.proxy.faults().set_rate_limit(None);
+    match next.await.unwrap() {
+        Ok(resp) => assert_eq!(resp.into_inner().image_ref, img.config_digest),
+        Err(s) => assert_eq!(s.code(), Code::Unknown, "{s:?}"),
+    }
+    let start = Instant::now();
+    while !image_present(&e, &r).await {
+        assert!(start.elapsed() < Duration::from_secs(180), "never complete");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Every byte of the layer crossed the network once, but for what was in flight at the kill.
+    let total = e.proxy.bytes_served(&layer);
+    assert!(
+        total >= size && total <= size + MIB,
+        "{total} bytes served for a {size}-byte layer"
+    );
+    sb.remove_all(&e.daemon).await;
+    wait_until("the hold record gone", Duration::from_secs(5), || {
+        std::fs::read_dir(&holds).is_ok_and(|mut d| d.next().is_none())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_with_several_large_images_is_held_one_window_per_sync() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let e = env_with(&daemon_args()).await;
+    let mut refs = Vec::new();
+    for (i, name) in ["one", "two", "three"].iter().enumerate() {
+        refs.push(e.big(name, 32, 10 + i as u64).await.1);
+    }
+    // Each image alone would hold a call for 16 s.
+    e.proxy.faults().set_rate_limit(Some(2 * MIB));
+    let sim = KubeletSim::for_daemon(&e.daemon, sim_config(Puller::Serial))
+        .await
+        .unwrap();
+    let refs: Vec<&str> = refs.iter().map(String::as_str).collect();
+    let p = PodSpec::new("many", &refs);
+    sim.create_pod(p.clone());
+    // The first sync calls PullImage for the three images in turn, each failing.
+    let sync_end = sim
+        .wait_for(&p.uid, LONG, "three detached calls", |ev| {
+            let returned: Vec<_> = ev
+                .iter()
+                .filter(|e| matches!(e.kind, EventKind::PullReturned { .. }))
+                .collect();
+            (returned.len() >= 3).then(|| Ok(returned[2].at))
+        })
+        .await
+        .unwrap();
+    sim.delete_pod(&p.uid);
+    let timeline = sim.timeline(&p.uid);
+    let d = detaches(&sim, &p.uid);
+    assert!(d.len() >= 3, "{timeline}");
+    let held: Duration = d[..3].iter().map(|(h, _)| *h).sum();
+    // One window for the sync, and the minimum hold (1 s) for each later call of it.
+    assert!(
+        held <= WINDOW + Duration::from_secs(2) + Duration::from_millis(700),
+        "the sync's three calls were held {held:?} in all\n{timeline}"
+    );
+    assert!(d[0].0 >= WINDOW - Duration::from_millis(100), "{timeline}");
+    let noticed = sim
+        .wait_for(&p.uid, LONG, "the deletion noticed", |ev| {
+            ev.iter()
+                .find(|e| e.kind == EventKind::DeletionNoticed)
+                .map(|e| Ok(e.at))
+        })
+        .await
+        .unwrap();
+    assert!(noticed >= sync_end);
+    sim.wait_gone(&p.uid, LONG).await.unwrap();
+    assert!(list_pulls(&e).await.is_empty(), "the three jobs stopped");
+    sim.shutdown().await;
+    assert!(e.sandboxes().await.is_empty());
+    assert_eq!(e.stray_state(), Vec::<String>::new());
+}
