@@ -129,6 +129,26 @@ impl ContentStore {
         fs::rename(&tmp, &dst).ctx(|| format!("committing {}", dst.display()))
     }
 
+    /// Takes a committed blob out of the store at once (a rename into `tmp/`, emptied at every
+    /// start) and returns where it went, for the caller to delete when it suits; `None` when the
+    /// blob is not there.
+    pub fn take_out(&self, d: &Digest) -> Result<Option<PathBuf>> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        let p = self.blob_path(d);
+        let gone = self.root.join("tmp").join(format!(
+            "removing-{}-{}-{}",
+            d.hex(),
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        match fs::rename(&p, &gone) {
+            Ok(()) => Ok(Some(gone)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StoreError::io(format!("removing {}", p.display()), e)),
+        }
+    }
+
     /// Deletes a committed blob; missing blobs are fine.
     pub fn delete(&self, d: &Digest) -> Result<()> {
         let p = self.blob_path(d);

@@ -1,4 +1,5 @@
-//! Durable file replacement, the one helper every record writer of the daemon uses.
+//! File work for the daemon's records: durable replacement (the one helper every record writer
+//! uses) and running blocking file work without stalling the async runtime.
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
@@ -28,6 +29,19 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()>
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+/// Runs blocking file work `f` (an fsync, a removal) without stalling the async runtime: on a
+/// worker of a multi-threaded tokio runtime, the worker hands its queued tasks to another thread
+/// for the duration (`block_in_place`); anywhere else `f` just runs. For short work done by
+/// synchronous APIs that async code calls; long work goes to `spawn_blocking`.
+pub fn off_async<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
 }
 
 /// Makes a directory's entries (a rename, a removal) durable.

@@ -6,7 +6,15 @@
 //!
 //! Blob lifetime: a record lists every blob it holds (index, manifest, config, layers). Adding a record
 //! checks those blobs are present; removing one deletes the blobs no remaining record holds. Both happen
-//! under the same lock, so a blob is never deleted out from under an image being recorded.
+//! under the same operation lock, so a blob is never deleted out from under an image being recorded.
+//!
+//! Never stalling readers: the kubelet lists images and asks for their status every second, while
+//! pulls record images and its garbage collector removes them. Changes are serialised by an
+//! operation lock held across their file work; the index readers use is locked only to read it and
+//! to install a change already on disk. A removal takes the record away at once (journaled under
+//! `images/removing/`); the blobs it frees are deleted afterwards by [`ImageStore::finish_removal`],
+//! off the caller's path. A removal interrupted by a crash is finished at the next open, and a
+//! blob being deleted is never visible to a new record: it is taken out of the store first.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs;
@@ -15,7 +23,7 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-use crate::content::{ContentStore, write_synced};
+use crate::content::ContentStore;
 use crate::digest::Digest;
 use crate::error::{IoContext, Result, StoreError};
 use crate::reference::Reference;
@@ -67,14 +75,32 @@ impl ImageRecord {
     }
 }
 
-/// What a removal freed.
+/// What a removal took away: the records, and the blobs no other record held, to delete with
+/// [`ImageStore::finish_removal`].
 #[derive(Debug, Default)]
 pub struct Removed {
     pub images: Vec<ImageRecord>,
-    pub deleted_blobs: Vec<Digest>,
+    pub freed_blobs: Vec<Digest>,
+    /// The removal journals to drop once the blobs are gone.
+    journals: Vec<PathBuf>,
 }
 
-#[derive(Default)]
+impl Removed {
+    pub fn is_empty(&self) -> bool {
+        self.images.is_empty()
+    }
+}
+
+/// A removal in progress, as journaled: the blobs to delete.
+#[derive(Serialize, Deserialize)]
+struct Journal {
+    id: Digest,
+    blobs: Vec<Digest>,
+    /// When the removal began: a record of the image pulled again later is not removed with it.
+    at: chrono::DateTime<chrono::Utc>,
+}
+
+#[derive(Default, Clone)]
 struct State {
     images: HashMap<Digest, ImageRecord>,
     names: HashMap<String, Digest>,
@@ -84,6 +110,8 @@ struct State {
 pub struct ImageStore {
     dir: PathBuf,
     state: Mutex<State>,
+    /// Serialises changes (records and blob deletions); readers never take it.
+    ops: Mutex<()>,
 }
 
 impl ImageStore {
@@ -122,10 +150,59 @@ impl ImageStore {
             }
             state.images.insert(rec.id.clone(), rec);
         }
-        Ok(ImageStore {
+        let store = ImageStore {
             dir,
             state: Mutex::new(state),
-        })
+            ops: Mutex::new(()),
+        };
+        store.finish_interrupted_removals(content);
+        Ok(store)
+    }
+
+    fn journal_dir(&self) -> PathBuf {
+        self.dir.join("removing")
+    }
+
+    /// Removals a crash interrupted: their records are gone; their blobs go now.
+    fn finish_interrupted_removals(&self, content: &ContentStore) {
+        let Ok(entries) = fs::read_dir(self.journal_dir()) else {
+            return;
+        };
+        let mut removed = Removed::default();
+        for e in entries.flatten() {
+            let path = e.path();
+            match fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Journal>(&b).ok())
+            {
+                Some(j) => {
+                    tracing::info!(image = %j.id, blobs = j.blobs.len(), "finishing an interrupted image removal");
+                    // Killed between the journal and the record's removal: the record goes now.
+                    let mut st = self.state.lock().unwrap().clone();
+                    if st.images.get(&j.id).is_some_and(|r| r.pulled_at <= j.at) {
+                        let mut again = Removed::default();
+                        if self.remove_record(&mut st, &j.id, &mut again).is_ok() {
+                            *self.state.lock().unwrap() = st;
+                            removed.images.extend(again.images);
+                            removed.freed_blobs.extend(again.freed_blobs);
+                            removed.journals.extend(again.journals);
+                        }
+                    }
+                    removed.freed_blobs.extend(j.blobs);
+                    removed.journals.push(path);
+                }
+                None => {
+                    let _ = fs::remove_file(&path);
+                }
+            }
+        }
+        if let Err(e) = self.finish_removal(&removed, content) {
+            tracing::warn!(error = %e, "cannot finish interrupted image removals");
+        }
+    }
+
+    fn ops(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.ops.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn record_path(&self, id: &Digest) -> PathBuf {
@@ -133,20 +210,22 @@ impl ImageStore {
     }
 
     fn persist(&self, rec: &ImageRecord) -> Result<()> {
-        let tmp = self.dir.join(format!("{}.tmp", rec.id.hex()));
-        write_synced(&tmp, &serde_json::to_vec_pretty(rec).expect("serialisable"))?;
         let dst = self.record_path(&rec.id);
-        fs::rename(&tmp, &dst).ctx(|| format!("committing {}", dst.display()))
+        let bytes = serde_json::to_vec_pretty(rec).expect("serialisable");
+        crate::fsutil::off_async(|| crate::fsutil::write_atomic(&dst, &bytes, 0o600))
+            .ctx(|| format!("writing {}", dst.display()))
     }
 
     /// Records a pulled image, merging names into an existing record of the same id and moving names
     /// off other images. Fails if one of its blobs is not in `content` (removed concurrently).
     /// Returns the stored record and what was freed by names moving away.
     pub fn add(&self, rec: ImageRecord, content: &ContentStore) -> Result<(ImageRecord, Removed)> {
-        let mut st = self.state.lock().unwrap();
+        let _ops = self.ops();
         if let Some(missing) = rec.blobs.iter().find(|d| content.size(d).is_none()) {
             return Err(StoreError::BlobNotFound(missing.to_string()));
         }
+        // Work on a copy of the index; readers keep the old one until the files are written.
+        let mut st = self.state.lock().unwrap().clone();
         let mut merged = match st.images.get(&rec.id) {
             Some(old) => {
                 let mut m = old.clone();
@@ -193,8 +272,9 @@ impl ImageStore {
         st.images.insert(merged.id.clone(), merged.clone());
         let mut removed = Removed::default();
         for id in emptied {
-            self.remove_locked(&mut st, &id, content, &mut removed)?;
+            self.remove_record(&mut st, &id, &mut removed)?;
         }
+        *self.state.lock().unwrap() = st;
         Ok((merged, removed))
     }
 
@@ -243,42 +323,239 @@ impl ImageStore {
         v
     }
 
-    /// Removes the image `name_or_id` names, with all its names, and deletes the blobs no other image
-    /// holds. Removing an unknown image is not an error (`Removed` is empty).
-    pub fn remove(&self, name_or_id: &str, content: &ContentStore) -> Result<Removed> {
-        let mut st = self.state.lock().unwrap();
+    /// Removes the image `name_or_id` names, with all its names: its record goes at once; the
+    /// blobs no other image holds are returned, to delete with [`ImageStore::finish_removal`].
+    /// Removing an unknown image is not an error (`Removed` is empty).
+    pub fn remove(&self, name_or_id: &str) -> Result<Removed> {
+        let _ops = self.ops();
         let mut removed = Removed::default();
-        if let Some(id) = Self::resolve(&st, name_or_id)? {
-            self.remove_locked(&mut st, &id, content, &mut removed)?;
+        let id = Self::resolve(&self.state.lock().unwrap(), name_or_id)?;
+        if let Some(id) = id {
+            let mut st = self.state.lock().unwrap().clone();
+            self.remove_record(&mut st, &id, &mut removed)?;
+            *self.state.lock().unwrap() = st;
         }
         Ok(removed)
     }
 
-    fn remove_locked(
-        &self,
-        st: &mut State,
-        id: &Digest,
-        content: &ContentStore,
-        out: &mut Removed,
-    ) -> Result<()> {
+    /// Takes the record `id` out of `st` and off disk, journaling the blobs it frees (under the
+    /// operation lock).
+    fn remove_record(&self, st: &mut State, id: &Digest, out: &mut Removed) -> Result<()> {
         let Some(rec) = st.images.remove(id) else {
             return Ok(());
         };
-        let path = self.record_path(id);
-        if let Err(e) = fs::remove_file(&path)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            st.images.insert(id.clone(), rec);
-            return Err(StoreError::io(format!("removing {}", path.display()), e));
-        }
         st.names.retain(|_, v| v != id);
         let still_used: BTreeSet<&Digest> =
             st.images.values().flat_map(|r| r.blobs.iter()).collect();
-        for b in rec.blobs.iter().filter(|b| !still_used.contains(b)) {
-            content.delete(b)?;
-            out.deleted_blobs.push(b.clone());
-        }
+        let freed: Vec<Digest> = rec
+            .blobs
+            .iter()
+            .filter(|b| !still_used.contains(b))
+            .cloned()
+            .collect();
+        // The journal first: a crash after the record's removal still frees the blobs.
+        let journal = self.journal_dir().join(format!("{}.json", id.hex()));
+        let bytes = serde_json::to_vec(&Journal {
+            id: id.clone(),
+            blobs: freed.clone(),
+            at: chrono::Utc::now(),
+        })
+        .expect("serialisable");
+        let path = self.record_path(id);
+        crate::fsutil::off_async(|| -> std::io::Result<()> {
+            fs::create_dir_all(self.journal_dir())?;
+            crate::fsutil::write_atomic(&journal, &bytes, 0o600)?;
+            match fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => crate::fsutil::sync_dir(&self.dir),
+            }
+        })
+        .ctx(|| format!("removing image record {}", path.display()))?;
+        out.freed_blobs.extend(freed);
+        out.journals.push(journal);
         out.images.push(rec);
         Ok(())
+    }
+
+    /// Deletes the blobs a removal freed, unless an image recorded since holds them, and drops
+    /// its journals. Blocking: run it off the caller's path.
+    pub fn finish_removal(&self, removed: &Removed, content: &ContentStore) -> Result<()> {
+        let mut gone = Vec::new();
+        {
+            let _ops = self.ops();
+            let st = self.state.lock().unwrap();
+            let used: BTreeSet<&Digest> = st.images.values().flat_map(|r| r.blobs.iter()).collect();
+            for b in removed.freed_blobs.iter().filter(|b| !used.contains(b)) {
+                gone.extend(content.take_out(b)?);
+            }
+        }
+        for p in gone {
+            if let Err(e) = fs::remove_file(&p) {
+                tracing::warn!(file = %p.display(), error = %e, "cannot delete a removed blob (the next start does)");
+            }
+        }
+        for j in &removed.journals {
+            let _ = fs::remove_file(j);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blob(content: &ContentStore, data: &[u8]) -> Digest {
+        let d = Digest::of(data);
+        content.write(&d, data).unwrap();
+        d
+    }
+
+    fn record(id: &Digest, tag: &str, blobs: &[&Digest]) -> ImageRecord {
+        ImageRecord {
+            id: id.clone(),
+            repo_tags: vec![tag.to_string()],
+            repo_digests: vec![],
+            manifest: blobs[0].clone(),
+            config: id.clone(),
+            layers: vec![],
+            diff_ids: vec![],
+            size: 0,
+            uid: None,
+            username: String::new(),
+            pinned: false,
+            platform: "linux/amd64".into(),
+            blobs: blobs.iter().map(|d| (*d).clone()).collect(),
+            chain_id: None,
+            pulled_at: chrono::Utc::now(),
+        }
+    }
+
+    struct Fixture {
+        dir: tempfile::TempDir,
+        content: ContentStore,
+        config: Digest,
+        shared: Digest,
+        own: Digest,
+    }
+
+    fn fixture() -> (Fixture, ImageStore) {
+        let dir = tempfile::tempdir().unwrap();
+        let content = ContentStore::open(&dir.path().join("content")).unwrap();
+        let config = blob(&content, b"config a");
+        let shared = blob(&content, b"shared layer");
+        let own = blob(&content, b"own layer");
+        let images = ImageStore::open(dir.path(), &content).unwrap();
+        (
+            Fixture {
+                dir,
+                content,
+                config,
+                shared,
+                own,
+            },
+            images,
+        )
+    }
+
+    #[test]
+    fn removal_takes_the_record_at_once_and_the_blobs_later() {
+        let (f, images) = fixture();
+        let other = blob(&f.content, b"config b");
+        images
+            .add(
+                record(&f.config, "x.io/a:1", &[&f.config, &f.shared, &f.own]),
+                &f.content,
+            )
+            .unwrap();
+        images
+            .add(record(&other, "x.io/b:1", &[&other, &f.shared]), &f.content)
+            .unwrap();
+        let removed = images.remove("x.io/a:1").unwrap();
+        assert_eq!(removed.images.len(), 1);
+        assert!(images.get("x.io/a:1").unwrap().is_none());
+        let mut freed = removed.freed_blobs.clone();
+        freed.sort();
+        let mut want = vec![f.config.clone(), f.own.clone()];
+        want.sort();
+        assert_eq!(freed, want, "the shared layer is not freed");
+        // Until finished, the blobs are there; then only the freed ones go.
+        assert!(f.content.size(&f.own).is_some());
+        images.finish_removal(&removed, &f.content).unwrap();
+        assert!(f.content.size(&f.own).is_none());
+        assert!(f.content.size(&f.config).is_none());
+        assert!(f.content.size(&f.shared).is_some());
+        assert_eq!(
+            fs::read_dir(f.dir.path().join("images/removing"))
+                .unwrap()
+                .count(),
+            0,
+            "journal dropped"
+        );
+    }
+
+    #[test]
+    fn an_image_recorded_again_before_the_removal_finishes_keeps_its_blobs() {
+        let (f, images) = fixture();
+        let rec = record(&f.config, "x.io/a:1", &[&f.config, &f.own]);
+        images.add(rec.clone(), &f.content).unwrap();
+        let removed = images.remove(&f.config.to_string()).unwrap();
+        images.add(rec, &f.content).unwrap();
+        images.finish_removal(&removed, &f.content).unwrap();
+        assert!(f.content.size(&f.own).is_some());
+        assert!(f.content.size(&f.config).is_some());
+        assert!(images.get("x.io/a:1").unwrap().is_some());
+    }
+
+    #[test]
+    fn a_removal_interrupted_after_the_record_went_is_finished_at_open() {
+        let (f, images) = fixture();
+        images
+            .add(
+                record(&f.config, "x.io/a:1", &[&f.config, &f.own]),
+                &f.content,
+            )
+            .unwrap();
+        let removed = images.remove("x.io/a:1").unwrap();
+        assert_eq!(removed.images.len(), 1);
+        drop(images); // killed before finish_removal
+        let images = ImageStore::open(f.dir.path(), &f.content).unwrap();
+        assert!(images.list().is_empty());
+        assert!(f.content.size(&f.own).is_none());
+        assert!(f.content.size(&f.config).is_none());
+        assert_eq!(
+            fs::read_dir(f.dir.path().join("images/removing"))
+                .unwrap()
+                .count(),
+            0
+        );
+    }
+
+    #[test]
+    fn a_removal_interrupted_before_the_record_went_is_finished_at_open() {
+        let (f, images) = fixture();
+        images
+            .add(
+                record(&f.config, "x.io/a:1", &[&f.config, &f.own]),
+                &f.content,
+            )
+            .unwrap();
+        drop(images);
+        // Killed between the journal's write and the record's removal.
+        let dir = f.dir.path().join("images/removing");
+        fs::create_dir_all(&dir).unwrap();
+        let j = Journal {
+            id: f.config.clone(),
+            blobs: vec![f.config.clone(), f.own.clone()],
+            at: chrono::Utc::now(),
+        };
+        fs::write(
+            dir.join(format!("{}.json", f.config.hex())),
+            serde_json::to_vec(&j).unwrap(),
+        )
+        .unwrap();
+        let images = ImageStore::open(f.dir.path(), &f.content).unwrap();
+        assert!(images.list().is_empty(), "the removal was finished");
+        assert!(f.content.size(&f.own).is_none());
     }
 }

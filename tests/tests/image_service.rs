@@ -93,6 +93,19 @@ async fn remove(c: &mut Images, image: &str) {
         .unwrap();
 }
 
+/// The blob files once a removal's background deletion has settled: polls until `done` holds for
+/// them (up to 10 s), then returns them.
+async fn blob_files_when(root: &Path, done: impl Fn(&[String]) -> bool) -> Vec<String> {
+    let start = std::time::Instant::now();
+    loop {
+        let files = blob_files(root);
+        if done(&files) || start.elapsed() > Duration::from_secs(10) {
+            return files;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn blob_files(root: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(root.join("content/blobs/sha256"))
         .map(|rd| {
@@ -394,19 +407,20 @@ async fn remove_by_any_name_removes_image_and_unshared_blobs() {
         status(&mut c, &b.reference).await.unwrap().id,
         b.config_digest
     );
-    let files = blob_files(&root);
-    for d in b.blob_digests() {
-        assert!(
-            files.contains(&d),
-            "blob {d} of the remaining image was deleted"
-        );
-    }
     let a_only: Vec<String> = a
         .blob_digests()
         .into_iter()
         .filter(|d| !b.blob_digests().contains(d))
         .collect();
     assert!(!a_only.is_empty());
+    // The blobs go in the background once the record is gone.
+    let files = blob_files_when(&root, |f| a_only.iter().all(|d| !f.contains(d))).await;
+    for d in b.blob_digests() {
+        assert!(
+            files.contains(&d),
+            "blob {d} of the remaining image was deleted"
+        );
+    }
     for d in &a_only {
         assert!(!files.contains(d), "blob {d} only a used is still stored");
     }
@@ -416,11 +430,8 @@ async fn remove_by_any_name_removes_image_and_unshared_blobs() {
     remove(&mut c, "docker.io/library/never-pulled:1").await;
     remove(&mut c, &b.config_digest).await;
     assert!(list(&mut c).await.is_empty());
-    assert!(
-        blob_files(&root).is_empty(),
-        "blobs left: {:?}",
-        blob_files(&root)
-    );
+    let left = blob_files_when(&root, |f| f.is_empty()).await;
+    assert!(left.is_empty(), "blobs left: {left:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

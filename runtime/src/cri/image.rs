@@ -154,10 +154,14 @@ impl ImageService for ImageHandler {
         let name = image_name(req.image.as_ref()).to_string();
         call("RemoveImage", name.clone(), dl, Verbosity::Normal, async {
             let name = require_name(req.image.as_ref())?;
-            // Removing an image that is not there succeeds (CRI: idempotent).
-            let removed = self.daemon.pulls.remove_image(&name)?;
-            for img in &removed.images {
-                tracing::info!(image = %img.id, tags = ?img.repo_tags, blobs_deleted = removed.deleted_blobs.len(), "image removed");
+            // Removing an image that is not there succeeds (CRI: idempotent). The call returns
+            // once the record is gone; blobs and snapshots go in the background.
+            let pulls = self.daemon.pulls.clone();
+            let removed = tokio::task::spawn_blocking(move || pulls.remove_image(&name))
+                .await
+                .map_err(|e| Error::Internal(format!("RemoveImage task: {e}")))??;
+            for img in &removed {
+                tracing::info!(image = %img.id, tags = ?img.repo_tags, "image removed");
             }
             Ok(cri::RemoveImageResponse {})
         })

@@ -21,7 +21,7 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::fsutil::write_atomic;
+use crate::fsutil::{off_async, write_atomic};
 use crate::shim::ShimHandle;
 
 /// `SANDBOX_READY` / `SANDBOX_NOTREADY`.
@@ -174,6 +174,8 @@ const EVENT_BUFFER: usize = 1024;
 pub struct Store {
     dir: PathBuf,
     inner: Mutex<Inner>,
+    /// Held while a record changes on disk (see [`Store::update_sandbox`]).
+    writes: Mutex<()>,
     events: tokio::sync::broadcast::Sender<ContainerEvent>,
     /// One lock per object id with a state-changing operation under way.
     ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -212,6 +214,7 @@ impl Store {
         Ok(Store {
             dir: dir.to_path_buf(),
             inner: Mutex::new(inner),
+            writes: Mutex::new(()),
             ops: Mutex::new(HashMap::new()),
             events: tokio::sync::broadcast::Sender::new(EVENT_BUFFER),
         })
@@ -289,18 +292,24 @@ impl Store {
         self.dir.join(kind).join(format!("{id}.json"))
     }
 
+    /// Serialises record changes; held across a change's file work, never by readers.
+    fn writes(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.writes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Writes a record's file (under [`Store::writes`], outside the records lock).
     fn write<T: Serialize>(&self, kind: &str, id: &str, rec: &T) -> Result<()> {
         let bytes = serde_json::to_vec(rec)
             .map_err(|e| Error::Internal(format!("encoding record {id}: {e}")))?;
         let p = self.path(kind, id);
         // Records hold the pods' and containers' configs (environments): root only.
-        write_atomic(&p, &bytes, 0o600)
+        off_async(|| write_atomic(&p, &bytes, 0o600))
             .map_err(|e| Error::Internal(format!("writing {}: {e}", p.display())))
     }
 
     fn delete_file(&self, kind: &str, id: &str) -> Result<()> {
         let p = self.path(kind, id);
-        match std::fs::remove_file(&p) {
+        match off_async(|| std::fs::remove_file(&p)) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 Err(Error::Internal(format!("removing {}: {e}", p.display())))
             }
@@ -309,6 +318,7 @@ impl Store {
     }
 
     pub fn put_sandbox(&self, rec: SandboxRecord) -> Result<()> {
+        let _w = self.writes();
         self.write("sandboxes", &rec.id, &rec)?;
         self.lock().sandboxes.insert(rec.id.clone(), rec);
         Ok(())
@@ -328,18 +338,20 @@ impl Store {
         id: &str,
         f: impl FnOnce(&mut SandboxRecord),
     ) -> Result<Option<SandboxRecord>> {
-        let mut g = self.lock();
-        let Some(r) = g.sandboxes.get_mut(id) else {
+        // Readers (the kubelet's relists) never wait for the file: the records lock is only
+        // taken to read the record and to install the new one.
+        let _w = self.writes();
+        let Some(mut new) = self.lock().sandboxes.get(id).cloned() else {
             return Ok(None);
         };
-        let mut new = r.clone();
         f(&mut new);
         self.write("sandboxes", id, &new)?;
-        *r = new.clone();
+        self.lock().sandboxes.insert(id.to_string(), new.clone());
         Ok(Some(new))
     }
 
     pub fn delete_sandbox(&self, id: &str) -> Result<()> {
+        let _w = self.writes();
         self.delete_file("sandboxes", id)?;
         let mut g = self.lock();
         if let Some(r) = g.sandboxes.remove(id)
@@ -351,6 +363,7 @@ impl Store {
     }
 
     pub fn put_container(&self, rec: ContainerRecord) -> Result<()> {
+        let _w = self.writes();
         self.write("containers", &rec.id, &rec)?;
         let mut g = self.lock();
         let new = !g.containers.contains_key(&rec.id);
@@ -383,15 +396,14 @@ impl Store {
         id: &str,
         f: impl FnOnce(&mut ContainerRecord),
     ) -> Result<Option<ContainerRecord>> {
-        let mut g = self.lock();
-        let Some(r) = g.containers.get_mut(id) else {
+        let _w = self.writes();
+        let Some(mut new) = self.lock().containers.get(id).cloned() else {
             return Ok(None);
         };
-        let mut new = r.clone();
+        let was = new.state;
         f(&mut new);
         self.write("containers", id, &new)?;
-        let was = r.state;
-        *r = new.clone();
+        self.lock().containers.insert(id.to_string(), new.clone());
         match (was, new.state) {
             (ContainerState::Created, ContainerState::Running) => {
                 self.emit(&new, ContainerEventKind::Started)
@@ -405,6 +417,7 @@ impl Store {
     }
 
     pub fn delete_container(&self, id: &str) -> Result<()> {
+        let _w = self.writes();
         self.delete_file("containers", id)?;
         let mut g = self.lock();
         if let Some(r) = g.containers.remove(id) {

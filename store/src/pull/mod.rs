@@ -379,12 +379,40 @@ impl PullManager {
         &self.config
     }
 
-    /// Removes the image `name_or_id` names (all its names), the blobs only it used and its claim
-    /// on its layer snapshots. Unknown images are not an error.
-    pub fn remove_image(&self, name_or_id: &str) -> Result<crate::images::Removed> {
-        let removed = self.images.remove(name_or_id, &self.content)?;
-        self.release_snapshots(&removed.images);
-        Ok(removed)
+    /// Removes the image `name_or_id` names (all its names) and returns its records: once this
+    /// returns the image is gone for every reader. The blobs only it used and its claim on its
+    /// layer snapshots are removed in the background (crash-safely: see [`crate::images`]).
+    /// Unknown images are not an error. Blocking (a journal write): call it off the async threads.
+    pub fn remove_image(self: &Arc<Self>, name_or_id: &str) -> Result<Vec<ImageRecord>> {
+        let removed = self.images.remove(name_or_id)?;
+        let images = removed.images.clone();
+        self.finish_removal(removed);
+        Ok(images)
+    }
+
+    /// Deletes what a removal freed, on a blocking thread: blobs, then layer snapshots (tree
+    /// removals that can take seconds for large images).
+    pub(crate) fn finish_removal(self: &Arc<Self>, removed: crate::images::Removed) {
+        if removed.is_empty() && removed.freed_blobs.is_empty() {
+            return;
+        }
+        let mgr = self.clone();
+        let work = move || {
+            let start = Instant::now();
+            if let Err(e) = mgr.images.finish_removal(&removed, &mgr.content) {
+                tracing::warn!(error = %e, "deleting the blobs of removed images");
+            }
+            mgr.release_snapshots(&removed.images);
+            for img in &removed.images {
+                tracing::info!(image = %img.id, tags = ?img.repo_tags, blobs_deleted = removed.freed_blobs.len(), duration_ms = start.elapsed().as_millis() as u64, "image content removed");
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => {
+                h.spawn_blocking(work);
+            }
+            Err(_) => work(),
+        }
     }
 
     fn release_snapshots(&self, images: &[ImageRecord]) {
@@ -515,7 +543,7 @@ impl PullManager {
 
     /// Records `reference` (and its digest form) as names of the pulled image `rec`.
     fn name_image(
-        &self,
+        self: &Arc<Self>,
         rec: &ImageRecord,
         reference: &Reference,
         top: &Digest,
@@ -523,7 +551,9 @@ impl PullManager {
         let mut named = rec.clone();
         named.repo_tags = reference.tagged().into_iter().collect();
         named.repo_digests = vec![reference.with_digest(top)];
-        let (stored, _) = self.images.add(named, &self.content)?;
+        // A name moving here from another image can leave that one with none: it goes.
+        let (stored, removed) = crate::fsutil::off_async(|| self.images.add(named, &self.content))?;
+        self.finish_removal(removed);
         Ok(stored)
     }
 

@@ -19,7 +19,7 @@ use super::{Job, Part, PullManager};
 
 impl PullManager {
     pub(super) async fn pull_content(
-        &self,
+        self: &Arc<Self>,
         job: &Job,
         session: &Arc<Session>,
         top: &FetchedManifest,
@@ -177,7 +177,7 @@ impl PullManager {
         };
         // An image removed while this pull reused its blobs lost them: fetch those again.
         for _ in 0..3 {
-            match self.images.add(record.clone(), &self.content) {
+            match crate::fsutil::off_async(|| self.images.add(record.clone(), &self.content)) {
                 Err(StoreError::BlobNotFound(b)) => {
                     tracing::info!(image = %reference, blob = %b, "content removed during pull; fetching again");
                     for i in 0..=layers.len() {
@@ -188,7 +188,7 @@ impl PullManager {
                     for old in &removed.images {
                         tracing::info!(image = %old.id, "image lost its last name to a newer pull and was removed");
                     }
-                    self.release_snapshots(&removed.images);
+                    self.finish_removal(removed);
                     return Ok(stored);
                 }
                 Err(e) => return Err(e),
