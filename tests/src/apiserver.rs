@@ -30,8 +30,8 @@
 //! The resourceVersion is one global counter (a string of an integer) bumped by every change.
 //! The state (pods, event history, counter) outlives [`ApiServer::stop`]: a
 //! [`ApiServer::restart`] listens again on the same port with the same state, as an API server
-//! that was unreachable for a while. [`ApiServer::compact`] drops the event history, so a watch
-//! resuming from an older version gets the 410.
+//! that was unreachable for a while. [`ApiServer::compact`] compacts the event history, so a
+//! watch resuming from an older version gets the 410.
 //!
 //! Tests drive it through Rust methods (no HTTP): [`ApiServer::add_pod`],
 //! [`ApiServer::mark_deleted`], [`ApiServer::remove_pod`], and read back every request
@@ -171,7 +171,7 @@ struct State {
     rv: u64,
     /// Pods by uid.
     pods: BTreeMap<String, Pod>,
-    /// Changes with `rv > compacted`, oldest first.
+    /// Every change, oldest first (ascending `rv`). Watches may start only after `compacted`.
     history: Vec<Event>,
     /// A watch from a version below this one gets a 410.
     compacted: u64,
@@ -422,11 +422,12 @@ current-context: minicri-test
         self.shared.state().pods.keys().cloned().collect()
     }
 
-    /// Drops the event history: from now on a watch from any version older than the current
-    /// one gets a 410 `Expired` (open watches that are behind get it too, at their next event).
+    /// Compacts the event history: from now on a watch from any version older than the current
+    /// one gets a 410 `Expired`. Open watches go on undisturbed (as on the real server, whose
+    /// watch cache already holds what they have yet to send); the events stay in memory for
+    /// them, which is fine at a test's scale.
     pub fn compact(&self) {
         let mut st = self.shared.state();
-        st.history.clear();
         st.compacted = st.rv;
     }
 
@@ -924,9 +925,24 @@ fn start_watch(
         initial_events,
         timeout,
     };
+    // The watch starts now, not when its task first runs: what a compaction right after the
+    // response headers does to it is settled.
+    let (first, cursor) = watch_start(&shared.state(), &spec);
+    let started = Started {
+        first,
+        cursor,
+        open: OpenWatch::new(shared.clone()),
+    };
     let (tx, rx) = tmpsc::channel::<Result<Frame<Bytes>, Infallible>>(64);
     let close = lock(&shared.watch_close).clone();
-    tokio::spawn(run_watch(shared.clone(), spec, tx, close, cancel.clone()));
+    tokio::spawn(run_watch(
+        shared.clone(),
+        spec,
+        started,
+        tx,
+        close,
+        cancel.clone(),
+    ));
     let body = StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
     let mut resp = Response::new(BodyExt::boxed_unsync(body));
     resp.headers_mut().insert(
@@ -987,16 +1003,53 @@ enum Catchup {
     Expired(Bytes),
 }
 
+/// A watch as its request started it.
+struct Started {
+    first: Catchup,
+    cursor: u64,
+    open: OpenWatch,
+}
+
+/// A watch's first lines and the version it continues from: the current pods, or nothing
+/// (the history after the given version follows), or the 410 if that version is compacted.
+fn watch_start(st: &State, spec: &WatchSpec) -> (Catchup, u64) {
+    match spec.from {
+        Some(n) if !spec.initial_events => {
+            if n < st.compacted {
+                (Catchup::Expired(expired_line(n, st.compacted)), n)
+            } else {
+                (Catchup::Lines(Vec::new()), n)
+            }
+        }
+        _ => {
+            let mut lines: Vec<Bytes> = st
+                .selected(&spec.sel)
+                .iter()
+                .map(|p| event_line("ADDED", p.to_json()))
+                .collect();
+            if spec.initial_events {
+                lines.push(bookmark_line(st.rv, true));
+            }
+            (Catchup::Lines(lines), st.rv)
+        }
+    }
+}
+
 /// Produces one watch stream's lines into `tx` until the client goes away, the timeout, a
 /// [`ApiServer::close_watches`] or a stop.
 async fn run_watch(
     shared: Arc<Shared>,
     spec: WatchSpec,
+    started: Started,
     tx: tmpsc::Sender<Result<Frame<Bytes>, Infallible>>,
     close: CancellationToken,
     stop: CancellationToken,
 ) {
-    let _open = OpenWatch::new(shared.clone());
+    let Started {
+        first,
+        mut cursor,
+        open: _open,
+    } = started;
     let deadline = tokio::time::sleep(spec.timeout);
     tokio::pin!(deadline);
     let mut rv_rx = shared.rv_tx.subscribe();
@@ -1007,30 +1060,6 @@ async fn run_watch(
         async move { tx.send(Ok(Frame::data(line))).await.is_ok() }
     };
 
-    // The start: the current pods, or the history after the given version.
-    let (first, mut cursor) = {
-        let st = shared.state();
-        match spec.from {
-            Some(n) if !spec.initial_events => {
-                if n < st.compacted {
-                    (Catchup::Expired(expired_line(n, st.compacted)), n)
-                } else {
-                    (Catchup::Lines(Vec::new()), n)
-                }
-            }
-            _ => {
-                let mut lines: Vec<Bytes> = st
-                    .selected(&spec.sel)
-                    .iter()
-                    .map(|p| event_line("ADDED", p.to_json()))
-                    .collect();
-                if spec.initial_events {
-                    lines.push(bookmark_line(st.rv, true));
-                }
-                (Catchup::Lines(lines), st.rv)
-            }
-        }
-    };
     match first {
         Catchup::Expired(line) => {
             send(line).await;
@@ -1050,32 +1079,19 @@ async fn run_watch(
     ticker.tick().await;
     loop {
         rv_rx.borrow_and_update();
-        let catchup = {
+        let lines: Vec<Bytes> = {
             let st = shared.state();
-            if cursor < st.compacted {
-                Catchup::Expired(expired_line(cursor, st.compacted))
-            } else {
-                let lines = st
-                    .history
-                    .iter()
-                    .filter(|e| e.rv > cursor && spec.sel.matches(&e.pod))
-                    .map(|e| event_line(e.kind.as_str(), e.pod.to_json()))
-                    .collect();
-                cursor = cursor.max(st.rv);
-                Catchup::Lines(lines)
-            }
+            let start = st.history.partition_point(|e| e.rv <= cursor);
+            cursor = cursor.max(st.rv);
+            st.history[start..]
+                .iter()
+                .filter(|e| spec.sel.matches(&e.pod))
+                .map(|e| event_line(e.kind.as_str(), e.pod.to_json()))
+                .collect()
         };
-        match catchup {
-            Catchup::Expired(line) => {
-                send(line).await;
+        for line in lines {
+            if !send(line).await {
                 return;
-            }
-            Catchup::Lines(lines) => {
-                for line in lines {
-                    if !send(line).await {
-                        return;
-                    }
-                }
             }
         }
         tokio::select! {
