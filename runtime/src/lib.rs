@@ -25,6 +25,8 @@ pub mod cri;
 pub mod daemon;
 pub mod error;
 pub mod fsutil;
+#[cfg(feature = "kube-watch")]
+pub mod kube_watch;
 pub mod logs;
 pub mod metrics;
 pub mod netns;

@@ -3,10 +3,12 @@
 //! registry proxy, a harness that runs the `minicri` binary on a temporary socket and root, a pod
 //! test environment (daemon, images, a CNI network, cleanup) in [`pod_env`], the RuntimeService
 //! calls pod tests share in [`pod_rpc`], a minimal remotecommand-over-SPDY client for the
-//! streaming server in [`remotecommand`], what the pull tests share in [`pull_env`], and a
+//! streaming server in [`remotecommand`], what the pull tests share in [`pull_env`], a
 //! kubelet simulator (pod workers, image pullers, back-off, deletion) that drives the daemon as
-//! the kubelet does in [`kubelet_sim`], with the environment its tests share in [`sim_env`].
+//! the kubelet does in [`kubelet_sim`], with the environment its tests share in [`sim_env`],
+//! and a minimal Kubernetes API server (pods list and watch) in [`apiserver`].
 
+pub mod apiserver;
 pub mod daemon;
 pub mod images;
 pub mod kubelet_sim;
