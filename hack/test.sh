@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # test.sh - everything the test suite needs, then the suite: installs the Debian packages the tests
 # drive (hack/install-deps.sh), builds the minicri binary the black-box tests start, and runs every
-# test in the workspace with cargo-nextest (cargo test if nextest is missing).
+# test in the workspace with cargo-nextest (cargo test if nextest is missing). The optional
+# kube-watch feature (the API-server watch, with kube-rs) is built and tested too.
 # Run as root: the tests start registries, mount overlays and run containers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 hack/install-deps.sh
-cargo build --workspace --bins
+FEATURES=(--features minicri/kube-watch)
+cargo build --workspace --bins "${FEATURES[@]}"
 if cargo nextest --version >/dev/null 2>&1; then
-    exec cargo nextest run --workspace --no-fail-fast "$@"
+    exec cargo nextest run --workspace "${FEATURES[@]}" --no-fail-fast "$@"
 else
-    exec cargo test --workspace --no-fail-fast "$@"
+    exec cargo test --workspace "${FEATURES[@]}" --no-fail-fast "$@"
 fi

@@ -132,6 +132,8 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         Some(addr) => Some(crate::metrics::spawn(addr, daemon.clone()).await?),
         None => None,
     };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let kube_watch = spawn_kube_watch(&daemon, shutdown.clone());
     let listener = bind_socket(&socket).await?;
     let _socket_guard = SocketGuard(socket.clone());
     tracing::info!(socket = %socket.display(), version = env!("CARGO_PKG_VERSION"), "minicri serving");
@@ -164,6 +166,10 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         }
     }
     drop(listener);
+    shutdown.cancel();
+    if let Some(w) = kube_watch {
+        let _ = tokio::time::timeout(Duration::from_secs(2), w).await;
+    }
     gc.abort();
     streaming.abort();
     if let Some(m) = metrics {
@@ -174,4 +180,43 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         _ = tokio::time::sleep(SHUTDOWN_GRACE) => tracing::warn!("shutdown grace period over; closing remaining calls"),
     }
     Ok(())
+}
+
+/// Starts the API-server watch when configured: a pod of this node seen deleted has its pull
+/// references dropped at once (see docs/kubelet-release.md).
+#[cfg(feature = "kube-watch")]
+fn spawn_kube_watch(
+    daemon: &Arc<Daemon>,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> Option<tokio::task::JoinHandle<()>> {
+    use crate::kube_watch::{DeletedPod, WatchConfig};
+    let w = daemon.config.kube_watch.clone()?;
+    let pulls = daemon.pulls.clone();
+    let on_deleted = Arc::new(move |p: &DeletedPod| {
+        let reason = format!(
+            "pod {}/{} (uid {}) was deleted in the API server ({})",
+            p.namespace, p.name, p.uid, p.cause
+        );
+        let n = pulls.close_pod_uid(&p.uid, &reason);
+        tracing::info!(pod = %format!("{}/{}", p.namespace, p.name), uid = %p.uid, cause = %p.cause, references_dropped = n, "pod deleted: its pulls are dropped");
+    });
+    tracing::info!(kubeconfig = %w.kubeconfig.display(), node = %w.node_name, "watching the API server for deleted pods");
+    let cfg = WatchConfig {
+        kubeconfig: w.kubeconfig,
+        node_name: w.node_name,
+    };
+    Some(tokio::spawn(async move {
+        if let Err(e) = crate::kube_watch::run(cfg, on_deleted, shutdown).await {
+            tracing::error!(error = %e, "the API-server watch stopped");
+        }
+    }))
+}
+
+#[cfg(not(feature = "kube-watch"))]
+fn spawn_kube_watch(
+    _daemon: &Arc<Daemon>,
+    _shutdown: tokio_util::sync::CancellationToken,
+) -> Option<tokio::task::JoinHandle<()>> {
+    // The configuration refuses kube_watch_kubeconfig in a build without the feature.
+    None
 }
