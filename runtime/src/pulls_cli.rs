@@ -269,3 +269,59 @@ async fn watch(client: &mut PullsClient<Channel>) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod_requester(name: &str, calls: u32, held: bool) -> admin::PullRequester {
+        admin::PullRequester {
+            sandbox_id: format!("{name}0123456789abcdef"),
+            pod_namespace: "default".into(),
+            pod_name: name.into(),
+            pod_uid: format!("uid-{name}"),
+            attempt: 0,
+            call_id: 0,
+            calls,
+            held,
+            held_since: if held {
+                (chrono::Utc::now() - chrono::Duration::seconds(42))
+                    .timestamp_nanos_opt()
+                    .unwrap()
+            } else {
+                0
+            },
+        }
+    }
+
+    #[test]
+    fn the_listing_tells_waiting_calls_from_sandboxes_holding_a_download() {
+        let job = admin::PullJob {
+            id: 3,
+            image: "registry.example/big:1".into(),
+            key: "k".into(),
+            state: "downloading".into(),
+            requesters: vec![
+                pod_requester("web-0", 0, true),
+                pod_requester("web-1", 1, false),
+                admin::PullRequester {
+                    call_id: 9,
+                    calls: 1,
+                    ..Default::default()
+                },
+            ],
+            layers: vec![],
+            bytes_done: 1,
+            bytes_total: 2,
+            bytes_per_second: 0.0,
+            started_at: 0,
+        };
+        let out = render(&[job]);
+        assert!(
+            out.contains("pod default/web-0 (uid uid-web-0, attempt 0) sandbox web-001234567 [held by the sandbox for 42s]"),
+            "{out}"
+        );
+        assert!(out.contains("pod default/web-1 (uid uid-web-1, attempt 0) sandbox web-101234567 [1 call(s) waiting]"), "{out}");
+        assert!(out.contains("requester: call #9"), "{out}");
+    }
+}

@@ -14,7 +14,8 @@ use minicri_proto::runtime::v1 as cri;
 use minicri_tests::images::PushedImage;
 use minicri_tests::kubelet_sim::{EventKind, KubeletSim, PodSpec, Puller, SimConfig};
 use minicri_tests::pull_env::{
-    Sandboxes, assert_each_blob_served_once, ingest_bytes, pod, wait_until,
+    Sandboxes, assert_each_blob_served_once, free_metrics_address, ingest_bytes, pod, sample,
+    scrape, wait_until,
 };
 use minicri_tests::sim_env::*;
 use tonic::Code;
@@ -381,7 +382,10 @@ async fn a_held_download_resumes_after_sigkill_and_the_next_pull_finds_it() {
         eprintln!("skipping: {why}");
         return;
     }
-    let mut e = env_with(&daemon_args()).await;
+    let metrics = free_metrics_address();
+    let mut args = daemon_args();
+    args.extend(["--metrics-address", &metrics]);
+    let mut e = env_with(&args).await;
     let (img, r, layer) = big_image(&e, "restart", 4).await;
     let size = img.layers.last().unwrap().size;
     let mut sb = Sandboxes::new(&e.daemon);
@@ -442,6 +446,9 @@ async fn a_held_download_resumes_after_sigkill_and_the_next_pull_finds_it() {
     );
     let resumed: u64 = jobs[0].layers.iter().map(|l| l.resumed_from).max().unwrap();
     assert_eq!(resumed, on_disk, "resumed from the bytes on disk");
+    let m = scrape(&metrics).await;
+    assert_eq!(sample(&m, "minicri_pull_holds_restored_total"), 1, "{m}");
+    assert_eq!(sample(&m, "minicri_pull_holds_active"), 1, "{m}");
 
     // The kubelet's next PullImage joins that job; at full speed it completes.
     let next = tokio::spawn(pull_for_pod_1(e.daemon.channel().await.unwrap(), r.clone()));
@@ -631,7 +638,10 @@ async fn with_the_watch_a_pod_deleted_mid_pull_is_released_within_a_second() {
         return;
     }
     let w = watched();
-    let e = env_with(&w.args("3")).await;
+    let metrics = free_metrics_address();
+    let mut args = w.args("3");
+    args.extend(["--metrics-address", &metrics]);
+    let e = env_with(&args).await;
     let (img, r, layer) = big_image(&e, "watched", 5).await;
     let size = img.layers.last().unwrap().size;
     e.proxy.faults().set_rate_limit(Some(40 * MIB));

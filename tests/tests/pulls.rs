@@ -475,37 +475,9 @@ async fn stopping_the_only_sandbox_stops_the_download_and_the_next_pull_resumes(
     sb.remove_all(&e.daemon).await;
 }
 
-/// `GET /metrics` over plain HTTP/1.1.
-async fn scrape(addr: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr)
-        .await
-        .expect("metrics port");
-    s.write_all(
-        format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
-    out
-}
-
-fn sample(text: &str, name: &str) -> u64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no sample {name} in\n{text}"))
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_count_calls_jobs_and_bytes() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = free_metrics_address();
     let e = env(&["--metrics-address", &addr]).await;
     let (img, r) = big(&e, "big", 2, 2, 12).await;
     let before = scrape(&addr).await;
