@@ -29,8 +29,8 @@ pub struct Daemon {
     pub pods: Arc<crate::pods::PodService>,
     /// The streaming server (exec, attach and port-forward URLs), bound here and served by [`crate::server::serve`].
     pub streaming: Arc<crate::stream::StreamServer>,
-    /// (when, bytes, inodes) of the last snapshot usage walk: ImageFsInfo is polled often.
-    snapshot_usage: Mutex<Option<(std::time::Instant, u64, u64)>>,
+    /// The image filesystem's last measured usage: ImageFsInfo is polled often.
+    fs_usage: Mutex<FsUsage>,
     pod_cidr: Mutex<String>,
 }
 
@@ -96,7 +96,7 @@ impl Daemon {
             snapshotter,
             pods,
             streaming,
-            snapshot_usage: Mutex::new(None),
+            fs_usage: Mutex::new(FsUsage::default()),
             pod_cidr: Mutex::new(String::new()),
         })
     }
@@ -120,32 +120,49 @@ impl Daemon {
     }
 
     /// Bytes and inodes the image filesystem uses: content (blobs, partial downloads) and layer
-    /// snapshots. The snapshot walk is cached for a few seconds (the kubelet polls this).
-    pub async fn image_fs_usage(&self) -> Result<cri::FilesystemUsage> {
-        let content = self.content.clone();
-        let (mut bytes, mut inodes) = tokio::task::spawn_blocking(move || content.usage())
-            .await
-            .map_err(|e| Error::Internal(format!("usage walk failed: {e}")))?;
-        let cached = self
-            .snapshot_usage
-            .lock()
-            .unwrap()
-            .filter(|(t, _, _)| t.elapsed() < SNAPSHOT_USAGE_TTL);
-        let (sb, si) = match cached {
+    /// snapshots. The kubelet polls this every few seconds while the walks can take seconds on
+    /// a large image store: the last figures are returned at once, and refreshed in the
+    /// background once older than [`SNAPSHOT_USAGE_TTL`]. Only the very first call waits.
+    pub async fn image_fs_usage(self: &Arc<Self>) -> Result<cri::FilesystemUsage> {
+        let (cached, refresh) = {
+            let mut u = self.fs_usage.lock().unwrap();
+            let stale = u
+                .value
+                .is_none_or(|(t, _, _)| t.elapsed() >= SNAPSHOT_USAGE_TTL);
+            let refresh = stale && !u.refreshing;
+            if refresh {
+                u.refreshing = true;
+            }
+            (u.value, refresh)
+        };
+        if refresh {
+            let me = self.clone();
+            let walk = tokio::task::spawn_blocking(move || {
+                let (cb, ci) = me.content.usage();
+                let snap = me.snapshotter.total_usage();
+                let mut u = me.fs_usage.lock().unwrap();
+                u.refreshing = false;
+                match snap {
+                    Ok(s) => {
+                        u.value = Some((std::time::Instant::now(), cb + s.bytes, ci + s.inodes));
+                    }
+                    Err(e) => tracing::warn!(error = %e, "measuring the snapshots"),
+                }
+                u.value
+            });
+            if cached.is_none() {
+                walk.await
+                    .map_err(|e| Error::Internal(format!("usage walk failed: {e}")))?;
+            }
+        }
+        let (bytes, inodes) = match self.fs_usage.lock().unwrap().value {
             Some((_, b, i)) => (b, i),
             None => {
-                let snap = self.snapshotter.clone();
-                let u = tokio::task::spawn_blocking(move || snap.total_usage())
-                    .await
-                    .map_err(|e| Error::Internal(format!("usage walk failed: {e}")))?
-                    .map_err(minicri_store::StoreError::from)?;
-                *self.snapshot_usage.lock().unwrap() =
-                    Some((std::time::Instant::now(), u.bytes, u.inodes));
-                (u.bytes, u.inodes)
+                return Err(Error::Unavailable(
+                    "the image filesystem could not be measured yet".into(),
+                ));
             }
         };
-        bytes += sb;
-        inodes += si;
         let timestamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as i64)
@@ -226,6 +243,13 @@ fn has_cni_config(dir: &Path) -> bool {
                     Some("conflist" | "conf" | "json")
                 )
         })
+}
+
+/// (when, bytes, inodes) of the last walk of content and snapshots, and whether one runs.
+#[derive(Default)]
+struct FsUsage {
+    value: Option<(std::time::Instant, u64, u64)>,
+    refreshing: bool,
 }
 
 pub(crate) const SNAPSHOT_USAGE_TTL: std::time::Duration = std::time::Duration::from_secs(5);

@@ -308,8 +308,7 @@ mod tests {
 
     #[test]
     fn pinning_an_existing_namespace() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("skipping: not root");
+        if minicri_tests::prereq::skip_unless_root() {
             return;
         }
         let d = tempfile::tempdir().unwrap();

@@ -6,7 +6,8 @@
 //! streaming server in [`remotecommand`], what the pull tests share in [`pull_env`], a
 //! kubelet simulator (pod workers, image pullers, back-off, deletion) that drives the daemon as
 //! the kubelet does in [`kubelet_sim`], with the environment its tests share in [`sim_env`],
-//! and a minimal Kubernetes API server (pods list and watch) in [`apiserver`].
+//! a minimal Kubernetes API server (pods list and watch) in [`apiserver`], and how tests whose
+//! prerequisites are missing skip, or fail when CI must run them, in [`prereq`].
 
 pub mod apiserver;
 pub mod daemon;
@@ -14,6 +15,7 @@ pub mod images;
 pub mod kubelet_sim;
 pub mod pod_env;
 pub mod pod_rpc;
+pub mod prereq;
 pub mod proxy;
 pub mod pull_env;
 pub mod registry;

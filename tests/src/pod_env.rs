@@ -23,30 +23,25 @@ use crate::registry::Registry;
 /// The CNI plugins the environment's network uses.
 pub const CNI_BIN: &str = "/usr/lib/cni";
 
-/// Why pod tests cannot run here (`None`: they can).
+/// Why pod tests cannot run here (`None`: they can); a failure instead when CI must run them
+/// ([`crate::prereq`]).
 pub fn skip_reason() -> Option<String> {
-    if !nix::unistd::geteuid().is_root() {
-        return Some("not root".into());
-    }
-    if !Path::new(CNI_BIN).join("bridge").exists() {
-        return Some(format!("no CNI plugins in {CNI_BIN}"));
-    }
-    if Command::new("runc").arg("--version").output().is_err() {
-        return Some("no runc".into());
-    }
-    None
+    crate::prereq::missing(runc_skip_reason().or_else(|| {
+        (!Path::new(CNI_BIN).join("bridge").exists())
+            .then(|| format!("no CNI plugins in {CNI_BIN}"))
+    }))
 }
 
 /// Why tests of host-network pods cannot run here (`None`: they can): they need root and runc,
-/// not the CNI plugins.
+/// not the CNI plugins. A failure instead when CI must run them ([`crate::prereq`]).
 pub fn runc_skip_reason() -> Option<String> {
-    if !nix::unistd::geteuid().is_root() {
-        return Some("not root".into());
-    }
-    if Command::new("runc").arg("--version").output().is_err() {
-        return Some("no runc".into());
-    }
-    None
+    crate::prereq::missing(if !nix::unistd::geteuid().is_root() {
+        Some("not root".into())
+    } else if Command::new("runc").arg("--version").output().is_err() {
+        Some("no runc".into())
+    } else {
+        None
+    })
 }
 
 /// 8 hex digits, different per test process and call.

@@ -152,6 +152,30 @@ pub struct Sandboxes {
     ids: Vec<String>,
 }
 
+/// Runs the sandbox of `pod(i)` with the host's network; returns its id.
+async fn run_host_network_sandbox(daemon: &Daemon, i: usize) -> String {
+    let mut config = pod(i).unwrap();
+    config.linux = Some(cri::LinuxPodSandboxConfig {
+        security_context: Some(cri::LinuxSandboxSecurityContext {
+            namespace_options: Some(cri::NamespaceOption {
+                network: cri::NamespaceMode::Node as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let mut c = daemon.runtime().await.unwrap();
+    c.run_pod_sandbox(cri::RunPodSandboxRequest {
+        config: Some(config),
+        runtime_handler: String::new(),
+    })
+    .await
+    .expect("RunPodSandbox")
+    .into_inner()
+    .pod_sandbox_id
+}
+
 impl Sandboxes {
     pub fn new(daemon: &Daemon) -> Self {
         Sandboxes {
@@ -162,29 +186,21 @@ impl Sandboxes {
 
     /// Runs the sandbox of `pod(i)`; returns its id.
     pub async fn run(&mut self, daemon: &Daemon, i: usize) -> String {
-        let mut config = pod(i).unwrap();
-        config.linux = Some(cri::LinuxPodSandboxConfig {
-            security_context: Some(cri::LinuxSandboxSecurityContext {
-                namespace_options: Some(cri::NamespaceOption {
-                    network: cri::NamespaceMode::Node as i32,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        });
-        let mut c = daemon.runtime().await.unwrap();
-        let id = c
-            .run_pod_sandbox(cri::RunPodSandboxRequest {
-                config: Some(config),
-                runtime_handler: String::new(),
-            })
-            .await
-            .expect("RunPodSandbox")
-            .into_inner()
-            .pod_sandbox_id;
+        let id = run_host_network_sandbox(daemon, i).await;
         self.ids.push(id.clone());
         id
+    }
+
+    /// Runs the sandboxes of `pod(i)` for every `i` in `range` at once; returns their ids.
+    pub async fn run_parallel(
+        &mut self,
+        daemon: &Daemon,
+        range: std::ops::Range<usize>,
+    ) -> Vec<String> {
+        let ids =
+            futures::future::join_all(range.map(|i| run_host_network_sandbox(daemon, i))).await;
+        self.ids.extend(ids.iter().cloned());
+        ids
     }
 
     pub async fn stop(&self, daemon: &Daemon, id: &str) -> Result<(), tonic::Status> {

@@ -15,16 +15,11 @@ use minicri::netns;
 /// Debian's plugins.
 pub const SYSTEM_BIN: &str = "/usr/lib/cni";
 
-pub fn is_root() -> bool {
-    nix::unistd::geteuid().is_root()
-}
-
 /// Returns early (passing) from a test that needs root, saying so.
 #[macro_export]
 macro_rules! require_root {
     () => {
-        if !$crate::cni_common::is_root() {
-            eprintln!("skipped: needs root");
+        if minicri_tests::prereq::skip_unless_root() {
             return;
         }
     };
@@ -35,14 +30,13 @@ macro_rules! require_root {
 macro_rules! require_plugins {
     () => {
         $crate::require_root!();
-        if !std::path::Path::new($crate::cni_common::SYSTEM_BIN)
-            .join("bridge")
-            .exists()
-        {
-            eprintln!(
-                "skipped: no CNI plugins in {}",
-                $crate::cni_common::SYSTEM_BIN
-            );
+        if let Some(why) = minicri_tests::prereq::missing(
+            (!std::path::Path::new($crate::cni_common::SYSTEM_BIN)
+                .join("bridge")
+                .exists())
+            .then(|| format!("no CNI plugins in {}", $crate::cni_common::SYSTEM_BIN)),
+        ) {
+            eprintln!("skipping: {why}");
             return;
         }
     };

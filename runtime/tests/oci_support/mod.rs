@@ -17,8 +17,12 @@ use minicri_proto::runtime::v1 as cri;
 
 pub const CGROUP_PARENT: &str = "/minicri-oci-test";
 
-/// Why these tests cannot run here, if they cannot.
+/// Why these tests cannot run here, if they cannot (a failure instead when CI must run them).
 pub fn skip_reason() -> Option<String> {
+    minicri_tests::prereq::missing(skip_reason_here())
+}
+
+fn skip_reason_here() -> Option<String> {
     if !nix::unistd::geteuid().is_root() {
         return Some("not root".into());
     }
