@@ -40,6 +40,9 @@ pub struct ExecRequest {
     pub stderr: bool,
 }
 
+/// How often (every 20 ms) a kill looks for the pid file of an exec's process.
+const KILL_PID_POLLS: usize = 250;
+
 pub type BoxRead = Pin<Box<dyn AsyncRead + Send>>;
 pub type BoxWrite = Pin<Box<dyn AsyncWrite + Send>>;
 
@@ -132,16 +135,27 @@ impl ExecBackend for crate::pods::PodService {
             };
             let pid_file = p.pid_file();
             let kill = Box::new(move || {
-                let pid = pid_file
-                    .as_ref()
-                    .and_then(|f| std::fs::read_to_string(f).ok())
-                    .and_then(|s| s.trim().parse::<i32>().ok());
-                if let Some(pid) = pid.filter(|p| *p > 0) {
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(pid),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                }
+                // runc writes the pid file once the process runs, which may be after the
+                // process's first output: a client that hangs up at once must not find it
+                // missing. Wait for it a little (it goes when the process has been waited for).
+                let Some(pid_file) = pid_file.clone() else {
+                    return;
+                };
+                tokio::spawn(async move {
+                    for _ in 0..KILL_PID_POLLS {
+                        let pid = std::fs::read_to_string(&pid_file)
+                            .ok()
+                            .and_then(|s| s.trim().parse::<i32>().ok());
+                        if let Some(pid) = pid.filter(|p| *p > 0) {
+                            let _ = nix::sys::signal::kill(
+                                nix::unistd::Pid::from_raw(pid),
+                                nix::sys::signal::Signal::SIGKILL,
+                            );
+                            return;
+                        }
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    }
+                });
             });
             let exit = Box::pin(async move { p.wait().await.map_err(|e| e.to_string()) });
             Ok(Spawned {
