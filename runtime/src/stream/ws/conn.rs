@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 use super::{Decoder, MAX_MESSAGE, Message, close, close_payload, encode, opcode};
 
 /// Whole messages queued for the user before the reader stops reading.
-const EVENT_QUEUE: usize = 8;
+const EVENT_QUEUE: usize = 4;
 /// Frames queued for the writer.
 const OUT_QUEUE: usize = 64;
 

@@ -16,7 +16,11 @@
 //! inside a fragmented one, a fragmented or oversized (over 125 bytes) control frame, a close
 //! frame with a 1-byte payload or an invalid status code (1002); a close reason that is not
 //! UTF-8 (1007); a text message (1003: the Kubernetes protocols served here are binary, their
-//! base64 variants are not offered).
+//! base64 variants are not offered). What a client can make a connection hold is bounded by
+//! the message limit times the queues it fills before its connection is no longer read: the
+//! decoder's one message, the reader's 4 ([`conn`]) and 4 per input channel ([`channels`],
+//! [`portforward`]), so about 13 MiB for an exec with stdin and a terminal at worst; a
+//! client-go client sends messages of 32 KiB.
 
 pub mod channels;
 pub mod conn;
