@@ -3,7 +3,7 @@
 //! registry proxy, a harness that runs the `minicri` binary on a temporary socket and root, a pod
 //! test environment (daemon, images, a CNI network, cleanup) in [`pod_env`], the RuntimeService
 //! calls pod tests share in [`pod_rpc`], a minimal remotecommand client (SPDY or WebSocket) for
-//! the streaming server in [`remotecommand`] with the WebSocket client it uses in
+//! the streaming server in [`remotecommand`] with the transports it uses in [`spdy`] and
 //! [`websocket`], what the pull tests share in [`pull_env`], and a
 //! kubelet simulator (pod workers, image pullers, back-off, deletion) that drives the daemon as
 //! the kubelet does in [`kubelet_sim`], with the environment its tests share in [`sim_env`].
@@ -18,4 +18,5 @@ pub mod pull_env;
 pub mod registry;
 pub mod remotecommand;
 pub mod sim_env;
+pub mod spdy;
 pub mod websocket;
