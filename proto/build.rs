@@ -1,7 +1,7 @@
 //! Compiles the crate's `.proto` files into Rust (prost messages plus tonic
 //! servers and clients) without a system `protoc`: `protox` parses the files
 //! into a descriptor set in pure Rust and `tonic-prost-build` generates code
-//! from it.
+//! from it. The descriptor set is also written to `$OUT_DIR/descriptors.bin`.
 
 use std::path::PathBuf;
 
@@ -23,6 +23,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     let fds = protox::compile(PROTOS, [&root])?;
+    // The descriptors themselves, for the protobuf JSON mapping at run time (`src/lib.rs`).
+    let out = PathBuf::from(std::env::var("OUT_DIR")?);
+    std::fs::write(
+        out.join("descriptors.bin"),
+        prost::Message::encode_to_vec(&fds),
+    )?;
 
     tonic_prost_build::configure()
         .build_server(true)

@@ -13,6 +13,10 @@
 //! * [`minicri::v1`]: minicri's admin API (`proto/minicri/admin.proto`): the
 //!   `Pulls` service that lists and aborts pull jobs.
 //! * [`MAX_MESSAGE_SIZE`]: the message size limit to configure on both ends.
+//! * [`to_json`]: any message of these packages in the protobuf JSON mapping
+//!   (lowerCamelCase names, enums by name, 64-bit integers as strings, bytes
+//!   in base64, default values left out), from the descriptors compiled with
+//!   the code.
 //!
 //! Code is generated at build time by `build.rs` (protox + tonic-prost-build,
 //! no system `protoc`). Generated servers have default method bodies, so an
@@ -43,6 +47,29 @@ pub mod minicri {
 /// tonic's default decoding limit (4 MiB) is smaller and large
 /// `ListContainers`/`ListImages` responses would otherwise be rejected.
 pub const MAX_MESSAGE_SIZE: usize = 16 * 1024 * 1024;
+
+/// The encoded descriptor set of every `.proto` file of this crate.
+static DESCRIPTORS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptors.bin"));
+
+/// The descriptors of this crate's messages, decoded once.
+pub fn descriptor_pool() -> &'static prost_reflect::DescriptorPool {
+    static POOL: std::sync::OnceLock<prost_reflect::DescriptorPool> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        prost_reflect::DescriptorPool::decode(DESCRIPTORS)
+            .expect("descriptors compiled with the code")
+    })
+}
+
+/// `msg`, a message of protobuf type `full_name` (e.g. `runtime.v1.ContainerConfig`), in the
+/// protobuf JSON mapping. An error names an unknown type.
+pub fn to_json<M: prost::Message>(full_name: &str, msg: &M) -> Result<serde_json::Value, String> {
+    let desc = descriptor_pool()
+        .get_message_by_name(full_name)
+        .ok_or_else(|| format!("no protobuf message type {full_name}"))?;
+    let dynamic = prost_reflect::DynamicMessage::decode(desc, msg.encode_to_vec().as_slice())
+        .map_err(|e| format!("{full_name}: {e}"))?;
+    serde_json::to_value(&dynamic).map_err(|e| format!("{full_name}: {e}"))
+}
 
 /// Hand-written `Debug` for the registry credentials message: the secret
 /// fields (`debug_redact` in the proto) are never printed, only whether they
@@ -97,5 +124,43 @@ mod tests {
         };
         let back = KeyValue::decode(kv.encode_to_vec().as_slice()).unwrap();
         assert_eq!(back, kv);
+    }
+
+    #[test]
+    fn json_mapping_uses_camel_case_names_and_enum_names() {
+        use super::runtime::v1::{
+            ContainerConfig, ContainerMetadata, LinuxContainerConfig,
+            LinuxContainerSecurityContext, NamespaceMode, NamespaceOption,
+        };
+        let c = ContainerConfig {
+            metadata: Some(ContainerMetadata {
+                name: "c".into(),
+                attempt: 2,
+            }),
+            log_path: "c/0.log".into(),
+            stdin_once: true,
+            linux: Some(LinuxContainerConfig {
+                security_context: Some(LinuxContainerSecurityContext {
+                    namespace_options: Some(NamespaceOption {
+                        pid: NamespaceMode::Container as i32,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let v = super::to_json("runtime.v1.ContainerConfig", &c).unwrap();
+        assert_eq!(v["metadata"]["name"], "c");
+        assert_eq!(v["metadata"]["attempt"], 2);
+        assert_eq!(v["logPath"], "c/0.log");
+        assert_eq!(v["stdinOnce"], true);
+        assert_eq!(
+            v["linux"]["securityContext"]["namespaceOptions"]["pid"],
+            "CONTAINER"
+        );
+        assert!(v.get("tty").is_none(), "defaults are left out: {v}");
+        assert!(super::to_json("runtime.v1.NoSuchThing", &c).is_err());
     }
 }

@@ -2,8 +2,9 @@
 //! test images built from busybox-static and pushed over the registry HTTP API, a fault-injecting
 //! registry proxy, a harness that runs the `minicri` binary on a temporary socket and root, a pod
 //! test environment (daemon, images, a CNI network, cleanup) in [`pod_env`], the RuntimeService
-//! calls pod tests share in [`pod_rpc`], a minimal remotecommand-over-SPDY client for the
-//! streaming server in [`remotecommand`], what the pull tests share in [`pull_env`], a
+//! calls pod tests share in [`pod_rpc`], a minimal remotecommand client (SPDY or WebSocket) for
+//! the streaming server in [`remotecommand`] with the transports it uses in [`spdy`] and
+//! [`websocket`], what the pull tests share in [`pull_env`], a
 //! kubelet simulator (pod workers, image pullers, back-off, deletion) that drives the daemon as
 //! the kubelet does in [`kubelet_sim`], with the environment its tests share in [`sim_env`],
 //! a minimal Kubernetes API server (pods list and watch) in [`apiserver`], and how tests whose
@@ -21,3 +22,5 @@ pub mod pull_env;
 pub mod registry;
 pub mod remotecommand;
 pub mod sim_env;
+pub mod spdy;
+pub mod websocket;

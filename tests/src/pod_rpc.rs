@@ -1,5 +1,6 @@
 //! CRI RuntimeService calls the pod tests make again and again: run, inspect, stop and remove a
-//! pod sandbox; build, create and start a container; ExecSync; ContainerStatus.
+//! pod sandbox; build, create and start a container (also a web server, [`run_http_server`]);
+//! ExecSync; ContainerStatus.
 //!
 //! Each helper makes exactly one request per RPC it names and panics, naming the RPC, when that
 //! RPC fails; a test that expects an error makes the call itself (or uses [`create_container`],
@@ -186,4 +187,33 @@ pub async fn exec_text(
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Runs busybox's httpd in a container named `server` of the pod, listening on 127.0.0.1:8080
+/// (and the pod's other addresses) and answering `GET /` with `text` and a newline; returns the
+/// container's id once it serves (checked with ExecSync inside the pod).
+pub async fn run_http_server(
+    c: &mut RuntimeClient,
+    sandbox: &str,
+    pod: &cri::PodSandboxConfig,
+    image: &str,
+    text: &str,
+) -> String {
+    let script =
+        format!("mkdir -p /www && echo {text} > /www/index.html && exec httpd -f -p 8080 -h /www");
+    let id = run_container(
+        c,
+        sandbox,
+        pod,
+        sh_container_config("server", image, &script),
+    )
+    .await;
+    for _ in 0..100 {
+        let get = ["wget", "-q", "-O", "-", "http://127.0.0.1:8080/"];
+        if exec_sync(c, &id, &get, 10).await.exit_code == 0 {
+            return id;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("httpd did not start in the pod");
 }

@@ -1,27 +1,34 @@
-//! A minimal client of the Kubernetes remotecommand protocol over SPDY/3.1, for black-box tests
-//! of a CRI streaming server (what `crictl exec` does through client-go, without Go).
+//! A minimal client of the Kubernetes remotecommand protocol, over SPDY/3.1 or WebSocket, for
+//! black-box tests of a CRI streaming server (what `crictl exec` does through client-go,
+//! without Go).
 //!
-//! It sends the HTTP/1.1 upgrade request, opens one SPDY stream per channel (`error`, then
-//! `stdin`, `stdout`, `stderr` as asked), sends stdin followed by FIN, and reads until the error
-//! stream and the output streams are finished. It never sends WINDOW_UPDATE, like client-go's
-//! SPDY library, so a server that waited for window updates would stall past 64 KiB.
-//! [`Session`] keeps the same streams open for interactive use (attach): input in steps, output
-//! read as it comes.
+//! Over SPDY it sends the HTTP/1.1 upgrade request, opens one SPDY stream per channel (`error`,
+//! then `stdin`, `stdout`, `stderr` as asked, `resize` with a terminal), sends stdin followed by
+//! FIN, and reads until the error stream and the output streams are finished. It never sends
+//! WINDOW_UPDATE, like client-go's SPDY library, so a server that waited for window updates
+//! would stall past 64 KiB. Over WebSocket ([`Transport::WebSocket`], with
+//! [`crate::websocket`]) each message carries a channel byte; the end of stdin is v5's close
+//! signal `[255, 0]` (client-go sends it whatever the version) and the session ends with the
+//! server's close frame. [`Session`] keeps the channels open for interactive use (attach):
+//! input in steps, output read as it comes; [`exec_with`] runs a whole exec on one.
 //!
-//! [`PortForward`] speaks `portforward.k8s.io` on the same transport, as
-//! k8s.io/client-go/tools/portforward does: per forwarded connection an `error` stream (half-closed
-//! at once) and a `data` stream, both with `port` and `requestID` headers.
+//! [`PortForward`] speaks `portforward.k8s.io` on SPDY, as k8s.io/client-go/tools/portforward
+//! does: per forwarded connection an `error` stream (half-closed at once) and a `data` stream,
+//! both with `port` and `requestID` headers; directly, or tunnelled through WebSocket
+//! ([`PortForward::connect_websocket`]).
 //!
-//! Written for tests from the SPDY/3 draft and the remotecommand protocol; independent of
-//! minicri's server code on purpose.
+//! Written for tests from the remotecommand protocol; independent of minicri's server code on
+//! purpose. The SPDY framing is in [`crate::spdy`].
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+use crate::spdy::Spdy;
+use crate::websocket::{CLOSE_SIGNAL, Ws};
 
 /// The protocol versions client-go offers, best first.
 pub const CLIENT_GO_PROTOCOLS: [&str; 5] = [
@@ -31,36 +38,6 @@ pub const CLIENT_GO_PROTOCOLS: [&str; 5] = [
     "v2.channel.k8s.io",
     "channel.k8s.io",
 ];
-
-/// The SPDY/3 header dictionary: length-prefixed words, then a tail (draft section 2.6.10.1).
-fn dictionary() -> Vec<u8> {
-    const WORDS: &str = "options head post put delete trace accept accept-charset \
-        accept-encoding accept-language accept-ranges age allow authorization cache-control \
-        connection content-base content-encoding content-language content-length \
-        content-location content-md5 content-range content-type date etag expect expires from \
-        host if-match if-modified-since if-none-match if-range if-unmodified-since \
-        last-modified location max-forwards pragma proxy-authenticate proxy-authorization range \
-        referer retry-after server te trailer transfer-encoding upgrade user-agent vary via \
-        warning www-authenticate method get status 200_OK version HTTP/1.1 url public \
-        set-cookie keep-alive origin";
-    const TAIL: &str = "100101201202205206300302303304305306307402405406407408409410411412413\
-        414415416417502504505203 Non-Authoritative Information204 No Content301 Moved \
-        Permanently400 Bad Request401 Unauthorized403 Forbidden404 Not Found500 Internal \
-        Server Error501 Not Implemented503 Service UnavailableJan Feb Mar Apr May Jun Jul Aug \
-        Sept Oct Nov Dec 00:00:00 Mon, Tue, Wed, Thu, Fri, Sat, Sun, GMTchunked,text/html,\
-        image/png,image/jpg,image/gif,application/xml,application/xhtml+xml,text/plain,\
-        text/javascript,publicprivatemax-age=gzip,deflate,sdchcharset=utf-8charset=iso-8859-1,\
-        utf-,*,enq=0.";
-    let mut d = Vec::new();
-    for w in WORDS.split_whitespace() {
-        let w = w.replace('_', " ");
-        d.extend_from_slice(&(w.len() as u32).to_be_bytes());
-        d.extend_from_slice(w.as_bytes());
-    }
-    d.extend_from_slice(TAIL.as_bytes());
-    assert_eq!(d.len(), 1423, "the SPDY/3 dictionary");
-    d
-}
 
 /// The answer to the upgrade request.
 pub struct Upgrade {
@@ -86,17 +63,21 @@ impl ExecOutput {
     }
 }
 
-/// Sends `METHOD path` with the SPDY upgrade headers and `protocols`; reads the response head.
-pub async fn upgrade(url: &str, protocols: &[&str]) -> anyhow::Result<Upgrade> {
+/// Sends `METHOD path` of `url` with `headers` (each `Name: value`); reads the response head.
+/// Returns the status, the head (lowercased) and the connection, positioned after the head.
+pub async fn http_upgrade(
+    url: &str,
+    method: &str,
+    headers: &[String],
+) -> anyhow::Result<(u16, String, TcpStream)> {
     let rest = url.strip_prefix("http://").context("an http:// URL")?;
     let slash = rest.find('/').context("a path")?;
     let (host, path) = rest.split_at(slash);
     let mut conn = TcpStream::connect(host).await?;
-    let mut req = format!(
-        "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\n"
-    );
-    for p in protocols {
-        req.push_str(&format!("X-Stream-Protocol-Version: {p}\r\n"));
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n");
+    for h in headers {
+        req.push_str(h);
+        req.push_str("\r\n");
     }
     req.push_str("\r\n");
     conn.write_all(req.as_bytes()).await?;
@@ -110,119 +91,52 @@ pub async fn upgrade(url: &str, protocols: &[&str]) -> anyhow::Result<Upgrade> {
     }
     let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
     let status = head.get(9..12).context("a status line")?.parse()?;
+    Ok((status, head, conn))
+}
+
+/// Sends `POST path` with the SPDY upgrade headers and `protocols`; reads the response head.
+pub async fn upgrade(url: &str, protocols: &[&str]) -> anyhow::Result<Upgrade> {
+    let mut headers = vec![
+        "Connection: Upgrade".to_string(),
+        "Upgrade: SPDY/3.1".to_string(),
+    ];
+    headers.extend(
+        protocols
+            .iter()
+            .map(|p| format!("X-Stream-Protocol-Version: {p}")),
+    );
+    let (status, head, conn) = http_upgrade(url, "POST", &headers).await?;
     Ok(Upgrade { status, head, conn })
 }
 
-struct Spdy {
-    conn: TcpStream,
-    z: Compress,
-    dz: Decompress,
-}
-
-impl Spdy {
-    fn new(conn: TcpStream) -> Spdy {
-        let mut z = Compress::new(Compression::default(), true);
-        z.set_dictionary(&dictionary()).unwrap();
-        Spdy {
-            conn,
-            z,
-            dz: Decompress::new(true),
-        }
-    }
-
-    async fn syn_stream(&mut self, id: u32, stream_type: &str) -> anyhow::Result<()> {
-        self.syn_stream_with(id, &[("streamtype", stream_type)])
-            .await
-    }
-
-    /// Opens stream `id` with `headers` (names lowercase, as SPDY/3 wants them).
-    async fn syn_stream_with(&mut self, id: u32, headers: &[(&str, &str)]) -> anyhow::Result<()> {
-        let mut block = Vec::new();
-        block.extend_from_slice(&(headers.len() as u32).to_be_bytes());
-        for s in headers.iter().flat_map(|(k, v)| [*k, *v]) {
-            block.extend_from_slice(&(s.len() as u32).to_be_bytes());
-            block.extend_from_slice(s.as_bytes());
-        }
-        let mut z = Vec::with_capacity(block.len() + 1024);
-        self.z.compress_vec(&block, &mut z, FlushCompress::Sync)?;
-        let mut f = vec![0x80, 3, 0, 1];
-        f.extend_from_slice(&((10 + z.len()) as u32).to_be_bytes());
-        f.extend_from_slice(&id.to_be_bytes());
-        f.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
-        f.extend_from_slice(&z);
-        Ok(self.conn.write_all(&f).await?)
-    }
-
-    async fn data(&mut self, id: u32, data: &[u8], fin: bool) -> anyhow::Result<()> {
-        let mut f = id.to_be_bytes().to_vec();
-        f.extend_from_slice(&((u32::from(fin) << 24) | data.len() as u32).to_be_bytes());
-        f.extend_from_slice(data);
-        Ok(self.conn.write_all(&f).await?)
-    }
-
-    /// The next frame: (control type or None for data, stream id, flags, payload); None at EOF.
-    async fn frame(&mut self) -> anyhow::Result<Option<(Option<u16>, u32, u8, Vec<u8>)>> {
-        let mut h = [0u8; 8];
-        if let Err(e) = self.conn.read_exact(&mut h).await {
-            if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                return Ok(None);
-            }
-            return Err(e.into());
-        }
-        let len = u32::from_be_bytes([0, h[5], h[6], h[7]]) as usize;
-        let mut p = vec![0u8; len];
-        self.conn.read_exact(&mut p).await?;
-        if h[0] & 0x80 == 0 {
-            let id = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
-            return Ok(Some((None, id, h[4], p)));
-        }
-        let t = u16::from_be_bytes([h[2], h[3]]);
-        let id = if p.len() >= 4 {
-            u32::from_be_bytes([p[0] & 0x7f, p[1], p[2], p[3]])
-        } else {
-            0
-        };
-        if t == 2 {
-            // SYN_REPLY: its header block must be decompressed to keep the zlib stream in step.
-            let mut out = Vec::with_capacity(4096);
-            let mut input = &p[4..];
-            loop {
-                let before = self.dz.total_in();
-                match self
-                    .dz
-                    .decompress_vec(input, &mut out, FlushDecompress::Sync)
-                {
-                    Ok(_) => {}
-                    Err(e) if e.needs_dictionary().is_some() => {
-                        self.dz.set_dictionary(&dictionary())?;
-                    }
-                    Err(e) => bail!("SYN_REPLY headers: {e}"),
-                }
-                input = &input[(self.dz.total_in() - before) as usize..];
-                if input.is_empty() && out.len() < out.capacity() {
-                    break;
-                }
-                out.reserve(4096);
-            }
-        }
-        Ok(Some((Some(t), id, h[4], p)))
+impl Upgrade {
+    /// The protocol the server announced (`x-stream-protocol-version`; empty: none).
+    fn protocol(&self) -> String {
+        self.head
+            .lines()
+            .find_map(|l| l.strip_prefix("x-stream-protocol-version: "))
+            .unwrap_or("")
+            .trim()
+            .to_string()
     }
 }
 
 /// What the client asks for.
 #[derive(Debug, Default, Clone)]
 pub struct ExecOptions<'a> {
-    /// Sent on a `stdin` stream, followed by FIN.
+    /// Sent on the stdin channel, followed by its end.
     pub stdin: Option<&'a [u8]>,
     pub stdout: bool,
     /// Ignored with `tty` (a terminal has one output).
     pub stderr: bool,
-    /// Opens a `resize` stream and sends this (width, height) on it first.
+    /// Opens a `resize` channel and sends this (width, height) on it first.
     pub tty: Option<(u16, u16)>,
+    pub transport: Transport,
 }
 
-/// Runs an exec session on `url`: opens error, then stdin (when `stdin` is given), stdout and
-/// stderr (as asked); sends `stdin` and FIN; collects everything until the streams end.
+/// Runs an exec session on `url` over SPDY: opens error, then stdin (when `stdin` is given),
+/// stdout and stderr (as asked); sends `stdin` and FIN; collects everything until the streams
+/// end.
 pub async fn exec(
     url: &str,
     stdin: Option<&[u8]>,
@@ -235,98 +149,42 @@ pub async fn exec(
             stdin,
             stdout,
             stderr,
-            tty: None,
+            ..Default::default()
         },
     )
     .await
 }
 
-/// [`exec`] with a terminal possible: then the streams are error, stdin, stdout and resize, as
-/// client-go opens them.
+/// [`exec`] with a terminal and a transport possible. With a terminal the channels are error,
+/// stdin, stdout and resize, as client-go opens them; the size is sent before the input.
 pub async fn exec_with(url: &str, o: ExecOptions<'_>) -> anyhow::Result<ExecOutput> {
-    let (stdin, stdout, stderr) = (o.stdin, o.stdout, o.stderr && o.tty.is_none());
-    let up = upgrade(url, &CLIENT_GO_PROTOCOLS).await?;
-    if up.status != 101 {
-        bail!("upgrade refused: {}", up.head);
+    let mut s = Session::open_with(
+        url,
+        SessionOptions {
+            transport: o.transport,
+            stdin: o.stdin.is_some(),
+            stdout: o.stdout,
+            stderr: o.stderr && o.tty.is_none(),
+            tty: o.tty.is_some(),
+        },
+    )
+    .await?;
+    if let Some((w, h)) = o.tty {
+        s.resize(w, h).await?;
     }
-    let protocol = up
-        .head
-        .lines()
-        .find_map(|l| l.strip_prefix("x-stream-protocol-version: "))
-        .unwrap_or("")
-        .trim()
-        .to_string();
-    let mut s = Spdy::new(up.conn);
-    let mut ids: HashMap<u32, &str> = HashMap::new();
-    let mut next = 1;
-    let mut open = |kind: &'static str| {
-        ids.insert(next, kind);
-        next += 2;
-        next - 2
-    };
-    let error_id = open("error");
-    let stdin_id = stdin.map(|_| open("stdin"));
-    let stdout_id = stdout.then(|| open("stdout"));
-    let stderr_id = stderr.then(|| open("stderr"));
-    let resize_id = o.tty.map(|_| open("resize"));
-    for id in [Some(error_id), stdin_id, stdout_id, stderr_id, resize_id]
-        .into_iter()
-        .flatten()
-    {
-        s.syn_stream(id, ids[&id]).await?;
-    }
-    if let (Some(id), Some((w, h))) = (resize_id, o.tty) {
-        s.data(
-            id,
-            format!("{{\"Width\":{w},\"Height\":{h}}}\n").as_bytes(),
-            false,
-        )
-        .await?;
-    }
-    if let (Some(id), Some(data)) = (stdin_id, stdin) {
+    if let Some(data) = o.stdin {
         for chunk in data.chunks(16 * 1024) {
-            s.data(id, chunk, false).await?;
+            s.send(chunk).await?;
         }
-        s.data(id, &[], true).await?;
+        s.close_stdin().await?;
     }
-    let mut out = ExecOutput {
-        protocol,
-        ..Default::default()
-    };
-    let mut pending: Vec<u32> = [Some(error_id), stdout_id, stderr_id]
-        .into_iter()
-        .flatten()
-        .collect();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while !pending.is_empty() {
-        let f = tokio::time::timeout_at(deadline, s.frame())
-            .await
-            .context("the exec session did not end in 60 s")??;
-        let Some((kind, id, flags, payload)) = f else {
-            bail!("connection closed with streams {pending:?} open");
-        };
-        match kind {
-            None => {
-                match ids.get(&id).copied() {
-                    Some("stdout") => out.stdout.extend(&payload),
-                    Some("stderr") => out.stderr.extend(&payload),
-                    Some("error") => out.error.extend(&payload),
-                    _ => {}
-                }
-                if flags & 1 != 0 {
-                    pending.retain(|p| *p != id);
-                }
-            }
-            Some(3) => {
-                let status = u32::from_be_bytes(payload[4..8].try_into()?);
-                bail!("stream {id} reset with status {status}");
-            }
-            Some(7) => bail!("GOAWAY with streams {pending:?} open"),
-            // SYN_REPLY, PING, SETTINGS, WINDOW_UPDATE
-            Some(_) => {}
-        }
-    }
-    Ok(out)
+    s.read_until(Duration::from_secs(60), |s| s.ended()).await?;
+    Ok(ExecOutput {
+        stdout: s.stdout,
+        stderr: s.stderr,
+        error: s.error,
+        protocol: s.protocol,
+    })
 }
 
 /// What one forwarded connection produced.
@@ -336,6 +194,24 @@ pub struct Forwarded {
     pub data: Vec<u8>,
     /// The bytes of the error stream (empty when the forward worked).
     pub error: Vec<u8>,
+}
+
+impl Forwarded {
+    /// Panics unless the forward carried an HTTP 200 answer whose body ends with `body` and
+    /// reported no error (`what` names the forward in the message).
+    pub fn assert_http_ok(&self, body: &str, what: &str) {
+        let text = String::from_utf8_lossy(&self.data);
+        assert!(
+            text.starts_with("HTTP/1.") && text.contains(" 200 "),
+            "{what}: {text}"
+        );
+        assert!(text.ends_with(body), "{what}: {text}");
+        assert!(
+            self.error.is_empty(),
+            "{what}: {}",
+            String::from_utf8_lossy(&self.error)
+        );
+    }
 }
 
 /// A port-forward session: one upgraded connection carrying any number of forwards.
@@ -354,15 +230,22 @@ impl PortForward {
         if up.status != 101 {
             bail!("upgrade refused: {}", up.head);
         }
-        let protocol = up
-            .head
-            .lines()
-            .find_map(|l| l.strip_prefix("x-stream-protocol-version: "))
-            .unwrap_or("")
-            .trim()
-            .to_string();
+        let protocol = up.protocol();
         Ok(PortForward {
             s: Spdy::new(up.conn),
+            next_id: 1,
+            next_request: 0,
+            protocol,
+        })
+    }
+
+    /// Opens `url` with WebSocket offering `SPDY/3.1+portforward.k8s.io`, as client-go's
+    /// tunnelling dialer does, and speaks SPDY through the tunnel.
+    pub async fn connect_websocket(url: &str) -> anyhow::Result<PortForward> {
+        let ws = Ws::connect(url, &["SPDY/3.1+portforward.k8s.io"]).await?;
+        let protocol = ws.protocol.clone();
+        Ok(PortForward {
+            s: Spdy::new(ws.tunnel()),
             next_id: 1,
             next_request: 0,
             protocol,
@@ -430,91 +313,179 @@ impl PortForward {
     }
 }
 
+/// How a session reaches the server.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// SPDY/3.1, offering [`CLIENT_GO_PROTOCOLS`].
+    #[default]
+    Spdy,
+    /// WebSocket, offering these subprotocols (client-go's executor offers v5 only).
+    WebSocket(&'static [&'static str]),
+}
+
+/// What an interactive session asks for.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SessionOptions {
+    pub transport: Transport,
+    pub stdin: bool,
+    pub stdout: bool,
+    /// Not with `tty`.
+    pub stderr: bool,
+    /// A terminal: a `resize` channel.
+    pub tty: bool,
+}
+
+/// The connection under a session.
+enum Wire {
+    Spdy {
+        s: Box<Spdy>,
+        ids: HashMap<u32, &'static str>,
+        stdin_id: Option<u32>,
+        resize_id: Option<u32>,
+        /// Output streams and the error stream not finished yet.
+        open: Vec<u32>,
+    },
+    Ws {
+        ws: Ws,
+        /// The server has closed the connection.
+        closed: bool,
+    },
+}
+
 /// An interactive remotecommand session (what `crictl attach` and `kubectl attach` do): the
-/// streams stay open while the test sends input in steps and reads output as it comes.
+/// channels stay open while the test sends input in steps and reads output as it comes.
 pub struct Session {
-    s: Spdy,
-    ids: HashMap<u32, &'static str>,
-    stdin_id: Option<u32>,
-    /// Output streams and the error stream not finished yet.
-    open: Vec<u32>,
+    wire: Wire,
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
-    /// The bytes of the error stream.
+    /// The bytes of the error channel.
     pub error: Vec<u8>,
     pub protocol: String,
 }
 
 impl Session {
-    /// Upgrades `url` and opens error, then stdin, stdout and stderr as asked (no terminal).
+    /// Upgrades `url` to SPDY and opens error, then stdin, stdout and stderr as asked (no
+    /// terminal).
     pub async fn open(
         url: &str,
         stdin: bool,
         stdout: bool,
         stderr: bool,
     ) -> anyhow::Result<Session> {
-        let up = upgrade(url, &CLIENT_GO_PROTOCOLS).await?;
-        if up.status != 101 {
-            bail!("upgrade refused: {}", up.head);
-        }
-        let protocol = up
-            .head
-            .lines()
-            .find_map(|l| l.strip_prefix("x-stream-protocol-version: "))
-            .unwrap_or("")
-            .trim()
-            .to_string();
-        let mut session = Session {
-            s: Spdy::new(up.conn),
-            ids: HashMap::new(),
-            stdin_id: None,
-            open: Vec::new(),
+        Session::open_with(
+            url,
+            SessionOptions {
+                stdin,
+                stdout,
+                stderr,
+                ..Default::default()
+            },
+        )
+        .await
+    }
+
+    /// Upgrades `url` as `o.transport` says; over SPDY opens error, stdin, stdout, stderr and
+    /// resize as asked (WebSocket channels need no opening).
+    pub async fn open_with(url: &str, o: SessionOptions) -> anyhow::Result<Session> {
+        let (wire, protocol) = match o.transport {
+            Transport::WebSocket(protocols) => {
+                let ws = Ws::connect(url, protocols).await?;
+                let protocol = ws.protocol.clone();
+                (Wire::Ws { ws, closed: false }, protocol)
+            }
+            Transport::Spdy => {
+                let up = upgrade(url, &CLIENT_GO_PROTOCOLS).await?;
+                if up.status != 101 {
+                    bail!("upgrade refused: {}", up.head);
+                }
+                let protocol = up.protocol();
+                let mut s = Spdy::new(up.conn);
+                let (mut ids, mut open) = (HashMap::new(), Vec::new());
+                let (mut stdin_id, mut resize_id) = (None, None);
+                let mut next = 1;
+                for (kind, on) in [
+                    ("error", true),
+                    ("stdin", o.stdin),
+                    ("stdout", o.stdout),
+                    ("stderr", o.stderr),
+                    ("resize", o.tty),
+                ] {
+                    if !on {
+                        continue;
+                    }
+                    s.syn_stream(next, kind).await?;
+                    ids.insert(next, kind);
+                    match kind {
+                        "stdin" => stdin_id = Some(next),
+                        "resize" => resize_id = Some(next),
+                        _ => open.push(next),
+                    }
+                    next += 2;
+                }
+                let wire = Wire::Spdy {
+                    s: Box::new(s),
+                    ids,
+                    stdin_id,
+                    resize_id,
+                    open,
+                };
+                (wire, protocol)
+            }
+        };
+        Ok(Session {
+            wire,
             stdout: Vec::new(),
             stderr: Vec::new(),
             error: Vec::new(),
             protocol,
-        };
-        let mut next = 1;
-        for (kind, on) in [
-            ("error", true),
-            ("stdin", stdin),
-            ("stdout", stdout),
-            ("stderr", stderr),
-        ] {
-            if !on {
-                continue;
-            }
-            session.s.syn_stream(next, kind).await?;
-            session.ids.insert(next, kind);
-            if kind == "stdin" {
-                session.stdin_id = Some(next);
-            } else {
-                session.open.push(next);
-            }
-            next += 2;
-        }
-        Ok(session)
+        })
     }
 
-    /// Sends `data` on the stdin stream.
+    /// Sends `data` on the stdin channel.
     pub async fn send(&mut self, data: &[u8]) -> anyhow::Result<()> {
-        let id = self.stdin_id.context("the session has no stdin")?;
-        self.s.data(id, data, false).await
+        match &mut self.wire {
+            Wire::Spdy { s, stdin_id, .. } => {
+                let id = stdin_id.context("the session has no stdin")?;
+                s.data(id, data, false).await
+            }
+            Wire::Ws { ws, .. } => ws.send_channel(0, data).await,
+        }
     }
 
-    /// Half-closes the stdin stream (FIN).
+    /// Ends the stdin channel: FIN over SPDY, the close signal over WebSocket.
     pub async fn close_stdin(&mut self) -> anyhow::Result<()> {
-        let id = self.stdin_id.context("the session has no stdin")?;
-        self.s.data(id, &[], true).await
+        match &mut self.wire {
+            Wire::Spdy { s, stdin_id, .. } => {
+                let id = stdin_id.context("the session has no stdin")?;
+                s.data(id, &[], true).await
+            }
+            Wire::Ws { ws, .. } => ws.send(&[CLOSE_SIGNAL, 0]).await,
+        }
     }
 
-    /// Whether the server has finished every output stream and the error stream.
+    /// Sends a terminal size on the resize channel (as client-go: JSON and a newline).
+    pub async fn resize(&mut self, width: u16, height: u16) -> anyhow::Result<()> {
+        let msg = format!("{{\"Width\":{width},\"Height\":{height}}}\n");
+        match &mut self.wire {
+            Wire::Spdy { s, resize_id, .. } => {
+                let id = resize_id.context("the session has no terminal")?;
+                s.data(id, msg.as_bytes(), false).await
+            }
+            Wire::Ws { ws, .. } => ws.send_channel(4, msg.as_bytes()).await,
+        }
+    }
+
+    /// Whether the server has ended the session: over SPDY every output stream and the error
+    /// stream are finished; over WebSocket the connection is closed.
     pub fn ended(&self) -> bool {
-        self.open.is_empty()
+        match &self.wire {
+            Wire::Spdy { open, .. } => open.is_empty(),
+            Wire::Ws { closed, .. } => *closed,
+        }
     }
 
-    /// Reads frames until `done(self)` holds; an error when `timeout` passes first (the session
-    /// is not usable after that) or the connection ends.
+    /// Reads until `done(self)` holds; an error when `timeout` passes first (the session is not
+    /// usable after that), or the session or the connection ends.
     pub async fn read_until(
         &mut self,
         timeout: Duration,
@@ -522,7 +493,13 @@ impl Session {
     ) -> anyhow::Result<()> {
         let deadline = tokio::time::Instant::now() + timeout;
         while !done(self) {
-            let f = tokio::time::timeout_at(deadline, self.s.frame())
+            if self.ended() {
+                bail!(
+                    "the session ended; stdout {:?}",
+                    String::from_utf8_lossy(&self.stdout)
+                );
+            }
+            tokio::time::timeout_at(deadline, self.read_one())
                 .await
                 .with_context(|| {
                     format!(
@@ -530,27 +507,45 @@ impl Session {
                         String::from_utf8_lossy(&self.stdout)
                     )
                 })??;
-            let Some((kind, id, flags, payload)) = f else {
-                bail!("connection closed with streams {:?} open", self.open);
-            };
-            match kind {
-                None => {
-                    match self.ids.get(&id).copied() {
-                        Some("stdout") => self.stdout.extend(&payload),
-                        Some("stderr") => self.stderr.extend(&payload),
-                        Some("error") => self.error.extend(&payload),
-                        _ => {}
+        }
+        Ok(())
+    }
+
+    /// Reads one frame or message and files its bytes.
+    async fn read_one(&mut self) -> anyhow::Result<()> {
+        match &mut self.wire {
+            Wire::Ws { ws, closed } => match ws.message().await? {
+                None => *closed = true,
+                Some(m) => match m.split_first() {
+                    Some((1, d)) => self.stdout.extend(d),
+                    Some((2, d)) => self.stderr.extend(d),
+                    Some((3, d)) => self.error.extend(d),
+                    _ => {}
+                },
+            },
+            Wire::Spdy { s, ids, open, .. } => {
+                let Some((kind, id, flags, payload)) = s.frame().await? else {
+                    bail!("connection closed with streams {open:?} open");
+                };
+                match kind {
+                    None => {
+                        match ids.get(&id).copied() {
+                            Some("stdout") => self.stdout.extend(&payload),
+                            Some("stderr") => self.stderr.extend(&payload),
+                            Some("error") => self.error.extend(&payload),
+                            _ => {}
+                        }
+                        if flags & 1 != 0 {
+                            open.retain(|p| *p != id);
+                        }
                     }
-                    if flags & 1 != 0 {
-                        self.open.retain(|p| *p != id);
+                    Some(3) => {
+                        let status = u32::from_be_bytes(payload[4..8].try_into()?);
+                        bail!("stream {id} reset with status {status}");
                     }
+                    Some(7) => bail!("GOAWAY with streams {open:?} open"),
+                    Some(_) => {}
                 }
-                Some(3) => {
-                    let status = u32::from_be_bytes(payload[4..8].try_into()?);
-                    bail!("stream {id} reset with status {status}");
-                }
-                Some(7) => bail!("GOAWAY with streams {:?} open", self.open),
-                Some(_) => {}
             }
         }
         Ok(())

@@ -157,6 +157,7 @@ async fn exec_streams_output_exit_codes_and_stdin() {
             stdout: true,
             stderr: false,
             tty: Some((100, 30)),
+            ..Default::default()
         },
     )
     .await

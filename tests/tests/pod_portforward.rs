@@ -12,8 +12,8 @@ use std::time::Duration;
 use minicri_proto::runtime::v1 as cri;
 use minicri_tests::pod_env::{PodEnv, pod_config, skip_reason};
 use minicri_tests::pod_rpc::{
-    RuntimeClient, exec_text, run_container, run_pod, sh_container_config, stop_and_remove_pod,
-    stop_pod_sandbox,
+    RuntimeClient, run_container, run_http_server, run_pod, sh_container_config,
+    stop_and_remove_pod, stop_pod_sandbox,
 };
 use minicri_tests::remotecommand::{self, PortForward};
 
@@ -39,34 +39,7 @@ async fn port_forward_reaches_the_pods_loopback() {
     let mut c = env.runtime().await;
     let pod = pod_config("portforward", env.logs.path());
     let sb = run_pod(&mut c, &pod).await;
-    let server = run_container(
-        &mut c,
-        &sb,
-        &pod,
-        sh_container_config(
-            "server",
-            &image,
-            "mkdir -p /www && echo hello-through-the-forward > /www/index.html && exec httpd -f -p 8080 -h /www",
-        ),
-    )
-    .await;
-    // Wait until httpd serves inside the pod.
-    let mut ready = false;
-    for _ in 0..100 {
-        let (code, _, _) = exec_text(
-            &mut c,
-            &server,
-            &["wget", "-q", "-O", "-", "http://127.0.0.1:8080/"],
-            10,
-        )
-        .await;
-        if code == 0 {
-            ready = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(ready, "httpd did not start in the pod");
+    run_http_server(&mut c, &sb, &pod, &image, "hello-through-the-forward").await;
 
     let url = port_forward(&mut c, &sb, &[8080])
         .await
@@ -90,20 +63,7 @@ async fn port_forward_reaches_the_pods_loopback() {
     for round in 0..2 {
         // The second connection runs on the same session, as client-go's do.
         let out = pf.forward(8080, GET).await.expect("forward");
-        let text = String::from_utf8_lossy(&out.data);
-        assert!(
-            text.starts_with("HTTP/1.") && text.contains(" 200 "),
-            "round {round}: {text}"
-        );
-        assert!(
-            text.ends_with("hello-through-the-forward\n"),
-            "round {round}: {text}"
-        );
-        assert!(
-            out.error.is_empty(),
-            "round {round}: {}",
-            String::from_utf8_lossy(&out.error)
-        );
+        out.assert_http_ok("hello-through-the-forward\n", &format!("round {round}"));
     }
 
     // Nothing listens on 8081 in the pod: the refusal comes on the error stream.

@@ -10,6 +10,7 @@ use tonic::{Request, Response, Status};
 
 use crate::daemon::Daemon;
 use crate::error::Error;
+use crate::pods::inspect::INFO_KEY;
 use crate::rpc::{Verbosity, call, deadline};
 
 type Reply<T> = Result<Response<T>, Status>;
@@ -82,13 +83,18 @@ pub async fn pod_sandbox_status(
     req: Request<cri::PodSandboxStatusRequest>,
 ) -> Reply<cri::PodSandboxStatusResponse> {
     let dl = deadline(&req);
-    let id = req.into_inner().pod_sandbox_id;
+    let r = req.into_inner();
+    let id = r.pod_sandbox_id;
     call("PodSandboxStatus", id.clone(), dl, Verbosity::Poll, async {
         require_id("pod_sandbox_id", &id)?;
         let status = d.pods.pod_sandbox_status(&id)?;
+        let mut info = HashMap::new();
+        if r.verbose {
+            info.insert(INFO_KEY.to_string(), d.pods.sandbox_info(&id)?);
+        }
         Ok(cri::PodSandboxStatusResponse {
             status: Some(status),
-            info: HashMap::new(),
+            info,
             containers_statuses: vec![],
             timestamp: crate::pods::now_ns(),
         })
@@ -210,12 +216,18 @@ pub async fn container_status(
     req: Request<cri::ContainerStatusRequest>,
 ) -> Reply<cri::ContainerStatusResponse> {
     let dl = deadline(&req);
-    let id = req.into_inner().container_id;
+    let r = req.into_inner();
+    let id = r.container_id;
     call("ContainerStatus", id.clone(), dl, Verbosity::Poll, async {
         require_id("container_id", &id)?;
+        let status = d.pods.container_status(&id)?;
+        let mut info = HashMap::new();
+        if r.verbose {
+            info.insert(INFO_KEY.to_string(), d.pods.container_info(&id)?);
+        }
         Ok(cri::ContainerStatusResponse {
-            status: Some(d.pods.container_status(&id)?),
-            info: HashMap::new(),
+            status: Some(status),
+            info,
         })
     })
     .await

@@ -129,13 +129,15 @@ impl Runc {
     }
 
     /// Arguments (after the binary) of `create`, with the runtime's own messages going to
-    /// `log` as JSON lines (its stdio belongs to the container).
+    /// `log` as JSON lines (its stdio belongs to the container). A container with a terminal
+    /// needs `console_socket`: the runtime sends the pty master there.
     pub fn create_args(
         &self,
         id: &str,
         bundle: &Path,
         pid_file: &Path,
         log: &Path,
+        console_socket: Option<&Path>,
     ) -> Vec<OsString> {
         let mut a = self.global_args();
         a.extend([
@@ -151,6 +153,9 @@ impl Runc {
             "--pid-file".into(),
             pid_file.into(),
         ]);
+        if let Some(c) = console_socket {
+            a.extend(["--console-socket".into(), c.into()]);
+        }
         a.push(id.into());
         a
     }
@@ -351,7 +356,7 @@ impl OciRuntime for Runc {
             let log = opts.bundle.join("create-log.json");
             let _ = std::fs::remove_file(&log);
             let mut c = Command::new(&self.binary);
-            c.args(self.create_args(&opts.id, &opts.bundle, &opts.pid_file, &log));
+            c.args(self.create_args(&opts.id, &opts.bundle, &opts.pid_file, &log, None));
             let (i, o, e) = match opts.io {
                 CreateIo::Null => (Stdio::null(), Stdio::null(), Stdio::null()),
                 CreateIo::Files {
@@ -652,12 +657,25 @@ mod tests {
             Path::new("/b"),
             Path::new("/b/init.pid"),
             Path::new("/b/log.json"),
+            None,
         );
         let a: Vec<String> = a.into_iter().map(|s| s.into_string().unwrap()).collect();
         assert_eq!(
             a.join(" "),
             "--root /run/minicri/runc --systemd-cgroup --log /b/log.json --log-format json \
              create --bundle /b --pid-file /b/init.pid c1"
+        );
+        let tty = r.create_args(
+            "c1",
+            Path::new("/b"),
+            Path::new("/b/init.pid"),
+            Path::new("/b/log.json"),
+            Some(Path::new("/b/pty.sock")),
+        );
+        assert!(
+            tty.windows(3)
+                .any(|w| w[0] == "--console-socket" && w[1] == "/b/pty.sock" && w[2] == "c1"),
+            "{tty:?}"
         );
         assert_eq!(r.scratch_dir(), PathBuf::from("/run/minicri/runc.tmp"));
     }

@@ -8,6 +8,8 @@
 //!   `command` is empty, the image `Cmd`) — Docker's rule the kubelet relies on; env is
 //!   `HOSTNAME`, the image's `Env`, then the CRI `envs` (later keys win), with a default `PATH`;
 //!   cwd is `working_dir`, else the image's, else `/`; user and groups as in [`super::user`];
+//!   with `tty`, a terminal (`process.terminal`, which the runtime hands to the shim through
+//!   `--console-socket`) and `TERM=xterm` unless the env sets `TERM` ([`with_term`]);
 //! - namespaces: a new mount namespace; network, IPC and UTS of the sandbox (absent, i.e. the
 //!   host's, for host-network / host-IPC pods); PID per the container's `NamespaceMode`
 //!   (`POD`: the sandbox's, `CONTAINER`: a new one, `NODE`: the host's, `TARGET`: another
@@ -373,6 +375,14 @@ pub fn process_env(hostname: &str, image: &[String], cri_env: &[cri::KeyValue]) 
     env
 }
 
+/// Adds `TERM=xterm` to a terminal process's `env` unless it sets `TERM`: programs need to know
+/// what the terminal is (containerd does the same for tty containers and exec).
+pub fn with_term(env: &mut Vec<String>) {
+    if !env.iter().any(|e| e.starts_with("TERM=")) {
+        env.push("TERM=xterm".into());
+    }
+}
+
 /// The OCI spec of a container; see the module docs.
 pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
     let c = p.config;
@@ -389,10 +399,6 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
             "a privileged container needs a privileged sandbox",
         ));
     }
-    if c.tty {
-        return Err(OciError::invalid("tty containers are not supported"));
-    }
-
     // Process.
     let strict = sc.supplemental_groups_policy == cri::SupplementalGroupsPolicy::Strict as i32;
     let user = resolve_user(
@@ -432,9 +438,13 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
         .map(|c| c.add_ambient_capabilities.clone())
         .unwrap_or_default();
     let mut process = Process::default();
-    process.set_terminal(Some(false));
+    process.set_terminal(Some(c.tty));
     process.set_args(Some(process_args(c, p.image)?));
-    process.set_env(Some(process_env(&hostname, &p.image.env, &c.envs)));
+    let mut env = process_env(&hostname, &p.image.env, &c.envs);
+    if c.tty {
+        with_term(&mut env);
+    }
+    process.set_env(Some(env));
     let cwd = if !c.working_dir.is_empty() {
         &c.working_dir
     } else {

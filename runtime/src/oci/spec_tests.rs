@@ -177,6 +177,40 @@ fn process_from_image_and_cri() {
         spec::process_env("h", &[], &[]),
         ["HOSTNAME=h", spec::DEFAULT_PATH]
     );
+    assert_eq!(p.terminal(), Some(false));
+}
+
+#[test]
+fn tty_containers_get_a_terminal_and_term() {
+    let f = fixture();
+    let tty = cri::ContainerConfig {
+        tty: true,
+        stdin: true,
+        ..Default::default()
+    };
+    let spec = build(&f, &tty).unwrap();
+    let p = spec.process().as_ref().unwrap();
+    assert_eq!(p.terminal(), Some(true));
+    assert_eq!(
+        p.env().as_ref().unwrap().last().map(String::as_str),
+        Some("TERM=xterm")
+    );
+    // A TERM of the container's own is kept.
+    let own = cri::ContainerConfig {
+        envs: vec![cri::KeyValue {
+            key: "TERM".into(),
+            value: b"vt100".to_vec(),
+        }],
+        ..tty
+    };
+    let spec = build(&f, &own).unwrap();
+    let env = spec.process().as_ref().unwrap().env().clone().unwrap();
+    assert_eq!(
+        env.iter()
+            .filter(|e| e.starts_with("TERM="))
+            .collect::<Vec<_>>(),
+        ["TERM=vt100"]
+    );
 }
 
 #[test]

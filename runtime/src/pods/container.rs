@@ -294,6 +294,7 @@ impl PodService {
         let config = rec.config();
         cfg.stdin = config.stdin;
         cfg.stdin_once = config.stdin_once;
+        cfg.tty = config.tty;
         let started = async {
             let shim = spawn_shim(cfg).await?;
             if let Err(e) = self.runtime.start(id).await {

@@ -50,11 +50,8 @@ impl PodService {
         process.set_args(Some(cmd));
         process.set_terminal(Some(terminal));
         if terminal {
-            // As containerd does for a tty exec: programs need to know what the terminal is.
             let mut env = process.env().clone().unwrap_or_default();
-            if !env.iter().any(|e| e.starts_with("TERM=")) {
-                env.push("TERM=xterm".into());
-            }
+            crate::oci::spec::with_term(&mut env);
             process.set_env(Some(env));
         }
         Ok(process)

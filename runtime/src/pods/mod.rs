@@ -29,6 +29,7 @@
 pub mod cgroups;
 pub mod container;
 pub mod exec;
+pub mod inspect;
 pub mod sandbox;
 pub mod stats;
 pub mod store;

@@ -48,6 +48,8 @@ pub struct ShimConfig {
     pub stdin: bool,
     /// Close that stdin when the first attach session with stdin ends (`stdin_once`).
     pub stdin_once: bool,
+    /// The container has a terminal (`tty`; its spec has `process.terminal`): the shim owns it.
+    pub tty: bool,
 }
 
 impl ShimConfig {
@@ -66,6 +68,7 @@ impl ShimConfig {
             ready_timeout: Duration::from_secs(120),
             stdin: false,
             stdin_once: false,
+            tty: false,
         }
     }
 }
@@ -124,6 +127,9 @@ pub fn spawn_shim_blocking(cfg: &ShimConfig) -> Result<ShimHandle> {
         if cfg.stdin_once {
             cmd.arg("--stdin-once");
         }
+    }
+    if cfg.tty {
+        cmd.arg("--tty");
     }
     let err_log = shim_log
         .try_clone()

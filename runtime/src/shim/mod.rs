@@ -4,27 +4,30 @@
 //! # Lifecycle
 //! 1. The daemon writes `<bundle>/config.json` and calls [`spawn_shim`]. That runs
 //!    `minicri shim --id ID --bundle DIR --runtime BIN --runtime-root DIR [--systemd-cgroup]
-//!    [--log-path FILE] --ready-fd 3` with stdout/stderr on `<bundle>/shim.log` and a pipe as
+//!    [--log-path FILE] [--stdin [--stdin-once]] [--tty] --ready-fd 3` with stdout/stderr on `<bundle>/shim.log` and a pipe as
 //!    fd 3. The shim forks at once (its first process exits, so the daemon keeps no zombie),
 //!    starts a new session, closes every inherited descriptor but stdio and fd 3, and becomes a
 //!    child subreaper. Reparented to init, it survives the daemon being killed or restarted.
 //! 2. The shim runs `<runtime> --root DIR --log <bundle>/runtime-log.json --log-format json
 //!    create --bundle DIR --pid-file <bundle>/init.pid ID` with stdin on `/dev/null` (a pipe with
 //!    `--stdin`, see below) and two pipes as stdout and stderr (runc passes them to the
-//!    container), then writes one JSON line on fd 3: `{"ok":true,"shim_pid":N,"init_pid":M}`
+//!    container). With `--tty` it adds `--console-socket <bundle>/pty.sock` instead of the
+//!    pipes: the runtime makes the container's pty and sends the master there
+//!    ([`console`]); the shim keeps it. Then it writes one JSON line on fd 3: `{"ok":true,"shim_pid":N,"init_pid":M}`
 //!    or `{"ok":false,"error":"..."}`
 //!    (the runtime's own error message), and closes it.
 //! 3. The daemon starts the container itself with `runtime start ID`
 //!    ([`crate::oci::OciRuntime::start`]); likewise kill, exec, update and delete go straight
 //!    to the runtime. The shim only monitors.
-//! 4. The shim copies both pipes into the CRI log ([`crate::logs`]) until EOF, reaps every child
+//! 4. The shim copies both pipes (or the pty master, as stream `stdout`) into the CRI log
+//!    ([`crate::logs`]) until EOF, reaps every child
 //!    (one `waitpid(-1)` loop on its main thread, nothing else waits), and when the init exits:
 //!    waits up to 2 s for the pipes to drain, writes `<bundle>/exit.json` by atomic rename,
 //!    answers waiting clients, removes its socket and exits.
 //!
 //! # Bundle directory layout ([`ShimPaths`])
 //! `config.json` (daemon), `init.pid` (runtime), `shim.pid`, `shim.sock`, `shim.log`,
-//! `runtime-log.json`, `exit.json` (shim). The socket path must fit in 107 bytes.
+//! `runtime-log.json`, `exit.json`, `pty.sock` (shim, while a tty container is created). The socket path must fit in 107 bytes.
 //!
 //! # Control socket (`<bundle>/shim.sock`)
 //! One request per connection, one JSON line each way:
@@ -34,18 +37,22 @@
 //! - `{"op":"attach","stdin":B,"stdout":B,"stderr":B}` → `{"status":"attached"}`, then binary
 //!   frames both ways (`[kind u8][len u32 BE][bytes]`, [`protocol::Frame`]): the container's
 //!   stdout (1) / stderr (2) as the shim reads them (after writing them to the log; a session
-//!   more than 1024 chunks behind is cut off), stdin (0) and the end of the session's stdin (3)
-//!   from the daemon. The daemon half-closing the connection detaches; the shim closes it when
+//!   more than 1024 chunks behind is cut off), stdin (0), the end of the session's stdin (3)
+//!   and terminal resizes (4: width, height as u16 BE; tty containers) from the daemon
+//!   ([`attach`]). The daemon half-closing the connection detaches; the shim closes it when
 //!   the container's output ends. With `--stdin` (CRI `stdin`) the container's stdin is a pipe
 //!   the shim keeps open across sessions (else `/dev/null`, and stdin attach is refused); with
-//!   `--stdin-once` it is closed when the first session with stdin ends.
+//!   `--stdin-once` it is closed when the first session with stdin ends. A tty container's
+//!   input is its pty master (the end of a `--stdin-once` session's input is ^D there).
 //!
 //! where `EXIT` is the content of `exit.json`:
 //! `{"pid":M,"exit_code":3,"signal":null,"exited_at":"<RFC3339Nano>","exited_at_ns":N}`
 //! (`exit_code` is 128 + signal for a killed process). SIGUSR1 to the shim also reopens the
 //! log. Once the shim is gone, `exit.json` is the record; a shim gone without one was killed.
 
+pub mod attach;
 pub mod client;
+pub mod console;
 pub mod monitor;
 pub mod protocol;
 

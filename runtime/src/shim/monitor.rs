@@ -1,8 +1,10 @@
 //! The shim process (`minicri shim`): creates one container through the OCI runtime and
 //! monitors it until it exits. No async runtime: plain threads and one reaper.
 //!
-//! Threads: main (setup, then the only caller of `waitpid`), one pump per output pipe, the
-//! control socket acceptor (one short-lived thread per connection) and a `sigwait` thread
+//! Threads: main (setup, then the only caller of `waitpid`), one pump per output (the stdout
+//! and stderr pipes, or a tty container's pty master, [`super::console`]), the control socket
+//! acceptor (one short-lived thread per connection, attach sessions in [`super::attach`]) and a
+//! `sigwait` thread
 //! (SIGUSR1 reopens the log; SIGTERM, SIGINT and SIGHUP are ignored so the shim outlives
 //! whoever signals its session). Signals are blocked before any thread starts and unblocked in
 //! the OCI runtime's child before it execs, so the container does not inherit the mask.
@@ -22,9 +24,9 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::Pid;
 
-use super::protocol::{
-    ExitRecord, Frame, FrameDecoder, FrameKind, Ready, Request, Response, ShimPaths,
-};
+use super::attach::{Attachments, serve_session};
+use super::console::ConsoleSocket;
+use super::protocol::{ExitRecord, Ready, Request, Response, ShimPaths};
 use crate::fsutil::write_atomic;
 use crate::logs::{CriLogFile, DEFAULT_MAX_LINE, LineSplitter, Stream};
 use crate::oci::runc::{Runc, read_runtime_log};
@@ -64,101 +66,16 @@ pub struct ShimArgs {
     /// `ContainerConfig.stdin_once`).
     #[arg(long, requires = "stdin")]
     pub stdin_once: bool,
+    /// The container has a terminal (CRI `ContainerConfig.tty`; `process.terminal` in its
+    /// spec): the runtime sends its pty master over a console socket and the shim owns it.
+    #[arg(long)]
+    pub tty: bool,
 }
+
+/// How long the runtime may take to hand over the terminal once `create` has returned.
+const CONSOLE_TIMEOUT: Duration = Duration::from_secs(10);
 
 type SharedLog = Arc<Mutex<Option<CriLogFile>>>;
-
-/// Queued output frames per attach session; a session further behind is cut off, so a slow
-/// client never holds up the container or its log.
-const ATTACH_QUEUE: usize = 1024;
-
-/// One attach session's share of the output.
-struct Subscriber {
-    id: u64,
-    stdout: bool,
-    stderr: bool,
-    tx: std::sync::mpsc::SyncSender<Frame>,
-}
-
-/// The attach sessions and the container's stdin.
-#[derive(Default)]
-struct Attachments {
-    subscribers: Mutex<Vec<Subscriber>>,
-    next_id: std::sync::atomic::AtomicU64,
-    /// Output pumps still running; at 0 the output has ended and sessions are closed.
-    open_outputs: Mutex<usize>,
-    /// Sessions still writing to their connection (the shim lets them finish before leaving).
-    active: Mutex<usize>,
-    /// The write end of the container's stdin (with `--stdin`), until it is closed.
-    stdin: Mutex<Option<std::fs::File>>,
-    /// Whether the container was created with a stdin pipe (`--stdin`).
-    has_stdin: bool,
-    stdin_once: bool,
-}
-
-impl Attachments {
-    /// Hands `data` read from `stream` to every session that asked for it.
-    fn publish(&self, stream: Stream, data: &[u8]) {
-        let mut subs = self.subscribers.lock().unwrap();
-        if subs.is_empty() {
-            return;
-        }
-        let kind = match stream {
-            Stream::Stdout => FrameKind::Stdout,
-            Stream::Stderr => FrameKind::Stderr,
-        };
-        subs.retain(|s| {
-            let wanted = match kind {
-                FrameKind::Stdout => s.stdout,
-                _ => s.stderr,
-            };
-            if !wanted {
-                return true;
-            }
-            match s.tx.try_send(Frame::new(kind, data)) {
-                Ok(()) => true,
-                Err(std::sync::mpsc::TrySendError::Full(_)) => {
-                    eprintln!(
-                        "minicri shim: attach session {} is {ATTACH_QUEUE} chunks behind: cut off",
-                        s.id
-                    );
-                    false
-                }
-                Err(std::sync::mpsc::TrySendError::Disconnected(_)) => false,
-            }
-        });
-    }
-
-    /// One output pump reached EOF; after the last one, every session is told the end.
-    fn output_closed(&self) {
-        let mut open = self.open_outputs.lock().unwrap();
-        *open = open.saturating_sub(1);
-        if *open == 0 {
-            self.subscribers.lock().unwrap().clear();
-        }
-    }
-
-    fn unsubscribe(&self, id: u64) {
-        self.subscribers.lock().unwrap().retain(|s| s.id != id);
-    }
-
-    fn write_stdin(&self, data: &[u8]) {
-        let mut stdin = self.stdin.lock().unwrap();
-        if let Some(f) = stdin.as_mut()
-            && let Err(e) = f.write_all(data)
-        {
-            eprintln!("minicri shim: write to the container's stdin: {e}");
-            *stdin = None;
-        }
-    }
-
-    /// The end of a session's stdin: with `stdin_once` the container's stdin is closed.
-    fn stdin_done(&self) {
-        if self.stdin_once {
-            self.stdin.lock().unwrap().take();
-        }
-    }
-}
 
 struct Shared {
     shim_pid: i32,
@@ -257,6 +174,7 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
         paths.init_pid(),
         paths.socket(),
         paths.runtime_log(),
+        paths.console_socket(),
     ] {
         let _ = std::fs::remove_file(stale);
     }
@@ -270,26 +188,18 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
     let listener = UnixListener::bind(paths.socket())
         .map_err(|e| format!("bind {}: {e}", paths.socket().display()))?;
 
-    // Create the container with pipes as its stdout and stderr.
-    let (out_r, out_w) =
-        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
-    let (err_r, err_w) =
-        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
-    // With `--stdin`, a pipe whose write end the shim keeps for attach sessions.
-    let (stdin, stdin_w) = if args.stdin {
-        let (r, w) =
-            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
-        (Stdio::from(r), Some(std::fs::File::from(w)))
+    // Create the container: with pipes as its stdout and stderr, or on a terminal whose master
+    // the runtime sends to the console socket.
+    let console = if args.tty {
+        Some(
+            ConsoleSocket::bind(&paths.console_socket())
+                .map_err(|e| format!("bind {}: {e}", paths.console_socket().display()))?,
+        )
     } else {
-        (Stdio::null(), None)
+        None
     };
-    let attach = Arc::new(Attachments {
-        open_outputs: Mutex::new(2),
-        stdin: Mutex::new(stdin_w),
-        has_stdin: args.stdin,
-        stdin_once: args.stdin_once,
-        ..Default::default()
-    });
+    let outputs_count = if args.tty { 1 } else { 2 };
+    let attach = Arc::new(Attachments::new(outputs_count, args.stdin, args.stdin_once));
     let mut runc = Runc::new(&args.runtime, &args.runtime_root);
     runc.systemd_cgroup = args.systemd_cgroup;
     let mut cmd = Command::new(&args.runtime);
@@ -298,10 +208,31 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
         &args.bundle,
         &paths.init_pid(),
         &paths.runtime_log(),
-    ))
-    .stdin(stdin)
-    .stdout(Stdio::from(out_w))
-    .stderr(Stdio::from(err_w));
+        console.as_ref().map(|c| c.path()),
+    ));
+    let mut outputs: Vec<(OwnedFd, Stream)> = Vec::new();
+    if args.tty {
+        // The runtime's own stdio is not the container's; its errors go to shim.log.
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+    } else {
+        let pipe =
+            || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"));
+        let ((out_r, out_w), (err_r, err_w)) = (pipe()?, pipe()?);
+        // With `--stdin`, a pipe whose write end the shim keeps for attach sessions.
+        let stdin = if args.stdin {
+            let (r, w) = pipe()?;
+            *attach.stdin.lock().unwrap() = Some(std::fs::File::from(w));
+            Stdio::from(r)
+        } else {
+            Stdio::null()
+        };
+        cmd.stdin(stdin)
+            .stdout(Stdio::from(out_w))
+            .stderr(Stdio::from(err_w));
+        outputs = vec![(out_r, Stream::Stdout), (err_r, Stream::Stderr)];
+    }
     // SAFETY: sigprocmask is async-signal-safe.
     unsafe {
         cmd.pre_exec(|| {
@@ -319,7 +250,7 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
     drop(child); // reaped below by waitpid, never through the handle
 
     let (done_tx, done_rx) = std::sync::mpsc::channel();
-    for (fd, stream) in [(out_r, Stream::Stdout), (err_r, Stream::Stderr)] {
+    let spawn_pump = |fd: OwnedFd, stream: Stream| {
         let log = log.clone();
         let done = done_tx.clone();
         let attach = attach.clone();
@@ -328,8 +259,11 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
             attach.output_closed();
             let _ = done.send(());
         });
+    };
+    let pumps = outputs.len().max(1);
+    for (fd, stream) in outputs {
+        spawn_pump(fd, stream);
     }
-    drop(done_tx);
 
     // Reap until the runtime's `create` is done; keep any other status (the init, if it was
     // already killed) for later.
@@ -352,6 +286,23 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
             read_runtime_log(&paths.runtime_log()).unwrap_or_else(|| format!("{create_status:?}"));
         return Err(format!("{} create: {msg}", args.runtime.display()));
     }
+    if let Some(console) = console {
+        // The terminal is the container's only output (stdout); input and resizes go to it.
+        let master = console
+            .receive(CONSOLE_TIMEOUT)
+            .map_err(|e| format!("the container's terminal: {e}"))?;
+        let dup = || {
+            master
+                .try_clone()
+                .map_err(|e| format!("dup the terminal: {e}"))
+        };
+        if args.stdin {
+            *attach.stdin.lock().unwrap() = Some(std::fs::File::from(dup()?));
+        }
+        *attach.terminal.lock().unwrap() = Some(dup()?);
+        spawn_pump(master, Stream::Stdout);
+    }
+    drop(done_tx);
     let init_pid: i32 = std::fs::read_to_string(paths.init_pid())
         .map_err(|e| format!("read init.pid: {e}"))?
         .trim()
@@ -389,7 +340,7 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
     // Give the pumps time to drain what the container wrote; processes it left behind in a
     // shared PID namespace may keep the pipes open forever, so do not wait for them.
     let deadline = Instant::now() + Duration::from_secs(2);
-    for _ in 0..2 {
+    for _ in 0..pumps {
         let left = deadline.saturating_duration_since(Instant::now());
         if done_rx.recv_timeout(left).is_err() {
             break;
@@ -446,7 +397,8 @@ fn wait_init(init_pid: i32, mut seen: HashMap<i32, WaitStatus>) -> Option<WaitSt
     }
 }
 
-/// Copies one output pipe into the CRI log, and to the attach sessions, until EOF.
+/// Copies one output (a pipe, or a terminal's master) into the CRI log, and to the attach
+/// sessions, until EOF (EIO on a master: every slave descriptor is closed).
 fn pump(fd: OwnedFd, stream: Stream, log: &SharedLog, attach: &Attachments) {
     let mut pipe = std::fs::File::from(fd);
     let mut splitter = LineSplitter::new(DEFAULT_MAX_LINE);
@@ -466,6 +418,7 @@ fn pump(fd: OwnedFd, stream: Stream, log: &SharedLog, attach: &Attachments) {
                 attach.publish(stream, &buf[..n]);
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.raw_os_error() == Some(libc::EIO) => break,
             Err(e) => {
                 eprintln!("minicri shim: read {}: {e}", stream.as_str());
                 break;
@@ -531,7 +484,7 @@ fn handle(conn: UnixStream, shared: &Shared) -> std::io::Result<()> {
             stdin,
             stdout,
             stderr,
-        }) => return attach(conn, shared, stdin, stdout, stderr),
+        }) => return serve_session(conn, shared.attach.clone(), stdin, stdout, stderr),
         Ok(Request::Wait) => {
             *shared.waiters.lock().unwrap() += 1;
             let mut exited = shared.exited.lock().unwrap();
@@ -551,189 +504,4 @@ fn handle(conn: UnixStream, shared: &Shared) -> std::io::Result<()> {
     let mut out = serde_json::to_vec(&response).map_err(std::io::Error::other)?;
     out.push(b'\n');
     (&conn).write_all(&out)
-}
-
-/// Serves one attach session on `conn` (see [`Request::Attach`]): this thread copies the
-/// subscribed output to the connection, a second one reads the daemon's frames (stdin).
-fn attach(
-    conn: UnixStream,
-    shared: &Shared,
-    stdin: bool,
-    stdout: bool,
-    stderr: bool,
-) -> std::io::Result<()> {
-    let a = shared.attach.clone();
-    let refuse = |message: String| {
-        let mut out = serde_json::to_vec(&Response::Error { message })?;
-        out.push(b'\n');
-        (&conn).write_all(&out)
-    };
-    if stdin && !a.has_stdin {
-        return refuse("the container was not created with stdin".into());
-    }
-    let (tx, rx) = std::sync::mpsc::sync_channel(ATTACH_QUEUE);
-    let id = a.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    {
-        // Subscribe under the pumps' counter, so the end of the output cannot slip by.
-        let open = a.open_outputs.lock().unwrap();
-        if *open == 0 {
-            drop(open);
-            return refuse("the container's output has ended (it exited)".into());
-        }
-        a.subscribers.lock().unwrap().push(Subscriber {
-            id,
-            stdout,
-            stderr,
-            tx,
-        });
-    }
-    *a.active.lock().unwrap() += 1;
-    let result = (|| {
-        let mut out = serde_json::to_vec(&Response::Attached).map_err(std::io::Error::other)?;
-        out.push(b'\n');
-        (&conn).write_all(&out)?;
-        let reader = conn.try_clone()?;
-        let ra = a.clone();
-        std::thread::spawn(move || read_stdin(reader, &ra, id, stdin));
-        for frame in rx {
-            (&conn).write_all(&frame.encode())?;
-        }
-        Ok(())
-    })();
-    // The output has ended, the daemon detached, or the connection broke.
-    a.unsubscribe(id);
-    let _ = conn.shutdown(std::net::Shutdown::Both);
-    *a.active.lock().unwrap() -= 1;
-    result
-}
-
-/// Reads an attach session's frames until the daemon detaches: stdin goes to the container.
-fn read_stdin(mut conn: UnixStream, a: &Attachments, id: u64, with_stdin: bool) {
-    let mut decoder = FrameDecoder::default();
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut stdin_open = with_stdin;
-    'read: loop {
-        let n = match conn.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        decoder.feed(&buf[..n]);
-        loop {
-            match decoder.next_frame() {
-                Ok(Some(f)) => match f.kind {
-                    FrameKind::Stdin if stdin_open => a.write_stdin(&f.data),
-                    FrameKind::CloseStdin if stdin_open => {
-                        stdin_open = false;
-                        a.stdin_done();
-                    }
-                    _ => {}
-                },
-                Ok(None) => break,
-                Err(e) => {
-                    eprintln!("minicri shim: attach session {id}: {e}");
-                    break 'read;
-                }
-            }
-        }
-    }
-    // Detached: a session that had stdin ends it too (stdin_once closes the container's).
-    if stdin_open {
-        a.stdin_done();
-    }
-    a.unsubscribe(id);
-    let _ = conn.shutdown(std::net::Shutdown::Both);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn subscribe(
-        a: &Attachments,
-        id: u64,
-        stdout: bool,
-        stderr: bool,
-    ) -> std::sync::mpsc::Receiver<Frame> {
-        let (tx, rx) = std::sync::mpsc::sync_channel(ATTACH_QUEUE);
-        a.subscribers.lock().unwrap().push(Subscriber {
-            id,
-            stdout,
-            stderr,
-            tx,
-        });
-        rx
-    }
-
-    #[test]
-    fn output_goes_to_the_sessions_that_asked_for_it() {
-        let a = Attachments {
-            open_outputs: Mutex::new(2),
-            ..Default::default()
-        };
-        let both = subscribe(&a, 1, true, true);
-        let out = subscribe(&a, 2, true, false);
-        a.publish(Stream::Stdout, b"o");
-        a.publish(Stream::Stderr, b"e");
-        assert_eq!(
-            both.try_iter().collect::<Vec<_>>(),
-            [
-                Frame::new(FrameKind::Stdout, b"o".to_vec()),
-                Frame::new(FrameKind::Stderr, b"e".to_vec())
-            ]
-        );
-        assert_eq!(
-            out.try_iter().collect::<Vec<_>>(),
-            [Frame::new(FrameKind::Stdout, b"o".to_vec())]
-        );
-        // A session that went away is dropped at the next chunk.
-        drop(out);
-        a.publish(Stream::Stdout, b"x");
-        assert_eq!(a.subscribers.lock().unwrap().len(), 1);
-        // The end of both outputs ends every session.
-        a.output_closed();
-        assert_eq!(a.subscribers.lock().unwrap().len(), 1);
-        a.output_closed();
-        assert!(a.subscribers.lock().unwrap().is_empty());
-        assert_eq!(both.try_iter().count(), 1);
-        assert!(both.recv().is_err(), "disconnected");
-    }
-
-    #[test]
-    fn a_session_that_falls_behind_is_cut_off() {
-        let a = Attachments::default();
-        let slow = subscribe(&a, 1, true, true);
-        for _ in 0..ATTACH_QUEUE {
-            a.publish(Stream::Stdout, b"chunk");
-        }
-        assert_eq!(a.subscribers.lock().unwrap().len(), 1);
-        a.publish(Stream::Stdout, b"one too many");
-        assert!(a.subscribers.lock().unwrap().is_empty());
-        assert_eq!(slow.try_iter().count(), ATTACH_QUEUE);
-    }
-
-    #[test]
-    fn stdin_once_closes_the_containers_stdin() {
-        let (r, w) = nix::unistd::pipe().unwrap();
-        let a = Attachments {
-            stdin: Mutex::new(Some(std::fs::File::from(w))),
-            has_stdin: true,
-            stdin_once: true,
-            ..Default::default()
-        };
-        a.write_stdin(b"in\n");
-        a.stdin_done();
-        assert!(a.stdin.lock().unwrap().is_none());
-        let mut got = String::new();
-        std::fs::File::from(r).read_to_string(&mut got).unwrap();
-        assert_eq!(got, "in\n", "EOF after the input: the write end is closed");
-
-        let (_r, w) = nix::unistd::pipe().unwrap();
-        let kept = Attachments {
-            stdin: Mutex::new(Some(std::fs::File::from(w))),
-            has_stdin: true,
-            ..Default::default()
-        };
-        kept.stdin_done();
-        assert!(kept.stdin.lock().unwrap().is_some(), "without stdin_once");
-    }
 }

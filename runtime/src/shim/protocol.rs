@@ -45,6 +45,11 @@ impl ShimPaths {
     pub fn runtime_log(&self) -> PathBuf {
         self.bundle.join("runtime-log.json")
     }
+    /// Where the runtime sends a tty container's pty master (`--console-socket`; removed once
+    /// received). Shorter than [`ShimPaths::socket`], so it fits wherever that does.
+    pub fn console_socket(&self) -> PathBuf {
+        self.bundle.join("pty.sock")
+    }
 }
 
 /// How the container's init ended.
@@ -126,6 +131,9 @@ pub enum FrameKind {
     /// Daemon to shim: the client closed its stdin (with `stdin_once`, the container's stdin
     /// is closed; otherwise it stays open for the next session).
     CloseStdin = 3,
+    /// Daemon to shim: the client's terminal size, `[width u16 BE][height u16 BE]`
+    /// ([`Frame::resize`]); applied to a tty container's terminal, ignored otherwise.
+    Resize = 4,
 }
 
 impl FrameKind {
@@ -135,6 +143,7 @@ impl FrameKind {
             1 => FrameKind::Stdout,
             2 => FrameKind::Stderr,
             3 => FrameKind::CloseStdin,
+            4 => FrameKind::Resize,
             _ => return None,
         })
     }
@@ -155,6 +164,24 @@ impl Frame {
         Frame {
             kind,
             data: data.into(),
+        }
+    }
+
+    /// A [`FrameKind::Resize`] frame.
+    pub fn resize(width: u16, height: u16) -> Frame {
+        let mut data = width.to_be_bytes().to_vec();
+        data.extend_from_slice(&height.to_be_bytes());
+        Frame::new(FrameKind::Resize, data)
+    }
+
+    /// The (width, height) of a [`FrameKind::Resize`] frame; `None` for anything else.
+    pub fn size(&self) -> Option<(u16, u16)> {
+        match (self.kind, self.data.as_slice()) {
+            (FrameKind::Resize, [w0, w1, h0, h1]) => Some((
+                u16::from_be_bytes([*w0, *w1]),
+                u16::from_be_bytes([*h0, *h1]),
+            )),
+            _ => None,
         }
     }
 
@@ -280,6 +307,7 @@ mod tests {
             Frame::new(FrameKind::Stderr, Vec::new()),
             Frame::new(FrameKind::Stdin, vec![0u8; 70_000]),
             Frame::new(FrameKind::CloseStdin, Vec::new()),
+            Frame::resize(80, 24),
         ];
         let wire: Vec<u8> = frames.iter().flat_map(|f| f.encode()).collect();
         assert_eq!(&wire[..5], &[1, 0, 0, 0, 6]);
@@ -309,6 +337,15 @@ mod tests {
         let mut d = FrameDecoder::default();
         d.feed(&[2, 0, 0]);
         assert_eq!(d.next_frame().unwrap(), None);
+    }
+
+    #[test]
+    fn resize_frames_carry_width_and_height() {
+        let f = Frame::resize(300, 2);
+        assert_eq!(f.encode(), [4, 0, 0, 0, 4, 1, 44, 0, 2]);
+        assert_eq!(f.size(), Some((300, 2)));
+        assert_eq!(Frame::new(FrameKind::Resize, vec![1, 2, 3]).size(), None);
+        assert_eq!(Frame::new(FrameKind::Stdin, vec![0, 1, 0, 1]).size(), None);
     }
 
     #[test]

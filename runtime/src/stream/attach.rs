@@ -1,9 +1,9 @@
 //! One attach session (CRI `Attach`): the remotecommand protocol on an upgraded connection,
 //! wired to the container's own stdio, which its shim owns ([`crate::shim`]).
 //!
-//! The client opens its streams exactly as for exec (`error`, and `stdin` / `stdout` /
-//! `stderr` as the request said; [`super::exec`] collects them). Then the session asks the
-//! backend to attach ([`ExecBackend::attach`]; for the daemon: an `attach` request on the
+//! The client opens its channels exactly as for exec (`error`, and `stdin` / `stdout` /
+//! `stderr` as the request said, `resize` with a terminal; [`super::session`]), over SPDY or
+//! WebSocket. Then the session asks the backend to attach ([`ExecBackend::attach`]; for the daemon: an `attach` request on the
 //! shim's control socket) and copies:
 //! - the container's stdout / stderr, as the shim reads them (they also go to the CRI log, and
 //!   only what is written after the attach), to their streams;
@@ -18,22 +18,21 @@
 //! - when the client hangs up (detaches): the shim connection is dropped, the container goes
 //!   on, and no exit status is sent.
 //!
-//! Terminals: containers with `tty` are refused at creation ([`crate::oci::spec`]), so an
-//! attach never has a terminal here; the RPC refuses `tty` (it must match the container's).
+//! Terminals: the RPC's `tty` must match the container's. A tty container's shim owns its pty
+//! ([`crate::shim::console`]): its output comes as stdout, input goes to the terminal, and the
+//! `resize` channel's sizes become resize frames to the shim, which sets the terminal's size
+//! (the kernel then signals SIGWINCH to the container's foreground processes).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use futures::future::BoxFuture;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 
-use super::exec::{
-    self, BoxRead, BoxWrite, DRAIN_GRACE, ExecBackend, LINGER, STREAM_CREATION_TIMEOUT,
-};
-use super::remotecommand::{Outcome, Protocol, StreamType};
-use super::spdy::conn::{self, Event};
-use super::spdy::rst;
+use super::exec::{BoxRead, BoxWrite, ExecBackend, Resize};
+use super::remotecommand::{self, Outcome, Protocol, StreamType};
+use super::session::{self, Channels, Link, Pumps};
 use crate::shim::ShimAttach;
 use crate::shim::protocol::{Frame, FrameDecoder, FrameKind};
 
@@ -50,6 +49,13 @@ pub struct AttachRequest {
     pub stderr: bool,
 }
 
+impl AttachRequest {
+    /// The channels a client of `p` uses for this request (as for exec).
+    pub fn streams(&self, p: Protocol) -> Vec<StreamType> {
+        remotecommand::streams(self.stdin, self.stdout, self.stderr, self.tty, p)
+    }
+}
+
 /// A session attached to a container's stdio. Dropping it detaches.
 pub struct Attached {
     /// The container's stdin (when asked for); shutting it down ends this session's input.
@@ -57,29 +63,13 @@ pub struct Attached {
     /// The container's stdout and stderr from now on (when asked for); EOF when they end.
     pub stdout: Option<BoxRead>,
     pub stderr: Option<BoxRead>,
+    /// Resizes the container's terminal (tty containers; a no-op for others).
+    pub resize: Option<Resize>,
     /// Resolves when the container's output has ended (it exited, or its shim is gone).
     pub ended: BoxFuture<'static, ()>,
 }
 
-/// The streams a client opens for `req` under protocol `p` (as for exec).
-pub fn expected_streams(req: &AttachRequest, p: Protocol) -> Vec<StreamType> {
-    let mut v = vec![StreamType::Error];
-    if req.stdin {
-        v.push(StreamType::Stdin);
-    }
-    if req.stdout {
-        v.push(StreamType::Stdout);
-    }
-    if req.stderr && !req.tty {
-        v.push(StreamType::Stderr);
-    }
-    if req.tty && p >= Protocol::V3 {
-        v.push(StreamType::Resize);
-    }
-    v
-}
-
-/// Runs one attach session on an upgraded connection.
+/// Runs one attach session on an upgraded SPDY connection.
 pub async fn serve<IO>(
     io: IO,
     protocol: Protocol,
@@ -88,18 +78,24 @@ pub async fn serve<IO>(
 ) where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
+    match session::open_spdy(io, req.streams(protocol)).await {
+        Ok((channels, link)) => run_session(channels, link, protocol, req, backend).await,
+        Err(reason) => {
+            tracing::info!(container = %req.container_id, %reason, "attach session ended before it started")
+        }
+    }
+}
+
+/// Runs one attach session on its channels, whatever the transport.
+pub async fn run_session(
+    mut ch: Channels,
+    mut link: Link,
+    protocol: Protocol,
+    req: AttachRequest,
+    backend: Arc<dyn ExecBackend>,
+) {
     let started = Instant::now();
     let id = req.container_id.clone();
-    let (conn, mut events) = conn::serve(io);
-    let expected = expected_streams(&req, protocol);
-    let mut ch = match exec::collect(&mut events, expected, STREAM_CREATION_TIMEOUT).await {
-        Ok(c) => c,
-        Err(reason) => {
-            tracing::info!(container = %id, %reason, "attach session ended before it started");
-            conn.close().await;
-            return;
-        }
-    };
     let attached = match backend
         .attach(&id, req.stdin, req.stdout, req.stderr && !req.tty)
         .await
@@ -107,12 +103,8 @@ pub async fn serve<IO>(
         Ok(a) => a,
         Err(m) => {
             tracing::warn!(container = %id, error = %m, "attach failed");
-            exec::finish(&ch, protocol, &Outcome::Error(m), &[]).await;
-            let _ = tokio::time::timeout(LINGER, async {
-                while let Some(Event::Stream(_)) = events.recv().await {}
-            })
-            .await;
-            conn.close().await;
+            session::finish(&ch, protocol, &Outcome::Error(m), &[]).await;
+            link.finish().await;
             return;
         }
     };
@@ -120,67 +112,30 @@ pub async fn serve<IO>(
         stdin,
         stdout,
         stderr,
+        resize,
         mut ended,
     } = attached;
-    let stdin_task = match (ch.stdin.as_mut(), stdin) {
-        (Some(s), Some(w)) => {
-            let rx = std::mem::replace(&mut s.data, tokio::sync::mpsc::channel(1).1);
-            Some(tokio::spawn(exec::copy_in(rx, w)))
-        }
-        _ => None,
-    };
-    let outputs = [
-        (stdout, ch.stdout.as_ref().map(|s| s.writer.clone())),
-        (stderr, ch.stderr.as_ref().map(|s| s.writer.clone())),
-    ]
-    .map(|(r, w)| tokio::spawn(exec::copy_out(r, w)));
+    let pumps = Pumps::start(&mut ch, stdin, stdout, stderr, resize);
 
-    let client_gone = loop {
-        tokio::select! {
-            _ = &mut ended => break false,
-            ev = events.recv() => match ev {
-                Some(Event::Stream(s)) => s.writer.reset(rst::REFUSED_STREAM).await,
-                Some(Event::Closed(_)) | None => break true,
-            },
-        }
+    let client_gone = tokio::select! {
+        _ = &mut ended => false,
+        () = link.gone() => true,
     };
     let ms = format!("{:.1}", started.elapsed().as_secs_f64() * 1e3);
     if client_gone {
         // Detach: the container carries on; dropping the pieces closes the shim connection.
-        for t in outputs {
-            t.abort();
-        }
-        if let Some(t) = stdin_task {
-            t.abort();
-        }
+        pumps.abort();
         drop(ended);
         tracing::info!(container = %id, duration_ms = ms, "attach client detached");
-        conn.close().await;
+        link.close().await;
         return;
     }
-    let drained_by = tokio::time::Instant::now() + DRAIN_GRACE;
-    for mut t in outputs {
-        if tokio::time::timeout_at(drained_by, &mut t).await.is_err() {
-            t.abort();
-        }
-    }
-    if let Some(t) = stdin_task {
-        t.abort();
-    }
+    pumps.drain().await;
     drop(ended);
     tracing::info!(container = %id, duration_ms = ms, protocol = protocol.name(), "attach ended: the container's output ended");
-    // No outcome on the error stream: an attach has no command whose status it could report.
-    exec::close_all(&ch).await;
-    let _ = tokio::time::timeout(LINGER, async {
-        while let Some(ev) = events.recv().await {
-            match ev {
-                Event::Stream(s) => s.writer.reset(rst::REFUSED_STREAM).await,
-                Event::Closed(_) => break,
-            }
-        }
-    })
-    .await;
-    conn.close().await;
+    // No outcome on the error channel: an attach has no command whose status it could report.
+    session::close_all(&ch).await;
+    link.finish().await;
 }
 
 /// The daemon's attach: the running container's shim serves the session.
@@ -205,9 +160,9 @@ pub(super) fn pod_attach<'a>(
 }
 
 /// Turns a shim attach connection into the session's pipes: one task copies the shim's
-/// frames to the stdout / stderr pipes, another the stdin pipe to the shim as frames. Both
-/// stop, closing the connection (the shim's sign of a detach), when [`Attached::ended`] is
-/// dropped.
+/// frames to the stdout / stderr pipes, another the stdin pipe and the resizes to the shim as
+/// frames. Both stop, closing the connection (the shim's sign of a detach), when
+/// [`Attached::ended`] is dropped.
 pub fn from_shim(conn: ShimAttach, stdin: bool, stdout: bool, stderr: bool) -> Attached {
     let ShimAttach { reader, writer } = conn;
     let (detach_tx, detach_rx) = watch::channel(());
@@ -226,21 +181,23 @@ pub fn from_shim(conn: ShimAttach, stdin: bool, stdout: bool, stderr: bool) -> A
         let _ = done_tx.send(());
     });
     let mut detached = detach_rx;
+    // Resizes are few and idempotent: when the shim lags, one more is simply dropped.
+    let (resize_tx, resize_rx) = mpsc::channel::<(u16, u16)>(8);
     tokio::spawn(async move {
-        let mut writer = writer;
-        if let Some(r) = in_shim {
-            tokio::select! {
-                _ = copy_frames_in(r, &mut writer) => {}
-                _ = detached.changed() => return,
-            }
+        tokio::select! {
+            _ = copy_frames_in(in_shim, resize_rx, writer) => {}
+            _ = detached.changed() => {}
         }
-        let _ = detached.changed().await;
         // Dropping the write half shuts it down: the shim's sign that the session detached.
+    });
+    let resize: Resize = Box::new(move |w, h| {
+        let _ = resize_tx.try_send((w, h));
     });
     Attached {
         stdin: in_session.map(|s| Box::pin(s) as BoxWrite),
         stdout: out_session.map(|s| Box::pin(s) as BoxRead),
         stderr: err_session.map(|s| Box::pin(s) as BoxRead),
+        resize: Some(resize),
         ended: Box::pin(async move {
             let _detach_on_drop = detach_tx;
             let _ = done_rx.await;
@@ -286,25 +243,33 @@ async fn copy_frames_out<R: AsyncRead + Unpin>(
     }
 }
 
-/// The session's stdin to the shim as frames; its end as a `CloseStdin` frame.
-async fn copy_frames_in<W: AsyncWrite + Unpin>(mut stdin: DuplexStream, shim: &mut W) {
+/// The session's stdin (its end as a `CloseStdin` frame) and resizes to the shim as frames;
+/// after both have ended, waits to be dropped (the detach).
+async fn copy_frames_in<W: AsyncWrite + Unpin>(
+    mut stdin: Option<DuplexStream>,
+    mut resizes: mpsc::Receiver<(u16, u16)>,
+    mut shim: W,
+) {
     let mut buf = vec![0u8; 32 * 1024];
     loop {
-        let n = match stdin.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
+        let frame = tokio::select! {
+            n = async { stdin.as_mut().expect("guarded").read(&mut buf).await }, if stdin.is_some() => {
+                match n {
+                    Ok(0) | Err(_) => {
+                        stdin = None;
+                        Frame::new(FrameKind::CloseStdin, Vec::new())
+                    }
+                    Ok(n) => Frame::new(FrameKind::Stdin, &buf[..n]),
+                }
+            }
+            Some((w, h)) = resizes.recv() => Frame::resize(w, h),
+            else => break,
         };
-        if shim
-            .write_all(&Frame::new(FrameKind::Stdin, &buf[..n]).encode())
-            .await
-            .is_err()
-        {
-            return;
+        if shim.write_all(&frame.encode()).await.is_err() {
+            break;
         }
     }
-    let _ = shim
-        .write_all(&Frame::new(FrameKind::CloseStdin, Vec::new()).encode())
-        .await;
+    std::future::pending::<()>().await;
 }
 
 #[cfg(test)]

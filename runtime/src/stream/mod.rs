@@ -1,8 +1,8 @@
 //! The CRI streaming server: where `crictl exec` and the kubelet connect after the Exec RPC.
 //!
 //! The CRI does not stream over gRPC: Exec (and Attach, PortForward) answer a URL, and the
-//! client opens it with HTTP/1.1, upgrades the connection to SPDY/3.1 and speaks the Kubernetes
-//! remotecommand protocol on it. minicri serves that URL on a loopback address
+//! client opens it with HTTP/1.1, upgrades the connection to SPDY/3.1 or WebSocket (whichever
+//! it asks for) and speaks the Kubernetes remotecommand (or port-forward) protocol on it. minicri serves that URL on a loopback address
 //! (`stream_address`, default `127.0.0.1:0`: any free port), like containerd's default
 //! `stream_server_address`; nothing here authenticates the client beyond the token, so the
 //! configuration refuses other addresses.
@@ -11,7 +11,11 @@
 //!   single-use token that expires after [`TOKEN_TTL`];
 //! - [`http`]: the HTTP/1.1 request, upgrade and protocol negotiation;
 //! - [`spdy`]: SPDY/3.1 framing, header compression, flow control, the connection;
+//! - [`ws`]: WebSocket framing and limits, the connection, remotecommand channels, SPDY
+//!   tunnelled through WebSocket and port-forward channels;
 //! - [`remotecommand`]: protocol versions, stream types, the error stream's status;
+//! - [`session`]: what exec and attach sessions share whatever the transport: channels, the
+//!   link to the client, the copies;
 //! - [`attach`]: one attach session, on the container's own stdio through its shim;
 //! - [`exec`]: one exec session, and [`ExecBackend`], the seam to the pod service;
 //! - [`portforward`]: one port-forward session (`portforward.k8s.io`): TCP connections into
@@ -26,11 +30,13 @@ pub mod http;
 pub mod portforward;
 pub mod pty;
 pub mod remotecommand;
+pub mod session;
 pub mod spdy;
 #[cfg(test)]
 mod testing;
 #[cfg(test)]
 mod tests;
+pub mod ws;
 
 use std::collections::HashMap;
 use std::io::Read;

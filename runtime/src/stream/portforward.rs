@@ -20,7 +20,10 @@
 //!    stream, which client-go shows as "an error occurred forwarding L -> P: <text>"; then both
 //!    streams are half-closed (FIN).
 //!
-//! A pair left incomplete for [`super::exec::STREAM_CREATION_TIMEOUT`] gets "timed out waiting
+//! The same session runs on SPDY tunnelled through WebSocket; WebSocket clients may also use the
+//! kubelet's per-port channel form ([`super::ws::portforward`]); [`super::http`] picks.
+//!
+//! A pair left incomplete for [`super::session::STREAM_CREATION_TIMEOUT`] gets "timed out waiting
 //! for complete stream pair" on its error stream (as the kubelet). A stream of another type, or
 //! a second stream of one type for a key, is refused (RST_STREAM REFUSED_STREAM). The session
 //! ends when the client closes the connection; forwards in progress then stop.
@@ -35,12 +38,13 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::exec::STREAM_CREATION_TIMEOUT;
 use super::remotecommand::STREAM_TYPE_HEADER;
+use super::session::{Output, STREAM_CREATION_TIMEOUT};
 use super::spdy::conn::{self, Event, IncomingStream, MAX_DATA_CHUNK};
 use super::spdy::rst;
 
-/// The subprotocol client-go asks for in `X-Stream-Protocol-Version`.
+/// The subprotocol client-go asks for in `X-Stream-Protocol-Version` (over WebSocket, the
+/// tunnelled form prefixes it: [`super::ws::portforward`]).
 pub const PROTOCOL: &str = "portforward.k8s.io";
 /// The stream header naming the remote port.
 pub const PORT_HEADER: &str = "port";
@@ -55,85 +59,6 @@ pub struct PortForwardRequest {
     pub sandbox_id: String,
     /// The pod's network namespace; `None`: the host's (host-network pod).
     pub netns: Option<PathBuf>,
-}
-
-/// Answers `/portforward/<token>`: the token is consumed, then the request must be an upgrade
-/// to SPDY/3.1 offering `portforward.k8s.io` (or no protocol at all: the legacy form, answered
-/// without the header); the session runs on the upgraded connection. Refusals as for exec:
-/// 405, 404, 400, and 403 naming the protocol spoken here.
-pub fn handle_http(
-    mut req: hyper::Request<hyper::body::Incoming>,
-    token: &str,
-    server: &super::StreamServer,
-) -> hyper::Response<http_body_util::Full<hyper::body::Bytes>> {
-    use super::http::{SPDY_31, lists, text};
-    use super::remotecommand::{ACCEPTED_PROTOCOLS_HEADER, PROTOCOL_HEADER};
-    use hyper::header::{CONNECTION, UPGRADE};
-    use hyper::{Method, StatusCode};
-
-    if req.method() != Method::POST && req.method() != Method::GET {
-        return text(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "port-forward streams are opened with POST or GET",
-        );
-    }
-    let pf = match server.take(token) {
-        Some(super::Pending::PortForward(r)) => r,
-        _ => {
-            return text(
-                StatusCode::NOT_FOUND,
-                format!(
-                    "port-forward session {token:?} not found: unknown, already used or expired"
-                ),
-            );
-        }
-    };
-    if !lists(&req, CONNECTION, "upgrade") || !lists(&req, UPGRADE, SPDY_31) {
-        return text(
-            StatusCode::BAD_REQUEST,
-            "unable to upgrade: the request must carry Connection: Upgrade and Upgrade: SPDY/3.1 (WebSocket streaming is not supported)",
-        );
-    }
-    let offered: Vec<String> = req
-        .headers()
-        .get_all(PROTOCOL_HEADER)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|v| v.trim().to_string())
-        .filter(|v| !v.is_empty())
-        .collect();
-    if !offered.is_empty() && !offered.iter().any(|p| p == PROTOCOL) {
-        let mut r = text(
-            StatusCode::FORBIDDEN,
-            format!(
-                "unable to upgrade: unable to negotiate protocol: client supports {offered:?}, server supports [{PROTOCOL:?}]"
-            ),
-        );
-        r.headers_mut().insert(
-            ACCEPTED_PROTOCOLS_HEADER,
-            hyper::header::HeaderValue::from_static(PROTOCOL),
-        );
-        return r;
-    }
-    let on_upgrade = hyper::upgrade::on(&mut req);
-    tokio::spawn(async move {
-        match on_upgrade.await {
-            Ok(upgraded) => serve(hyper_util::rt::TokioIo::new(upgraded), pf).await,
-            Err(e) => {
-                tracing::info!(sandbox = %pf.sandbox_id, error = %e, "port-forward upgrade failed")
-            }
-        }
-    });
-    let mut r = hyper::Response::builder()
-        .status(StatusCode::SWITCHING_PROTOCOLS)
-        .header(CONNECTION, "Upgrade")
-        .header(UPGRADE, SPDY_31);
-    if !offered.is_empty() {
-        r = r.header(PROTOCOL_HEADER, PROTOCOL);
-    }
-    r.body(http_body_util::Full::new(hyper::body::Bytes::new()))
-        .expect("valid response")
 }
 
 /// The two halves of one forwarded connection.
@@ -277,6 +202,16 @@ pub async fn connect(netns: Option<PathBuf>, port: u16) -> Result<TcpStream, Str
     TcpStream::from_std(std_stream).map_err(|e| format!("socket: {e}"))
 }
 
+/// Connects to `localhost:port` in the pod of `req`; the error is the text a client shows.
+pub async fn dial(req: &PortForwardRequest, port: u16) -> Result<TcpStream, String> {
+    connect(req.netns.clone(), port).await.map_err(|e| {
+        format!(
+            "failed to connect to localhost:{port} inside namespace of pod {}: {e}",
+            req.sandbox_id
+        )
+    })
+}
+
 /// Forwards one pair's connection; reports a failure on its error stream.
 async fn forward(
     req: Arc<PortForwardRequest>,
@@ -287,12 +222,7 @@ async fn forward(
     let data_writer = data.writer.clone();
     let result = async {
         let port = parse_port(data.headers.get(PORT_HEADER))?;
-        let socket = connect(req.netns.clone(), port).await.map_err(|e| {
-            format!(
-                "failed to connect to localhost:{port} inside namespace of pod {}: {e}",
-                req.sandbox_id
-            )
-        })?;
+        let socket = dial(&req, port).await?;
         tracing::debug!(sandbox = %req.sandbox_id, port, "port-forward connected");
         copy(socket, data, closed).await
     }
@@ -306,6 +236,41 @@ async fn forward(
     let _ = error.writer.close().await;
 }
 
+/// Copies the client's bytes to the pod's socket until the client's side ends (or the pod stops
+/// reading), then half-closes the socket (`shutdown(SHUT_WR)`).
+pub(super) async fn client_to_socket(
+    mut from_client: tokio::sync::mpsc::Receiver<Vec<u8>>,
+    mut wr: tokio::net::tcp::OwnedWriteHalf,
+) {
+    while let Some(buf) = from_client.recv().await {
+        if wr.write_all(&buf).await.is_err() {
+            // The pod's side closed its read half: nothing more can be delivered.
+            break;
+        }
+    }
+    let _ = wr.shutdown().await;
+}
+
+/// Copies the pod's bytes to the client until the socket's EOF, or until the client cannot be
+/// written to (it reset the stream or went away); a read error is the text to report.
+pub(super) async fn socket_to_client(
+    mut rd: tokio::net::tcp::OwnedReadHalf,
+    to: &Output,
+) -> Result<(), String> {
+    let mut buf = vec![0u8; MAX_DATA_CHUNK];
+    loop {
+        match rd.read(&mut buf).await {
+            Ok(0) => return Ok(()),
+            Ok(n) => {
+                if to.write(&buf[..n]).await.is_err() {
+                    return Ok(());
+                }
+            }
+            Err(e) => return Err(format!("reading from the pod: {e}")),
+        }
+    }
+}
+
 /// Copies between the socket and the data stream until both directions are done, or until the
 /// socket's side is done and the client is gone; then FINs the data stream.
 async fn copy(
@@ -314,34 +279,14 @@ async fn copy(
     mut closed: watch::Receiver<bool>,
 ) -> Result<(), String> {
     let IncomingStream {
-        data: mut from_client,
+        data: from_client,
         writer,
         ..
     } = data;
-    let (mut rd, mut wr) = socket.into_split();
-    let to_socket = async {
-        while let Some(buf) = from_client.recv().await {
-            if wr.write_all(&buf).await.is_err() {
-                // The pod's side closed its read half: nothing more can be delivered.
-                break;
-            }
-        }
-        let _ = wr.shutdown().await;
-    };
+    let (rd, wr) = socket.into_split();
+    let to_socket = client_to_socket(from_client, wr);
     let to_client = async {
-        let mut buf = vec![0u8; MAX_DATA_CHUNK];
-        let res = loop {
-            match rd.read(&mut buf).await {
-                Ok(0) => break Ok(()),
-                Ok(n) => {
-                    if writer.write(&buf[..n]).await.is_err() {
-                        // The client reset the stream or the connection went away.
-                        return Ok(());
-                    }
-                }
-                Err(e) => break Err(format!("reading from the pod: {e}")),
-            }
-        };
+        let res = socket_to_client(rd, &Output::Spdy(writer.clone())).await;
         let _ = writer.close().await;
         res
     };

@@ -1,15 +1,18 @@
-//! The Kubernetes remotecommand protocol over SPDY (what `kubectl exec` and `crictl exec` speak
-//! through k8s.io/client-go/tools/remotecommand): protocol versions, stream types and the
-//! payload of the error stream.
+//! The Kubernetes remotecommand protocol (what `kubectl exec` and `crictl exec` speak through
+//! k8s.io/client-go/tools/remotecommand): protocol versions, stream types and the payload of
+//! the error stream, whatever the transport.
 //!
-//! The client names the versions it speaks in `X-Stream-Protocol-Version` request headers, best
-//! first; the server answers the first one it supports in the same response header (no header at
-//! all means the legacy `channel.k8s.io`). The client then opens one SPDY stream per channel,
+//! Over SPDY the client names the versions it speaks in `X-Stream-Protocol-Version` request
+//! headers, best first; the server answers the first one it supports in the same response
+//! header (no header at all means the legacy `channel.k8s.io`). Over WebSocket the same names
+//! are WebSocket subprotocols (`Sec-WebSocket-Protocol`), and v5 (`v5.channel.k8s.io`) is
+//! spoken too: WebSocket has no half-close, so v5 adds one ([`CLOSE_CHANNEL`]). Over SPDY the
+//! client then opens one SPDY stream per channel,
 //! each with a `streamType` header: `error` always, `stdin` / `stdout` / `stderr` as requested
 //! (no `stderr` with a tty) and, from v3 on with a tty, `resize`. When the command ends the
 //! server closes the output streams and reports the outcome on the error stream:
 //!
-//! - v4 (`v4.channel.k8s.io`): a JSON `metav1.Status`, also on success; a non-zero exit is
+//! - v4 and v5: a JSON `metav1.Status`, also on success; a non-zero exit is
 //!   `status: Failure, reason: NonZeroExitCode` with the code as the message of a cause of
 //!   reason `ExitCode`, which the client turns into an exit-code error;
 //! - v1 to v3: nothing on success, else a plain-text message.
@@ -29,10 +32,24 @@ pub enum Protocol {
     V2,
     V3,
     V4,
+    /// v4 plus the close signal; WebSocket only (as the kubelet).
+    V5,
 }
 
-/// What this server speaks, best first.
+/// What this server speaks over SPDY, best first.
 pub const SUPPORTED: [Protocol; 4] = [Protocol::V4, Protocol::V3, Protocol::V2, Protocol::V1];
+/// What this server speaks over WebSocket, best first.
+pub const WS_SUPPORTED: [Protocol; 5] = [
+    Protocol::V5,
+    Protocol::V4,
+    Protocol::V3,
+    Protocol::V2,
+    Protocol::V1,
+];
+
+/// The WebSocket channel of the v5 close signal: `[255, channel]` ends the client's input on
+/// `channel` (e.g. 0: stdin reached its end).
+pub const CLOSE_CHANNEL: u8 = 255;
 
 impl Protocol {
     pub fn name(self) -> &'static str {
@@ -41,11 +58,8 @@ impl Protocol {
             Protocol::V2 => "v2.channel.k8s.io",
             Protocol::V3 => "v3.channel.k8s.io",
             Protocol::V4 => "v4.channel.k8s.io",
+            Protocol::V5 => "v5.channel.k8s.io",
         }
-    }
-
-    pub fn from_name(s: &str) -> Option<Protocol> {
-        SUPPORTED.into_iter().find(|p| p.name() == s)
     }
 }
 
@@ -60,22 +74,50 @@ pub enum Negotiated {
     NoCommon(Vec<String>),
 }
 
-/// Picks the protocol from the values of the client's `X-Stream-Protocol-Version` headers (each
-/// may also be a comma-separated list), in the client's order of preference.
-pub fn negotiate<'a>(values: impl IntoIterator<Item = &'a str>) -> Negotiated {
-    let offered: Vec<String> = values
+/// The protocol names in the values of a request's protocol headers (each may also be a
+/// comma-separated list), in the client's order of preference.
+pub fn offered<'a>(values: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    values
         .into_iter()
         .flat_map(|v| v.split(','))
         .map(|v| v.trim().to_string())
         .filter(|v| !v.is_empty())
-        .collect();
+        .collect()
+}
+
+/// Picks the first of the client's `offered` protocols (in its order of preference) that is
+/// one of `supported`.
+pub fn negotiate(offered: Vec<String>, supported: &[Protocol]) -> Negotiated {
     if offered.is_empty() {
         return Negotiated::Legacy;
     }
-    match offered.iter().find_map(|o| Protocol::from_name(o)) {
-        Some(p) => Negotiated::Chosen(p),
+    match offered
+        .iter()
+        .find_map(|o| supported.iter().find(|p| p.name() == o))
+    {
+        Some(p) => Negotiated::Chosen(*p),
         None => Negotiated::NoCommon(offered),
     }
+}
+
+/// The channels a client of `p` uses: `error` always, `stdin` / `stdout` / `stderr` as asked
+/// (no `stderr` with a terminal: it is merged into stdout), and `resize` with a terminal from
+/// v3 on.
+pub fn streams(stdin: bool, stdout: bool, stderr: bool, tty: bool, p: Protocol) -> Vec<StreamType> {
+    let mut v = vec![StreamType::Error];
+    if stdin {
+        v.push(StreamType::Stdin);
+    }
+    if stdout {
+        v.push(StreamType::Stdout);
+    }
+    if stderr && !tty {
+        v.push(StreamType::Stderr);
+    }
+    if tty && p >= Protocol::V3 {
+        v.push(StreamType::Resize);
+    }
+    v
 }
 
 /// A remotecommand channel.
@@ -89,6 +131,17 @@ pub enum StreamType {
 }
 
 impl StreamType {
+    /// The channel number over WebSocket.
+    pub fn channel(self) -> u8 {
+        match self {
+            StreamType::Stdin => 0,
+            StreamType::Stdout => 1,
+            StreamType::Stderr => 2,
+            StreamType::Error => 3,
+            StreamType::Resize => 4,
+        }
+    }
+
     pub fn parse(s: &str) -> Option<StreamType> {
         Some(match s {
             "error" => StreamType::Error,
@@ -120,15 +173,17 @@ pub fn error_stream_payload(p: Protocol, outcome: &Outcome, cmd: &[String]) -> V
         )
     };
     match (p, outcome) {
-        (Protocol::V4, Outcome::Success) => json!({"metadata": {}, "status": "Success"}),
-        (Protocol::V4, Outcome::ExitCode(code)) => json!({
+        (Protocol::V4 | Protocol::V5, Outcome::Success) => {
+            json!({"metadata": {}, "status": "Success"})
+        }
+        (Protocol::V4 | Protocol::V5, Outcome::ExitCode(code)) => json!({
             "metadata": {},
             "status": "Failure",
             "message": exit_message(*code),
             "reason": "NonZeroExitCode",
             "details": {"causes": [{"reason": "ExitCode", "message": code.to_string()}]},
         }),
-        (Protocol::V4, Outcome::Error(m)) => json!({
+        (Protocol::V4 | Protocol::V5, Outcome::Error(m)) => json!({
             "metadata": {},
             "status": "Failure",
             "message": m,
@@ -158,15 +213,34 @@ mod tests {
             "v2.channel.k8s.io",
             "channel.k8s.io",
         ];
-        assert_eq!(negotiate(offered), Negotiated::Chosen(Protocol::V4));
         assert_eq!(
-            negotiate(["v2.channel.k8s.io, v4.channel.k8s.io"]),
+            negotiate(super::offered(offered), &SUPPORTED),
+            Negotiated::Chosen(Protocol::V4)
+        );
+        // Over WebSocket v5 is spoken.
+        assert_eq!(
+            negotiate(super::offered(offered), &WS_SUPPORTED),
+            Negotiated::Chosen(Protocol::V5)
+        );
+        assert_eq!(
+            negotiate(
+                super::offered(["v2.channel.k8s.io, v4.channel.k8s.io"]),
+                &SUPPORTED
+            ),
             Negotiated::Chosen(Protocol::V2)
         );
-        assert_eq!(negotiate([]), Negotiated::Legacy);
         assert_eq!(
-            negotiate(["v9.channel.k8s.io"]),
+            negotiate(super::offered([]), &SUPPORTED),
+            Negotiated::Legacy
+        );
+        assert_eq!(
+            negotiate(super::offered(["v9.channel.k8s.io"]), &SUPPORTED),
             Negotiated::NoCommon(vec!["v9.channel.k8s.io".into()])
+        );
+        assert_eq!(
+            negotiate(super::offered(["v5.channel.k8s.io"]), &SUPPORTED),
+            Negotiated::NoCommon(vec!["v5.channel.k8s.io".into()]),
+            "no v5 over SPDY"
         );
     }
 
@@ -175,6 +249,10 @@ mod tests {
         let cmd = vec!["sh".to_string(), "-c".to_string(), "exit 3".to_string()];
         let ok = error_stream_payload(Protocol::V4, &Outcome::Success, &cmd);
         assert_eq!(ok, br#"{"metadata":{},"status":"Success"}"#);
+        assert_eq!(
+            error_stream_payload(Protocol::V5, &Outcome::ExitCode(3), &cmd),
+            error_stream_payload(Protocol::V4, &Outcome::ExitCode(3), &cmd)
+        );
         let v: serde_json::Value = serde_json::from_slice(&error_stream_payload(
             Protocol::V4,
             &Outcome::ExitCode(3),
@@ -195,6 +273,27 @@ mod tests {
         assert_eq!(v["status"], "Failure");
         assert_eq!(v["message"], "no such file");
         assert_ne!(v["reason"], "NonZeroExitCode");
+    }
+
+    #[test]
+    fn streams_follow_the_request() {
+        use StreamType::*;
+        assert_eq!(
+            streams(true, true, true, false, Protocol::V4),
+            [Error, Stdin, Stdout, Stderr]
+        );
+        assert_eq!(
+            streams(true, true, true, true, Protocol::V4),
+            [Error, Stdin, Stdout, Resize]
+        );
+        assert_eq!(
+            streams(true, true, false, true, Protocol::V2),
+            [Error, Stdin, Stdout]
+        );
+        assert_eq!(
+            [Stdin, Stdout, Stderr, Error, Resize].map(StreamType::channel),
+            [0, 1, 2, 3, 4]
+        );
     }
 
     #[test]

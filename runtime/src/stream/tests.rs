@@ -156,3 +156,140 @@ async fn exec_over_http_upgrade() {
     // The client hangs up; the server closes too.
     drop(peer);
 }
+
+const WEBSOCKET: [&str; 4] = [
+    "Connection: Upgrade",
+    "Upgrade: websocket",
+    "Sec-WebSocket-Version: 13",
+    "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+];
+
+#[tokio::test]
+async fn exec_over_websocket() {
+    use super::ws::opcode;
+    use super::ws::tests::Client;
+    let s = started();
+    let url = s
+        .register_exec(ExecRequest {
+            stdin: true,
+            ..exec_request(&["sh", "-c", "cat; echo oops >&2; exit 7"])
+        })
+        .unwrap();
+    let mut h = WEBSOCKET.to_vec();
+    h.push("Sec-WebSocket-Protocol: v5.channel.k8s.io, v4.channel.k8s.io");
+    let (c, status, head) = request(&url, "GET", &h).await;
+    assert_eq!(status, 101, "{head}");
+    assert!(head.contains("upgrade: websocket"), "{head}");
+    // RFC 6455's example key and answer (header values lowercased with the head).
+    assert!(
+        head.contains("sec-websocket-accept: s3pplmbitxaq9kygzzhzrbk+xoo="),
+        "{head}"
+    );
+    assert!(
+        head.contains("sec-websocket-protocol: v5.channel.k8s.io"),
+        "{head}"
+    );
+    let mut client = Client::new(c);
+    client.send(opcode::BINARY, b"\x00hi\n").await;
+    // v5: the close signal for stdin is cat's end of file.
+    client.send(opcode::BINARY, &[255, 0]).await;
+    let mut by_channel: HashMap<u8, Vec<u8>> = HashMap::new();
+    loop {
+        match client.recv().await.expect("a close frame before EOF") {
+            (opcode::BINARY, m) => by_channel.entry(m[0]).or_default().extend(&m[1..]),
+            (opcode::CLOSE, p) => {
+                assert_eq!(p, [0x03, 0xe8], "normal closure");
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(by_channel[&1], b"hi\n");
+    assert_eq!(by_channel[&2], b"oops\n");
+    let v: serde_json::Value = serde_json::from_slice(&by_channel[&3]).unwrap();
+    assert_eq!(v["details"]["causes"][0]["message"], "7");
+    client.send(opcode::CLOSE, &[0x03, 0xe8]).await;
+    assert_eq!(client.recv().await, None);
+}
+
+#[tokio::test]
+async fn websocket_refusals() {
+    let s = started();
+    let url = || s.register_exec(exec_request(&["true"])).unwrap();
+    let with = |extra: &[&'static str], skip: &str| {
+        let mut h: Vec<&str> = WEBSOCKET
+            .iter()
+            .copied()
+            .filter(|l| !l.starts_with(skip))
+            .collect();
+        h.extend_from_slice(extra);
+        h
+    };
+    let (_, status, head) = request(
+        &url(),
+        "GET",
+        &with(&["Sec-WebSocket-Version: 8"], "Sec-WebSocket-Version"),
+    )
+    .await;
+    assert_eq!(status, 426);
+    assert!(head.contains("sec-websocket-version: 13"), "{head}");
+    let (_, status, _) = request(&url(), "GET", &with(&[], "Sec-WebSocket-Key")).await;
+    assert_eq!(status, 400, "no key");
+    let (_, status, _) = request(
+        &url(),
+        "GET",
+        &with(&["Sec-WebSocket-Key: c2hvcnQ="], "Sec-WebSocket-Key"),
+    )
+    .await;
+    assert_eq!(status, 400, "a key of 8 bytes");
+    let (_, status, _) = request(&url(), "POST", &WEBSOCKET).await;
+    assert_eq!(status, 400, "WebSocket upgrades are GETs");
+    let (_, status, head) = request(
+        &url(),
+        "GET",
+        &with(&["Sec-WebSocket-Protocol: v9.channel.k8s.io"], "x"),
+    )
+    .await;
+    assert_eq!(status, 403);
+    assert!(
+        !head.contains("x-accepted-stream-protocol-versions"),
+        "{head}"
+    );
+    // No subprotocol: the legacy channel.k8s.io, announced by no header.
+    let (_, status, head) = request(&url(), "GET", &WEBSOCKET).await;
+    assert_eq!(status, 101);
+    assert!(!head.contains("sec-websocket-protocol"), "{head}");
+    // Port-forward: the channel form needs its ports; the tunnel does not.
+    let pf = || {
+        s.register_port_forward(PortForwardRequest {
+            sandbox_id: "sb".into(),
+            netns: None,
+        })
+        .unwrap()
+    };
+    let (_, status, _) = request(
+        &pf(),
+        "GET",
+        &with(&["Sec-WebSocket-Protocol: v4.channel.k8s.io"], "x"),
+    )
+    .await;
+    assert_eq!(status, 400, "no port");
+    let (_, status, _) = request(&format!("{}?port=0", pf()), "GET", &WEBSOCKET).await;
+    assert_eq!(status, 400, "port 0");
+    let (_, status, head) = request(&format!("{}?port=80", pf()), "GET", &WEBSOCKET).await;
+    assert_eq!(status, 101, "{head}");
+    let (_, status, head) = request(
+        &pf(),
+        "GET",
+        &with(
+            &["Sec-WebSocket-Protocol: SPDY/3.1+portforward.k8s.io"],
+            "x",
+        ),
+    )
+    .await;
+    assert_eq!(status, 101, "{head}");
+    assert!(
+        head.contains("sec-websocket-protocol: spdy/3.1+portforward.k8s.io"),
+        "{head}"
+    );
+}

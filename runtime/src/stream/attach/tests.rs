@@ -109,7 +109,7 @@ async fn start(
 fn streams_are_those_of_exec() {
     let r = request(true);
     assert_eq!(
-        expected_streams(&r, Protocol::V4),
+        r.streams(Protocol::V4),
         [
             StreamType::Error,
             StreamType::Stdin,
@@ -123,7 +123,7 @@ fn streams_are_those_of_exec() {
         ..request(false)
     };
     assert_eq!(
-        expected_streams(&r, Protocol::V2),
+        r.streams(Protocol::V2),
         [StreamType::Error, StreamType::Stdout]
     );
 }

@@ -4,7 +4,11 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use std::time::Duration;
+
 use super::*;
+use crate::stream::spdy::conn;
+use crate::stream::spdy::rst;
 use crate::stream::spdy::test_peer::Peer;
 use crate::stream::spdy::{FLAG_FIN, Frame};
 use crate::stream::testing::LocalBackend;
@@ -205,7 +209,12 @@ async fn streams_are_collected_and_strays_refused() {
     let mut peer = Peer::new(a);
     let req = request(&["true"], false);
     let collecting = tokio::spawn(async move {
-        let r = collect_streams(&mut events, &req, Protocol::V4, Duration::from_secs(5)).await;
+        let r = session::collect(
+            &mut events,
+            req.streams(Protocol::V4),
+            Duration::from_secs(5),
+        )
+        .await;
         r.map(|c| {
             (
                 c.error.map(|s| s.id),
@@ -241,10 +250,9 @@ async fn streams_are_collected_and_strays_refused() {
     // A client that never opens them times out.
     let (_a, b) = tokio::io::duplex(1 << 16);
     let (_conn, mut events) = conn::serve(b);
-    let err = collect_streams(
+    let err = session::collect(
         &mut events,
-        &request(&["true"], true),
-        Protocol::V4,
+        request(&["true"], true).streams(Protocol::V4),
         Duration::from_millis(100),
     )
     .await
@@ -257,7 +265,7 @@ async fn streams_are_collected_and_strays_refused() {
 fn expected_streams_follow_the_request() {
     let mut r = request(&["true"], true);
     assert_eq!(
-        expected_streams(&r, Protocol::V4),
+        r.streams(Protocol::V4),
         [
             StreamType::Error,
             StreamType::Stdin,
@@ -267,7 +275,7 @@ fn expected_streams_follow_the_request() {
     );
     r.tty = true;
     assert_eq!(
-        expected_streams(&r, Protocol::V4),
+        r.streams(Protocol::V4),
         [
             StreamType::Error,
             StreamType::Stdin,
@@ -276,7 +284,7 @@ fn expected_streams_follow_the_request() {
         ]
     );
     assert_eq!(
-        expected_streams(&r, Protocol::V2),
+        r.streams(Protocol::V2),
         [StreamType::Error, StreamType::Stdin, StreamType::Stdout]
     );
 }

@@ -1,0 +1,88 @@
+//! Verbose status: the `info` map of ContainerStatus and PodSandboxStatus with `verbose: true`,
+//! what `crictl inspect` and `crictl inspectp` print under `.info`.
+//!
+//! The map has one key, `"info"`, holding a JSON object whose keys are those tools and scripts
+//! read from containerd's CRI plugin (`pid`, `sandboxID`, `runtimeSpec`, `config`, …), so that
+//! `crictl inspect ID | jq .info.pid` works the same. CRI configs are in the protobuf JSON
+//! mapping ([`minicri_proto::to_json`]); the runtime spec is the bundle's `config.json` as
+//! written. docs/inspect.md lists every key.
+
+use serde_json::{Value, json};
+
+use super::PodService;
+use super::store::{ContainerRecord, SandboxRecord};
+use crate::error::{Error, Result};
+
+/// The key of the one entry of the verbose `info` map.
+pub const INFO_KEY: &str = "info";
+
+/// The OCI spec in `bundle`, as a JSON object; `null` when it cannot be read (e.g. removed).
+fn runtime_spec(bundle: &std::path::Path) -> Value {
+    std::fs::read(bundle.join("config.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or(Value::Null)
+}
+
+/// A CRI message in the protobuf JSON mapping.
+fn cri_json<M: prost::Message>(full_name: &str, msg: &M) -> Result<Value> {
+    minicri_proto::to_json(full_name, msg).map_err(Error::Internal)
+}
+
+impl PodService {
+    /// The verbose info of container `id` (NOT_FOUND if unknown).
+    pub fn container_info(&self, id: &str) -> Result<String> {
+        let r = self
+            .store
+            .container(id)
+            .ok_or_else(|| Error::NotFound(format!("container {id} not found")))?;
+        Ok(self.container_info_of(&r)?.to_string())
+    }
+
+    fn container_info_of(&self, r: &ContainerRecord) -> Result<Value> {
+        Ok(json!({
+            "sandboxID": r.sandbox_id,
+            "pid": r.pid,
+            "removing": false,
+            "snapshotKey": r.id,
+            "snapshotter": self.snapshotter.backend(),
+            "runtimeType": self.runtime.binary,
+            "image": r.image,
+            "imageRef": r.image_id,
+            "config": cri_json("runtime.v1.ContainerConfig", &r.config())?,
+            "runtimeSpec": runtime_spec(&r.bundle),
+            "bundle": r.bundle,
+            "rootfs": r.rootfs,
+            "shimPid": r.shim.as_ref().map(|s| s.shim_pid),
+        }))
+    }
+
+    /// The verbose info of pod sandbox `id` (NOT_FOUND if unknown).
+    pub fn sandbox_info(&self, id: &str) -> Result<String> {
+        let r = self
+            .store
+            .sandbox(id)
+            .ok_or_else(|| Error::NotFound(format!("pod sandbox {id} not found")))?;
+        Ok(self.sandbox_info_of(&r)?.to_string())
+    }
+
+    fn sandbox_info_of(&self, r: &SandboxRecord) -> Result<Value> {
+        let bundle = self.bundle_dir(&r.id);
+        let spec = runtime_spec(&bundle);
+        // No pause image: the infra is `minicri pause` on a rootfs the daemon prepares.
+        let image = spec.pointer("/root/path").cloned().unwrap_or(Value::Null);
+        Ok(json!({
+            "pid": r.infra_pid,
+            "netNamespacePath": r.netns.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+            "netNamespaceClosed": r.netns.is_none(),
+            "image": image,
+            "runtimeHandler": r.runtime_handler,
+            "runtimeType": self.runtime.binary,
+            "config": cri_json("runtime.v1.PodSandboxConfig", &r.config())?,
+            "runtimeSpec": spec,
+            "bundle": bundle,
+            "ips": r.ips,
+            "shimPid": r.shim.as_ref().map(|s| s.shim_pid),
+        }))
+    }
+}

@@ -1,0 +1,320 @@
+//! The server side of a WebSocket connection over an async byte stream (an upgraded HTTP/1.1
+//! connection).
+//!
+//! Two tasks own the connection: the reader decodes the client's frames ([`super::Decoder`],
+//! with its limits), answers pings with pongs, hands each whole binary message to the user as
+//! an [`Event::Message`] (waiting while the user's queue is full, so a client that sends faster
+//! than the session consumes is simply not read) and runs the closing handshake; the writer
+//! sends frames in queue order.
+//!
+//! Closing: whoever closes first sends a close frame; the other answers with one (the status
+//! code echoed). After a close frame has been queued nothing else is sent and the writer shuts
+//! the write side down. [`Event::Closed`] is the reader's last event: the client's close frame,
+//! EOF, an I/O error or a broken rule (then a close frame with the rule's code is sent first).
+//! [`Conn::finish`] closes from the server side and waits a bounded time for the client's
+//! answer.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::sync::mpsc;
+
+use super::{Decoder, MAX_MESSAGE, Message, close, close_payload, encode, opcode};
+
+/// Whole messages queued for the user before the reader stops reading.
+const EVENT_QUEUE: usize = 4;
+/// Frames queued for the writer.
+const OUT_QUEUE: usize = 64;
+
+/// What the connection tells its user.
+#[derive(Debug)]
+pub enum Event {
+    /// A whole binary message.
+    Message(Vec<u8>),
+    /// The connection ended (why); the last event.
+    Closed(String),
+}
+
+/// The connection is closing or closed: nothing more can be sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Closed;
+
+/// Sends messages on a connection; cheap to clone.
+#[derive(Clone)]
+pub struct Sender {
+    out: mpsc::Sender<(u8, Vec<u8>)>,
+    /// A close frame has been queued.
+    closing: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Sender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ws::Sender")
+    }
+}
+
+impl Sender {
+    /// Sends `data` as one binary message (waits while the writer's queue is full).
+    pub async fn send(&self, data: Vec<u8>) -> Result<(), Closed> {
+        if self.closing.load(Ordering::SeqCst) {
+            return Err(Closed);
+        }
+        self.out
+            .send((opcode::BINARY, data))
+            .await
+            .map_err(|_| Closed)
+    }
+
+    /// Queues a close frame (once; later calls do nothing).
+    pub async fn close(&self, code: u16, reason: &str) {
+        if !self.closing.swap(true, Ordering::SeqCst) {
+            let _ = self
+                .out
+                .send((opcode::CLOSE, close_payload(code, reason)))
+                .await;
+        }
+    }
+
+    async fn pong(&self, payload: Vec<u8>) {
+        if !self.closing.load(Ordering::SeqCst) {
+            let _ = self.out.send((opcode::PONG, payload)).await;
+        }
+    }
+}
+
+/// A served connection: its sender and its reader.
+pub struct Conn {
+    pub sender: Sender,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Conn {
+    /// Closes from the server side (`code`), gives the client up to `linger` to answer with its
+    /// close frame (or to hang up), then drops the connection.
+    pub async fn finish(self, code: u16, linger: Duration) {
+        self.sender.close(code, "").await;
+        let mut reader = self.reader;
+        if tokio::time::timeout(linger, &mut reader).await.is_err() {
+            reader.abort();
+        }
+    }
+}
+
+/// Starts serving `io` as the server side of a WebSocket connection whose handshake is done.
+pub fn serve<IO>(io: IO) -> (Conn, mpsc::Receiver<Event>)
+where
+    IO: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (rd, wr) = tokio::io::split(io);
+    let (out_tx, out_rx) = mpsc::channel(OUT_QUEUE);
+    let (ev_tx, ev_rx) = mpsc::channel(EVENT_QUEUE);
+    let sender = Sender {
+        out: out_tx,
+        closing: Arc::new(AtomicBool::new(false)),
+    };
+    tokio::spawn(write_loop(wr, out_rx));
+    let reader = tokio::spawn(read_loop(rd, sender.clone(), ev_tx));
+    (Conn { sender, reader }, ev_rx)
+}
+
+async fn write_loop<W: AsyncWrite + Unpin>(wr: W, mut rx: mpsc::Receiver<(u8, Vec<u8>)>) {
+    let mut wr = BufWriter::new(wr);
+    let mut buf = Vec::new();
+    while let Some((op, payload)) = rx.recv().await {
+        buf.clear();
+        encode(op, &payload, &mut buf);
+        let mut res = wr.write_all(&buf).await;
+        // Flush when nothing else is queued: batches frames without delaying the last one.
+        if res.is_ok() && (rx.is_empty() || op == opcode::CLOSE) {
+            res = wr.flush().await;
+        }
+        if res.is_err() || op == opcode::CLOSE {
+            break;
+        }
+    }
+    let _ = wr.shutdown().await;
+}
+
+async fn read_loop<R: AsyncRead + Unpin>(mut rd: R, sender: Sender, events: mpsc::Sender<Event>) {
+    let mut decoder = Decoder::new(MAX_MESSAGE);
+    let mut buf = vec![0u8; 64 * 1024];
+    let reason = 'conn: loop {
+        let n = match rd.read(&mut buf).await {
+            Ok(0) => break "the client hung up".to_string(),
+            Ok(n) => n,
+            Err(e) => break format!("reading the connection: {e}"),
+        };
+        decoder.feed(&buf[..n]);
+        loop {
+            match decoder.next_message() {
+                Ok(None) => break,
+                Ok(Some(Message::Binary(m))) => {
+                    // A user that stopped listening just does not want the data.
+                    let _ = events.send(Event::Message(m)).await;
+                }
+                Ok(Some(Message::Ping(p))) => sender.pong(p).await,
+                Ok(Some(Message::Pong(_))) => {}
+                Ok(Some(Message::Close(code, reason))) => {
+                    // The answer echoes the client's code (none: a normal closure).
+                    sender.close(code.unwrap_or(close::NORMAL), "").await;
+                    break 'conn format!(
+                        "the client closed the connection ({}{}{reason})",
+                        code.map_or("no code".to_string(), |c| c.to_string()),
+                        if reason.is_empty() { "" } else { ": " }
+                    );
+                }
+                Err(v) => {
+                    tracing::debug!(error = %v, "WebSocket client broke the protocol");
+                    sender.close(v.code, &v.reason).await;
+                    break 'conn v.to_string();
+                }
+            }
+        }
+    };
+    // Whatever ended the connection, the writer ends too (a no-op if closing already).
+    sender.close(close::NORMAL, "").await;
+    let _ = events.send(Event::Closed(reason)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{Client, client_frame};
+    use super::*;
+
+    fn start() -> (Client<tokio::io::DuplexStream>, Conn, mpsc::Receiver<Event>) {
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let (conn, ev) = serve(b);
+        (Client::new(a), conn, ev)
+    }
+
+    #[tokio::test]
+    async fn messages_flow_both_ways_and_pings_are_answered() {
+        let (mut c, conn, mut ev) = start();
+        c.send(opcode::BINARY, b"\x00hello").await;
+        match ev.recv().await.unwrap() {
+            Event::Message(m) => assert_eq!(m, b"\x00hello"),
+            e => panic!("{e:?}"),
+        }
+        // Fragments make one message; a ping between them is answered at once.
+        c.raw(&client_frame(false, opcode::BINARY, b"ab")).await;
+        c.raw(&client_frame(true, opcode::PING, b"p1")).await;
+        assert_eq!(c.recv().await, Some((opcode::PONG, b"p1".to_vec())));
+        c.raw(&client_frame(true, opcode::CONTINUATION, b"cd"))
+            .await;
+        match ev.recv().await.unwrap() {
+            Event::Message(m) => assert_eq!(m, b"abcd"),
+            e => panic!("{e:?}"),
+        }
+        conn.sender.send(b"\x01out".to_vec()).await.unwrap();
+        assert_eq!(c.recv().await, Some((opcode::BINARY, b"\x01out".to_vec())));
+        // The server closes: a close frame, then nothing; the client answers and it ends.
+        let sender = conn.sender.clone();
+        let finishing = tokio::spawn(conn.finish(close::NORMAL, Duration::from_secs(5)));
+        assert_eq!(c.recv().await, Some((opcode::CLOSE, vec![0x03, 0xe8])));
+        assert_eq!(sender.send(b"late".to_vec()).await, Err(Closed));
+        c.send(opcode::CLOSE, &[0x03, 0xe8]).await;
+        tokio::time::timeout(Duration::from_secs(5), finishing)
+            .await
+            .expect("the close handshake completes")
+            .unwrap();
+        assert!(matches!(ev.recv().await, Some(Event::Closed(r)) if r.contains("1000")));
+        assert_eq!(c.recv().await, None, "the server's side is shut down");
+    }
+
+    #[tokio::test]
+    async fn a_client_close_is_echoed() {
+        let (mut c, conn, mut ev) = start();
+        c.send(opcode::CLOSE, &[0x03, 0xe9, b'b', b'y', b'e']).await;
+        assert_eq!(c.recv().await, Some((opcode::CLOSE, vec![0x03, 0xe9])));
+        assert_eq!(c.recv().await, None);
+        match ev.recv().await.unwrap() {
+            Event::Closed(r) => assert!(r.contains("1001: bye"), "{r}"),
+            e => panic!("{e:?}"),
+        }
+        assert_eq!(conn.sender.send(vec![1]).await, Err(Closed));
+    }
+
+    #[tokio::test]
+    async fn broken_rules_close_the_connection_with_their_code() {
+        let cases: Vec<(Vec<u8>, u16)> = vec![
+            // Unmasked.
+            (vec![0x82, 0x01, 0x00], close::PROTOCOL_ERROR),
+            // A text message.
+            (
+                client_frame(true, opcode::TEXT, b"hi"),
+                close::UNSUPPORTED_DATA,
+            ),
+            // A fragmented ping.
+            (
+                client_frame(false, opcode::PING, b""),
+                close::PROTOCOL_ERROR,
+            ),
+            // A continuation of nothing.
+            (
+                client_frame(true, opcode::CONTINUATION, b"x"),
+                close::PROTOCOL_ERROR,
+            ),
+            // A frame announcing 2^40 bytes: refused before anything is buffered.
+            (
+                {
+                    let mut f = vec![0x82, 0x80 | 127];
+                    f.extend_from_slice(&(1u64 << 40).to_be_bytes());
+                    f.extend_from_slice(&[0, 0, 0, 0]);
+                    f
+                },
+                close::TOO_BIG,
+            ),
+        ];
+        for (frame, code) in cases {
+            let (mut c, _conn, mut ev) = start();
+            c.raw(&frame).await;
+            match c.recv().await {
+                Some((opcode::CLOSE, p)) => {
+                    assert_eq!(u16::from_be_bytes([p[0], p[1]]), code, "{frame:?}")
+                }
+                other => panic!("{frame:?}: {other:?}"),
+            }
+            assert!(matches!(ev.recv().await, Some(Event::Closed(_))));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_slow_user_stops_the_reading_not_the_memory() {
+        let (mut c, _conn, mut ev) = start();
+        // Many messages while the user reads none: the reader holds EVENT_QUEUE, then waits.
+        // 4 MiB in all, four times what the in-memory connection buffers.
+        let message = |i: u32| {
+            let mut m = i.to_be_bytes().to_vec();
+            m.resize(4096, 7);
+            m
+        };
+        let writer = tokio::spawn(async move {
+            for i in 0..1024u32 {
+                c.send(opcode::BINARY, &message(i)).await;
+            }
+            c
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!writer.is_finished(), "the client is held up, not buffered");
+        for i in 0..1024u32 {
+            match ev.recv().await.unwrap() {
+                Event::Message(m) => assert_eq!(m, message(i)),
+                e => panic!("{e:?}"),
+            }
+        }
+        writer.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn eof_ends_the_connection() {
+        let (c, _conn, mut ev) = start();
+        drop(c);
+        match ev.recv().await.unwrap() {
+            Event::Closed(r) => assert!(r.contains("hung up"), "{r}"),
+            e => panic!("{e:?}"),
+        }
+        assert!(ev.recv().await.is_none());
+    }
+}

@@ -1,0 +1,242 @@
+//! Port-forward over WebSocket. The subprotocol the client asks for picks one of two forms:
+//!
+//! - [`TUNNEL_PROTOCOL`] (`SPDY/3.1+portforward.k8s.io`; client-go's tunnelling dialer, what
+//!   `crictl port-forward -r websocket` and critest's `-websocket-portforward` use): SPDY/3.1
+//!   carried in binary messages ([`super::tunnel`]), then exactly the SPDY session of
+//!   [`crate::stream::portforward`] (pairs of streams, any number of connections);
+//! - [`CHANNEL_PROTOCOL`] (`v4.channel.k8s.io`, or no subprotocol: the kubelet's channel form,
+//!   [`serve_channels`]): one connection per port named in the URL's `port` query parameters
+//!   (at least one, at most [`MAX_PORTS`]); port `i` has the data channel `2i` and the error
+//!   channel `2i+1`. The server's first message on each of those channels is the port, two
+//!   bytes little-endian; then the client's data messages go to the pod's socket and the
+//!   socket's bytes come back as data messages; a failure is text on the error channel. A
+//!   port's forward ends when the pod closes its socket; when every port's has ended, the
+//!   server closes the connection (the client has no half-close here). The client closing the
+//!   connection stops them all.
+
+use std::sync::Arc;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{mpsc, watch};
+
+use super::channels::ChannelWriter;
+use super::close;
+use super::conn::{self, Event};
+use crate::stream::portforward::{
+    PortForwardRequest, client_to_socket, dial, parse_port, socket_to_client,
+};
+use crate::stream::session::{LINGER, Output};
+
+/// The subprotocol of SPDY tunnelled through WebSocket.
+pub const TUNNEL_PROTOCOL: &str = "SPDY/3.1+portforward.k8s.io";
+/// The subprotocol of the channel form.
+pub const CHANNEL_PROTOCOL: &str = "v4.channel.k8s.io";
+/// Ports one channel-form session may forward (channel numbers are one byte).
+pub const MAX_PORTS: usize = 128;
+/// Messages queued per port before the demux (and so the connection's reader) waits.
+const INPUT_QUEUE: usize = 4;
+
+/// The ports of a channel-form request: every `port=` query parameter (1 to 65535), at least
+/// one, at most [`MAX_PORTS`].
+pub fn ports_from_query(query: Option<&str>) -> Result<Vec<u16>, String> {
+    let mut ports = Vec::new();
+    for pair in query.unwrap_or("").split('&') {
+        if let Some(v) = pair.strip_prefix("port=") {
+            ports.push(parse_port(Some(v))?);
+        }
+    }
+    if ports.is_empty() {
+        return Err("the query parameter port is required (at least one port to forward)".into());
+    }
+    if ports.len() > MAX_PORTS {
+        return Err(format!(
+            "{} ports asked for: at most {MAX_PORTS} per connection",
+            ports.len()
+        ));
+    }
+    Ok(ports)
+}
+
+/// Serves the tunnelled form on `io` (the handshake is done).
+pub async fn serve_tunnel<IO>(io: IO, req: PortForwardRequest)
+where
+    IO: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (c, events) = conn::serve(io);
+    crate::stream::portforward::serve(super::tunnel::byte_stream(c, events), req).await;
+}
+
+/// Serves the channel form on `io` (the handshake is done) for `ports`.
+pub async fn serve_channels<IO>(io: IO, req: PortForwardRequest, ports: Vec<u16>)
+where
+    IO: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (c, events) = conn::serve(io);
+    let req = Arc::new(req);
+    let (gone_tx, gone) = watch::channel(false);
+    let mut inputs = Vec::new();
+    let mut forwards = tokio::task::JoinSet::new();
+    for (i, port) in ports.iter().copied().enumerate() {
+        let (tx, rx) = mpsc::channel(INPUT_QUEUE);
+        inputs.push(tx);
+        let data = (2 * i) as u8;
+        for channel in [data, data + 1] {
+            let mut m = vec![channel];
+            m.extend_from_slice(&port.to_le_bytes());
+            if c.sender.send(m).await.is_err() {
+                return;
+            }
+        }
+        let (req, sender, gone) = (req.clone(), c.sender.clone(), gone.clone());
+        forwards.spawn(forward(req, port, data, rx, sender, gone));
+    }
+    tokio::spawn(demux(events, inputs, gone_tx));
+    let mut gone_now = gone.clone();
+    tokio::select! {
+        _ = async { while forwards.join_next().await.is_some() {} } => {}
+        _ = gone_now.wait_for(|g| *g) => {}
+    }
+    forwards.abort_all();
+    tracing::debug!(sandbox = %req.sandbox_id, ?ports, "port-forward (WebSocket channels) ended");
+    c.finish(close::NORMAL, LINGER).await;
+}
+
+/// Routes the client's data messages to their ports until the connection ends.
+async fn demux(
+    mut events: mpsc::Receiver<Event>,
+    inputs: Vec<mpsc::Sender<Vec<u8>>>,
+    gone: watch::Sender<bool>,
+) {
+    while let Some(Event::Message(m)) = events.recv().await {
+        let Some((&channel, data)) = m.split_first() else {
+            continue;
+        };
+        // Only data channels (even) carry input; the error channels are the server's.
+        if channel % 2 == 0
+            && let Some(tx) = inputs.get(usize::from(channel / 2))
+            && !data.is_empty()
+        {
+            let _ = tx.send(data.to_vec()).await;
+        }
+    }
+    drop(inputs);
+    let _ = gone.send(true);
+}
+
+/// One port's connection: until the pod closes the socket or the client goes.
+async fn forward(
+    req: Arc<PortForwardRequest>,
+    port: u16,
+    channel: u8,
+    from_client: mpsc::Receiver<Vec<u8>>,
+    sender: conn::Sender,
+    mut gone: watch::Receiver<bool>,
+) {
+    let socket = match dial(&req, port).await {
+        Ok(s) => s,
+        Err(msg) => {
+            tracing::info!(sandbox = %req.sandbox_id, error = %msg, "port-forward failed");
+            let _ = ChannelWriter::new(channel + 1, sender)
+                .write(msg.as_bytes())
+                .await;
+            return;
+        }
+    };
+    let (rd, wr) = socket.into_split();
+    let to_socket = tokio::spawn(client_to_socket(from_client, wr));
+    let to_client = async {
+        let data = Output::Ws(ChannelWriter::new(channel, sender.clone()));
+        if let Err(msg) = socket_to_client(rd, &data).await {
+            let _ = ChannelWriter::new(channel + 1, sender)
+                .write(msg.as_bytes())
+                .await;
+        }
+    };
+    tokio::select! {
+        () = to_client => {}
+        _ = gone.wait_for(|g| *g) => {}
+    }
+    to_socket.abort();
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncWriteExt;
+
+    use super::super::opcode;
+    use super::super::tests::Client;
+    use super::*;
+
+    #[test]
+    fn ports_come_from_the_query() {
+        assert_eq!(
+            ports_from_query(Some("port=80&port=8080")),
+            Ok(vec![80, 8080])
+        );
+        assert_eq!(ports_from_query(Some("x=1&port=22")), Ok(vec![22]));
+        assert!(ports_from_query(None).is_err());
+        assert!(ports_from_query(Some("port=0")).is_err());
+        assert!(ports_from_query(Some("port=http")).is_err());
+        let many: Vec<String> = (1..=129).map(|p| format!("port={p}")).collect();
+        assert!(ports_from_query(Some(&many.join("&"))).is_err());
+    }
+
+    #[tokio::test]
+    async fn forwards_each_port_on_its_channels() {
+        // An upper-casing echo server that answers one line, then closes.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            let (s, _) = listener.accept().await.unwrap();
+            let (r, mut w) = s.into_split();
+            let mut line = String::new();
+            tokio::io::AsyncBufReadExt::read_line(&mut tokio::io::BufReader::new(r), &mut line)
+                .await
+                .unwrap();
+            w.write_all(line.to_ascii_uppercase().as_bytes())
+                .await
+                .unwrap();
+        });
+        let closed = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let req = PortForwardRequest {
+            sandbox_id: "sb1".into(),
+            netns: None,
+        };
+        tokio::spawn(serve_channels(b, req, vec![port, closed]));
+        let mut c = Client::new(a);
+        let mut by_channel: std::collections::HashMap<u8, Vec<Vec<u8>>> = Default::default();
+        // Each channel's first message is its port, little-endian.
+        for _ in 0..4 {
+            let (_, m) = c.recv().await.unwrap();
+            by_channel.entry(m[0]).or_default().push(m[1..].to_vec());
+        }
+        assert_eq!(by_channel[&0], [port.to_le_bytes().to_vec()]);
+        assert_eq!(by_channel[&1], [port.to_le_bytes().to_vec()]);
+        assert_eq!(by_channel[&2], [closed.to_le_bytes().to_vec()]);
+        assert_eq!(by_channel[&3], [closed.to_le_bytes().to_vec()]);
+        c.send(opcode::BINARY, b"\x00hello\n").await;
+        let mut data = Vec::new();
+        let mut error = Vec::new();
+        loop {
+            match c.recv().await.unwrap() {
+                (opcode::BINARY, m) if m[0] == 0 => data.extend_from_slice(&m[1..]),
+                (opcode::BINARY, m) if m[0] == 3 => error.extend_from_slice(&m[1..]),
+                (opcode::CLOSE, p) => {
+                    assert_eq!(p, [0x03, 0xe8]);
+                    break;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(data, b"HELLO\n");
+        let error = String::from_utf8(error).unwrap();
+        assert!(
+            error.contains(&format!("failed to connect to localhost:{closed}")),
+            "{error}"
+        );
+    }
+}
