@@ -120,6 +120,13 @@ pub struct ServeArgs {
     /// [default: 127.0.0.1:0]
     #[arg(long, value_name = "ADDR")]
     pub stream_address: Option<String>,
+
+    /// Pod and container annotations passed into the OCI runtime spec: keys, or prefixes ending
+    /// in `*` (repeatable). Keys that steer the runtime (`run.oci.*`, `org.systemd.property.*`,
+    /// `io.kubernetes.cri.*`, ...) never pass. [default: none]
+    #[arg(long = "pod-annotation", value_name = "PATTERN")]
+    #[serde(default)]
+    pub pod_annotations: Vec<String>,
 }
 
 /// The cgroup driver the runtime uses and reports.
@@ -163,6 +170,8 @@ pub struct Config {
     pub metrics_address: Option<std::net::SocketAddr>,
     /// Where the streaming server listens (loopback only; port 0: any free port).
     pub stream_address: std::net::SocketAddr,
+    /// Which pod annotations reach the OCI spec.
+    pub pod_annotations: crate::oci::annotations::AnnotationPolicy,
 }
 
 impl ServeArgs {
@@ -219,6 +228,11 @@ impl ServeArgs {
             oci_runtime: self.oci_runtime.or(base.oci_runtime),
             metrics_address: self.metrics_address.or(base.metrics_address),
             stream_address: self.stream_address.or(base.stream_address),
+            pod_annotations: if self.pod_annotations.is_empty() {
+                base.pod_annotations
+            } else {
+                self.pod_annotations
+            },
         }
     }
 
@@ -313,6 +327,8 @@ impl ServeArgs {
                 "stream_address {stream_address} is not a loopback address: the streaming server (exec, attach, port-forward) is only served on loopback (127.0.0.1 or ::1)"
             );
         }
+        let pod_annotations = crate::oci::annotations::AnnotationPolicy::new(self.pod_annotations)
+            .map_err(|e| anyhow::anyhow!(e))?;
         let oci_runtime = self.oci_runtime.unwrap_or_else(|| "runc".into());
         if oci_runtime.as_os_str().is_empty() {
             bail!("oci_runtime must name a binary");
@@ -350,6 +366,7 @@ impl ServeArgs {
             oci_runtime,
             metrics_address,
             stream_address,
+            pod_annotations,
         })
     }
 }

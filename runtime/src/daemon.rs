@@ -126,9 +126,7 @@ impl Daemon {
     pub async fn image_fs_usage(self: &Arc<Self>) -> Result<cri::FilesystemUsage> {
         let (cached, refresh) = {
             let mut u = self.fs_usage.lock().unwrap();
-            let stale = u
-                .value
-                .is_none_or(|(t, _, _)| t.elapsed() >= SNAPSHOT_USAGE_TTL);
+            let stale = u.value.is_none_or(|m| m.at.elapsed() >= SNAPSHOT_USAGE_TTL);
             let refresh = stale && !u.refreshing;
             if refresh {
                 u.refreshing = true;
@@ -144,7 +142,12 @@ impl Daemon {
                 u.refreshing = false;
                 match snap {
                     Ok(s) => {
-                        u.value = Some((std::time::Instant::now(), cb + s.bytes, ci + s.inodes));
+                        u.value = Some(Measure {
+                            at: std::time::Instant::now(),
+                            wall: std::time::SystemTime::now(),
+                            bytes: cb + s.bytes,
+                            inodes: ci + s.inodes,
+                        });
                     }
                     Err(e) => tracing::warn!(error = %e, "measuring the snapshots"),
                 }
@@ -155,15 +158,17 @@ impl Daemon {
                     .map_err(|e| Error::Internal(format!("usage walk failed: {e}")))?;
             }
         }
-        let (bytes, inodes) = match self.fs_usage.lock().unwrap().value {
-            Some((_, b, i)) => (b, i),
+        let m = match self.fs_usage.lock().unwrap().value {
+            Some(m) => m,
             None => {
                 return Err(Error::Unavailable(
                     "the image filesystem could not be measured yet".into(),
                 ));
             }
         };
-        let timestamp = std::time::SystemTime::now()
+        // The timestamp is when the figures were measured, not when they are served.
+        let timestamp = m
+            .wall
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as i64)
             .unwrap_or(0);
@@ -172,8 +177,8 @@ impl Daemon {
             fs_id: Some(cri::FilesystemIdentifier {
                 mountpoint: self.config.root.display().to_string(),
             }),
-            used_bytes: Some(cri::UInt64Value { value: bytes }),
-            inodes_used: Some(cri::UInt64Value { value: inodes }),
+            used_bytes: Some(cri::UInt64Value { value: m.bytes }),
+            inodes_used: Some(cri::UInt64Value { value: m.inodes }),
         })
     }
 
@@ -248,8 +253,17 @@ fn has_cni_config(dir: &Path) -> bool {
 /// (when, bytes, inodes) of the last walk of content and snapshots, and whether one runs.
 #[derive(Default)]
 struct FsUsage {
-    value: Option<(std::time::Instant, u64, u64)>,
+    value: Option<Measure>,
     refreshing: bool,
+}
+
+/// One measure of the image filesystem.
+#[derive(Clone, Copy)]
+struct Measure {
+    at: std::time::Instant,
+    wall: std::time::SystemTime,
+    bytes: u64,
+    inodes: u64,
 }
 
 pub(crate) const SNAPSHOT_USAGE_TTL: std::time::Duration = std::time::Duration::from_secs(5);

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use minicri_proto::runtime::v1 as cri;
 use minicri_tests::daemon::{Daemon, HostsDir};
 use minicri_tests::images::{self, Compression, ImageBuilder, LayerBuilder, RegistryClient};
-use minicri_tests::pull_env::{Sandboxes, wait_until};
+use minicri_tests::pull_env::Sandboxes;
 use minicri_tests::registry::Registry;
 use minicri_tests::sim_env::skip_reason;
 
@@ -103,10 +103,10 @@ fn trash_empty(root: &std::path::Path) -> bool {
     std::fs::read_dir(root.join("snapshots/tmp")).is_ok_and(|mut d| d.next().is_none())
 }
 
-fn snapshot_dirs(root: &std::path::Path) -> usize {
+fn snapshot_dirs(root: &std::path::Path) -> std::collections::BTreeSet<std::ffi::OsString> {
     std::fs::read_dir(root.join("snapshots/snapshots"))
-        .map(|d| d.count())
-        .unwrap_or(0)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -139,6 +139,10 @@ async fn polled_calls_answer_within_100ms_while_removing_unpacking_and_creating_
     eprintln!("pulled the {FILES}-file image after {:.1?}", t.elapsed());
     let root = d.root();
     let snapshots_before = snapshot_dirs(&root);
+    assert!(
+        snapshots_before.len() >= 5,
+        "the image has 5 layers: {snapshots_before:?}"
+    );
 
     // The kubelet's polling, throughout.
     let stop = Arc::new(AtomicBool::new(false));
@@ -160,10 +164,24 @@ async fn polled_calls_answer_within_100ms_while_removing_unpacking_and_creating_
             .expect("RemoveImage");
             // Then until the removal has finished in the background: the snapshots are taken
             // out of the store, then their trees deleted.
-            wait_until("the removal to finish", Duration::from_secs(120), || {
-                snapshot_dirs(&root) < snapshots_before - 3 && trash_empty(&root)
-            })
-            .await;
+            let deadline = Instant::now() + Duration::from_secs(120);
+            // The removed image's snapshots were the only ones before it went.
+            let left = || -> Vec<_> {
+                snapshot_dirs(&root)
+                    .intersection(&snapshots_before)
+                    .cloned()
+                    .collect()
+            };
+            while !(left().is_empty() && trash_empty(&root)) {
+                assert!(
+                    Instant::now() < deadline,
+                    "the removal did not finish in 120 s: snapshots left {:?}, in tmp: {:?}",
+                    left(),
+                    std::fs::read_dir(root.join("snapshots/tmp"))
+                        .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
             started.elapsed()
         };
         let unpack = async {

@@ -7,6 +7,7 @@
 //!   files (hostname, resolv.conf, hosts, shm) a sandbox shares;
 //! - [`user`]: uid, gid and groups from the security context, the image and `/etc/passwd`;
 //! - [`userns`]: pods in their own user namespace: validation, idmapped rootfs layers;
+//! - [`annotations`]: which pod annotations reach the OCI spec (an allowlist);
 //! - [`defaults`]: default capabilities, mounts, masked paths and device rules;
 //! - [`seccomp`]: the `RuntimeDefault` profile and `Localhost` profiles;
 //! - [`host`]: host facts ([`HostInfo`]: oom_score_adj clamp, capabilities, cgroup version)
@@ -20,6 +21,7 @@
 //! nothing; only [`SandboxFiles::prepare`], [`propagation::prepare_bind_sources`] and the
 //! runtime calls have effects.
 
+pub mod annotations;
 pub mod defaults;
 pub mod error;
 pub mod host;

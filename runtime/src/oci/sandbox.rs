@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, Mount, Process, Root, Spec, User};
 
+use super::annotations::AnnotationPolicy;
 use super::defaults::{self, bind_mount, mount};
 use super::error::{OciError, Result};
 use super::host::{CgroupDriver, HostInfo, cgroups_path};
@@ -219,6 +220,8 @@ pub struct SandboxSpecParams<'a> {
     pub netns: Option<&'a Path>,
     pub cgroup_driver: CgroupDriver,
     pub host: &'a HostInfo,
+    /// Which of the pod's annotations go into the spec.
+    pub annotations: &'a AnnotationPolicy,
 }
 
 /// Checks that `sysctls` are namespaced and that their namespace is the sandbox's own.
@@ -392,7 +395,17 @@ pub fn sandbox_spec(p: &SandboxSpecParams<'_>) -> Result<Spec> {
     spec.set_root(Some(root));
     spec.set_process(Some(process));
     spec.set_mounts(Some(mounts));
-    spec.set_annotations(Some(p.config.annotations.clone().into_iter().collect()));
+    let md = p.config.metadata.clone().unwrap_or_default();
+    spec.set_annotations(Some(p.annotations.for_spec(
+        &p.config.annotations,
+        &[
+            ("io.kubernetes.cri.container-type", "sandbox"),
+            ("io.kubernetes.cri.sandbox-id", p.id),
+            ("io.kubernetes.cri.sandbox-name", &md.name),
+            ("io.kubernetes.cri.sandbox-namespace", &md.namespace),
+            ("io.kubernetes.cri.sandbox-uid", &md.uid),
+        ],
+    )));
     spec.set_linux(Some(l));
     Ok(spec)
 }

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::LinuxNamespaceType;
 
+use super::annotations::AnnotationPolicy;
 use super::*;
 
 use super::spec_tests::{mount_of, ns_of};
@@ -48,6 +49,7 @@ fn sandbox_spec_shape() {
         netns: None,
         cgroup_driver: CgroupDriver::Cgroupfs,
         host: &host,
+        annotations: &NO_ANNOTATIONS,
     };
     let spec = sandbox_spec(&params).unwrap();
     let p = spec.process().as_ref().unwrap();
@@ -174,6 +176,7 @@ fn sandbox_in_its_own_user_namespace() {
         netns: None,
         cgroup_driver: CgroupDriver::Cgroupfs,
         host: &host,
+        annotations: &NO_ANNOTATIONS,
     };
     let spec = sandbox_spec(&params).unwrap();
     use LinuxNamespaceType as T;
@@ -215,3 +218,5 @@ fn sandbox_in_its_own_user_namespace() {
         None
     );
 }
+
+static NO_ANNOTATIONS: AnnotationPolicy = AnnotationPolicy::NONE;

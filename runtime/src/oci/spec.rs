@@ -39,6 +39,7 @@ use oci_spec::runtime::{
     LinuxNamespaceType, LinuxResources, LinuxSeccomp, Mount, Process, Root, Spec, User,
 };
 
+use super::annotations::AnnotationPolicy;
 use super::defaults::{self, bind_mount};
 use super::error::{OciError, Result};
 use super::host::{CgroupDriver, HostInfo, cgroups_path};
@@ -53,6 +54,7 @@ pub const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/u
 #[derive(Debug, Clone, Copy)]
 pub struct ContainerSpecParams<'a> {
     pub id: &'a str,
+    pub sandbox_id: &'a str,
     pub config: &'a cri::ContainerConfig,
     pub sandbox_config: &'a cri::PodSandboxConfig,
     pub image: &'a ImageConfig,
@@ -64,6 +66,8 @@ pub struct ContainerSpecParams<'a> {
     pub target_pid_ns: Option<&'a Path>,
     pub cgroup_driver: CgroupDriver,
     pub host: &'a HostInfo,
+    /// Which of the container's annotations go into the spec.
+    pub annotations: &'a AnnotationPolicy,
 }
 
 pub(crate) fn namespace(typ: LinuxNamespaceType, path: Option<&Path>) -> LinuxNamespace {
@@ -624,7 +628,15 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
     spec.set_root(Some(root));
     spec.set_process(Some(process));
     spec.set_mounts(Some(mounts));
-    spec.set_annotations(Some(c.annotations.clone().into_iter().collect()));
+    let name = c.metadata.as_ref().map_or("", |m| m.name.as_str());
+    spec.set_annotations(Some(p.annotations.for_spec(
+        &c.annotations,
+        &[
+            ("io.kubernetes.cri.container-type", "container"),
+            ("io.kubernetes.cri.sandbox-id", p.sandbox_id),
+            ("io.kubernetes.cri.container-name", name),
+        ],
+    )));
     spec.set_linux(Some(l));
     Ok(spec)
 }

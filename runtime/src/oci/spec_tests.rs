@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::{Capability, LinuxNamespaceType, Spec};
 
+use super::annotations::AnnotationPolicy;
 use super::*;
 
 struct Fixture {
@@ -83,8 +84,12 @@ fn build(f: &Fixture, c: &cri::ContainerConfig) -> Result<Spec> {
         target_pid_ns: None,
         cgroup_driver: CgroupDriver::Cgroupfs,
         host: &f.host,
+        annotations: &NO_ANNOTATIONS,
+        sandbox_id: "sb1",
     })
 }
+
+static NO_ANNOTATIONS: AnnotationPolicy = AnnotationPolicy::NONE;
 
 fn with_sc(sc: cri::LinuxContainerSecurityContext) -> cri::ContainerConfig {
     cri::ContainerConfig {
@@ -1009,4 +1014,55 @@ fn containers_join_the_pods_user_namespace() {
             .any(|(t, _)| *t == LinuxNamespaceType::User)
     );
     assert!(plain.linux().as_ref().unwrap().uid_mappings().is_none());
+}
+
+#[test]
+fn pod_annotations_stay_out_of_the_spec_unless_allowed() {
+    let f = fixture();
+    let c = cri::ContainerConfig {
+        metadata: Some(cri::ContainerMetadata {
+            name: "app".into(),
+            attempt: 0,
+        }),
+        annotations: [
+            ("run.oci.keep_original_groups", "1"),
+            ("org.systemd.property.ExecStartPre", "/bin/sh"),
+            ("io.kubernetes.cri.container-type", "sandbox"),
+            ("example.com/team", "a"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect(),
+        ..Default::default()
+    };
+    let own = |spec: &Spec| {
+        let a = spec.annotations().clone().unwrap_or_default();
+        assert_eq!(a["io.kubernetes.cri.container-type"], "container");
+        assert_eq!(a["io.kubernetes.cri.sandbox-id"], "sb1");
+        assert_eq!(a["io.kubernetes.cri.container-name"], "app");
+        assert!(!a.contains_key("run.oci.keep_original_groups"));
+        assert!(!a.contains_key("org.systemd.property.ExecStartPre"));
+        a
+    };
+    let a = own(&build(&f, &c).unwrap());
+    assert!(!a.contains_key("example.com/team"), "{a:?}");
+
+    let allow = AnnotationPolicy::new(vec!["example.com/*".into()]).unwrap();
+    let spec = container_spec(&ContainerSpecParams {
+        id: "ctr1",
+        sandbox_id: "sb1",
+        config: &c,
+        sandbox_config: &f.sandbox,
+        image: &f.image,
+        rootfs: f.rootfs.path(),
+        namespaces: &f.ns,
+        files: &f.files,
+        target_pid_ns: None,
+        cgroup_driver: CgroupDriver::Cgroupfs,
+        host: &f.host,
+        annotations: &allow,
+    })
+    .unwrap();
+    let a = own(&spec);
+    assert_eq!(a["example.com/team"], "a");
 }

@@ -214,6 +214,7 @@ impl PodService {
         };
         let spec = oci::container_spec(&ContainerSpecParams {
             id: &id,
+            sandbox_id,
             config: &spec_config,
             sandbox_config: &sb_config,
             image: &image_config,
@@ -223,6 +224,7 @@ impl PodService {
             target_pid_ns: target_pid_ns.as_deref(),
             cgroup_driver: self.cgroup_driver,
             host: &self.host,
+            annotations: &self.annotations,
         })?;
         let bundle = self.bundle_dir(&id);
         undo.push(Undo::RemoveDir(bundle.clone()));

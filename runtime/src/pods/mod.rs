@@ -55,6 +55,8 @@ pub struct PodService {
     pub runtime: Runc,
     pub host: HostInfo,
     pub cgroup_driver: CgroupDriver,
+    /// Which pod annotations reach the OCI spec.
+    pub annotations: crate::oci::annotations::AnnotationPolicy,
     pub state_dir: PathBuf,
     pub shim_binary: PathBuf,
     pub images: Arc<ImageStore>,
@@ -143,6 +145,7 @@ impl PodService {
             runtime,
             host,
             cgroup_driver: config.cgroup_driver,
+            annotations: config.pod_annotations.clone(),
             shim_binary: std::env::current_exe()?,
             state_dir: state,
             images,

@@ -124,6 +124,7 @@ impl PodService {
             netns: netns.as_deref(),
             cgroup_driver: self.cgroup_driver,
             host: &self.host,
+            annotations: &self.annotations,
         })?;
         let bundle = self.bundle_dir(&id);
         undo.push(Undo::RemoveDir(bundle.clone()));

@@ -198,6 +198,7 @@ impl Sandbox {
             netns: None,
             cgroup_driver: CgroupDriver::Cgroupfs,
             host: &env.host,
+            annotations: &oci::annotations::AnnotationPolicy::NONE,
         })
         .unwrap();
         let bundle = dir.join("bundle");
@@ -266,6 +267,7 @@ impl Container {
         let image = ImageConfig::default();
         let spec = oci::container_spec(&oci::ContainerSpecParams {
             id: &id,
+            sandbox_id: &sandbox.id,
             config: &config,
             sandbox_config: &sandbox.config,
             image: &image,
@@ -275,6 +277,7 @@ impl Container {
             target_pid_ns: None,
             cgroup_driver: CgroupDriver::Cgroupfs,
             host: &env.host,
+            annotations: &oci::annotations::AnnotationPolicy::NONE,
         })
         .unwrap();
         let bundle = dir.join("bundle");
