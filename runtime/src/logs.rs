@@ -129,6 +129,29 @@ impl LineSplitter {
     }
 }
 
+/// Where a container's log goes: `log_path` under the sandbox's `log_directory` (CRI), `None`
+/// when either is empty. Both come from the pod's writer: the directory must be absolute and
+/// the path relative, with no `..` or `.` components, so the log stays inside the directory.
+pub fn container_log_path(log_directory: &str, log_path: &str) -> Result<Option<PathBuf>, String> {
+    use std::path::Component;
+    if log_directory.is_empty() || log_path.is_empty() {
+        return Ok(None);
+    }
+    let dir = Path::new(log_directory);
+    if !dir.is_absolute() || dir.components().any(|c| c == Component::ParentDir) {
+        return Err(format!(
+            "log_directory {log_directory:?} is not an absolute path without '..'"
+        ));
+    }
+    let rel = Path::new(log_path);
+    if log_path.contains('\0') || !rel.components().all(|c| matches!(c, Component::Normal(_))) {
+        return Err(format!(
+            "log_path {log_path:?} is not a relative path inside log_directory (no '/', '..' or '.' components)"
+        ));
+    }
+    Ok(Some(dir.join(rel)))
+}
+
 /// The log file of one container, shared by its stdout and stderr pumps (wrap it in a mutex).
 #[derive(Debug)]
 pub struct CriLogFile {
@@ -137,11 +160,14 @@ pub struct CriLogFile {
     scratch: Vec<u8>,
 }
 
+/// Opens a log for appending; a symlink in the log's place is not followed (the daemon, as
+/// root, would append to whatever it points at).
 fn open_log(path: &Path) -> io::Result<File> {
     OpenOptions::new()
         .create(true)
         .append(true)
         .mode(0o640)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
 }
 
@@ -237,6 +263,40 @@ pub fn reassemble(log: &[u8]) -> Result<Vec<(Stream, Vec<u8>)>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_paths_stay_inside_the_log_directory() {
+        let ok = container_log_path("/var/log/pods/ns_p_u", "app/0.log").unwrap();
+        assert_eq!(ok, Some(PathBuf::from("/var/log/pods/ns_p_u/app/0.log")));
+        assert_eq!(container_log_path("", "app/0.log").unwrap(), None);
+        assert_eq!(container_log_path("/var/log/pods/x", "").unwrap(), None);
+        for bad in [
+            "../../etc/cron.d/x",
+            "/etc/passwd",
+            "app/../../x",
+            "./x",
+            "a\0b",
+        ] {
+            let e = container_log_path("/var/log/pods/x", bad).unwrap_err();
+            assert!(e.contains("log_path"), "{bad}: {e}");
+        }
+        for bad in ["relative/dir", "/var/log/../etc"] {
+            let e = container_log_path(bad, "a.log").unwrap_err();
+            assert!(e.contains("log_directory"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_symlink_in_the_logs_place_is_not_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("host-file");
+        std::fs::write(&target, "precious\n").unwrap();
+        let log = d.path().join("0.log");
+        std::os::unix::fs::symlink(&target, &log).unwrap();
+        let e = CriLogFile::open(&log).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ELOOP), "{e}");
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious\n");
+    }
 
     fn split(max: usize, chunks: &[&[u8]]) -> Vec<(Vec<u8>, bool)> {
         let mut s = LineSplitter::new(max);

@@ -2,7 +2,7 @@
 //! (`oom_score_adj`, `CAP_SYS_RESOURCE`), which capabilities the kernel knows, the cgroup
 //! version, and the cgroups path for a cgroup parent under either driver.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 pub use crate::config::CgroupDriver;
 
@@ -147,6 +147,15 @@ pub fn cgroups_path(driver: CgroupDriver, parent: &str, id: &str) -> Result<Path
             } else {
                 parent
             };
+            if Path::new(parent)
+                .components()
+                .any(|c| matches!(c, std::path::Component::ParentDir))
+                || parent.contains('\0')
+            {
+                return Err(OciError::invalid(format!(
+                    "cgroup parent {parent:?} has '..' components: it must stay under the cgroup root"
+                )));
+            }
             let base = if parent.starts_with('/') {
                 PathBuf::from(parent)
             } else {
@@ -233,6 +242,10 @@ mod tests {
             PathBuf::from("/kubepods/c1")
         );
         assert!(cgroups_path(Cgroupfs, "kubepods-besteffort.slice", "c1").is_err());
+        for escape in ["/kubepods/../../sys/fs", "..", "kubepods/.."] {
+            let e = cgroups_path(Cgroupfs, escape, "c1").unwrap_err();
+            assert!(e.to_string().contains("'..'"), "{escape}: {e}");
+        }
         assert_eq!(
             cgroups_path(Systemd, "kubepods-besteffort-podx.slice", "c1").unwrap(),
             PathBuf::from("kubepods-besteffort-podx.slice:minicri:c1")

@@ -224,6 +224,49 @@ pub struct SandboxSpecParams<'a> {
     pub annotations: &'a AnnotationPolicy,
 }
 
+/// Checks what goes into the sandbox's resolv.conf and hosts files, one item per word or line:
+/// servers are IP addresses, search domains, options and the hostname are single words without
+/// control characters (a newline would add lines of the pod writer's choosing).
+pub fn validate_dns_and_hostname(config: &cri::PodSandboxConfig) -> Result<()> {
+    fn word(field: &str, v: &str, max: usize) -> Result<()> {
+        if v.is_empty()
+            || v.len() > max
+            || v.chars()
+                .any(|c| c.is_whitespace() || c.is_control() || c == '#')
+        {
+            return Err(OciError::invalid(format!(
+                "{field} {v:?} must be one word of at most {max} characters without whitespace, control characters or '#'"
+            )));
+        }
+        Ok(())
+    }
+    if !config.hostname.is_empty() {
+        word("hostname", &config.hostname, 253)?;
+    }
+    let Some(dns) = &config.dns_config else {
+        return Ok(());
+    };
+    for s in &dns.servers {
+        if s.parse::<std::net::IpAddr>().is_err() {
+            return Err(OciError::invalid(format!(
+                "dns_config server {s:?} is not an IP address"
+            )));
+        }
+    }
+    for s in &dns.searches {
+        word("dns_config search domain", s, 253)?;
+    }
+    for o in &dns.options {
+        word("dns_config option", o, 253)?;
+    }
+    if dns.servers.len() > 64 || dns.searches.len() > 64 || dns.options.len() > 64 {
+        return Err(OciError::invalid(
+            "dns_config has more than 64 servers, search domains or options",
+        ));
+    }
+    Ok(())
+}
+
 /// Checks that `sysctls` are namespaced and that their namespace is the sandbox's own.
 pub fn validate_sysctls(config: &cri::PodSandboxConfig) -> Result<()> {
     let Some(linux) = &config.linux else {

@@ -7,6 +7,7 @@ use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::LinuxNamespaceType;
 
 use super::annotations::AnnotationPolicy;
+use super::sandbox::validate_dns_and_hostname;
 use super::*;
 
 use super::spec_tests::{mount_of, ns_of};
@@ -220,3 +221,56 @@ fn sandbox_in_its_own_user_namespace() {
 }
 
 static NO_ANNOTATIONS: AnnotationPolicy = AnnotationPolicy::NONE;
+
+#[test]
+fn resolv_conf_and_hostname_cannot_gain_lines() {
+    let with = |hostname: &str, dns: cri::DnsConfig| cri::PodSandboxConfig {
+        hostname: hostname.into(),
+        dns_config: Some(dns),
+        ..Default::default()
+    };
+    let good = cri::DnsConfig {
+        servers: vec!["10.96.0.10".into(), "fd00::a".into()],
+        searches: vec!["default.svc.cluster.local".into()],
+        options: vec!["ndots:5".into()],
+    };
+    validate_dns_and_hostname(&with("web-0", good.clone())).unwrap();
+    let bad = [
+        with("web\n127.0.0.1 evil", good.clone()),
+        with(
+            "web",
+            cri::DnsConfig {
+                servers: vec!["10.0.0.1\nnameserver 6.6.6.6".into()],
+                ..good.clone()
+            },
+        ),
+        with(
+            "web",
+            cri::DnsConfig {
+                searches: vec!["a\noptions debug".into()],
+                ..good.clone()
+            },
+        ),
+        with(
+            "web",
+            cri::DnsConfig {
+                options: vec!["ndots:5 attempts:9".into()],
+                ..good.clone()
+            },
+        ),
+        with(
+            "web",
+            cri::DnsConfig {
+                servers: vec!["dns.example.com".into()],
+                ..good.clone()
+            },
+        ),
+    ];
+    for c in bad {
+        let e = validate_dns_and_hostname(&c).unwrap_err();
+        assert!(
+            e.to_string().contains("must be one word") || e.to_string().contains("not an IP"),
+            "{e}"
+        );
+    }
+}

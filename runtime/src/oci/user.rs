@@ -147,20 +147,58 @@ pub fn resolve_in_root(root: &Path, path: &Path) -> std::io::Result<PathBuf> {
     Ok(out)
 }
 
+/// The most of `/etc/passwd` or `/etc/group` read from an image (real ones are a few KiB).
+pub const MAX_ACCOUNT_FILE: u64 = 4 << 20;
+
 /// Reads a text file of the rootfs (see [`resolve_in_root`]); `None` when it does not exist.
+///
+/// The image is a stranger's: the file must be a regular file (a FIFO would block the read, a
+/// device such as `/dev/zero` would never end) of at most [`MAX_ACCOUNT_FILE`] bytes. It is
+/// opened without following a last symlink (the path is already resolved inside the rootfs)
+/// and without blocking on open.
 pub fn read_in_root(root: &Path, path: &str) -> Result<Option<String>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
     let p = resolve_in_root(root, Path::new(path))
         .map_err(|e| OciError::io("resolve", root.join(path.trim_start_matches('/')), e))?;
-    match std::fs::read(&p) {
-        Ok(b) => Ok(Some(String::from_utf8_lossy(&b).into_owned())),
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(&p);
+    let file = match file {
+        Ok(f) => f,
         Err(e)
             if e.kind() == std::io::ErrorKind::NotFound
                 || e.kind() == std::io::ErrorKind::NotADirectory =>
         {
-            Ok(None)
+            return Ok(None);
         }
-        Err(e) => Err(OciError::io("read", p, e)),
+        Err(e) => return Err(OciError::io("open", p, e)),
+    };
+    let meta = file
+        .metadata()
+        .map_err(|e| OciError::io("stat", p.clone(), e))?;
+    if !meta.is_file() {
+        return Err(OciError::invalid(format!(
+            "the image's {path} is not a regular file"
+        )));
     }
+    if meta.len() > MAX_ACCOUNT_FILE {
+        return Err(OciError::invalid(format!(
+            "the image's {path} is {} bytes, more than the {MAX_ACCOUNT_FILE} read",
+            meta.len()
+        )));
+    }
+    let mut b = Vec::with_capacity(meta.len() as usize);
+    file.take(MAX_ACCOUNT_FILE + 1)
+        .read_to_end(&mut b)
+        .map_err(|e| OciError::io("read", p.clone(), e))?;
+    if b.len() as u64 > MAX_ACCOUNT_FILE {
+        return Err(OciError::invalid(format!(
+            "the image's {path} grew past {MAX_ACCOUNT_FILE} bytes while read"
+        )));
+    }
+    Ok(Some(String::from_utf8_lossy(&b).into_owned()))
 }
 
 fn id_from_i64(v: i64, what: &str) -> Result<u32> {
@@ -270,6 +308,41 @@ mod tests {
         )
         .unwrap();
         d
+    }
+
+    #[test]
+    fn fifo_device_and_huge_account_files_are_refused_without_blocking() {
+        let d = rootfs();
+        let passwd = d.path().join("etc/passwd");
+        // A FIFO nobody writes: opening or reading it would block forever.
+        std::fs::remove_file(&passwd).unwrap();
+        nix::unistd::mkfifo(&passwd, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
+        let t = std::time::Instant::now();
+        let e = resolve_user(d.path(), &UserRequest::default()).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(1));
+        // A symlink to a device inside the rootfs: resolved inside it, then refused.
+        std::fs::remove_file(&passwd).unwrap();
+        std::fs::create_dir_all(d.path().join("dev")).unwrap();
+        nix::sys::stat::mknod(
+            &d.path().join("dev/zero"),
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::from_bits_truncate(0o666),
+            nix::sys::stat::makedev(1, 5),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &passwd).unwrap();
+        let e = resolve_user(d.path(), &UserRequest::default()).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        // Larger than the cap (sparse: no disk used).
+        std::fs::remove_file(&passwd).unwrap();
+        let f = std::fs::File::create(&passwd).unwrap();
+        f.set_len(MAX_ACCOUNT_FILE + 1).unwrap();
+        let e = resolve_user(d.path(), &UserRequest::default()).unwrap_err();
+        assert!(e.to_string().contains("more than"), "{e}");
+        // At the cap it is read.
+        f.set_len(MAX_ACCOUNT_FILE).unwrap();
+        resolve_user(d.path(), &UserRequest::default()).unwrap();
     }
 
     fn r(req: UserRequest<'_>) -> Result<ResolvedUser> {

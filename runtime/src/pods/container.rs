@@ -212,27 +212,31 @@ impl PodService {
             mounts,
             ..config.clone()
         };
-        let spec = oci::container_spec(&ContainerSpecParams {
-            id: &id,
-            sandbox_id,
-            config: &spec_config,
-            sandbox_config: &sb_config,
-            image: &image_config,
-            rootfs: &rootfs,
-            namespaces: &namespaces,
-            files: &files,
-            target_pid_ns: target_pid_ns.as_deref(),
-            cgroup_driver: self.cgroup_driver,
-            host: &self.host,
-            annotations: &self.annotations,
+        // Spec building reads the image's /etc/passwd and /etc/group, device nodes and seccomp
+        // profiles: file work kept off the async workers.
+        let spec = crate::fsutil::off_async(|| {
+            oci::container_spec(&ContainerSpecParams {
+                id: &id,
+                sandbox_id,
+                config: &spec_config,
+                sandbox_config: &sb_config,
+                image: &image_config,
+                rootfs: &rootfs,
+                namespaces: &namespaces,
+                files: &files,
+                target_pid_ns: target_pid_ns.as_deref(),
+                cgroup_driver: self.cgroup_driver,
+                host: &self.host,
+                annotations: &self.annotations,
+            })
         })?;
         let bundle = self.bundle_dir(&id);
         undo.push(Undo::RemoveDir(bundle.clone()));
         oci::write_bundle(&bundle, &spec)?;
 
         // CRI: the log is <sandbox log_directory>/<container log_path>.
-        let log_path = (!sb_config.log_directory.is_empty() && !config.log_path.is_empty())
-            .then(|| PathBuf::from(&sb_config.log_directory).join(&config.log_path));
+        let log_path = crate::logs::container_log_path(&sb_config.log_directory, &config.log_path)
+            .map_err(Error::InvalidArgument)?;
 
         let rec = ContainerRecord {
             id: id.clone(),

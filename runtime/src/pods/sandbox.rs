@@ -41,6 +41,17 @@ fn validate_metadata(config: &cri::PodSandboxConfig) -> Result<&cri::PodSandboxM
                 "sandbox config {field} is required"
             )));
         }
+        // They go into CNI_ARGS (`;`-separated `K=V`), the sandbox's reserved name
+        // (`_`-joined) and logs: Kubernetes names and uids never hold these characters.
+        if v.len() > 253
+            || v.chars().any(|c| {
+                c.is_whitespace() || c.is_control() || matches!(c, ';' | '=' | ',' | '/' | '_')
+            })
+        {
+            return Err(Error::InvalidArgument(format!(
+                "sandbox config {field} {v:?} is not a Kubernetes name or uid (at most 253 characters, none of whitespace, control characters, ';', '=', ',', '/', '_')"
+            )));
+        }
     }
     Ok(m)
 }
@@ -77,6 +88,7 @@ impl PodService {
             )));
         }
         oci::sandbox::validate_sysctls(&config)?;
+        oci::sandbox::validate_dns_and_hostname(&config)?;
         // A pod in its own user namespace gets its network namespace from the infra process,
         // which creates both; CNI attaches it after `create` (see crate::oci::userns).
         let own_userns = oci::userns::pod_userns(&config)?.is_some();
@@ -381,5 +393,47 @@ fn sandbox_status(r: &SandboxRecord) -> cri::PodSandboxStatus {
         labels: c.labels,
         annotations: c.annotations,
         runtime_handler: r.runtime_handler.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(name: &str, namespace: &str, uid: &str) -> cri::PodSandboxConfig {
+        cri::PodSandboxConfig {
+            metadata: Some(cri::PodSandboxMetadata {
+                name: name.into(),
+                namespace: namespace.into(),
+                uid: uid.into(),
+                attempt: 0,
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn pod_identity_cannot_inject_cni_args_or_collide_names() {
+        validate_metadata(&meta(
+            "web-0",
+            "default",
+            "5f0c0c1e-1c5d-4bb5-8a0e-2f8a6f2e8d01",
+        ))
+        .unwrap();
+        for (n, ns, uid) in [
+            ("web;K8S_POD_NAMESPACE=kube-system", "default", "u"),
+            ("web", "default;IgnoreUnknown=0", "u"),
+            ("web", "default", "u\nx"),
+            ("a_b", "c", "u"),
+            ("web", "../x", "u"),
+        ] {
+            let e = validate_metadata(&meta(n, ns, uid)).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument(ref m) if m.contains("not a Kubernetes name")),
+                "{n:?} {ns:?} {uid:?}: {e:?}"
+            );
+        }
+        let long = "a".repeat(254);
+        assert!(validate_metadata(&meta(&long, "default", "u")).is_err());
     }
 }
