@@ -140,6 +140,47 @@ async fn pod_and_container_lifecycle() {
         (out.exit_code, out.stdout.as_slice(), out.stderr.as_slice()),
         (3, &b"out\n"[..], &b"err\n"[..])
     );
+    // Output past the cap (4 MiB per stream) is dropped, the rest still read to the end.
+    let out = exec_sync(
+        &mut c,
+        &cid,
+        &["sh", "-c", "head -c 6000000 /dev/zero; echo done >&2"],
+        30,
+    )
+    .await;
+    assert_eq!(out.exit_code, 0);
+    assert_eq!(out.stdout.len(), 4 << 20);
+    assert_eq!(out.stderr, b"done\n");
+    // A process left behind holding the output: `runc exec` copies the output until every
+    // holder has closed it, so the call ends at its timeout, with the deadline error, and the
+    // daemon keeps no process, descriptor or reader for it.
+    let fds = |pid: u32| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .count()
+    };
+    let pid = env.daemon.pid().expect("daemon pid");
+    let before = fds(pid);
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        let e = c
+            .exec_sync(cri::ExecSyncRequest {
+                container_id: cid.clone(),
+                cmd: ["sh", "-c", "echo started; sleep 600 &"]
+                    .map(String::from)
+                    .to_vec(),
+                timeout: 2,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+        assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
+    }
+    let after = fds(pid);
+    assert!(
+        after < before + 3,
+        "the daemon's descriptors grew from {before} to {after} over 3 calls"
+    );
 
     // Stop: sh is PID 1 of its PID namespace and ignores SIGTERM, so SIGKILL after 1 s.
     stop_container(&mut c, &cid, 1).await;

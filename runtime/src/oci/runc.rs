@@ -342,12 +342,69 @@ fn exit_code(status: std::process::ExitStatus) -> i32 {
         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
 }
 
-async fn read_all<R: tokio::io::AsyncRead + Unpin>(r: Option<R>) -> Vec<u8> {
-    let mut buf = Vec::new();
-    if let Some(mut r) = r {
-        let _ = r.read_to_end(&mut buf).await;
+/// The most of each of stdout and stderr an [`OciRuntime::exec`] keeps (ExecSync): both fit in
+/// the kubelet's 16 MiB CRI messages, and its exec probes read only the first 10 KiB.
+pub const MAX_EXEC_OUTPUT: usize = 4 << 20;
+
+/// What a reader task has read so far: the bytes kept and how many were dropped.
+type Captured = std::sync::Arc<std::sync::Mutex<(Vec<u8>, u64)>>;
+
+/// Reads `r` to its end in a task, keeping the first `cap` bytes in the returned buffer and
+/// discarding the rest (the process must not block on a full pipe).
+fn capture<R: tokio::io::AsyncRead + Unpin + Send + 'static>(
+    r: Option<R>,
+    cap: usize,
+) -> (tokio::task::JoinHandle<()>, Captured) {
+    let captured = Captured::default();
+    let c = captured.clone();
+    let task = tokio::spawn(async move {
+        let Some(mut r) = r else { return };
+        let mut chunk = vec![0u8; 64 * 1024];
+        loop {
+            match r.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    let mut c = c.lock().unwrap();
+                    let keep = n.min(cap - c.0.len());
+                    c.0.extend_from_slice(&chunk[..keep]);
+                    c.1 += (n - keep) as u64;
+                }
+            }
+        }
+    });
+    (task, captured)
+}
+
+/// The output a reader task captured, once it ends or `grace` has passed. The task is aborted
+/// either way, so a process left behind in the container holding the pipe cannot keep it (and
+/// its reads) alive after the call; what it read so far is kept.
+async fn drain(
+    (task, captured): (tokio::task::JoinHandle<()>, Captured),
+    grace: Duration,
+    id: &str,
+    stream: &str,
+) -> Vec<u8> {
+    let abort = task.abort_handle();
+    let ended = tokio::time::timeout(grace, task).await.is_ok();
+    abort.abort();
+    let (bytes, dropped) = std::mem::take(&mut *captured.lock().unwrap());
+    if dropped > 0 {
+        tracing::warn!(
+            container = id,
+            stream,
+            kept = bytes.len(),
+            dropped,
+            "exec output over the cap was dropped"
+        );
     }
-    buf
+    if !ended {
+        tracing::debug!(
+            container = id,
+            stream,
+            "exec output still open after the process ended (a background process holds it)"
+        );
+    }
+    bytes
 }
 
 impl OciRuntime for Runc {
@@ -445,8 +502,8 @@ impl OciRuntime for Runc {
                     let _ = w.write_all(&data).await;
                 });
             }
-            let out = tokio::spawn(read_all(child.stdout.take()));
-            let err = tokio::spawn(read_all(child.stderr.take()));
+            let out = capture(child.stdout.take(), MAX_EXEC_OUTPUT);
+            let err = capture(child.stderr.take(), MAX_EXEC_OUTPUT);
             let mut timed_out = false;
             let status = match opts.timeout {
                 None => child.wait().await,
@@ -454,7 +511,10 @@ impl OciRuntime for Runc {
                     Ok(s) => s,
                     Err(_) => {
                         timed_out = true;
-                        // Killing `runc exec` would leave the process running: kill the process.
+                        // Killing `runc exec` alone would leave the process running: kill the
+                        // process. Then `runc exec` itself: it copies the output until every
+                        // holder of it has closed it, so a process the command left in the
+                        // background would keep it (and this call) alive.
                         if let Some(pid) = std::fs::read_to_string(&scratch[1])
                             .ok()
                             .and_then(|s| s.trim().parse().ok())
@@ -464,23 +524,21 @@ impl OciRuntime for Runc {
                                 nix::sys::signal::SIGKILL,
                             );
                         }
-                        child.wait().await
+                        match tokio::time::timeout(Duration::from_secs(1), child.wait()).await {
+                            Ok(s) => s,
+                            Err(_) => {
+                                let _ = child.start_kill();
+                                child.wait().await
+                            }
+                        }
                     }
                 },
             }
             .map_err(|e| OciError::io("wait for", &self.binary, e))?;
             // Output is drained unless something left behind in the container holds the pipes.
             let grace = Duration::from_secs(2);
-            let stdout = tokio::time::timeout(grace, out)
-                .await
-                .ok()
-                .and_then(|r| r.ok())
-                .unwrap_or_default();
-            let stderr = tokio::time::timeout(grace, err)
-                .await
-                .ok()
-                .and_then(|r| r.ok())
-                .unwrap_or_default();
+            let stdout = drain(out, grace, &opts.id, "stdout").await;
+            let stderr = drain(err, grace, &opts.id, "stderr").await;
             let runtime_error = read_runtime_log(&log);
             for f in scratch.iter().chain([&log]) {
                 let _ = std::fs::remove_file(f);
