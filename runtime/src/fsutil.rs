@@ -1,4 +1,106 @@
 //! Small filesystem helpers the daemon's modules share: replacing a file atomically (the store
-//! crate's one implementation, re-exported for the daemon's modules).
+//! crate's one implementation, re-exported for the daemon's modules), and the modes of the
+//! daemon's directories ([`private_layout`]).
 
 pub use minicri_store::fsutil::{off_async, write_atomic};
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+/// Directories of the state directory that containers in a pod user namespace must traverse
+/// (their root is an unprivileged host uid): searchable by all, not listable. Everything under
+/// them that matters is in per-object directories of mode 0700 ([`private_dir`]) or harmless
+/// (a sandbox's resolv.conf and hosts).
+const TRAVERSED: &[&str] = &["containers", "sandboxes"];
+
+/// The infra rootfs (the pause binary, read-only, nothing setuid): a pod user namespace's root
+/// opens it as its root directory, so it is readable by all.
+const INFRA: &str = "infra";
+
+/// Gives the root and state directories their modes: the root (content, images, snapshots:
+/// image files with setuid bits and device nodes) 0700; the state directory and its
+/// [`TRAVERSED`] subdirectories 0711; the [`INFRA`] rootfs 0755; the other state
+/// subdirectories (bundles, network namespaces, idmapped mounts, runc's state, records) 0700.
+pub fn private_layout(root: &Path, state: &Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let set = |p: &Path, mode: u32| -> anyhow::Result<()> {
+        std::fs::create_dir_all(p).with_context(|| format!("creating {}", p.display()))?;
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+            .with_context(|| format!("setting the mode of {}", p.display()))
+    };
+    set(root, 0o700)?;
+    set(state, 0o711)?;
+    for d in TRAVERSED {
+        set(&state.join(d), 0o711)?;
+    }
+    set(&state.join(INFRA), 0o755)?;
+    for d in ["b", "netns", "idmap", "runc", "pods", "pulls"] {
+        set(&state.join(d), 0o700)?;
+    }
+    Ok(())
+}
+
+/// Creates `dir` (its parent must exist) with mode 0700, owned by `owner` (uid, gid) when given:
+/// the host ids of a pod user namespace's root, the only unprivileged user that may enter it.
+pub fn private_dir(dir: &Path, owner: Option<(u32, u32)>) -> std::io::Result<()> {
+    match std::fs::create_dir(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    if let Some((uid, gid)) = owner {
+        std::os::unix::fs::chown(dir, Some(uid), Some(gid))?;
+    }
+    Ok(())
+}
+
+/// The first directory above `dir` that other users cannot search (no `o+x`), if any.
+pub fn closed_ancestor(dir: &Path) -> Option<std::path::PathBuf> {
+    let dir = std::fs::canonicalize(dir).ok()?;
+    dir.ancestors()
+        .skip(1)
+        .find(|a| std::fs::metadata(a).is_ok_and(|m| m.permissions().mode() & 0o001 == 0))
+        .map(Path::to_path_buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mode(p: &Path) -> u32 {
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    #[test]
+    fn the_layout_is_private_and_traversable_where_pods_need_it() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let (root, state) = (d.path().join("root"), d.path().join("state"));
+        std::fs::create_dir_all(state.join("b")).unwrap();
+        std::fs::set_permissions(state.join("b"), std::fs::Permissions::from_mode(0o777)).unwrap();
+        private_layout(&root, &state).unwrap();
+        assert_eq!(mode(&root), 0o700);
+        assert_eq!(mode(&state), 0o711);
+        for t in TRAVERSED {
+            assert_eq!(mode(&state.join(t)), 0o711, "{t}");
+        }
+        assert_eq!(mode(&state.join(INFRA)), 0o755);
+        assert_eq!(
+            mode(&state.join("b")),
+            0o700,
+            "an existing directory is fixed"
+        );
+        assert_eq!(closed_ancestor(&state), None);
+        private_dir(&state.join("containers/c1"), Some((2_000_000, 2_000_000))).unwrap();
+        let m = std::fs::metadata(state.join("containers/c1")).unwrap();
+        assert_eq!(m.permissions().mode() & 0o7777, 0o700);
+        assert_eq!(std::os::unix::fs::MetadataExt::uid(&m), 2_000_000);
+
+        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert_eq!(
+            closed_ancestor(&state),
+            Some(d.path().canonicalize().unwrap())
+        );
+    }
+}

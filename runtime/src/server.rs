@@ -100,9 +100,12 @@ impl Drop for SocketGuard {
 
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn serve(config: Config) -> anyhow::Result<()> {
+    // Modes below are given explicitly; whatever else the daemon creates gets at most 0755.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
     let _lock = lock_root(&config.root)?;
     fs::create_dir_all(&config.state)
         .with_context(|| format!("creating state dir {}", config.state.display()))?;
+    crate::fsutil::private_layout(&config.root, &config.state)?;
     let socket = config.socket.clone();
     let daemon = Arc::new(Daemon::open(config)?);
 

@@ -756,6 +756,12 @@ async fn pod_user_namespace() {
     )
     .await;
     let rootfs = env.state().join("containers").join(&id).join("rootfs");
+    // Its directory is private to the pod's root, who reaches the rootfs from inside.
+    {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let m = std::fs::metadata(rootfs.parent().unwrap()).unwrap();
+        assert_eq!((m.uid(), m.permissions().mode() & 0o777), (HOST_ID, 0o700));
+    }
     let owner = |p: &str| {
         let m = std::fs::metadata(rootfs.join(p)).unwrap();
         (

@@ -128,6 +128,37 @@ async fn pod_and_container_lifecycle() {
     let shims = processes_mentioning(&cid);
     assert!(!shims.is_empty(), "a shim for the container");
 
+    // The rootfs, with the image's setuid files and devices, is out of other users' reach;
+    // the root and state directories are private (searchable only where pods need it).
+    let mode = |p: &Path| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+    };
+    let ctr_dir = env.state().join("containers").join(&cid);
+    assert_eq!(mode(&env.daemon.root()), 0o700);
+    assert_eq!(mode(&env.state()), 0o711);
+    assert_eq!(mode(&ctr_dir), 0o700);
+    let busybox = ctr_dir.join("rootfs/bin/busybox");
+    assert!(busybox.exists(), "the rootfs is mounted");
+    let nobody = {
+        use std::os::unix::process::CommandExt;
+        std::process::Command::new("stat")
+            .arg(&busybox)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .expect("stat as nobody")
+    };
+    assert!(
+        !nobody.status.success(),
+        "an unprivileged user reached {}",
+        busybox.display()
+    );
+    assert!(
+        String::from_utf8_lossy(&nobody.stderr).contains("Permission denied"),
+        "{nobody:?}"
+    );
+
     // ExecSync.
     let out = exec_sync(
         &mut c,

@@ -149,9 +149,14 @@ impl PodService {
         {
             let snap = self.snapshotter.clone();
             let (key, rootfs, layers) = (id.clone(), rootfs.clone(), idmap.join("layers"));
+            let dir = dir.clone();
             blocking(move || {
                 let m = snap.prepare(&key, Some(&chain_id))?;
-                std::fs::create_dir_all(&rootfs)
+                // The mounted rootfs holds the image's setuid files and device nodes: its
+                // directory is root's alone, or the pod user namespace root's (who must reach
+                // it from inside).
+                crate::fsutil::private_dir(&dir, userns.as_ref().map(|(_, root)| *root))
+                    .and_then(|()| std::fs::create_dir_all(&rootfs))
                     .map_err(|e| Error::Internal(format!("creating {}: {e}", rootfs.display())))?;
                 match userns {
                     Some((ns, root)) => {

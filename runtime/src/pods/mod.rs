@@ -139,6 +139,20 @@ impl PodService {
         runtime.systemd_cgroup = config.cgroup_driver == CgroupDriver::Systemd;
         let mut host = HostInfo::detect();
         host.recursive_read_only &= runtime.supports_mount_option("rro");
+        if host.user_namespaces {
+            // A pod user namespace's root is an unprivileged host uid: it must be able to pass
+            // through every directory above the state directory to reach its rootfs.
+            if let Some(closed) = crate::fsutil::closed_ancestor(&state) {
+                tracing::warn!(
+                    state = %state.display(),
+                    directory = %closed.display(),
+                    "pod user namespaces are reported unsupported: the directory above the state \
+                     directory is not searchable by other users (mode o+x), so a pod's \
+                     unprivileged root could not reach its rootfs"
+                );
+                host.user_namespaces = false;
+            }
+        }
         let svc = Arc::new(PodService {
             store,
             cni: Arc::new(cni),
