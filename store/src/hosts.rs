@@ -114,15 +114,34 @@ fn host_dir_name(registry: &str) -> &str {
     registry
 }
 
-fn is_loopback(registry: &str) -> bool {
-    let host = match registry.rsplit_once(':') {
-        Some((h, p)) if p.chars().all(|c| c.is_ascii_digit()) => h,
-        _ => registry,
+/// Is `host` (`host`, `host:port`, `[v6]` or `[v6]:port`) a loopback IP literal (127.0.0.0/8,
+/// ::1)? Names are not: `127.evil.example` is a DNS name like any other, and even `localhost`
+/// resolves through /etc/hosts and NSS, which the runtime does not control. So only a literal
+/// address is known to stay on the machine.
+pub fn is_loopback_ip(host: &str) -> bool {
+    let bare = if let Some(rest) = host.strip_prefix('[') {
+        match rest.split_once(']') {
+            Some((ip, tail)) if tail.is_empty() || is_port(tail) => ip,
+            _ => return false,
+        }
+    } else {
+        match host.rsplit_once(':') {
+            Some((h, p)) if !h.contains(':') && p.chars().all(|c| c.is_ascii_digit()) => h,
+            _ => host,
+        }
     };
-    host == "localhost" || host.starts_with("127.") || host == "[::1]"
+    bare.parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback())
 }
 
-/// The registry itself: Docker Hub's API host for `docker.io`, plain HTTP for loopback registries.
+fn is_port(tail: &str) -> bool {
+    tail.strip_prefix(':')
+        .is_some_and(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_digit()))
+}
+
+/// The registry itself: Docker Hub's API host for `docker.io`; plain HTTP only for a registry
+/// named by a loopback IP literal (see [`is_loopback_ip`]); anything else over HTTPS unless a
+/// hosts.toml says `http://`.
 pub fn default_endpoint(registry: &str) -> Endpoint {
     let host = if registry == "docker.io" {
         "registry-1.docker.io".to_string()
@@ -130,7 +149,7 @@ pub fn default_endpoint(registry: &str) -> Endpoint {
         registry.to_string()
     };
     Endpoint {
-        plain_http: is_loopback(registry),
+        plain_http: is_loopback_ip(registry),
         host,
         resolve: true,
         pull: true,
@@ -255,6 +274,27 @@ mod tests {
             h.endpoints("quay.io").unwrap()[0].to_string(),
             "https://quay.io"
         );
+    }
+
+    #[test]
+    fn plain_http_only_for_loopback_ip_literals() {
+        let h = RegistryHosts::new(None);
+        let scheme = |r: &str| h.endpoints(r).unwrap()[0].plain_http;
+        for r in ["127.0.0.1:5000", "127.1.2.3", "[::1]:5000", "[::1]"] {
+            assert!(scheme(r), "{r}");
+        }
+        for r in [
+            "127.evil.example",
+            "127.evil.example:5000",
+            "127.0.0.1.nip.io",
+            "localhost",
+            "localhost:5000",
+            "[::2]:5000",
+            "10.0.0.1:5000",
+            "registry.example",
+        ] {
+            assert!(!scheme(r), "{r}");
+        }
     }
 
     #[test]
