@@ -194,11 +194,20 @@ fn caps(list: &Option<Vec<String>>) -> (bool, bool) {
 }
 
 fn parse_hosts_file(path: &Path, registry: &str) -> Result<Vec<Endpoint>> {
+    let text = fs::read_to_string(path).map_err(|e| StoreError::HostsConfig {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    parse_hosts_toml(&text, registry, path)
+}
+
+/// The endpoints a `hosts.toml` text lists for `registry`; `path` only names the file in errors.
+/// Pure, so it can be fuzzed.
+pub fn parse_hosts_toml(text: &str, registry: &str, path: &Path) -> Result<Vec<Endpoint>> {
     let bad = |reason: String| StoreError::HostsConfig {
         path: path.to_path_buf(),
         reason,
     };
-    let text = fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
     let file: HostsFile = toml::from_str(&text).map_err(|e| bad(e.to_string()))?;
     let mut out = Vec::new();
     for (url, entry) in file.host {
