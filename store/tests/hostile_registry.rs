@@ -1,14 +1,18 @@
-//! A registry (and token service) that misbehaves on purpose, served from this test on loopback:
-//! oversized manifests and token responses, bytes trickled under the read timeout, and token
-//! realms on hosts the credentials were not given for.
+//! A registry (and token service) that misbehaves on purpose, served from this test on loopback
+//! (real TCP servers, the real `oci-client` based client): oversized manifests, token responses
+//! and error bodies, bytes trickled under the read timeout, answers that never come, token realms
+//! on hosts the credentials were not given for, and a plain-http registry reached by name.
+//! docs/hardening.md says what each bound is and what `oci-client` leaves unbounded.
 
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use minicri_store::registry::{
-    Credentials, MAX_MANIFEST_BYTES, Registry, realm_may_get_credentials,
+    Credentials, FetchedManifest, MAX_MANIFEST_BYTES, MAX_MESSAGE_CHARS, MAX_TOKEN_BYTES, Registry,
+    realm_may_get_credentials,
 };
-use minicri_store::{ErrorKind, Reference, RegistryHosts};
+use minicri_store::{Digest, ErrorKind, Reference, RegistryHosts, StoreError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -20,7 +24,8 @@ struct Seen {
     body: String,
 }
 
-/// What to answer: status, extra headers, body, and a pause between body bytes (a trickle).
+/// What to answer: status, extra headers, body, a pause before anything is sent, and a pause
+/// between body bytes (a trickle).
 #[derive(Clone)]
 struct Reply {
     status: u16,
@@ -28,6 +33,7 @@ struct Reply {
     body: Vec<u8>,
     /// Send the body with Content-Length (else close-delimited).
     length: bool,
+    delay: Option<Duration>,
     trickle: Option<Duration>,
 }
 
@@ -38,8 +44,19 @@ impl Reply {
             headers: vec![],
             body: body.into(),
             length: true,
+            delay: None,
             trickle: None,
         }
+    }
+
+    fn status(mut self, status: u16) -> Reply {
+        self.status = status;
+        self
+    }
+
+    fn header(mut self, name: &str, value: impl Into<String>) -> Reply {
+        self.headers.push((name.into(), value.into()));
+        self
     }
 }
 
@@ -73,6 +90,10 @@ impl Server {
 
     fn seen(&self) -> Vec<Seen> {
         self.seen.lock().unwrap().clone()
+    }
+
+    fn port(&self) -> &str {
+        self.addr.rsplit_once(':').unwrap().1
     }
 }
 
@@ -128,6 +149,9 @@ async fn serve(
     };
     seen.lock().unwrap().push(req.clone());
     let r = h(&req);
+    if let Some(d) = r.delay {
+        tokio::time::sleep(d).await;
+    }
     let mut out = format!("HTTP/1.1 {} X\r\nConnection: close\r\n", r.status);
     for (k, v) in &r.headers {
         out.push_str(&format!("{k}: {v}\r\n"));
@@ -152,12 +176,18 @@ async fn serve(
 const MANIFEST: &str = r#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a","size":2},"layers":[]}"#;
 
 fn manifest_reply() -> Reply {
-    let mut r = Reply::ok(MANIFEST);
-    r.headers.push((
-        "Content-Type".into(),
-        "application/vnd.oci.image.manifest.v1+json".into(),
-    ));
-    r
+    Reply::ok(MANIFEST).header("Content-Type", "application/vnd.oci.image.manifest.v1+json")
+}
+
+/// Answers the `/v2/` ping with 200 and manifests with `manifest`.
+fn open_registry(manifest: impl Fn() -> Reply + Send + Sync + 'static) -> impl Fn(&Seen) -> Reply {
+    move |req| {
+        if req.path.contains("/manifests/") {
+            manifest()
+        } else {
+            Reply::ok("{}")
+        }
+    }
 }
 
 fn reference(addr: &str) -> Reference {
@@ -173,11 +203,19 @@ fn creds(addr: &str) -> Credentials {
     }
 }
 
+fn identity(addr: &str) -> Credentials {
+    Credentials {
+        identity_token: "refresh-me".into(),
+        server_address: addr.to_string(),
+        ..Default::default()
+    }
+}
+
 async fn fetch(
     registry: &Registry,
     addr: &str,
     c: &Credentials,
-) -> Result<minicri_store::registry::FetchedManifest, minicri_store::StoreError> {
+) -> Result<FetchedManifest, StoreError> {
     let r = reference(addr);
     let session = registry.session(&r, c).unwrap();
     session
@@ -190,20 +228,29 @@ fn registry() -> Registry {
     Registry::new(RegistryHosts::new(None))
 }
 
+/// Runs `f`, failing the test unless it is over within `limit` (whatever it returns).
+async fn within<T>(limit: Duration, f: impl Future<Output = T>) -> T {
+    let start = Instant::now();
+    let out = f.await;
+    assert!(start.elapsed() < limit, "took {:?}", start.elapsed());
+    out
+}
+
 #[tokio::test]
-async fn manifest_over_the_cap_is_refused_while_it_is_read() {
-    let big = vec![b' '; (MAX_MANIFEST_BYTES + 4096) as usize];
+async fn a_manifest_over_the_cap_is_refused() {
+    // Padding after the JSON object is whitespace: still a valid manifest, only too large.
+    let mut big = MANIFEST.as_bytes().to_vec();
+    big.resize((MAX_MANIFEST_BYTES + 4096) as usize, b' ');
     for length in [true, false] {
         let body = big.clone();
-        let server = Server::start("127.0.0.1", move |req| {
-            if req.path.contains("/manifests/") {
+        let server = Server::start(
+            "127.0.0.1",
+            open_registry(move || {
                 let mut r = Reply::ok(body.clone());
                 r.length = length;
                 r
-            } else {
-                Reply::ok("{}")
-            }
-        })
+            }),
+        )
         .await;
         let err = fetch(&registry(), &server.addr, &Credentials::default())
             .await
@@ -215,17 +262,9 @@ async fn manifest_over_the_cap_is_refused_while_it_is_read() {
 
 #[tokio::test]
 async fn a_manifest_at_the_cap_is_fine() {
-    // Padding after the JSON object is whitespace, still a valid manifest.
     let mut body = MANIFEST.as_bytes().to_vec();
     body.resize(MAX_MANIFEST_BYTES as usize, b' ');
-    let server = Server::start("127.0.0.1", move |req| {
-        if req.path.contains("/manifests/") {
-            Reply::ok(body.clone())
-        } else {
-            Reply::ok("{}")
-        }
-    })
-    .await;
+    let server = Server::start("127.0.0.1", open_registry(move || Reply::ok(body.clone()))).await;
     let m = fetch(&registry(), &server.addr, &Credentials::default())
         .await
         .unwrap();
@@ -234,70 +273,48 @@ async fn a_manifest_at_the_cap_is_fine() {
 
 #[tokio::test]
 async fn a_trickled_manifest_hits_the_request_deadline() {
-    let server = Server::start("127.0.0.1", |req| {
-        if req.path.contains("/manifests/") {
+    // ~230 bytes at one per 200 ms: under the 30 s read timeout forever, 46 s in all.
+    let server = Server::start(
+        "127.0.0.1",
+        open_registry(|| {
             let mut r = manifest_reply();
             r.trickle = Some(Duration::from_millis(200));
             r
-        } else {
-            Reply::ok("{}")
-        }
-    })
+        }),
+    )
     .await;
     let reg = registry().with_request_deadline(Duration::from_secs(1));
-    let start = Instant::now();
-    let err = fetch(&reg, &server.addr, &Credentials::default())
-        .await
-        .unwrap_err();
-    assert!(
-        start.elapsed() < Duration::from_secs(10),
-        "{:?}",
-        start.elapsed()
-    );
+    let err = within(
+        Duration::from_secs(10),
+        fetch(&reg, &server.addr, &Credentials::default()),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(
+        err.to_string().contains("manifest request took longer"),
+        "{err}"
+    );
     assert!(
         err.to_string().contains("registry_request_timeout"),
         "{err}"
     );
 }
 
-#[tokio::test]
-async fn a_huge_token_response_is_refused() {
-    let token = Server::start("127.0.0.1", |_| Reply::ok(vec![b'x'; 2 << 20])).await;
-    let realm = format!("http://{}/token", token.addr);
-    let server = Server::start("127.0.0.1", move |req| {
-        if req.authorization.is_none() {
-            let mut r = Reply::ok("");
-            r.status = 401;
-            r.headers.push((
-                "WWW-Authenticate".into(),
-                format!(r#"Bearer realm="{realm}",service="reg""#),
-            ));
-            r
-        } else {
-            manifest_reply()
-        }
-    })
-    .await;
-    let err = fetch(&registry(), &server.addr, &Credentials::default())
-        .await
-        .unwrap_err();
-    assert!(err.to_string().contains("exceeds the limit"), "{err}");
-}
-
-/// A registry whose challenge sends clients to the token service `realm_ip`.
-async fn token_setup(realm_ip: &str) -> (Server, Server) {
-    let token = Server::start(realm_ip, |_| Reply::ok(r#"{"token":"tok"}"#)).await;
+/// A registry whose challenge sends clients to the token service at `realm_ip`, which answers
+/// with `token_reply`; the registry serves the manifest for `Bearer tok`.
+async fn token_setup(
+    realm_ip: &str,
+    token_reply: impl Fn() -> Reply + Send + Sync + 'static,
+) -> (Server, Server) {
+    let token = Server::start(realm_ip, move |_| token_reply()).await;
     let realm = format!("http://{}/token", token.addr);
     let server = Server::start("127.0.0.1", move |req| {
         if req.authorization.as_deref() != Some("Bearer tok") {
-            let mut r = Reply::ok("");
-            r.status = 401;
-            r.headers.push((
-                "WWW-Authenticate".into(),
+            Reply::ok("").status(401).header(
+                "WWW-Authenticate",
                 format!(r#"Bearer realm="{realm}",service="reg""#),
-            ));
-            r
+            )
         } else {
             manifest_reply()
         }
@@ -306,9 +323,82 @@ async fn token_setup(realm_ip: &str) -> (Server, Server) {
     (server, token)
 }
 
+fn good_token() -> Reply {
+    Reply::ok(r#"{"token":"tok"}"#)
+}
+
+#[tokio::test]
+async fn a_trickled_token_response_hits_the_request_deadline() {
+    // The anonymous token request is oci-client's; the deadline around it is minicri's.
+    let (server, _token) = token_setup("127.0.0.1", || {
+        let mut r = Reply::ok(format!(r#"{{"token":"tok","pad":"{}"}}"#, "x".repeat(500)));
+        r.trickle = Some(Duration::from_millis(200));
+        r
+    })
+    .await;
+    let reg = registry().with_request_deadline(Duration::from_secs(1));
+    let err = within(
+        Duration::from_secs(10),
+        fetch(&reg, &server.addr, &Credentials::default()),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(
+        err.to_string().contains("authentication took longer"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_blob_request_whose_answer_never_comes_hits_the_request_deadline() {
+    // No header for 40 s: past the deadline, and past the 30 s read timeout too.
+    let server = Server::start("127.0.0.1", |req| {
+        let mut r = Reply::ok("{}");
+        if req.path.contains("/blobs/") {
+            r.delay = Some(Duration::from_secs(40));
+        }
+        r
+    })
+    .await;
+    let reg = registry().with_request_deadline(Duration::from_secs(1));
+    let session = reg
+        .session(&reference(&server.addr), &Credentials::default())
+        .unwrap();
+    let digest = Digest::of(b"{}");
+    let err = within(Duration::from_secs(10), session.blob(&digest, 0))
+        .await
+        .err()
+        .expect("the blob request fails");
+    let err = session.fold_errors("blob", err);
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(
+        err.to_string().contains("blob request took longer"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_huge_identity_token_response_is_refused() {
+    // minicri exchanges identity tokens itself and reads the answer within MAX_TOKEN_BYTES.
+    for length in [true, false] {
+        let (server, token) = token_setup("127.0.0.1", move || {
+            let mut r = Reply::ok(vec![b'x'; (MAX_TOKEN_BYTES * 2) as usize]);
+            r.length = length;
+            r
+        })
+        .await;
+        let err = fetch(&registry(), &server.addr, &identity(&server.addr))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("exceeds the limit"), "{err}");
+        assert_eq!(token.seen().len(), 1);
+    }
+}
+
 #[tokio::test]
 async fn credentials_go_to_a_realm_on_the_registry_host() {
-    let (server, token) = token_setup("127.0.0.1").await;
+    let (server, token) = token_setup("127.0.0.1", good_token).await;
     fetch(&registry(), &server.addr, &creds(&server.addr))
         .await
         .unwrap();
@@ -321,13 +411,23 @@ async fn credentials_go_to_a_realm_on_the_registry_host() {
             .is_some_and(|a| a.starts_with("Basic ")),
         "{seen:?}"
     );
+    // An identity token is exchanged there too.
+    fetch(&registry(), &server.addr, &identity(&server.addr))
+        .await
+        .unwrap();
+    let seen = token.seen();
+    assert_eq!(seen.len(), 2);
+    assert!(
+        seen[1].body.contains("refresh_token=refresh-me"),
+        "{seen:?}"
+    );
 }
 
 #[tokio::test]
 async fn credentials_never_go_to_a_realm_on_another_host() {
     // 127.0.0.2 is loopback too, but another host than the registry's 127.0.0.1.
-    let (server, token) = token_setup("127.0.0.2").await;
-    // Anonymous token: the pull still works for a public image.
+    let (server, token) = token_setup("127.0.0.2", good_token).await;
+    // Anonymous token instead: the pull still works for a public image.
     fetch(&registry(), &server.addr, &creds(&server.addr))
         .await
         .unwrap();
@@ -335,18 +435,85 @@ async fn credentials_never_go_to_a_realm_on_another_host() {
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].authorization, None, "{seen:?}");
     // Nor an identity (refresh) token.
-    let c = Credentials {
-        identity_token: "refresh-me".into(),
-        server_address: server.addr.clone(),
-        ..Default::default()
-    };
-    fetch(&registry(), &server.addr, &c).await.unwrap();
+    fetch(&registry(), &server.addr, &identity(&server.addr))
+        .await
+        .unwrap();
     let seen = token.seen();
+    assert_eq!(seen.len(), 2);
     assert!(
         seen.iter()
             .all(|s| !s.body.contains("refresh-me") && !s.path.contains("refresh-me")),
         "{seen:?}"
     );
+    assert_eq!(seen[1].authorization, None, "{seen:?}");
+}
+
+/// A registry that wants HTTP basic auth for everything.
+fn basic_registry(req: &Seen) -> Reply {
+    match &req.authorization {
+        Some(a) if a.starts_with("Basic ") => manifest_reply(),
+        _ => Reply::ok("")
+            .status(401)
+            .header("WWW-Authenticate", r#"Basic realm="reg""#),
+    }
+}
+
+/// A hosts directory sending `registry` to `server_url`.
+fn hosts_dir(dir: &Path, registry: &str, server_url: &str) -> RegistryHosts {
+    let d = dir.join(registry);
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(d.join("hosts.toml"), format!("server = \"{server_url}\"\n")).unwrap();
+    RegistryHosts::new(Some(dir.to_path_buf()))
+}
+
+#[tokio::test]
+async fn credentials_go_over_plain_http_only_to_a_loopback_ip() {
+    let server = Server::start("127.0.0.1", basic_registry).await;
+    // By IP literal: plain http is the default and the credentials go.
+    fetch(&registry(), &server.addr, &creds(&server.addr))
+        .await
+        .unwrap();
+    assert!(
+        server.seen().iter().any(|s| s
+            .authorization
+            .as_deref()
+            .is_some_and(|a| a.starts_with("Basic "))),
+        "{:?}",
+        server.seen()
+    );
+    // The same server by name, configured as http:// in hosts.toml: `localhost` is a name that
+    // resolves through files the runtime does not own, so the credentials stay home.
+    let before = server.seen().len();
+    let name = format!("localhost:{}", server.port());
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = hosts_dir(dir.path(), &name, &format!("http://{name}"));
+    let err = fetch(&Registry::new(hosts), &name, &creds(&name))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unauthenticated, "{err}");
+    assert!(err.to_string().contains("credentials withheld"), "{err}");
+    let after = server.seen();
+    assert!(after.len() > before, "the registry was asked: {after:?}");
+    assert!(
+        after[before..].iter().all(|s| s.authorization.is_none()),
+        "{after:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_error_body_does_not_flood_the_error_message() {
+    let server = Server::start(
+        "127.0.0.1",
+        open_registry(|| Reply::ok(vec![b'e'; 1 << 20]).status(500)),
+    )
+    .await;
+    let err = fetch(&registry(), &server.addr, &Credentials::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("eeee"), "{msg}");
+    assert!(msg.len() < MAX_MESSAGE_CHARS + 1024, "{} bytes", msg.len());
 }
 
 #[test]
@@ -388,6 +555,11 @@ fn realm_rules() {
         "http://127.0.0.2:5001/token",
         &ip
     ));
+    let name = vec!["localhost:5000".to_string()];
+    assert!(
+        !realm_may_get_credentials("http://localhost:5001/token", &name),
+        "plain http to a name"
+    );
     let v6 = vec!["[::1]:5000".to_string()];
     assert!(realm_may_get_credentials("http://[::1]:9/token", &v6));
     assert!(!realm_may_get_credentials("not a url", &ip));
