@@ -54,6 +54,12 @@ impl Reply {
         self
     }
 
+    /// One body byte every `every`.
+    fn trickled(mut self, every: Duration) -> Reply {
+        self.trickle = Some(every);
+        self
+    }
+
     fn header(mut self, name: &str, value: impl Into<String>) -> Reply {
         self.headers.push((name.into(), value.into()));
         self
@@ -236,6 +242,22 @@ async fn within<T>(limit: Duration, f: impl Future<Output = T>) -> T {
     out
 }
 
+/// An anonymous fetch with a 1 s request deadline, which must fail within 10 s as unavailable
+/// because `what` took longer.
+async fn fetch_past_the_deadline(addr: &str, what: &str) {
+    let reg = registry().with_request_deadline(Duration::from_secs(1));
+    let err = within(
+        Duration::from_secs(10),
+        fetch(&reg, addr, &Credentials::default()),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains(&format!("{what} took longer")), "{msg}");
+    assert!(msg.contains("registry_request_timeout"), "{msg}");
+}
+
 #[tokio::test]
 async fn a_manifest_over_the_cap_is_refused() {
     // Padding after the JSON object is whitespace: still a valid manifest, only too large.
@@ -276,29 +298,10 @@ async fn a_trickled_manifest_hits_the_request_deadline() {
     // ~230 bytes at one per 200 ms: under the 30 s read timeout forever, 46 s in all.
     let server = Server::start(
         "127.0.0.1",
-        open_registry(|| {
-            let mut r = manifest_reply();
-            r.trickle = Some(Duration::from_millis(200));
-            r
-        }),
+        open_registry(|| manifest_reply().trickled(Duration::from_millis(200))),
     )
     .await;
-    let reg = registry().with_request_deadline(Duration::from_secs(1));
-    let err = within(
-        Duration::from_secs(10),
-        fetch(&reg, &server.addr, &Credentials::default()),
-    )
-    .await
-    .unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
-    assert!(
-        err.to_string().contains("manifest request took longer"),
-        "{err}"
-    );
-    assert!(
-        err.to_string().contains("registry_request_timeout"),
-        "{err}"
-    );
+    fetch_past_the_deadline(&server.addr, "manifest request").await;
 }
 
 /// A registry whose challenge sends clients to the token service at `realm_ip`, which answers
@@ -331,23 +334,11 @@ fn good_token() -> Reply {
 async fn a_trickled_token_response_hits_the_request_deadline() {
     // The anonymous token request is oci-client's; the deadline around it is minicri's.
     let (server, _token) = token_setup("127.0.0.1", || {
-        let mut r = Reply::ok(format!(r#"{{"token":"tok","pad":"{}"}}"#, "x".repeat(500)));
-        r.trickle = Some(Duration::from_millis(200));
-        r
+        Reply::ok(format!(r#"{{"token":"tok","pad":"{}"}}"#, "x".repeat(500)))
+            .trickled(Duration::from_millis(200))
     })
     .await;
-    let reg = registry().with_request_deadline(Duration::from_secs(1));
-    let err = within(
-        Duration::from_secs(10),
-        fetch(&reg, &server.addr, &Credentials::default()),
-    )
-    .await
-    .unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
-    assert!(
-        err.to_string().contains("authentication took longer"),
-        "{err}"
-    );
+    fetch_past_the_deadline(&server.addr, "authentication").await;
 }
 
 #[tokio::test]
@@ -396,27 +387,24 @@ async fn a_huge_identity_token_response_is_refused() {
     }
 }
 
+/// Pulls from a registry whose token realm is on `realm_ip`, once with basic credentials, once
+/// with an identity token (both pulls must work: a public image still pulls anonymously); returns
+/// the two requests the token service received.
+async fn token_requests_with_credentials(realm_ip: &str) -> Vec<Seen> {
+    let (server, token) = token_setup(realm_ip, good_token).await;
+    for c in [creds(&server.addr), identity(&server.addr)] {
+        fetch(&registry(), &server.addr, &c).await.unwrap();
+    }
+    let seen = token.seen();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    seen
+}
+
 #[tokio::test]
 async fn credentials_go_to_a_realm_on_the_registry_host() {
-    let (server, token) = token_setup("127.0.0.1", good_token).await;
-    fetch(&registry(), &server.addr, &creds(&server.addr))
-        .await
-        .unwrap();
-    let seen = token.seen();
-    assert_eq!(seen.len(), 1);
-    assert!(
-        seen[0]
-            .authorization
-            .as_deref()
-            .is_some_and(|a| a.starts_with("Basic ")),
-        "{seen:?}"
-    );
-    // An identity token is exchanged there too.
-    fetch(&registry(), &server.addr, &identity(&server.addr))
-        .await
-        .unwrap();
-    let seen = token.seen();
-    assert_eq!(seen.len(), 2);
+    let seen = token_requests_with_credentials("127.0.0.1").await;
+    let basic = seen[0].authorization.as_deref();
+    assert!(basic.is_some_and(|a| a.starts_with("Basic ")), "{seen:?}");
     assert!(
         seen[1].body.contains("refresh_token=refresh-me"),
         "{seen:?}"
@@ -425,27 +413,16 @@ async fn credentials_go_to_a_realm_on_the_registry_host() {
 
 #[tokio::test]
 async fn credentials_never_go_to_a_realm_on_another_host() {
-    // 127.0.0.2 is loopback too, but another host than the registry's 127.0.0.1.
-    let (server, token) = token_setup("127.0.0.2", good_token).await;
-    // Anonymous token instead: the pull still works for a public image.
-    fetch(&registry(), &server.addr, &creds(&server.addr))
-        .await
-        .unwrap();
-    let seen = token.seen();
-    assert_eq!(seen.len(), 1);
-    assert_eq!(seen[0].authorization, None, "{seen:?}");
-    // Nor an identity (refresh) token.
-    fetch(&registry(), &server.addr, &identity(&server.addr))
-        .await
-        .unwrap();
-    let seen = token.seen();
-    assert_eq!(seen.len(), 2);
-    assert!(
-        seen.iter()
-            .all(|s| !s.body.contains("refresh-me") && !s.path.contains("refresh-me")),
-        "{seen:?}"
-    );
-    assert_eq!(seen[1].authorization, None, "{seen:?}");
+    // 127.0.0.2 is loopback too, but another host than the registry's 127.0.0.1: both token
+    // requests are anonymous.
+    let seen = token_requests_with_credentials("127.0.0.2").await;
+    for s in &seen {
+        assert_eq!(s.authorization, None, "{seen:?}");
+        assert!(
+            !s.body.contains("refresh-me") && !s.path.contains("refresh-me"),
+            "{seen:?}"
+        );
+    }
 }
 
 /// A registry that wants HTTP basic auth for everything.

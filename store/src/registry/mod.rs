@@ -538,6 +538,35 @@ impl Session {
         v
     }
 
+    /// Tries `attempt` at the endpoints in `order`, each authenticated first, until one
+    /// succeeds; that one becomes the preferred endpoint. Returns every endpoint's failure
+    /// otherwise.
+    async fn first_success<'a, T, Fut>(
+        &'a self,
+        order: Vec<usize>,
+        attempt: impl Fn(&'a EndpointSession, Authed) -> Fut,
+    ) -> std::result::Result<T, Vec<RemoteError>>
+    where
+        Fut: Future<Output = std::result::Result<T, RemoteError>>,
+    {
+        let mut errors = Vec::new();
+        for i in order {
+            let ep = &self.endpoints[i];
+            let outcome = match ep.ensure_auth(&self.reference).await {
+                Ok(authed) => attempt(ep, authed).await,
+                Err(e) => Err(e),
+            };
+            match outcome {
+                Ok(v) => {
+                    self.preferred.store(i, Ordering::Relaxed);
+                    return Ok(v);
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+        Err(errors)
+    }
+
     /// Fetches the manifest the reference names (by tag, or by digest if it has one), or the
     /// manifest `digest` (a child of an index).
     pub async fn manifest(
@@ -545,53 +574,39 @@ impl Session {
         digest: Option<&Digest>,
     ) -> std::result::Result<FetchedManifest, Vec<RemoteError>> {
         let by_tag = digest.is_none() && self.reference.digest.is_none();
-        let mut errors = Vec::new();
-        for i in self.order(by_tag) {
-            let ep = &self.endpoints[i];
-            let authed = match ep.ensure_auth(&self.reference).await {
-                Ok(a) => a,
-                Err(e) => {
-                    errors.push(e);
-                    continue;
+        let expected = digest.or(self.reference.digest.as_ref());
+        let fetched = self
+            .first_success(self.order(by_tag), |ep, authed| async move {
+                let oref = ep.oci_ref(&self.reference, digest);
+                let (bytes, d) = ep
+                    .deadline("manifest request", ep.fetch_manifest(&authed, &oref))
+                    .await?;
+                let computed = Digest::of(&bytes);
+                if let Some(want) = expected
+                    && *want != computed
+                {
+                    return Err(ep.err(
+                        RemoteKind::Corrupt,
+                        format!("manifest hashes to {computed}, expected {want}"),
+                    ));
                 }
-            };
-            let oref = ep.oci_ref(&self.reference, digest);
-            let fetched = ep
-                .deadline("manifest request", ep.fetch_manifest(&authed, &oref))
-                .await;
-            match fetched {
-                Ok((bytes, d)) => {
-                    let computed = Digest::of(&bytes);
-                    let expected = digest.or(self.reference.digest.as_ref());
-                    if let Some(want) = expected
-                        && *want != computed
-                    {
-                        errors.push(ep.err(
-                            RemoteKind::Corrupt,
-                            format!("manifest hashes to {computed}, expected {want}"),
-                        ));
-                        continue;
-                    }
-                    if d != computed.as_str() {
-                        tracing::debug!(endpoint = %ep.endpoint, header = %d, %computed, "registry digest header differs from content");
-                    }
-                    self.preferred.store(i, Ordering::Relaxed);
-                    return Ok(FetchedManifest {
-                        bytes,
-                        digest: computed,
-                    });
+                if d != computed.as_str() {
+                    tracing::debug!(endpoint = %ep.endpoint, header = %d, %computed, "registry digest header differs from content");
                 }
-                Err(e) => errors.push(e),
-            }
-        }
-        if errors.is_empty() {
-            errors.push(RemoteError {
+                Ok(FetchedManifest {
+                    bytes,
+                    digest: computed,
+                })
+            })
+            .await;
+        match fetched {
+            Err(errors) if errors.is_empty() => Err(vec![RemoteError {
                 kind: RemoteKind::Unavailable,
                 endpoint: self.reference.domain.clone(),
                 message: "no configured endpoint may resolve this reference".into(),
-            });
+            }]),
+            other => other,
         }
-        Err(errors)
     }
 
     /// Opens blob `digest` at byte `offset` (0 for the whole blob).
@@ -600,21 +615,13 @@ impl Session {
         digest: &Digest,
         offset: u64,
     ) -> std::result::Result<BlobBody, Vec<RemoteError>> {
-        let mut errors = Vec::new();
-        for i in self.order(false) {
-            let ep = &self.endpoints[i];
-            let authed = match ep.ensure_auth(&self.reference).await {
-                Ok(a) => a,
-                Err(e) => {
-                    errors.push(e);
-                    continue;
-                }
-            };
+        self.first_success(self.order(false), |ep, authed| async move {
             let oref = ep.oci_ref(&self.reference, None);
-            // Always a range request (bytes=0- for a fresh download): the body is hashed once, by
-            // the ingest, rather than also by the client's verifying stream. The deadline covers
-            // the request until its headers (and an error body, which oci-client reads whole).
-            let result = ep
+            // Always a range request (bytes=0- for a fresh download): the body is hashed once,
+            // by the ingest, rather than also by the client's verifying stream. The deadline
+            // covers the request until its headers (and an error body, which oci-client reads
+            // whole).
+            let response = ep
                 .deadline("blob request", async {
                     authed
                         .client
@@ -622,24 +629,18 @@ impl Session {
                         .await
                         .map_err(|e| ep.oci_err(e, Some(&authed)))
                 })
-                .await
-                .map(|r| match r {
-                    oci_client::client::BlobResponse::Full(s) => (false, s),
-                    oci_client::client::BlobResponse::Partial(s) => (true, s),
-                });
-            match result {
-                Ok((resumed, s)) => {
-                    self.preferred.store(i, Ordering::Relaxed);
-                    return Ok(BlobBody {
-                        resumed,
-                        stream: s.stream,
-                        endpoint: ep.endpoint.to_string(),
-                    });
-                }
-                Err(e) => errors.push(e),
-            }
-        }
-        Err(errors)
+                .await?;
+            let (resumed, s) = match response {
+                oci_client::client::BlobResponse::Full(s) => (false, s),
+                oci_client::client::BlobResponse::Partial(s) => (true, s),
+            };
+            Ok(BlobBody {
+                resumed,
+                stream: s.stream,
+                endpoint: ep.endpoint.to_string(),
+            })
+        })
+        .await
     }
 
     /// Folds the failures of every endpoint into one error for `what`: not found only if every
