@@ -9,7 +9,7 @@ use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 
 use common::*;
-use minicri_snapshotter::{Backend, Error, LayerSpec, Options, Snapshotter};
+use minicri_snapshotter::{Backend, Error, Options, Snapshotter};
 
 both_backends!(
     pax_header_over_the_cap_is_not_read,
@@ -38,13 +38,8 @@ fn limit_err(err: &Error, want: &str) {
 
 /// Applies a stream (not a slice) under a made-up diff_id: the limits trip before the digest check.
 fn apply_stream(s: &dyn Snapshotter, stream: &mut (dyn Read + Send)) -> Error {
-    let spec = LayerSpec {
-        media_type: TAR,
-        diff_id: "sha256:0000000000000000000000000000000000000000000000000000000000000000",
-        parent: None,
-        user: None,
-    };
-    s.apply_layer(&spec, stream).unwrap_err()
+    let zeros = "sha256:0000000000000000000000000000000000000000000000000000000000000000";
+    try_apply_stream(s, TAR, zeros, stream).unwrap_err()
 }
 
 fn pax_header_over_the_cap_is_not_read(b: Backend) {
@@ -154,14 +149,7 @@ fn byte_cap_counts_a_gzip_bomb(b: Backend) {
     let tar = l.finish();
     let gz = gzip(&tar);
     assert!(gz.len() < 1 << 20);
-    let d = diff_id(&tar);
-    let spec = LayerSpec {
-        media_type: GZIP,
-        diff_id: &d,
-        parent: None,
-        user: None,
-    };
-    let err = s.apply_layer(&spec, &mut &gz[..]).unwrap_err();
+    let err = try_apply_stream(&s, GZIP, &diff_id(&tar), &mut &gz[..]).unwrap_err();
     limit_err(&err, "max_layer_bytes");
 }
 

@@ -585,28 +585,15 @@ impl RawHeader {
 
     fn parse(b: &[u8; 512]) -> Result<Self, String> {
         let want = number(&b[148..156])?;
-        let unsigned: u64 = b
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                if (148..156).contains(&i) {
-                    32
-                } else {
-                    *v as u64
-                }
-            })
-            .sum();
-        let signed: i64 = b
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                if (148..156).contains(&i) {
-                    32
-                } else {
-                    *v as i8 as i64
-                }
-            })
-            .sum();
+        // The sum of the header's bytes with the checksum field as spaces; some old writers
+        // summed them as signed chars.
+        let (unsigned, signed) = b.iter().enumerate().fold((0u64, 0i64), |(u, s), (i, v)| {
+            if (148..156).contains(&i) {
+                (u + 32, s + 32)
+            } else {
+                (u + *v as u64, s + *v as i8 as i64)
+            }
+        });
         if want != unsigned && want as i64 != signed {
             return Err("checksum mismatch".into());
         }

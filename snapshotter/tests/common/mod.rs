@@ -295,6 +295,22 @@ pub fn try_apply(
     s.apply_layer(&spec, &mut &tar[..]).map(|a| a.chain_id)
 }
 
+/// Applies `stream`, a bottom layer of `media_type` said to have `diff_id`; returns its chain id.
+pub fn try_apply_stream(
+    s: &dyn Snapshotter,
+    media_type: &str,
+    diff_id: &str,
+    stream: &mut (dyn std::io::Read + Send),
+) -> minicri_snapshotter::Result<String> {
+    let spec = LayerSpec {
+        media_type,
+        diff_id,
+        parent: None,
+        user: None,
+    };
+    s.apply_layer(&spec, stream).map(|a| a.chain_id)
+}
+
 /// Applies layers bottom first; returns the chain ids.
 pub fn apply_all(s: &dyn Snapshotter, layers: &[Vec<u8>]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
