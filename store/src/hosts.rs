@@ -208,7 +208,7 @@ pub fn parse_hosts_toml(text: &str, registry: &str, path: &Path) -> Result<Vec<E
         path: path.to_path_buf(),
         reason,
     };
-    let file: HostsFile = toml::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let file: HostsFile = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
     let mut out = Vec::new();
     for (url, entry) in file.host {
         let entry: HostEntry = entry

@@ -41,7 +41,11 @@ async fn a_trickling_registry_cannot_hold_a_pull() {
         .await
         .unwrap_err();
     assert!(err.message().contains("pull_min_speed"), "{err:?}");
-    assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        start.elapsed()
+    );
     // At a normal speed the same pull goes through.
     e.proxy.faults().set_rate_limit(None);
     pull_within(&e, &r, Duration::from_secs(60)).await.unwrap();
@@ -139,7 +143,10 @@ async fn a_name_starting_with_127_is_not_loopback() {
         err.message().contains("https://127.evil.example:1"),
         "{err:?}"
     );
-    assert!(!err.message().contains("http://127.evil.example"), "{err:?}");
+    assert!(
+        !err.message().contains("http://127.evil.example"),
+        "{err:?}"
+    );
     // An IP literal on loopback still gets plain http.
     let err = pull_within(&e, "127.0.0.1:1/app:v1", Duration::from_secs(60))
         .await
