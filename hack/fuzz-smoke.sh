@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # fuzz-smoke.sh - builds every cargo-fuzz target in fuzz/ and runs each for a short while
 # (FUZZ_SECONDS, default 25) from its committed seed corpus, so a parser change that crashes on
-# the seeds or on what the fuzzer finds in half a minute fails the test suite. Long runs and
-# their results: docs/fuzzing.md.
+# the seeds or on what the fuzzer finds in half a minute shows up. Run by hand: it is not part of
+# hack/test.sh (fuzz/ is its own workspace, built with nightly flags). See docs/fuzzing.md.
 #
 # Fails loudly when cargo-fuzz is missing (hack/install-fuzz.sh installs the pinned version).
 # New inputs the fuzzer finds go to a scratch directory, not into the committed corpus.
