@@ -134,6 +134,34 @@ async fn a_layer_cannot_set_the_time_of_a_host_directory() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn an_image_config_over_the_cap_fails_the_pull() {
+    let e = env(&[]).await;
+    // store::pull::MAX_CONFIG_BYTES is 8 MiB: a label makes the config just over it.
+    let pad = "x".repeat((8 << 20) + 1024);
+    let layer = LayerBuilder::new()
+        .file("f", "f", 0o644)
+        .build(Compression::Gzip)
+        .unwrap();
+    let client = images::RegistryClient::new(e.proxy.upstream());
+    let img = ImageBuilder::new()
+        .layer(layer)
+        .label("pad", &pad)
+        .push(&client, "minicri-test/bigconfig:latest")
+        .await
+        .unwrap();
+    assert!(img.config_size > 8 << 20, "{}", img.config_size);
+    let r = format!("{}/minicri-test/bigconfig:latest", e.proxy.addr());
+    let err = pull_within(&e, &r, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("image config"), "{err:?}");
+    assert!(err.message().contains("exceeds the limit"), "{err:?}");
+    // Refused from its descriptor: not one byte of it was downloaded.
+    assert_eq!(e.proxy.bytes_served(&img.config_digest), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_name_starting_with_127_is_not_loopback() {
     let e = env(&["--registry-request-timeout", "5"]).await;
     let err = pull_within(&e, "127.evil.example:1/app:v1", Duration::from_secs(60))
