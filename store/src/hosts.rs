@@ -4,8 +4,9 @@
 //! For an image on registry `R`, `<dir>/R/hosts.toml` (else `<dir>/_default/hosts.toml`) lists the
 //! endpoints to try: every `[host."URL"]` table in file order, then `server` (or, when `server` is
 //! absent, the registry itself). Without a file the registry itself is the only endpoint. Endpoints
-//! whose URL says `http://` are reached over plain HTTP. The files are read at every pull, so edits
-//! apply without a restart.
+//! whose URL says `http://` are reached over plain HTTP (and are given no credentials unless they
+//! are loopback IP literals: `registry::auth`); without a file, only a registry named by a
+//! loopback IP literal is. The files are read at every pull, so edits apply without a restart.
 //!
 //! Supported keys: `server`, `capabilities` (`pull`, `resolve`), `skip_verify`, `ca`. A host URL
 //! with a path other than `/v2` cannot be used by the registry client and is skipped with a warning.
