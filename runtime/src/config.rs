@@ -69,6 +69,28 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECONDS")]
     pub pull_progress_timeout: Option<f64>,
 
+    /// Bytes per second a pull with something left to download must receive, averaged over each
+    /// pull_progress_timeout window, or its requesters are dropped: a registry trickling bytes
+    /// cannot hold a pull (or the kubelet's serial puller) forever (0: no minimum). [default: 1024]
+    #[arg(long, value_name = "BYTES_PER_SEC")]
+    pub pull_min_speed: Option<u64>,
+
+    /// Seconds authenticating with a registry endpoint (its ping and token requests together)
+    /// or one manifest request may take in total, bodies included (a blob request: until its
+    /// response headers). [default: 60]
+    #[arg(long, value_name = "SECONDS")]
+    pub registry_request_timeout: Option<f64>,
+
+    /// Most bytes one layer may unpack to (its uncompressed tar stream plus the holes of its
+    /// sparse files); a larger layer fails the pull. [default: 68719476736 (64 GiB)]
+    #[arg(long, value_name = "BYTES")]
+    pub max_layer_bytes: Option<u64>,
+
+    /// Most entries (files, directories, links, whiteouts) one layer may have; a layer with more
+    /// fails the pull. [default: 1048576]
+    #[arg(long, value_name = "N")]
+    pub max_layer_entries: Option<u64>,
+
     /// Seconds a PullImage made for a pod sandbox is held before it returns an error saying
     /// the download continues in the background for the sandbox; the kubelet retries after its
     /// back-off and the pod starts once the image is there. The budget is per sandbox and
@@ -157,6 +179,11 @@ pub struct Config {
     pub max_concurrent_transfers: usize,
     pub snapshotter: String,
     pub pull_progress_timeout: Option<std::time::Duration>,
+    /// Bytes/s a pull must receive per progress window (`None`: no minimum).
+    pub pull_min_speed: Option<u64>,
+    pub registry_request_timeout: std::time::Duration,
+    pub max_layer_bytes: u64,
+    pub max_layer_entries: u64,
     /// How long a pod's PullImage is held before it detaches (`None`: never).
     pub pull_detach_after: Option<std::time::Duration>,
     /// The API-server watch for deleted pods, when configured.
@@ -211,6 +238,12 @@ impl ServeArgs {
             snapshotter: self.snapshotter.or(base.snapshotter),
             pull_progress_timeout: self.pull_progress_timeout.or(base.pull_progress_timeout),
             pull_detach_after: self.pull_detach_after.or(base.pull_detach_after),
+            pull_min_speed: self.pull_min_speed.or(base.pull_min_speed),
+            registry_request_timeout: self
+                .registry_request_timeout
+                .or(base.registry_request_timeout),
+            max_layer_bytes: self.max_layer_bytes.or(base.max_layer_bytes),
+            max_layer_entries: self.max_layer_entries.or(base.max_layer_entries),
             kube_watch_kubeconfig: self.kube_watch_kubeconfig.or(base.kube_watch_kubeconfig),
             kube_watch_node_name: self.kube_watch_node_name.or(base.kube_watch_node_name),
             ingest_ttl: self.ingest_ttl.or(base.ingest_ttl),
@@ -261,6 +294,28 @@ impl ServeArgs {
         let pull_progress_timeout =
             seconds_or_off("pull_progress_timeout", self.pull_progress_timeout, 60.0)?;
         let pull_detach_after = seconds_or_off("pull_detach_after", self.pull_detach_after, 30.0)?;
+        let pull_min_speed = match self
+            .pull_min_speed
+            .unwrap_or(minicri_store::pull::DEFAULT_MIN_SPEED)
+        {
+            0 => None,
+            n => Some(n),
+        };
+        let registry_request_timeout = seconds_or_off(
+            "registry_request_timeout",
+            self.registry_request_timeout,
+            minicri_store::registry::REQUEST_DEADLINE.as_secs_f64(),
+        )?
+        .ok_or_else(|| anyhow::anyhow!("registry_request_timeout must be more than 0"))?;
+        let max_layer_bytes = self
+            .max_layer_bytes
+            .unwrap_or(minicri_snapshotter::DEFAULT_MAX_LAYER_BYTES);
+        let max_layer_entries = self
+            .max_layer_entries
+            .unwrap_or(minicri_snapshotter::DEFAULT_MAX_LAYER_ENTRIES);
+        if max_layer_bytes == 0 || max_layer_entries == 0 {
+            bail!("max_layer_bytes and max_layer_entries must be more than 0");
+        }
         let kube_watch = match (self.kube_watch_kubeconfig, self.kube_watch_node_name) {
             (None, None) => None,
             (None, Some(_)) => bail!("kube_watch_node_name needs kube_watch_kubeconfig"),
@@ -349,6 +404,10 @@ impl ServeArgs {
             max_concurrent_transfers,
             snapshotter,
             pull_progress_timeout,
+            pull_min_speed,
+            registry_request_timeout,
+            max_layer_bytes,
+            max_layer_entries,
             pull_detach_after,
             kube_watch,
             ingest_ttl,
@@ -408,6 +467,41 @@ mod tests {
         assert_eq!(c.root, PathBuf::from("/var/lib/minicri"));
         assert_eq!(c.cgroup_driver, CgroupDriver::Cgroupfs);
         assert_eq!(c.cni_bin_dirs.len(), 2);
+    }
+
+    #[test]
+    fn hardening_limits() {
+        let c = ServeArgs::default().finish().unwrap();
+        assert_eq!(c.max_layer_bytes, 64 << 30);
+        assert_eq!(c.max_layer_entries, 1 << 20);
+        assert_eq!(c.pull_min_speed, Some(1024));
+        assert_eq!(
+            c.registry_request_timeout,
+            std::time::Duration::from_secs(60)
+        );
+        let c = ServeArgs {
+            pull_min_speed: Some(0),
+            max_layer_entries: Some(10),
+            registry_request_timeout: Some(2.5),
+            ..Default::default()
+        }
+        .finish()
+        .unwrap();
+        assert_eq!(c.pull_min_speed, None);
+        assert_eq!(c.max_layer_entries, 10);
+        assert_eq!(c.registry_request_timeout.as_millis(), 2500);
+        for bad in [
+            ServeArgs {
+                max_layer_bytes: Some(0),
+                ..Default::default()
+            },
+            ServeArgs {
+                registry_request_timeout: Some(0.0),
+                ..Default::default()
+            },
+        ] {
+            assert!(bad.finish().is_err());
+        }
     }
 
     #[test]

@@ -43,12 +43,14 @@ impl Daemon {
         );
         let images =
             Arc::new(ImageStore::open(&config.root, &content).context("loading image records")?);
-        let registry = Registry::new(RegistryHosts::new(Some(config.registry_config_dir.clone())));
+        let registry = Registry::new(RegistryHosts::new(Some(config.registry_config_dir.clone())))
+            .with_request_deadline(config.registry_request_timeout);
         let pull_config = PullConfig {
             platform: Platform::parse(&config.platform).context("platform")?,
             max_concurrent_layers: config.max_concurrent_downloads,
             max_concurrent_transfers: config.max_concurrent_transfers,
             progress_timeout: config.pull_progress_timeout,
+            min_speed: config.pull_min_speed,
             detach_after: config.pull_detach_after,
             holds_dir: Some(config.state.join("pulls")),
         };
@@ -219,6 +221,9 @@ impl Daemon {
             "platform": c.platform, "maxConcurrentDownloads": c.max_concurrent_downloads,
             "maxConcurrentTransfers": c.max_concurrent_transfers,
             "pullProgressTimeoutSeconds": c.pull_progress_timeout.map(|d| d.as_secs_f64()).unwrap_or(0.0),
+            "pullMinSpeed": c.pull_min_speed.unwrap_or(0),
+            "registryRequestTimeoutSeconds": c.registry_request_timeout.as_secs_f64(),
+            "maxLayerBytes": c.max_layer_bytes, "maxLayerEntries": c.max_layer_entries,
             "pullDetachAfterSeconds": c.pull_detach_after.map(|d| d.as_secs_f64()).unwrap_or(0.0),
             "kubeWatch": c.kube_watch.as_ref().map(|w| serde_json::json!({"kubeconfig": w.kubeconfig, "nodeName": w.node_name})),
             "ingestTtlSeconds": c.ingest_ttl.as_secs(),
@@ -283,8 +288,12 @@ fn open_snapshotter(config: &Config) -> anyhow::Result<Arc<dyn Snapshotter>> {
             }
         },
     };
-    let snap = LocalSnapshotter::open(&dir, backend, Options::default())
-        .context("opening the snapshotter")?;
+    let options = Options {
+        max_layer_bytes: config.max_layer_bytes,
+        max_layer_entries: config.max_layer_entries,
+        ..Options::default()
+    };
+    let snap = LocalSnapshotter::open(&dir, backend, options).context("opening the snapshotter")?;
     Ok(Arc::new(snap))
 }
 

@@ -25,6 +25,7 @@ fn main() {
         backend,
         Options {
             sync_on_commit: false,
+            ..Default::default()
         },
     )
     .expect("open snapshotter");

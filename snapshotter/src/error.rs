@@ -48,6 +48,15 @@ pub enum Error {
         source: io::Error,
     },
 
+    /// The layer goes past one of the unpack limits (`max_layer_bytes`, `max_layer_entries`, or a
+    /// fixed cap on extension headers and sparse maps). Nothing is committed.
+    #[error("layer exceeds the {limit} limit of {max}: {detail}")]
+    LayerLimit {
+        limit: &'static str,
+        max: u64,
+        detail: String,
+    },
+
     /// The uncompressed layer does not hash to the diff_id the image config names.
     #[error("layer diff_id mismatch: expected {expected}, computed {actual}")]
     DiffIdMismatch { expected: String, actual: String },
@@ -84,6 +93,7 @@ impl Error {
             Error::UnsupportedMediaType(_) => "INVALID_ARGUMENT",
             Error::UnsafePath { .. } | Error::InvalidEntry { .. } => "INVALID_ARGUMENT",
             Error::DiffIdMismatch { .. } => "DATA_LOSS",
+            Error::LayerLimit { .. } => "FAILED_PRECONDITION",
             Error::LayerStream { .. } => "UNAVAILABLE",
             Error::OverlayUnsupported(_) => "FAILED_PRECONDITION",
             Error::Record { .. } | Error::Io { .. } => "INTERNAL",

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::ffi::{CString, OsStr, OsString};
 use std::fs::{self, File, Metadata};
 use std::io;
+use std::os::fd::OwnedFd;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
@@ -145,6 +146,47 @@ pub(crate) fn make_node(path: &Path, kind: SFlag, major: u64, minor: u64) -> io:
     nix::sys::stat::mknod(path, kind, Mode::from_bits_truncate(0o600), dev).map_err(io::Error::from)
 }
 
+/// Opens the directory `path` (relative to `at`, or as is) without following a symlink at its last
+/// component.
+pub(crate) fn open_dir_nofollow(at: Option<&OwnedFd>, path: &Path) -> io::Result<OwnedFd> {
+    use nix::fcntl::OFlag;
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let mode = Mode::empty();
+    match at {
+        Some(fd) => nix::fcntl::openat(fd, path, flags, mode),
+        None => nix::fcntl::open(path, flags, mode),
+    }
+    .map_err(io::Error::from)
+}
+
+/// Opens the directory `rel` under the directory `root`, one component at a time, following no
+/// symlink anywhere on the way. None if a component is missing, is not a directory or is a symlink.
+pub(crate) fn open_beneath(root: &OwnedFd, rel: &Path) -> io::Result<Option<OwnedFd>> {
+    let mut cur: Option<OwnedFd> = None;
+    for c in rel.components() {
+        let std::path::Component::Normal(name) = c else {
+            return Ok(None);
+        };
+        let parent = cur.as_ref().unwrap_or(root);
+        match open_dir_nofollow(Some(parent), Path::new(name)) {
+            Ok(fd) => cur = Some(fd),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)
+                ) =>
+            {
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    match cur {
+        Some(fd) => Ok(Some(fd)),
+        None => root.try_clone().map(Some),
+    }
+}
+
 /// Sets atime and mtime of `path` without following a symlink.
 pub(crate) fn set_times(path: &Path, mtime: (i64, u32)) -> io::Result<()> {
     let ts = TimeSpec::new(mtime.0, mtime.1 as i64);
@@ -192,13 +234,12 @@ pub(crate) fn copy_node(src: &Path, dst: &Path, m: &Metadata) -> io::Result<()> 
     if ft.is_symlink() {
         std::os::unix::fs::symlink(fs::read_link(src)?, dst)?;
     } else if ft.is_file() {
-        let mut from = File::open(src)?;
-        let mut to = fs::OpenOptions::new()
+        let from = File::open(src)?;
+        let to = fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .open(dst)?;
-        // std uses copy_file_range here, which shares extents where the filesystem can.
-        io::copy(&mut from, &mut to)?;
+        copy_sparse(&from, &to, m.len())?;
     } else {
         let kind = if ft.is_char_device() {
             SFlag::S_IFCHR
@@ -219,6 +260,30 @@ pub(crate) fn copy_node(src: &Path, dst: &Path, m: &Metadata) -> io::Result<()> 
         )?;
     }
     copy_meta(src, dst, m)
+}
+
+/// Copies the file data of `from` (`len` bytes) into the empty `to`, data segment by data segment
+/// (SEEK_DATA/SEEK_HOLE), so the holes of a sparse file stay holes instead of becoming written zeros.
+fn copy_sparse(from: &File, to: &File, len: u64) -> io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    let (mut from, mut to) = (from, to);
+    let mut pos = 0u64;
+    while pos < len {
+        let data = match nix::unistd::lseek(from, pos as i64, nix::unistd::Whence::SeekData) {
+            Ok(off) => off as u64,
+            // No data after `pos`: the rest is a hole.
+            Err(nix::errno::Errno::ENXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let hole = nix::unistd::lseek(from, data as i64, nix::unistd::Whence::SeekHole)
+            .map_err(io::Error::from)? as u64;
+        from.seek(SeekFrom::Start(data))?;
+        to.seek(SeekFrom::Start(data))?;
+        // std uses copy_file_range here, which shares extents where the filesystem can.
+        io::copy(&mut from.take(hole - data), &mut to)?;
+        pos = hole;
+    }
+    to.set_len(len)
 }
 
 /// Copies the tree under `src` into the existing directory `dst`, preserving owners, modes, xattrs,

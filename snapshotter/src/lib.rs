@@ -24,11 +24,12 @@ mod snapshotter;
 mod store;
 mod stream;
 
+pub use apply::{MAX_LONG_NAME, MAX_PAX_BYTES, MAX_SPARSE_MAP_BYTES, unpack_into};
 pub use backend::overlay::check_support as overlay_supported;
 pub use compression::Compression;
 pub use digest::{chain_id, chain_ids, validate_digest};
 pub use error::{Error, Result};
 pub use mount::{Mount, unmount};
 pub use snapshotter::{Backend, Info, Kind, LayerApplied, LayerSpec, Snapshotter, Usage};
-pub use store::{LocalSnapshotter, Options};
+pub use store::{DEFAULT_MAX_LAYER_BYTES, DEFAULT_MAX_LAYER_ENTRIES, LocalSnapshotter, Options};
 pub use stream::{ChunkReader, FollowReader, WriterStatus};

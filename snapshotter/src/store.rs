@@ -42,12 +42,25 @@ pub struct Options {
     /// Flush the filesystem (`syncfs`) before committing a layer, so a committed layer survives a
     /// power loss, not just a daemon crash. Default true.
     pub sync_on_commit: bool,
+    /// Most bytes one layer may unpack to: its uncompressed tar stream plus the holes of its sparse
+    /// files. Bounds what a decompression bomb can make the daemon read and write. Default 64 GiB.
+    pub max_layer_bytes: u64,
+    /// Most entries one layer may have (every file, directory, link and whiteout). Bounds the
+    /// inodes and the applier's bookkeeping. Default 2^20 (1,048,576).
+    pub max_layer_entries: u64,
 }
+
+/// Default for [`Options::max_layer_bytes`]: 64 GiB.
+pub const DEFAULT_MAX_LAYER_BYTES: u64 = 64 << 30;
+/// Default for [`Options::max_layer_entries`]: 2^20.
+pub const DEFAULT_MAX_LAYER_ENTRIES: u64 = 1 << 20;
 
 impl Default for Options {
     fn default() -> Self {
         Options {
             sync_on_commit: true,
+            max_layer_bytes: DEFAULT_MAX_LAYER_BYTES,
+            max_layer_entries: DEFAULT_MAX_LAYER_ENTRIES,
         }
     }
 }
@@ -249,7 +262,11 @@ impl LocalSnapshotter {
         let result = (|| {
             backend::populate(self.backend, Kind::Committed, &tmp, &lowers)?;
             let (diff_id, size) = pipeline::decode_and_apply(codec, stream, |tar| {
-                backend::apply(self.backend, &tmp, &lowers, tar)
+                let limits = crate::apply::Limits {
+                    max_bytes: self.options.max_layer_bytes,
+                    max_entries: self.options.max_layer_entries,
+                };
+                backend::apply(self.backend, &tmp, &lowers, tar, limits)
             })?;
             if diff_id != layer.diff_id {
                 return Err(Error::DiffIdMismatch {

@@ -161,6 +161,7 @@ impl StoreError {
                 minicri_snapshotter::Error::DiffIdMismatch { .. } => ErrorKind::DataLoss,
                 minicri_snapshotter::Error::UnsafePath { .. }
                 | minicri_snapshotter::Error::InvalidEntry { .. }
+                | minicri_snapshotter::Error::LayerLimit { .. }
                 | minicri_snapshotter::Error::UnsupportedMediaType(_) => {
                     ErrorKind::FailedPrecondition
                 }

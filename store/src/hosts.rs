@@ -4,8 +4,9 @@
 //! For an image on registry `R`, `<dir>/R/hosts.toml` (else `<dir>/_default/hosts.toml`) lists the
 //! endpoints to try: every `[host."URL"]` table in file order, then `server` (or, when `server` is
 //! absent, the registry itself). Without a file the registry itself is the only endpoint. Endpoints
-//! whose URL says `http://` are reached over plain HTTP. The files are read at every pull, so edits
-//! apply without a restart.
+//! whose URL says `http://` are reached over plain HTTP (and are given no credentials unless they
+//! are loopback IP literals: `registry::auth`); without a file, only a registry named by a
+//! loopback IP literal is. The files are read at every pull, so edits apply without a restart.
 //!
 //! Supported keys: `server`, `capabilities` (`pull`, `resolve`), `skip_verify`, `ca`. A host URL
 //! with a path other than `/v2` cannot be used by the registry client and is skipped with a warning.
@@ -114,15 +115,34 @@ fn host_dir_name(registry: &str) -> &str {
     registry
 }
 
-fn is_loopback(registry: &str) -> bool {
-    let host = match registry.rsplit_once(':') {
-        Some((h, p)) if p.chars().all(|c| c.is_ascii_digit()) => h,
-        _ => registry,
+/// Is `host` (`host`, `host:port`, `[v6]` or `[v6]:port`) a loopback IP literal (127.0.0.0/8,
+/// ::1)? Names are not: `127.evil.example` is a DNS name like any other, and even `localhost`
+/// resolves through /etc/hosts and NSS, which the runtime does not control. So only a literal
+/// address is known to stay on the machine.
+pub fn is_loopback_ip(host: &str) -> bool {
+    let bare = if let Some(rest) = host.strip_prefix('[') {
+        match rest.split_once(']') {
+            Some((ip, tail)) if tail.is_empty() || is_port(tail) => ip,
+            _ => return false,
+        }
+    } else {
+        match host.rsplit_once(':') {
+            Some((h, p)) if !h.contains(':') && p.chars().all(|c| c.is_ascii_digit()) => h,
+            _ => host,
+        }
     };
-    host == "localhost" || host.starts_with("127.") || host == "[::1]"
+    bare.parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback())
 }
 
-/// The registry itself: Docker Hub's API host for `docker.io`, plain HTTP for loopback registries.
+fn is_port(tail: &str) -> bool {
+    tail.strip_prefix(':')
+        .is_some_and(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_digit()))
+}
+
+/// The registry itself: Docker Hub's API host for `docker.io`; plain HTTP only for a registry
+/// named by a loopback IP literal (see [`is_loopback_ip`]); anything else over HTTPS unless a
+/// hosts.toml says `http://`.
 pub fn default_endpoint(registry: &str) -> Endpoint {
     let host = if registry == "docker.io" {
         "registry-1.docker.io".to_string()
@@ -130,7 +150,7 @@ pub fn default_endpoint(registry: &str) -> Endpoint {
         registry.to_string()
     };
     Endpoint {
-        plain_http: is_loopback(registry),
+        plain_http: is_loopback_ip(registry),
         host,
         resolve: true,
         pull: true,
@@ -175,12 +195,21 @@ fn caps(list: &Option<Vec<String>>) -> (bool, bool) {
 }
 
 fn parse_hosts_file(path: &Path, registry: &str) -> Result<Vec<Endpoint>> {
+    let text = fs::read_to_string(path).map_err(|e| StoreError::HostsConfig {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    parse_hosts_toml(&text, registry, path)
+}
+
+/// The endpoints a `hosts.toml` text lists for `registry`; `path` only names the file in errors.
+/// Pure, so it can be fuzzed.
+pub fn parse_hosts_toml(text: &str, registry: &str, path: &Path) -> Result<Vec<Endpoint>> {
     let bad = |reason: String| StoreError::HostsConfig {
         path: path.to_path_buf(),
         reason,
     };
-    let text = fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
-    let file: HostsFile = toml::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let file: HostsFile = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
     let mut out = Vec::new();
     for (url, entry) in file.host {
         let entry: HostEntry = entry
@@ -255,6 +284,27 @@ mod tests {
             h.endpoints("quay.io").unwrap()[0].to_string(),
             "https://quay.io"
         );
+    }
+
+    #[test]
+    fn plain_http_only_for_loopback_ip_literals() {
+        let h = RegistryHosts::new(None);
+        let scheme = |r: &str| h.endpoints(r).unwrap()[0].plain_http;
+        for r in ["127.0.0.1:5000", "127.1.2.3", "[::1]:5000", "[::1]"] {
+            assert!(scheme(r), "{r}");
+        }
+        for r in [
+            "127.evil.example",
+            "127.evil.example:5000",
+            "127.0.0.1.nip.io",
+            "localhost",
+            "localhost:5000",
+            "[::2]:5000",
+            "10.0.0.1:5000",
+            "registry.example",
+        ] {
+            assert!(!scheme(r), "{r}");
+        }
     }
 
     #[test]

@@ -62,10 +62,17 @@ impl Reference {
         if name.is_empty() {
             return Err(bad("repository name is empty"));
         }
+        // Checked on the raw name first so a huge one is refused before it is copied, then on the
+        // normalised one (as Docker does), which is what gets printed and parsed again.
         if name.len() > MAX_NAME_LEN {
             return Err(bad("repository name is longer than 255 characters"));
         }
         let (domain, path) = split_domain(name);
+        if domain.len() + 1 + path.len() > MAX_NAME_LEN {
+            return Err(bad(
+                "repository name is longer than 255 characters once normalised",
+            ));
+        }
         validate_domain(&domain).map_err(|r| bad(&r))?;
         if path.chars().any(|c| c.is_ascii_uppercase()) {
             return Err(bad("repository name must be lowercase"));
@@ -277,6 +284,19 @@ mod tests {
         ] {
             assert!(Reference::parse(bad).is_err(), "{bad:?} should be rejected");
         }
+    }
+
+    #[test]
+    fn the_name_limit_counts_the_normalised_name() {
+        // Found by the `reference` fuzz target: 250 characters pass the raw check, but
+        // `docker.io/library/` makes the printed name 268, which would not parse again.
+        let long = "a".repeat(250);
+        let err = Reference::parse(&long).unwrap_err();
+        assert!(err.to_string().contains("once normalised"), "{err}");
+        // At the limit the name round-trips.
+        let fits = "a".repeat(255 - "docker.io/library/".len());
+        let r = Reference::parse(&fits).unwrap();
+        assert_eq!(Reference::parse(&r.to_string()).unwrap(), r);
     }
 
     #[test]

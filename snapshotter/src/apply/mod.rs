@@ -1,5 +1,6 @@
-//! The layer applier: reads an uncompressed tar stream entry by entry and writes it into a [`Target`].
-//! (The caller hashes the stream on its way in to check the layer's diff_id.)
+//! The layer applier: reads an uncompressed tar stream entry by entry (with the bounded reader of
+//! `reader.rs`) and writes it into a [`Target`]. (The caller hashes the stream on its way in to
+//! check the layer's diff_id.)
 //!
 //! Owns the tar-entry semantics: every entry type (regular, directory, symlink, hardlink, character and
 //! block devices, fifo), numeric ownership, modes with setuid/setgid/sticky, mtimes (PAX sub-second
@@ -12,44 +13,49 @@
 //! - ownership is set before mode and xattrs (chown clears setuid/setgid and file capabilities), and
 //!   directory mtimes are set after the last entry, since writing into a directory changes its mtime;
 //! - `trusted.overlay.*` xattrs in a layer are ignored: overlay metadata comes only from OCI whiteouts;
+//! - sparse files are written sparsely: the applier seeks over holes and sets the file's length, so a
+//!   hole costs no disk;
+//! - directory times are set at the end through descriptors opened from the root without following
+//!   symlinks, on the inode the time was recorded for (see `DirTimes`);
 //! - the first unsafe or invalid entry stops the apply with an error naming it; the caller throws the
 //!   half-written tree away.
 
 mod overlay_target;
 mod path;
+mod reader;
 mod target;
 
 pub(crate) use overlay_target::OverlayTarget;
+pub(crate) use reader::Limits;
+pub use reader::{MAX_LONG_NAME, MAX_PAX_BYTES, MAX_SPARSE_MAP_BYTES};
 pub(crate) use target::{CopyTarget, Target};
 
 use std::ffi::{OsStr, OsString};
 use std::fs::{self, File};
-use std::io::{self, BufReader, Read, Write};
+use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use nix::sys::stat::SFlag;
-use tar::EntryType;
 
 use crate::error::Error;
 use crate::fsutil;
 use path::{PathError, Resolver, normalize};
+use reader::{Header, Kind, TarReader};
 use target::Room;
 
 const WHITEOUT_PREFIX: &[u8] = b".wh.";
 const OPAQUE_MARKER: &[u8] = b".wh..wh..opq";
 
-/// Applies the tar stream `tar` to `target`. Reads the stream to its end (tar readers stop at the
-/// end-of-archive blocks), so a digest computed on the way in covers all of it.
-pub(crate) fn apply_tar(target: &mut dyn Target, tar: impl Read) -> Result<(), Error> {
-    let stream_err = |source| Error::LayerStream { source };
-    let ended = std::rc::Rc::new(std::cell::Cell::new(false));
-    let tracked = EndTracking {
-        inner: tar,
-        ended: ended.clone(),
-    };
-    let mut archive = tar::Archive::new(BufReader::with_capacity(64 * 1024, tracked));
+/// Applies the tar stream `tar` to `target`, within `limits`. Reads the stream to its end (tar
+/// readers stop at the end-of-archive blocks), so a digest computed on the way in covers all of it.
+pub(crate) fn apply_tar(
+    target: &mut dyn Target,
+    tar: impl Read,
+    limits: Limits,
+) -> Result<(), Error> {
+    let mut reader = TarReader::new(tar, limits);
     let root = target.root().to_path_buf();
     target
         .times()
@@ -59,42 +65,28 @@ pub(crate) fn apply_tar(target: &mut dyn Target, tar: impl Read) -> Result<(), E
         resolver: Resolver::default(),
         buf: vec![0; 256 * 1024],
     };
-    for entry in archive.entries().map_err(stream_err)? {
-        let mut entry = match entry {
-            Ok(e) => e,
-            // Some image builders end the stream right after the last entry's data, without the
-            // padding to 512 bytes and the end-of-archive blocks. The entries are all there (the
-            // diff_id check covers exactly these bytes), so that is the end of the archive.
-            Err(e) if ended.get() && e.to_string().contains("unexpected EOF during skip") => break,
-            Err(e) => return Err(stream_err(e)),
-        };
-        let raw = entry.path_bytes().into_owned();
+    while let Some(h) = reader.next()? {
         applier
-            .entry(target, &mut entry, &raw)
-            .map_err(|e| e.into_error(&raw))?;
+            .entry(target, &h, &mut reader)
+            .map_err(|e| e.into_error(&h.path))?;
     }
     target
         .times()
         .apply(&root)
         .map_err(|e| Error::io("setting directory times", e))?;
-    io::copy(&mut archive.into_inner(), &mut io::sink()).map_err(stream_err)?;
-    Ok(())
+    reader.drain()
 }
 
-/// Notes when the layer stream has ended.
-struct EndTracking<R> {
-    inner: R,
-    ended: std::rc::Rc<std::cell::Cell<bool>>,
-}
-
-impl<R: Read> Read for EndTracking<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        if n == 0 && !buf.is_empty() {
-            self.ended.set(true);
-        }
-        Ok(n)
-    }
+/// Unpacks the uncompressed layer `tar` into the existing directory `dir` the way the copy
+/// backend applies a layer (whiteouts delete), within `options`' layer limits. For tools and for
+/// fuzzing the applier; snapshots go through [`crate::Snapshotter::apply_layer`].
+pub fn unpack_into(dir: &Path, tar: impl Read, options: &crate::Options) -> Result<(), Error> {
+    let mut target = CopyTarget::new(dir.to_path_buf());
+    let limits = Limits {
+        max_bytes: options.max_layer_bytes,
+        max_entries: options.max_layer_entries,
+    };
+    apply_tar(&mut target, tar, limits)
 }
 
 /// Why one entry failed; becomes an [`Error`] naming the entry.
@@ -133,7 +125,7 @@ impl<T> Ctx<T> for io::Result<T> {
     }
 }
 
-/// Ownership, mode, time and xattrs of an entry, with PAX records taking precedence over the header.
+/// Ownership, mode, time and xattrs of an entry (PAX records already applied by the reader).
 struct Meta {
     uid: u32,
     gid: u32,
@@ -143,36 +135,14 @@ struct Meta {
 }
 
 impl Meta {
-    fn read<R: Read>(e: &mut tar::Entry<'_, R>) -> io::Result<Self> {
-        let h = e.header();
-        let mut meta = Meta {
-            uid: h.uid()? as u32,
-            gid: h.gid()? as u32,
-            mode: h.mode()? & 0o7777,
-            mtime: (h.mtime()? as i64, 0),
-            xattrs: Vec::new(),
-        };
-        if let Some(pax) = e.pax_extensions()? {
-            for ext in pax {
-                let ext = ext?;
-                let Ok(key) = ext.key() else { continue };
-                let value = ext.value_bytes();
-                if let Some(name) = key.strip_prefix("SCHILY.xattr.") {
-                    if !fsutil::is_overlay_xattr(OsStr::new(name)) {
-                        meta.xattrs.push((OsString::from(name), value.to_vec()));
-                    }
-                    continue;
-                }
-                let text = std::str::from_utf8(value).unwrap_or("");
-                match key {
-                    "uid" => meta.uid = text.parse().unwrap_or(meta.uid),
-                    "gid" => meta.gid = text.parse().unwrap_or(meta.gid),
-                    "mtime" => meta.mtime = parse_pax_time(text).unwrap_or(meta.mtime),
-                    _ => {}
-                }
-            }
+    fn of(h: &Header) -> Self {
+        Meta {
+            uid: h.uid,
+            gid: h.gid,
+            mode: h.mode,
+            mtime: h.mtime,
+            xattrs: h.xattrs.clone(),
         }
-        Ok(meta)
     }
 
     /// Sets ownership, mode (not on symlinks), xattrs and mtime (not on directories: see DirTimes).
@@ -191,27 +161,6 @@ impl Meta {
     }
 }
 
-/// Parses a PAX time (`1700000000.123456789`, maybe negative) into seconds and nanoseconds.
-fn parse_pax_time(s: &str) -> Option<(i64, u32)> {
-    let (secs, frac) = s.split_once('.').unwrap_or((s, ""));
-    let secs: i64 = secs.parse().ok()?;
-    let digits: String = frac.chars().take(9).collect();
-    if !digits.chars().all(|c| c.is_ascii_digit()) {
-        return None;
-    }
-    let nanos: u32 = if digits.is_empty() {
-        0
-    } else {
-        format!("{digits:0<9}").parse().ok()?
-    };
-    if secs < 0 && nanos > 0 {
-        // -1.5 means 1.5 seconds before the epoch.
-        Some((secs - 1, 1_000_000_000 - nanos))
-    } else {
-        Some((secs, nanos))
-    }
-}
-
 struct Applier {
     resolver: Resolver,
     buf: Vec<u8>,
@@ -221,27 +170,17 @@ impl Applier {
     fn entry<R: Read>(
         &mut self,
         t: &mut dyn Target,
-        e: &mut tar::Entry<'_, R>,
-        raw: &[u8],
+        h: &Header,
+        data: &mut TarReader<R>,
     ) -> Result<(), EntryError> {
-        let kind = e.header().entry_type();
-        if matches!(
-            kind,
-            EntryType::XGlobalHeader
-                | EntryType::XHeader
-                | EntryType::GNULongName
-                | EntryType::GNULongLink
-        ) {
-            return Ok(());
-        }
-        let rel = normalize(raw)?;
+        let kind = h.kind;
+        let rel = normalize(&h.path)?;
         let Some(name) = rel.file_name().map(OsStr::to_os_string) else {
             // The root itself ("./").
-            if !kind.is_dir() {
+            if kind != Kind::Directory {
                 return Err(PathError::Invalid("the root entry is not a directory".into()).into());
             }
-            let meta = Meta::read(e).map_err(EntryError::Stream)?;
-            return self.dir(t, &rel, meta, Room::KeepDir);
+            return self.dir(t, &rel, Meta::of(h), Room::KeepDir);
         };
         let parent = self
             .resolver
@@ -277,13 +216,13 @@ impl Applier {
         let path = root.join(&rel);
 
         match kind {
-            EntryType::Directory => {
-                let meta = Meta::read(e).map_err(EntryError::Stream)?;
+            Kind::Directory => {
+                let meta = Meta::of(h);
                 let room = create(t, &mut self.resolver, &rel, true, || fs::create_dir(&path))?;
                 self.dir(t, &rel, meta, room)?;
             }
-            EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse => {
-                let meta = Meta::read(e).map_err(EntryError::Stream)?;
+            Kind::Regular => {
+                let meta = Meta::of(h);
                 let mut file = None;
                 create(t, &mut self.resolver, &rel, false, || {
                     file = Some(
@@ -296,14 +235,14 @@ impl Applier {
                     Ok(())
                 })?;
                 let file = file.expect("created above");
-                self.write_file(e, file, &meta, &path)?;
+                self.write_file(h, data, file, &meta, &path)?;
             }
-            EntryType::Symlink => {
-                let meta = Meta::read(e).map_err(EntryError::Stream)?;
-                let target = e
-                    .link_name_bytes()
-                    .ok_or_else(|| PathError::Invalid("symlink without a target".into()))?;
-                let target = PathBuf::from(OsStr::from_bytes(&target));
+            Kind::Symlink => {
+                let meta = Meta::of(h);
+                if h.link.is_empty() {
+                    return Err(PathError::Invalid("symlink without a target".into()).into());
+                }
+                let target = PathBuf::from(OsStr::from_bytes(&h.link));
                 create(t, &mut self.resolver, &rel, false, || {
                     std::os::unix::fs::symlink(&target, &path)
                 })?;
@@ -311,11 +250,11 @@ impl Applier {
                     .at("setting symlink metadata")?;
                 self.resolver.invalidate();
             }
-            EntryType::Link => {
-                let target = e
-                    .link_name_bytes()
-                    .ok_or_else(|| PathError::Invalid("hardlink without a target".into()))?;
-                let target = normalize(&target).map_err(|e| match e {
+            Kind::Link => {
+                if h.link.is_empty() {
+                    return Err(PathError::Invalid("hardlink without a target".into()).into());
+                }
+                let target = normalize(&h.link).map_err(|e| match e {
                     PathError::Unsafe(r) => PathError::Unsafe(format!("hardlink target: {r}")),
                     other => other,
                 })?;
@@ -332,14 +271,12 @@ impl Applier {
                     })?;
                 }
             }
-            EntryType::Char | EntryType::Block | EntryType::Fifo => {
-                let meta = Meta::read(e).map_err(EntryError::Stream)?;
-                let h = e.header();
-                let major = h.device_major().ok().flatten().unwrap_or(0) as u64;
-                let minor = h.device_minor().ok().flatten().unwrap_or(0) as u64;
+            Kind::Char | Kind::Block | Kind::Fifo => {
+                let meta = Meta::of(h);
+                let (major, minor) = h.dev;
                 let flag = match kind {
-                    EntryType::Char => SFlag::S_IFCHR,
-                    EntryType::Block => SFlag::S_IFBLK,
+                    Kind::Char => SFlag::S_IFCHR,
+                    Kind::Block => SFlag::S_IFBLK,
                     _ => SFlag::S_IFIFO,
                 };
                 create(t, &mut self.resolver, &rel, false, || {
@@ -348,10 +285,12 @@ impl Applier {
                 meta.apply(&path, false, false)
                     .at("setting device metadata")?;
             }
-            other => {
-                return Err(
-                    PathError::Invalid(format!("unsupported tar entry type {other:?}")).into(),
-                );
+            Kind::Other(flag) => {
+                return Err(PathError::Invalid(format!(
+                    "unsupported tar entry type {:?}",
+                    flag as char
+                ))
+                .into());
             }
         }
         t.created(&rel);
@@ -380,36 +319,50 @@ impl Applier {
         }
         meta.apply(&path, false, true)
             .at("setting directory metadata")?;
-        t.times().set(rel, meta.mtime);
+        let root = t.root().to_path_buf();
+        t.times()
+            .set(&root, rel, meta.mtime)
+            .at("reading directory")?;
         t.created(rel);
         Ok(())
     }
 
+    /// Writes the entry's data into the new `file`, then its metadata. A sparse file's data goes to
+    /// its segments' offsets and the holes are left unwritten.
     fn write_file<R: Read>(
         &mut self,
-        e: &mut tar::Entry<'_, R>,
+        h: &Header,
+        data: &mut TarReader<R>,
         mut file: File,
         meta: &Meta,
         path: &Path,
     ) -> Result<(), EntryError> {
-        let want = e.size();
-        let mut written = 0u64;
-        loop {
-            let n = match e.read(&mut self.buf) {
-                Ok(0) => break,
-                Ok(n) => n,
-                Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
-                Err(err) => return Err(EntryError::Stream(err)),
-            };
-            file.write_all(&self.buf[..n]).at("writing file data")?;
-            written += n as u64;
+        let segments: Vec<(u64, u64)> = match &h.sparse {
+            Some(s) => s.segments.clone(),
+            None => vec![(0, h.size)],
+        };
+        for (offset, len) in segments {
+            if len == 0 {
+                continue;
+            }
+            if h.sparse.is_some() {
+                file.seek(SeekFrom::Start(offset))
+                    .at("seeking in a sparse file")?;
+            }
+            let mut left = len;
+            while left > 0 {
+                let want = left.min(self.buf.len() as u64) as usize;
+                let n = data
+                    .read_data(&mut self.buf[..want])
+                    .map_err(EntryError::Stream)?;
+                file.write_all(&self.buf[..n]).at("writing file data")?;
+                left -= n as u64;
+            }
         }
-        // The stream ended inside the file's data.
-        if written < want {
-            return Err(EntryError::Stream(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("layer stream ended after {written} of the entry's {want} bytes"),
-            )));
+        if let Some(s) = &h.sparse {
+            // The trailing hole, if any.
+            file.set_len(s.real_size)
+                .at("setting a sparse file's size")?;
         }
         std::os::unix::fs::fchown(&file, Some(meta.uid), Some(meta.gid)).at("chown")?;
         file.set_permissions(fs::Permissions::from_mode(meta.mode))
@@ -451,7 +404,7 @@ fn create(
 
 #[cfg(test)]
 mod tests {
-    use super::parse_pax_time;
+    use super::reader::parse_pax_time;
 
     #[test]
     fn pax_times() {

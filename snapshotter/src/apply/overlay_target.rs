@@ -136,7 +136,7 @@ impl Target for OverlayTarget {
                     match lower {
                         Some((lp, m)) if m.is_dir() => {
                             fsutil::copy_meta(&lp, &up, &m)?;
-                            self.times.set(&prefix, fsutil::mtime_of(&m));
+                            self.times.set(&self.upper, &prefix, fsutil::mtime_of(&m))?;
                         }
                         Some(_) => {
                             // A lower non-directory: the new directory must not merge with anything.

@@ -14,6 +14,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::ffi::OsStr;
 use std::fs;
 use std::io;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use super::path::PathError;
@@ -77,10 +78,19 @@ pub(crate) trait Target {
     fn times(&mut self) -> &mut DirTimes;
 }
 
+/// Device and inode number.
+type InodeId = (u64, u64);
+
 /// Directory mtimes to set once every entry is written (writing into a directory changes its mtime).
+///
+/// Each time is recorded with the inode it is for. At the end the directory is reached through
+/// descriptors opened one component at a time from the root with `O_NOFOLLOW`, and its time is set
+/// only if it is still that inode: a later entry of the layer may have replaced the directory, or one
+/// of its parents, with a symlink (to `/etc`, say), and that must not make the applier touch what the
+/// symlink points at.
 #[derive(Default)]
 pub(crate) struct DirTimes {
-    times: HashMap<PathBuf, (i64, u32)>,
+    times: HashMap<PathBuf, ((i64, u32), InodeId)>,
 }
 
 impl DirTimes {
@@ -89,30 +99,36 @@ impl DirTimes {
         if !self.times.contains_key(rel)
             && let Some(m) = fsutil::lstat(&root.join(rel))?
         {
-            self.times.insert(rel.to_path_buf(), fsutil::mtime_of(&m));
+            self.times.insert(
+                rel.to_path_buf(),
+                (fsutil::mtime_of(&m), (m.dev(), m.ino())),
+            );
         }
         Ok(())
     }
 
-    /// The time `rel` must end up with.
-    pub(crate) fn set(&mut self, rel: &Path, mtime: (i64, u32)) {
-        self.times.insert(rel.to_path_buf(), mtime);
+    /// The time the directory now at `rel` must end up with.
+    pub(crate) fn set(&mut self, root: &Path, rel: &Path, mtime: (i64, u32)) -> io::Result<()> {
+        if let Some(m) = fsutil::lstat(&root.join(rel))? {
+            self.times
+                .insert(rel.to_path_buf(), (mtime, (m.dev(), m.ino())));
+        }
+        Ok(())
     }
 
     pub(crate) fn apply(&self, root: &Path) -> io::Result<()> {
-        for (rel, t) in &self.times {
+        let root_fd = fsutil::open_dir_nofollow(None, root)?;
+        for (rel, (t, id)) in &self.times {
             // Later entries may have removed the directory or put something else in its place.
-            let path = root.join(rel);
-            match fs::symlink_metadata(&path) {
-                Ok(m) if m.is_dir() => fsutil::set_times(&path, *t)?,
-                Ok(_) => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::NotFound | io::ErrorKind::NotADirectory
-                    ) => {}
-                Err(e) => return Err(e),
+            let Some(dir) = fsutil::open_beneath(&root_fd, rel)? else {
+                continue;
+            };
+            let m = nix::sys::stat::fstat(&dir).map_err(io::Error::from)?;
+            if (m.st_dev as u64, m.st_ino as u64) != *id {
+                continue;
             }
+            let ts = nix::sys::time::TimeSpec::new(t.0, t.1 as i64);
+            nix::sys::stat::futimens(&dir, &ts, &ts).map_err(io::Error::from)?;
         }
         Ok(())
     }

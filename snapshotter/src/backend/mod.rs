@@ -35,16 +35,17 @@ pub(crate) fn apply(
     dir: &Path,
     lowers: &[PathBuf],
     tar: impl Read,
+    limits: apply::Limits,
 ) -> Result<()> {
     let fs_dir = dir.join("fs");
     match backend {
         Backend::Overlay => {
             let mut t = OverlayTarget::new(fs_dir, lowers.to_vec());
-            apply::apply_tar(&mut t, tar)
+            apply::apply_tar(&mut t, tar, limits)
         }
         Backend::Copy => {
             let mut t = CopyTarget::new(fs_dir);
-            apply::apply_tar(&mut t, tar)
+            apply::apply_tar(&mut t, tar, limits)
         }
     }
 }

@@ -199,6 +199,23 @@ impl Layer {
         self
     }
 
+    /// Appends a prepared header and its data as they are.
+    pub fn raw(&mut self, h: &tar::Header, data: &[u8]) -> &mut Self {
+        self.b.append(h, data).unwrap();
+        self
+    }
+
+    /// Appends an extension header (`x`, `g`, `L`, `K`) with `data`.
+    pub fn extension(&mut self, kind: u8, data: &[u8]) -> &mut Self {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::new(kind));
+        h.set_size(data.len() as u64);
+        raw_name(&mut h, b"././@LongLink");
+        h.set_cksum();
+        self.b.append(&h, data).unwrap();
+        self
+    }
+
     pub fn finish(self) -> Vec<u8> {
         self.b.into_inner().unwrap()
     }
@@ -231,11 +248,23 @@ pub fn open(backend: Backend) -> (tempfile::TempDir, LocalSnapshotter) {
 }
 
 pub fn reopen(backend: Backend, dir: &Path) -> LocalSnapshotter {
+    reopen_with(backend, dir, Options::default())
+}
+
+/// [`open`] with other options (commits are never synced in tests).
+pub fn open_with(backend: Backend, options: Options) -> (tempfile::TempDir, LocalSnapshotter) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = reopen_with(backend, dir.path(), options);
+    (dir, s)
+}
+
+pub fn reopen_with(backend: Backend, dir: &Path, options: Options) -> LocalSnapshotter {
     LocalSnapshotter::open(
         dir.join("root"),
         backend,
         Options {
             sync_on_commit: false,
+            ..options
         },
     )
     .unwrap()
@@ -264,6 +293,22 @@ pub fn try_apply(
         user,
     };
     s.apply_layer(&spec, &mut &tar[..]).map(|a| a.chain_id)
+}
+
+/// Applies `stream`, a bottom layer of `media_type` said to have `diff_id`; returns its chain id.
+pub fn try_apply_stream(
+    s: &dyn Snapshotter,
+    media_type: &str,
+    diff_id: &str,
+    stream: &mut (dyn std::io::Read + Send),
+) -> minicri_snapshotter::Result<String> {
+    let spec = LayerSpec {
+        media_type,
+        diff_id,
+        parent: None,
+        user: None,
+    };
+    s.apply_layer(&spec, stream).map(|a| a.chain_id)
 }
 
 /// Applies layers bottom first; returns the chain ids.

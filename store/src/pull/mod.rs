@@ -28,6 +28,8 @@
 pub mod detach;
 mod procedure;
 
+pub use procedure::{MAX_CONFIG_BYTES, parse_manifest};
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -50,6 +52,10 @@ use crate::registry::{Credentials, FetchedManifest, Registry, Session};
 
 use detach::{Hold, SyncBudgets};
 
+/// Default [`PullConfig::min_speed`]: 1 KiB/s. Any real link is far faster; this is about a
+/// registry that trickles, not about slow networks.
+pub const DEFAULT_MIN_SPEED: u64 = 1024;
+
 /// Pull settings.
 #[derive(Debug, Clone)]
 pub struct PullConfig {
@@ -61,6 +67,11 @@ pub struct PullConfig {
     pub max_concurrent_transfers: usize,
     /// A job that receives no byte for this long drops every reference (`None`: never).
     pub progress_timeout: Option<Duration>,
+    /// Bytes per second a job with something left to download must receive, averaged over each
+    /// `progress_timeout` window, or every reference is dropped (`None`: no minimum). Catches a
+    /// registry that trickles bytes slowly enough to never trip the no-byte rule or a read
+    /// timeout, and would otherwise hold a pull (and the kubelet's serial puller) forever.
+    pub min_speed: Option<u64>,
     /// How long a call made for a known pod sandbox waits before it returns and leaves the
     /// download to the sandbox (`None`: never detach).
     pub detach_after: Option<Duration>,
@@ -76,6 +87,7 @@ impl Default for PullConfig {
             max_concurrent_layers: 3,
             max_concurrent_transfers: 6,
             progress_timeout: Some(Duration::from_secs(60)),
+            min_speed: Some(DEFAULT_MIN_SPEED),
             detach_after: Some(Duration::from_secs(30)),
             holds_dir: None,
         }
@@ -860,7 +872,8 @@ impl PullManager {
         let watchdog = self.config.progress_timeout.map(|t| {
             let job = job.clone();
             let mgr = self.clone();
-            tokio::spawn(async move { mgr.watchdog(job, t).await })
+            let min_speed = self.config.min_speed;
+            tokio::spawn(async move { mgr.watchdog(job, t, min_speed).await })
         });
         let result = tokio::select! {
             r = self.pull_content(&job, &session, &top) => r,
@@ -926,19 +939,43 @@ impl PullManager {
         }
     }
 
-    /// Drops every reference of a job that received no byte for `timeout`.
-    async fn watchdog(&self, job: Arc<Job>, timeout: Duration) {
+    /// Drops every reference of a job that received no byte for `timeout`, or (with a
+    /// `min_speed`) fewer than `min_speed` bytes per second over a window of `timeout` while it
+    /// still had bytes to download.
+    async fn watchdog(&self, job: Arc<Job>, timeout: Duration, min_speed: Option<u64>) {
         let tick = (timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
-        let mut last = job.bytes().done;
+        let first = job.bytes();
+        let mut last = first.done;
         let mut since = Instant::now();
+        let mut window = (Instant::now(), first.downloaded);
         loop {
             tokio::time::sleep(tick).await;
-            let now = job.bytes().done;
-            if now != last {
-                last = now;
+            let b = job.bytes();
+            let mut reason = None;
+            if b.done != last {
+                last = b.done;
                 since = Instant::now();
             } else if since.elapsed() >= timeout {
-                let reason = format!("no progress for {timeout:?} (pull_progress_timeout)");
+                reason = Some(format!(
+                    "no progress for {timeout:?} (pull_progress_timeout)"
+                ));
+            }
+            let elapsed = window.0.elapsed();
+            if let Some(min) = min_speed
+                && reason.is_none()
+                && elapsed >= timeout
+            {
+                let got = b.downloaded.saturating_sub(window.1);
+                let need = (min as f64 * elapsed.as_secs_f64()) as u64;
+                if b.done < b.total && got < need {
+                    reason = Some(format!(
+                        "{got} bytes received in {elapsed:.0?}, below the minimum of {min} bytes/s \
+                         (pull_min_speed)"
+                    ));
+                }
+                window = (Instant::now(), b.downloaded);
+            }
+            if let Some(reason) = reason {
                 tracing::warn!(job = job.id, image = %job.reference, "{reason}; dropping every requester");
                 self.drop_requesters(&job, &reason, |_| true);
                 return;

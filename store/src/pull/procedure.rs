@@ -17,6 +17,9 @@ use crate::unpack::{self, LayerToApply};
 
 use super::{Job, Part, PullManager};
 
+/// Largest image config read: 8 MiB. Configs are a few KiB; a long history makes tens of KiB.
+pub const MAX_CONFIG_BYTES: u64 = 8 << 20;
+
 impl PullManager {
     pub(super) async fn pull_content(
         self: &Arc<Self>,
@@ -80,6 +83,17 @@ impl PullManager {
                     format!("negative size for {d}"),
                 ));
             }
+        }
+        // The config is read into memory whole: bound it before downloading it.
+        if config_desc.size as u64 > MAX_CONFIG_BYTES {
+            return Err(malformed(
+                reference,
+                "image config",
+                format!(
+                    "{} bytes exceeds the limit of {MAX_CONFIG_BYTES} bytes",
+                    config_desc.size
+                ),
+            ));
         }
         *job.parts.lock().unwrap() = std::iter::once((&config_digest, config_desc))
             .chain(layer_digests.iter().zip(&layers))
@@ -302,7 +316,9 @@ fn parse_digest(reference: &Reference, s: &str) -> Result<Digest> {
     Digest::parse(s).map_err(|e| malformed(reference, "descriptor", e.to_string()))
 }
 
-fn parse_manifest(reference: &Reference, bytes: &[u8]) -> Result<ManifestDoc> {
+/// Parses a manifest or index as a pull does: JSON, a supported media type, an index or an image
+/// manifest. Pure, so it can be fuzzed.
+pub fn parse_manifest(reference: &Reference, bytes: &[u8]) -> Result<ManifestDoc> {
     let doc: ManifestDoc = serde_json::from_slice(bytes)
         .map_err(|e| malformed(reference, "manifest", e.to_string()))?;
     if doc.schema_version == Some(1) {

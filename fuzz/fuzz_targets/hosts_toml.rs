@@ -1,0 +1,30 @@
+//! hosts.toml parsing (store/src/hosts.rs): never panics; every endpoint it yields has a host, and
+//! plain http only where the file says `http://` or the host is a loopback IP literal.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use minicri_store::hosts::{is_loopback_ip, parse_hosts_toml};
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    for registry in ["docker.io", "127.0.0.1:5000", "registry.example"] {
+        let Ok(endpoints) = parse_hosts_toml(text, registry, std::path::Path::new("hosts.toml"))
+        else {
+            continue;
+        };
+        for e in &endpoints {
+            assert!(!e.host.is_empty(), "{text:?}: endpoint without a host");
+            if e.plain_http {
+                let explicit = text.contains(&format!("http://{}", e.host));
+                assert!(
+                    explicit || is_loopback_ip(&e.host),
+                    "{text:?}: plain http for {} without http:// in the file",
+                    e.host
+                );
+            }
+            let _ = e.to_string();
+        }
+    }
+});

@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Writes the seed corpus of every fuzz target into fuzz/corpus/<target>/ (small files only).
+
+Run from anywhere; rerunning rewrites the same files. The layers are built with Python's tarfile
+(ustar, GNU and PAX formats) plus hand-made GNU and PAX sparse entries and hostile shapes
+(`..`, absolute paths, symlinks out, oversized extension headers' size fields).
+"""
+import hashlib
+import io
+import os
+import tarfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CORPUS = os.path.join(HERE, "corpus")
+
+
+def put(target, name, data):
+    d = os.path.join(CORPUS, target)
+    os.makedirs(d, exist_ok=True)
+    if isinstance(data, str):
+        data = data.encode()
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+
+# --- reference ---------------------------------------------------------------------------------
+H = "sha256:" + "a" * 64
+refs = [
+    "busybox", "busybox:1.36", "library/busybox", "docker.io/library/busybox:latest",
+    "registry.k8s.io/pause:3.10", "127.0.0.1:5000/app:v1", "localhost/app", "localhost:5000/a/b/c",
+    "[::1]:5000/x:y", f"busybox@{H}", f"quay.io/a/b:t@{H}", "UPPER/case", "a:b:c", "a//b",
+    "", " busybox", "busybox:", "@" + H, "x@sha256:short", "registry.example/app:" + "t" * 128,
+    "127.evil.example/app", "a/b/c/d/e/f:tag_1.2-3",
+]
+for i, r in enumerate(refs):
+    put("reference", f"ref{i:02}", r)
+
+# --- manifest ----------------------------------------------------------------------------------
+D = "sha256:" + "b" * 64
+manifests = {
+    "oci-manifest": '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json",'
+    f'"config":{{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"{D}","size":10}},'
+    f'"layers":[{{"mediaType":"application/vnd.oci.image.layer.v1.tar+gzip","digest":"{D}","size":5}}]}}',
+    "docker-manifest": '{"schemaVersion":2,"mediaType":"application/vnd.docker.distribution.manifest.v2+json",'
+    f'"config":{{"mediaType":"application/vnd.docker.container.image.v1+json","digest":"{D}","size":1}},'
+    f'"layers":[{{"mediaType":"application/vnd.docker.image.rootfs.diff.tar.gzip","digest":"{D}","size":-1}}]}}',
+    "oci-index": '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":['
+    f'{{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"{D}","size":3,'
+    '"platform":{"os":"linux","architecture":"amd64"}},'
+    f'{{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"{D}","size":3,'
+    '"platform":{"os":"linux","architecture":"arm","variant":"v7"}}]}',
+    "docker-list": '{"schemaVersion":2,"mediaType":"application/vnd.docker.distribution.manifest.list.v2+json",'
+    f'"manifests":[{{"digest":"{D}","size":1,"platform":{{"os":"linux","architecture":"amd64"}}}}]}}',
+    "schema1": '{"schemaVersion":1,"name":"x","tag":"y","fsLayers":[]}',
+    "unknown-type": '{"schemaVersion":2,"mediaType":"text/plain","config":{}}',
+    "neither": '{"schemaVersion":2}',
+    "config": '{"architecture":"amd64","os":"linux","config":{"User":"1000:1000","Env":["A=b"],'
+    '"Entrypoint":["/bin/sh"]},"rootfs":{"type":"layers","diff_ids":["' + D + '"]}}',
+    "config-user-name": '{"config":{"User":"nobody"},"rootfs":{"diff_ids":[]}}',
+    "not-json": "\x00\xff{",
+    "deep": "[" * 64 + "]" * 64,
+    "zstd-layer": '{"schemaVersion":2,"config":{"mediaType":"x","digest":"' + D + '","size":1},'
+    '"layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar+zstd","digest":"' + D + '","size":1}]}',
+}
+for name, text in manifests.items():
+    put("manifest", name, text)
+
+# --- hosts_toml --------------------------------------------------------------------------------
+hosts = {
+    "mirror": 'server = "https://registry-1.docker.io"\n[host."https://mirror.example"]\n'
+    '  capabilities = ["pull", "resolve"]\n',
+    "http-mirror": '[host."http://10.0.0.1:5000"]\n  capabilities = ["pull"]\n  skip_verify = true\n',
+    "ca-list": '[host."https://m.example:5000"]\n  ca = ["/etc/a.pem", "/etc/b.pem"]\n',
+    "ca-one": 'server = "https://r.example"\nca = "/etc/ca.pem"\nskip_verify = false\n',
+    "override-path": '[host."https://m.example/v2/proxy"]\n  override_path = true\n',
+    "bad-scheme": '[host."ftp://x"]\n',
+    "empty-host": '[host."https://"]\n',
+    "caps-none": 'capabilities = []\n',
+    "server-http": 'server = "http://127.0.0.1:5000"\n',
+    "loopback-names": '[host."127.evil.example:5000"]\n[host."localhost:5000"]\n',
+    "not-toml": "[[[",
+    "empty": "",
+}
+for name, text in hosts.items():
+    put("hosts_toml", name, text)
+
+# --- cri_log -----------------------------------------------------------------------------------
+logs = {
+    "one": "2026-11-21T10:49:26.123456789Z stdout F hello world\n",
+    "partial": "2026-11-21T10:49:26.000000001Z stdout P abc\n2026-11-21T10:49:26.000000002Z stdout F def\n",
+    "mixed": "2026-11-21T10:49:26.1Z stderr P x\n2026-11-21T10:49:26.2Z stdout F y\n"
+    "2026-11-21T10:49:26.3Z stderr F z\n",
+    "bad-stream": "2026-11-21T10:49:26Z stdin F x\n",
+    "bad-tag": "2026-11-21T10:49:26Z stdout X x\n",
+    "bad-time": "yesterday stdout F x\n",
+    "no-newline": "2026-11-21T10:49:26+02:00 stdout F tail",
+    "output-lines": "\x05line one\nline two that is longer\n\n",
+    "output-long": "\x03" + "x" * 40 + "\n" + "y" * 7,
+}
+for name, text in logs.items():
+    put("cri_log", name, text)
+
+# --- layer_apply -------------------------------------------------------------------------------
+
+
+def tar_of(entries, fmt=tarfile.PAX_FORMAT):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as t:
+        for e in entries:
+            kind, name = e[0], e[1]
+            info = tarfile.TarInfo(name)
+            info.mtime = 1_600_000_000
+            data = b""
+            if kind == "dir":
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+            elif kind == "file":
+                data = e[2]
+                info.size, info.mode = len(data), 0o644
+            elif kind == "sym":
+                info.type, info.linkname = tarfile.SYMTYPE, e[2]
+            elif kind == "link":
+                info.type, info.linkname = tarfile.LNKTYPE, e[2]
+            elif kind == "fifo":
+                info.type = tarfile.FIFOTYPE
+            elif kind == "chr":
+                info.type, info.devmajor, info.devminor = tarfile.CHRTYPE, 1, 3
+            if len(e) > 3:
+                info.pax_headers = e[3]
+            t.addfile(info, io.BytesIO(data) if data else None)
+    return buf.getvalue()
+
+
+def header(name, typeflag, size, extra=b"", magic=b"ustar\x0000", fields=None):
+    h = bytearray(512)
+    h[0:len(name)] = name
+    h[100:108] = b"0000644\x00"
+    h[108:116] = b"0000000\x00"
+    h[116:124] = b"0000000\x00"
+    h[124:136] = b"%011o\x00" % size
+    h[136:148] = b"%011o\x00" % 1_600_000_000
+    h[156] = typeflag
+    h[257:265] = magic
+    for at, val in (fields or {}).items():
+        h[at:at + len(val)] = val
+    h[148:156] = b" " * 8
+    h[148:156] = b"%06o\x00 " % sum(h)
+    return bytes(h)
+
+
+def pad(data):
+    return data + b"\x00" * (-len(data) % 512)
+
+
+def pax_record(k, v):
+    body = b" " + k + b"=" + v + b"\n"
+    n = len(body) + 1
+    while len(str(n)) + len(body) != n:
+        n = len(str(n)) + len(body)
+    return str(n).encode() + body
+
+
+END = b"\x00" * 1024
+layers = {
+    "basic-pax": tar_of([("dir", "etc"), ("file", "etc/passwd", b"root:x:0:0\n"),
+                         ("sym", "bin", "usr/bin"), ("dir", "usr"), ("dir", "usr/bin"),
+                         ("file", "usr/bin/sh", b"#!"), ("link", "usr/bin/ash", "usr/bin/sh")]),
+    "gnu-longname": tar_of([("file", "d/" + "n" * 150, b"long")], fmt=tarfile.GNU_FORMAT),
+    "ustar": tar_of([("dir", "a"), ("file", "a/b", b"x" * 600)], fmt=tarfile.USTAR_FORMAT),
+    "whiteouts": tar_of([("dir", "a"), ("file", "a/x", b"1"), ("file", "a/.wh.x", b""),
+                         ("file", "a/.wh..wh..opq", b""), ("file", ".wh.gone", b"")]),
+    "xattrs": tar_of([("file", "f", b"x", {"SCHILY.xattr.user.k": "v", "mtime": "1.5"})]),
+    "devices": tar_of([("fifo", "p"), ("chr", "null")]),
+    "symlink-out": tar_of([("sym", "l", "/etc"), ("file", "l/pwned", b"x")]),
+    "symlink-climb": tar_of([("sym", "l", "../../.."), ("file", "l/pwned", b"x")]),
+    "dotdot": tar_of([("file", "../escape", b"x")]),
+    "absolute": tar_of([("file", "/abs", b"x")]),
+    "hardlink-out": tar_of([("link", "h", "../outside/file")]),
+    "dir-then-symlink": tar_of([("dir", "a"), ("dir", "a/b"), ("sym", "a", "../outside")]),
+    "replace-types": tar_of([("dir", "x"), ("file", "x", b"f"), ("dir", "x"), ("sym", "x", "y")]),
+    "root-entry": tar_of([("dir", "./"), ("file", "./f", b"f")]),
+    "empty": END,
+    "truncated": tar_of([("file", "f", b"x" * 2000)])[:1200],
+    "trailing-garbage": tar_of([("file", "f", b"x")]) + b"garbage",
+    "huge-pax-size": header(b"PaxHeader", ord("x"), 100 << 20) + b"a" * 512,
+    "huge-longname": header(b"././@LongLink", ord("L"), 1 << 30, magic=b"ustar  \x00"),
+    "pax-bad-record": header(b"P", ord("x"), 8) + pad(b"99 a=b\n\x00") + header(b"f", ord("0"), 0) + END,
+    "pax-size": header(b"P", ord("x"), 12) + pad(pax_record(b"size", b"3")) + header(b"f", ord("0"), 0)
+    + pad(b"abc") + END,
+    "base256-size": header(b"f", ord("0"), 0, fields={124: b"\x80" + b"\x00" * 10 + b"\x05"}) + pad(b"12345") + END,
+    "global-header": header(b"g", ord("g"), 20) + pad(pax_record(b"comment", b"hello")) + tar_of([("file", "f", b"x")]),
+}
+# GNU old sparse: two segments in a 1 MiB file.
+gnu = header(b"sparse", ord("S"), 1024, magic=b"ustar  \x00", fields={
+    386: b"%011o\x00" % 4096 + b"%011o\x00" % 512,
+    410: b"%011o\x00" % (1 << 19) + b"%011o\x00" % 512,
+    483: b"%011o\x00" % (1 << 20),
+})
+layers["gnu-sparse"] = gnu + b"A" * 512 + b"B" * 512 + END
+gnu_ext = header(b"sparse", ord("S"), 512, magic=b"ustar  \x00", fields={
+    386: b"%011o\x00" % 0 + b"%011o\x00" % 0, 482: b"\x01", 483: b"%011o\x00" % 9000,
+})
+ext = bytearray(512)
+ext[0:24] = b"%011o\x00" % 8192 + b"%011o\x00" % 512
+layers["gnu-sparse-ext"] = gnu_ext + bytes(ext) + b"C" * 512 + END
+# PAX sparse 0.1 and 1.0.
+p01 = b"".join(pax_record(k, v) for k, v in [(b"GNU.sparse.size", b"65536"), (b"GNU.sparse.numblocks", b"1"),
+                                             (b"GNU.sparse.map", b"4096,100")])
+layers["pax-sparse-01"] = header(b"P", ord("x"), len(p01)) + pad(p01) + header(b"s", ord("0"), 100) + pad(b"D" * 100) + END
+p10 = b"".join(pax_record(k, v) for k, v in [(b"GNU.sparse.major", b"1"), (b"GNU.sparse.minor", b"0"),
+                                             (b"GNU.sparse.name", b"real"), (b"GNU.sparse.realsize", b"100000")])
+m10 = pad(b"1\n50000\n10\n") + b"E" * 10
+layers["pax-sparse-10"] = header(b"P", ord("x"), len(p10)) + pad(p10) + header(b"GNUSparseFile.1/real", ord("0"), len(m10)) + pad(m10) + END
+for name, data in layers.items():
+    assert len(data) < 64 * 1024, name
+    put("layer_apply", name, data)
+
+print("seeds written to", CORPUS)

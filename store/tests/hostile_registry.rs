@@ -1,0 +1,544 @@
+//! A registry (and token service) that misbehaves on purpose, served from this test on loopback
+//! (real TCP servers, the real `oci-client` based client): oversized manifests, token responses
+//! and error bodies, bytes trickled under the read timeout, answers that never come, token realms
+//! on hosts the credentials were not given for, and a plain-http registry reached by name.
+//! docs/hardening.md says what each bound is and what `oci-client` leaves unbounded.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use minicri_store::registry::{
+    Credentials, FetchedManifest, MAX_MANIFEST_BYTES, MAX_MESSAGE_CHARS, MAX_TOKEN_BYTES, Registry,
+    realm_may_get_credentials,
+};
+use minicri_store::{Digest, ErrorKind, Reference, RegistryHosts, StoreError};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// One request as the fake server saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    path: String,
+    authorization: Option<String>,
+    body: String,
+}
+
+/// What to answer: status, extra headers, body, a pause before anything is sent, and a pause
+/// between body bytes (a trickle).
+#[derive(Clone)]
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    /// Send the body with Content-Length (else close-delimited).
+    length: bool,
+    delay: Option<Duration>,
+    trickle: Option<Duration>,
+}
+
+impl Reply {
+    fn ok(body: impl Into<Vec<u8>>) -> Reply {
+        Reply {
+            status: 200,
+            headers: vec![],
+            body: body.into(),
+            length: true,
+            delay: None,
+            trickle: None,
+        }
+    }
+
+    fn status(mut self, status: u16) -> Reply {
+        self.status = status;
+        self
+    }
+
+    /// One body byte every `every`.
+    fn trickled(mut self, every: Duration) -> Reply {
+        self.trickle = Some(every);
+        self
+    }
+
+    fn header(mut self, name: &str, value: impl Into<String>) -> Reply {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+}
+
+type Handler = Arc<dyn Fn(&Seen) -> Reply + Send + Sync>;
+
+struct Server {
+    addr: String,
+    seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Server {
+    async fn start(ip: &str, handler: impl Fn(&Seen) -> Reply + Send + Sync + 'static) -> Server {
+        let listener = TcpListener::bind((ip, 0)).await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let handler: Handler = Arc::new(handler);
+        let s = seen.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((conn, _)) = listener.accept().await else {
+                    return;
+                };
+                let (h, s) = (handler.clone(), s.clone());
+                tokio::spawn(async move {
+                    let _ = serve(conn, h, s).await;
+                });
+            }
+        });
+        Server { addr, seen }
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    fn port(&self) -> &str {
+        self.addr.rsplit_once(':').unwrap().1
+    }
+}
+
+async fn serve(
+    mut conn: TcpStream,
+    h: Handler,
+    seen: Arc<Mutex<Vec<Seen>>>,
+) -> std::io::Result<()> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        let n = conn.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let path = lines
+        .next()
+        .unwrap_or("")
+        .split(' ')
+        .nth(1)
+        .unwrap_or("")
+        .to_string();
+    let mut authorization = None;
+    let mut length = 0usize;
+    for l in lines {
+        if let Some((k, v)) = l.split_once(':') {
+            match k.trim().to_ascii_lowercase().as_str() {
+                "authorization" => authorization = Some(v.trim().to_string()),
+                "content-length" => length = v.trim().parse().unwrap_or(0),
+                _ => {}
+            }
+        }
+    }
+    let mut body = buf[head_end..].to_vec();
+    while body.len() < length {
+        let n = conn.read(&mut chunk).await?;
+        if n == 0 {
+            break;
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    let req = Seen {
+        path,
+        authorization,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    };
+    seen.lock().unwrap().push(req.clone());
+    let r = h(&req);
+    if let Some(d) = r.delay {
+        tokio::time::sleep(d).await;
+    }
+    let mut out = format!("HTTP/1.1 {} X\r\nConnection: close\r\n", r.status);
+    for (k, v) in &r.headers {
+        out.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if r.length {
+        out.push_str(&format!("Content-Length: {}\r\n", r.body.len()));
+    }
+    out.push_str("\r\n");
+    conn.write_all(out.as_bytes()).await?;
+    match r.trickle {
+        None => conn.write_all(&r.body).await?,
+        Some(every) => {
+            for b in &r.body {
+                conn.write_all(&[*b]).await?;
+                tokio::time::sleep(every).await;
+            }
+        }
+    }
+    conn.shutdown().await
+}
+
+const MANIFEST: &str = r#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a","size":2},"layers":[]}"#;
+
+fn manifest_reply() -> Reply {
+    Reply::ok(MANIFEST).header("Content-Type", "application/vnd.oci.image.manifest.v1+json")
+}
+
+/// Answers the `/v2/` ping with 200 and manifests with `manifest`.
+fn open_registry(manifest: impl Fn() -> Reply + Send + Sync + 'static) -> impl Fn(&Seen) -> Reply {
+    move |req| {
+        if req.path.contains("/manifests/") {
+            manifest()
+        } else {
+            Reply::ok("{}")
+        }
+    }
+}
+
+fn reference(addr: &str) -> Reference {
+    Reference::parse(&format!("{addr}/app:v1")).unwrap()
+}
+
+fn creds(addr: &str) -> Credentials {
+    Credentials {
+        username: "user".into(),
+        password: "secret".into(),
+        server_address: addr.to_string(),
+        ..Default::default()
+    }
+}
+
+fn identity(addr: &str) -> Credentials {
+    Credentials {
+        identity_token: "refresh-me".into(),
+        server_address: addr.to_string(),
+        ..Default::default()
+    }
+}
+
+async fn fetch(
+    registry: &Registry,
+    addr: &str,
+    c: &Credentials,
+) -> Result<FetchedManifest, StoreError> {
+    let r = reference(addr);
+    let session = registry.session(&r, c).unwrap();
+    session
+        .manifest(None)
+        .await
+        .map_err(|e| session.fold_errors("manifest", e))
+}
+
+fn registry() -> Registry {
+    Registry::new(RegistryHosts::new(None))
+}
+
+/// Runs `f`, failing the test unless it is over within `limit` (whatever it returns).
+async fn within<T>(limit: Duration, f: impl Future<Output = T>) -> T {
+    let start = Instant::now();
+    let out = f.await;
+    assert!(start.elapsed() < limit, "took {:?}", start.elapsed());
+    out
+}
+
+/// An anonymous fetch with a 1 s request deadline, which must fail within 10 s as unavailable
+/// because `what` took longer.
+async fn fetch_past_the_deadline(addr: &str, what: &str) {
+    let reg = registry().with_request_deadline(Duration::from_secs(1));
+    let err = within(
+        Duration::from_secs(10),
+        fetch(&reg, addr, &Credentials::default()),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains(&format!("{what} took longer")), "{msg}");
+    assert!(msg.contains("registry_request_timeout"), "{msg}");
+}
+
+#[tokio::test]
+async fn a_manifest_over_the_cap_is_refused() {
+    // Padding after the JSON object is whitespace: still a valid manifest, only too large.
+    let mut big = MANIFEST.as_bytes().to_vec();
+    big.resize((MAX_MANIFEST_BYTES + 4096) as usize, b' ');
+    for length in [true, false] {
+        let body = big.clone();
+        let server = Server::start(
+            "127.0.0.1",
+            open_registry(move || {
+                let mut r = Reply::ok(body.clone());
+                r.length = length;
+                r
+            }),
+        )
+        .await;
+        let err = fetch(&registry(), &server.addr, &Credentials::default())
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+        assert!(err.to_string().contains("exceeds the limit"), "{err}");
+    }
+}
+
+#[tokio::test]
+async fn a_manifest_at_the_cap_is_fine() {
+    let mut body = MANIFEST.as_bytes().to_vec();
+    body.resize(MAX_MANIFEST_BYTES as usize, b' ');
+    let server = Server::start("127.0.0.1", open_registry(move || Reply::ok(body.clone()))).await;
+    let m = fetch(&registry(), &server.addr, &Credentials::default())
+        .await
+        .unwrap();
+    assert_eq!(m.bytes.len() as u64, MAX_MANIFEST_BYTES);
+}
+
+#[tokio::test]
+async fn a_trickled_manifest_hits_the_request_deadline() {
+    // ~230 bytes at one per 200 ms: under the 30 s read timeout forever, 46 s in all.
+    let server = Server::start(
+        "127.0.0.1",
+        open_registry(|| manifest_reply().trickled(Duration::from_millis(200))),
+    )
+    .await;
+    fetch_past_the_deadline(&server.addr, "manifest request").await;
+}
+
+/// A registry whose challenge sends clients to the token service at `realm_ip`, which answers
+/// with `token_reply`; the registry serves the manifest for `Bearer tok`.
+async fn token_setup(
+    realm_ip: &str,
+    token_reply: impl Fn() -> Reply + Send + Sync + 'static,
+) -> (Server, Server) {
+    let token = Server::start(realm_ip, move |_| token_reply()).await;
+    let realm = format!("http://{}/token", token.addr);
+    let server = Server::start("127.0.0.1", move |req| {
+        if req.authorization.as_deref() != Some("Bearer tok") {
+            Reply::ok("").status(401).header(
+                "WWW-Authenticate",
+                format!(r#"Bearer realm="{realm}",service="reg""#),
+            )
+        } else {
+            manifest_reply()
+        }
+    })
+    .await;
+    (server, token)
+}
+
+fn good_token() -> Reply {
+    Reply::ok(r#"{"token":"tok"}"#)
+}
+
+#[tokio::test]
+async fn a_trickled_token_response_hits_the_request_deadline() {
+    // The anonymous token request is oci-client's; the deadline around it is minicri's.
+    let (server, _token) = token_setup("127.0.0.1", || {
+        Reply::ok(format!(r#"{{"token":"tok","pad":"{}"}}"#, "x".repeat(500)))
+            .trickled(Duration::from_millis(200))
+    })
+    .await;
+    fetch_past_the_deadline(&server.addr, "authentication").await;
+}
+
+#[tokio::test]
+async fn a_blob_request_whose_answer_never_comes_hits_the_request_deadline() {
+    // No header for 40 s: past the deadline, and past the 30 s read timeout too.
+    let server = Server::start("127.0.0.1", |req| {
+        let mut r = Reply::ok("{}");
+        if req.path.contains("/blobs/") {
+            r.delay = Some(Duration::from_secs(40));
+        }
+        r
+    })
+    .await;
+    let reg = registry().with_request_deadline(Duration::from_secs(1));
+    let session = reg
+        .session(&reference(&server.addr), &Credentials::default())
+        .unwrap();
+    let digest = Digest::of(b"{}");
+    let err = within(Duration::from_secs(10), session.blob(&digest, 0))
+        .await
+        .err()
+        .expect("the blob request fails");
+    let err = session.fold_errors("blob", err);
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(
+        err.to_string().contains("blob request took longer"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_huge_identity_token_response_is_refused() {
+    // minicri exchanges identity tokens itself and reads the answer within MAX_TOKEN_BYTES.
+    for length in [true, false] {
+        let (server, token) = token_setup("127.0.0.1", move || {
+            let mut r = Reply::ok(vec![b'x'; (MAX_TOKEN_BYTES * 2) as usize]);
+            r.length = length;
+            r
+        })
+        .await;
+        let err = fetch(&registry(), &server.addr, &identity(&server.addr))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("exceeds the limit"), "{err}");
+        assert_eq!(token.seen().len(), 1);
+    }
+}
+
+/// Pulls from a registry whose token realm is on `realm_ip`, once with basic credentials, once
+/// with an identity token (both pulls must work: a public image still pulls anonymously); returns
+/// the two requests the token service received.
+async fn token_requests_with_credentials(realm_ip: &str) -> Vec<Seen> {
+    let (server, token) = token_setup(realm_ip, good_token).await;
+    for c in [creds(&server.addr), identity(&server.addr)] {
+        fetch(&registry(), &server.addr, &c).await.unwrap();
+    }
+    let seen = token.seen();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    seen
+}
+
+#[tokio::test]
+async fn credentials_go_to_a_realm_on_the_registry_host() {
+    let seen = token_requests_with_credentials("127.0.0.1").await;
+    let basic = seen[0].authorization.as_deref();
+    assert!(basic.is_some_and(|a| a.starts_with("Basic ")), "{seen:?}");
+    assert!(
+        seen[1].body.contains("refresh_token=refresh-me"),
+        "{seen:?}"
+    );
+}
+
+#[tokio::test]
+async fn credentials_never_go_to_a_realm_on_another_host() {
+    // 127.0.0.2 is loopback too, but another host than the registry's 127.0.0.1: both token
+    // requests are anonymous.
+    let seen = token_requests_with_credentials("127.0.0.2").await;
+    for s in &seen {
+        assert_eq!(s.authorization, None, "{seen:?}");
+        assert!(
+            !s.body.contains("refresh-me") && !s.path.contains("refresh-me"),
+            "{seen:?}"
+        );
+    }
+}
+
+/// A registry that wants HTTP basic auth for everything.
+fn basic_registry(req: &Seen) -> Reply {
+    match &req.authorization {
+        Some(a) if a.starts_with("Basic ") => manifest_reply(),
+        _ => Reply::ok("")
+            .status(401)
+            .header("WWW-Authenticate", r#"Basic realm="reg""#),
+    }
+}
+
+/// A hosts directory sending `registry` to `server_url`.
+fn hosts_dir(dir: &Path, registry: &str, server_url: &str) -> RegistryHosts {
+    let d = dir.join(registry);
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(d.join("hosts.toml"), format!("server = \"{server_url}\"\n")).unwrap();
+    RegistryHosts::new(Some(dir.to_path_buf()))
+}
+
+#[tokio::test]
+async fn credentials_go_over_plain_http_only_to_a_loopback_ip() {
+    let server = Server::start("127.0.0.1", basic_registry).await;
+    // By IP literal: plain http is the default and the credentials go.
+    fetch(&registry(), &server.addr, &creds(&server.addr))
+        .await
+        .unwrap();
+    assert!(
+        server.seen().iter().any(|s| s
+            .authorization
+            .as_deref()
+            .is_some_and(|a| a.starts_with("Basic "))),
+        "{:?}",
+        server.seen()
+    );
+    // The same server by name, configured as http:// in hosts.toml: `localhost` is a name that
+    // resolves through files the runtime does not own, so the credentials stay home.
+    let before = server.seen().len();
+    let name = format!("localhost:{}", server.port());
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = hosts_dir(dir.path(), &name, &format!("http://{name}"));
+    let err = fetch(&Registry::new(hosts), &name, &creds(&name))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unauthenticated, "{err}");
+    assert!(err.to_string().contains("credentials withheld"), "{err}");
+    let after = server.seen();
+    assert!(after.len() > before, "the registry was asked: {after:?}");
+    assert!(
+        after[before..].iter().all(|s| s.authorization.is_none()),
+        "{after:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_error_body_does_not_flood_the_error_message() {
+    let server = Server::start(
+        "127.0.0.1",
+        open_registry(|| Reply::ok(vec![b'e'; 1 << 20]).status(500)),
+    )
+    .await;
+    let err = fetch(&registry(), &server.addr, &Credentials::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("eeee"), "{msg}");
+    assert!(msg.len() < MAX_MESSAGE_CHARS + 1024, "{} bytes", msg.len());
+}
+
+#[test]
+fn realm_rules() {
+    let allowed = vec!["registry-1.docker.io".to_string(), "docker.io".to_string()];
+    assert!(realm_may_get_credentials(
+        "https://auth.docker.io/token",
+        &allowed
+    ));
+    assert!(
+        !realm_may_get_credentials("http://auth.docker.io/token", &allowed),
+        "plain http"
+    );
+    assert!(!realm_may_get_credentials(
+        "https://evil.example/token",
+        &allowed
+    ));
+    assert!(!realm_may_get_credentials(
+        "https://docker.io.evil.example/t",
+        &allowed
+    ));
+    let gitlab = vec!["registry.gitlab.com".to_string()];
+    assert!(realm_may_get_credentials(
+        "https://gitlab.com/jwt/auth",
+        &gitlab
+    ));
+    let two = vec!["example.com:5000".to_string()];
+    assert!(realm_may_get_credentials("https://example.com/token", &two));
+    assert!(
+        !realm_may_get_credentials("https://other.com/token", &two),
+        "no bare TLD site"
+    );
+    let ip = vec!["127.0.0.1:5000".to_string()];
+    assert!(realm_may_get_credentials(
+        "http://127.0.0.1:5001/token",
+        &ip
+    ));
+    assert!(!realm_may_get_credentials(
+        "http://127.0.0.2:5001/token",
+        &ip
+    ));
+    let name = vec!["localhost:5000".to_string()];
+    assert!(
+        !realm_may_get_credentials("http://localhost:5001/token", &name),
+        "plain http to a name"
+    );
+    let v6 = vec!["[::1]:5000".to_string()];
+    assert!(realm_may_get_credentials("http://[::1]:9/token", &v6));
+    assert!(!realm_may_get_credentials("not a url", &ip));
+    assert!(!realm_may_get_credentials("ftp://127.0.0.1/token", &ip));
+}

@@ -1,0 +1,183 @@
+//! Black-box tests of what hostile images and registries can make the daemon do (issue 10,
+//! docs/hardening.md): a registry trickling bytes, layers over the unpack limits or with an
+//! oversized extension header, a layer aiming the directory-time restore at a host directory, and
+//! a registry name that only looks like loopback.
+
+use std::os::unix::fs::MetadataExt;
+use std::time::{Duration, Instant};
+
+use minicri_tests::images::{self, Compression, ImageBuilder, Layer, LayerBuilder};
+use minicri_tests::pull_env::*;
+use tonic::Code;
+
+/// Pushes a one-layer image made of `tar` (gzip) straight to the registry; returns its
+/// reference through the proxy.
+async fn push_tar(e: &Env, name: &str, tar: &[u8]) -> String {
+    let layer = Layer::from_tar(tar, Compression::Gzip, "hostile layer").unwrap();
+    let client = images::RegistryClient::new(e.proxy.upstream());
+    ImageBuilder::new()
+        .layer(layer)
+        .push(&client, &format!("minicri-test/{name}:latest"))
+        .await
+        .unwrap();
+    format!("{}/minicri-test/{name}:latest", e.proxy.addr())
+}
+
+/// PullImage, failing the test if it has not returned within `limit`.
+async fn pull_within(e: &Env, image: &str, limit: Duration) -> Result<String, tonic::Status> {
+    tokio::time::timeout(limit, pull(&e.daemon, image, None))
+        .await
+        .unwrap_or_else(|_| panic!("PullImage of {image} still running after {limit:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trickling_registry_cannot_hold_a_pull() {
+    let e = env(&["--pull-progress-timeout", "2", "--pull-min-speed", "4096"]).await;
+    let (_img, r) = big(&e, "trickle", 1, 1, 7).await;
+    // 64 bytes/s: bytes keep arriving (no read timeout, no "no progress" rule), far too slowly.
+    e.proxy.faults().set_rate_limit(Some(64));
+    let start = Instant::now();
+    let err = pull_within(&e, &r, Duration::from_secs(30))
+        .await
+        .unwrap_err();
+    assert!(err.message().contains("pull_min_speed"), "{err:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        start.elapsed()
+    );
+    // At a normal speed the same pull goes through.
+    e.proxy.faults().set_rate_limit(None);
+    pull_within(&e, &r, Duration::from_secs(60)).await.unwrap();
+}
+
+/// A ustar header of `typeflag` whose size field says `size`.
+fn raw_header(name: &str, typeflag: u8, size: u64) -> Vec<u8> {
+    let mut h = tar::Header::new_ustar();
+    h.set_entry_type(tar::EntryType::new(typeflag));
+    h.set_path(name).unwrap();
+    h.set_size(size);
+    h.set_mode(0o644);
+    h.set_cksum();
+    h.as_bytes().to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_layer_with_a_100_mib_pax_header_fails_the_pull() {
+    let e = env(&[]).await;
+    let mut tar = raw_header("PaxHeader", b'x', 100 << 20);
+    tar.resize(tar.len() + (100 << 20), b'a');
+    tar.extend(raw_header("f", b'0', 0));
+    tar.extend(std::iter::repeat_n(0u8, 1024));
+    let r = push_tar(&e, "pax100", &tar).await;
+    drop(tar);
+    let err = pull_within(&e, &r, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().contains("PAX extended header size"),
+        "{err:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn layers_over_the_entry_or_byte_caps_fail_the_pull() {
+    let e = env(&["--max-layer-entries", "50", "--max-layer-bytes", "4194304"]).await;
+    let mut many = LayerBuilder::new();
+    for i in 0..60 {
+        many = many.file(&format!("f{i}"), format!("{i}"), 0o644);
+    }
+    let r = push_tar(&e, "many", &many.tar().unwrap()).await;
+    let err = pull_within(&e, &r, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("max_layer_entries"), "{err:?}");
+    assert!(err.message().contains("layer sha256:"), "{err:?}");
+
+    // 8 MiB of zeros: a tiny gzip, twice the byte cap unpacked.
+    let bomb = LayerBuilder::new().file("zeros", vec![0u8; 8 << 20], 0o644);
+    let r = push_tar(&e, "bomb", &bomb.tar().unwrap()).await;
+    let err = pull_within(&e, &r, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("max_layer_bytes"), "{err:?}");
+
+    // Within both caps: fine.
+    let ok = LayerBuilder::new().file("small", vec![1u8; 1 << 20], 0o644);
+    let r = push_tar(&e, "ok", &ok.tar().unwrap()).await;
+    pull_within(&e, &r, Duration::from_secs(60)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_layer_cannot_set_the_time_of_a_host_directory() {
+    let e = env(&[]).await;
+    let host = tempfile::tempdir().unwrap();
+    let target = host.path().join("etc");
+    std::fs::create_dir_all(target.join("ssl")).unwrap();
+    let before = std::fs::metadata(target.join("ssl")).unwrap();
+    // `a/ssl/` gets its time at the end of the layer; by then `a` is a symlink to the host dir.
+    let layer = LayerBuilder::new()
+        .dir("a", 0o755)
+        .dir("a/ssl", 0o755)
+        .symlink("a", target.to_str().unwrap());
+    let r = push_tar(&e, "dirtimes", &layer.tar().unwrap()).await;
+    pull_within(&e, &r, Duration::from_secs(60)).await.unwrap();
+    let after = std::fs::metadata(target.join("ssl")).unwrap();
+    assert_eq!(
+        (after.mtime(), after.mtime_nsec()),
+        (before.mtime(), before.mtime_nsec()),
+        "the pull changed the time of a host directory"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_image_config_over_the_cap_fails_the_pull() {
+    let e = env(&[]).await;
+    // store::pull::MAX_CONFIG_BYTES is 8 MiB: a label makes the config just over it.
+    let pad = "x".repeat((8 << 20) + 1024);
+    let layer = LayerBuilder::new()
+        .file("f", "f", 0o644)
+        .build(Compression::Gzip)
+        .unwrap();
+    let client = images::RegistryClient::new(e.proxy.upstream());
+    let img = ImageBuilder::new()
+        .layer(layer)
+        .label("pad", &pad)
+        .push(&client, "minicri-test/bigconfig:latest")
+        .await
+        .unwrap();
+    assert!(img.config_size > 8 << 20, "{}", img.config_size);
+    let r = format!("{}/minicri-test/bigconfig:latest", e.proxy.addr());
+    let err = pull_within(&e, &r, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("image config"), "{err:?}");
+    assert!(err.message().contains("exceeds the limit"), "{err:?}");
+    // Refused from its descriptor: not one byte of it was downloaded.
+    assert_eq!(e.proxy.bytes_served(&img.config_digest), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_name_starting_with_127_is_not_loopback() {
+    let e = env(&["--registry-request-timeout", "5"]).await;
+    let err = pull_within(&e, "127.evil.example:1/app:v1", Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert!(
+        err.message().contains("https://127.evil.example:1"),
+        "{err:?}"
+    );
+    assert!(
+        !err.message().contains("http://127.evil.example"),
+        "{err:?}"
+    );
+    // An IP literal on loopback still gets plain http.
+    let err = pull_within(&e, "127.0.0.1:1/app:v1", Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert!(err.message().contains("http://127.0.0.1:1"), "{err:?}");
+}
