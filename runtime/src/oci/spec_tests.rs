@@ -73,6 +73,15 @@ fn fixture() -> Fixture {
 }
 
 fn build(f: &Fixture, c: &cri::ContainerConfig) -> Result<Spec> {
+    build_with(f, c, &NO_ANNOTATIONS)
+}
+
+/// [`build`] with an annotation allowlist.
+fn build_with(
+    f: &Fixture,
+    c: &cri::ContainerConfig,
+    annotations: &AnnotationPolicy,
+) -> Result<Spec> {
     container_spec(&ContainerSpecParams {
         id: "ctr1",
         config: c,
@@ -84,7 +93,7 @@ fn build(f: &Fixture, c: &cri::ContainerConfig) -> Result<Spec> {
         target_pid_ns: None,
         cgroup_driver: CgroupDriver::Cgroupfs,
         host: &f.host,
-        annotations: &NO_ANNOTATIONS,
+        annotations,
         sandbox_id: "sb1",
     })
 }
@@ -1048,21 +1057,7 @@ fn pod_annotations_stay_out_of_the_spec_unless_allowed() {
     assert!(!a.contains_key("example.com/team"), "{a:?}");
 
     let allow = AnnotationPolicy::new(vec!["example.com/*".into()]).unwrap();
-    let spec = container_spec(&ContainerSpecParams {
-        id: "ctr1",
-        sandbox_id: "sb1",
-        config: &c,
-        sandbox_config: &f.sandbox,
-        image: &f.image,
-        rootfs: f.rootfs.path(),
-        namespaces: &f.ns,
-        files: &f.files,
-        target_pid_ns: None,
-        cgroup_driver: CgroupDriver::Cgroupfs,
-        host: &f.host,
-        annotations: &allow,
-    })
-    .unwrap();
+    let spec = build_with(&f, &c, &allow).unwrap();
     let a = own(&spec);
     assert_eq!(a["example.com/team"], "a");
 }
