@@ -451,7 +451,14 @@ async fn read_frame<R: AsyncRead + Unpin>(
         }
         got += n;
     }
-    let mut payload = vec![0u8; super::payload_len(&header)];
+    let len = super::payload_len(&header);
+    if len > super::MAX_RECV_PAYLOAD {
+        return Err(SpdyError::Protocol(format!(
+            "a frame of {len} bytes, over the {} accepted",
+            super::MAX_RECV_PAYLOAD
+        )));
+    }
+    let mut payload = vec![0u8; len];
     rd.read_exact(&mut payload).await?;
     decode(&header, payload, z).map(Some)
 }
@@ -467,6 +474,34 @@ mod tests {
         let (a, b) = tokio::io::duplex(1 << 20);
         let (h, ev) = serve(b);
         (Peer::new(a), h, ev)
+    }
+
+    #[tokio::test]
+    async fn a_frame_over_the_accepted_size_ends_the_connection_unread() {
+        let (a, b) = tokio::io::duplex(1 << 16);
+        let (_h, _ev) = serve(b);
+        let mut peer = Peer::new(a);
+        peer.open(1, "stdout").await;
+        // A data frame header announcing 16 MiB - 1, then nothing: the server must not wait
+        // for (or allocate) the payload.
+        let mut raw = Vec::new();
+        raw.extend_from_slice(&1u32.to_be_bytes());
+        raw.extend_from_slice(&[0x00, 0xff, 0xff, 0xff]);
+        tokio::io::AsyncWriteExt::write_all(&mut peer.io, &raw)
+            .await
+            .unwrap();
+        let goaway = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            loop {
+                match peer.try_recv().await {
+                    Some(Frame::GoAway { status, .. }) => break Some(status),
+                    Some(_) => continue,
+                    None => break None,
+                }
+            }
+        })
+        .await
+        .expect("the server answers at once");
+        assert_eq!(goaway, Some(goaway::PROTOCOL_ERROR));
     }
 
     async fn next_stream(ev: &mut mpsc::Receiver<Event>) -> IncomingStream {

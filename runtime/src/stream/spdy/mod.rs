@@ -24,6 +24,12 @@ use headers::{HeaderCompressor, HeaderDecompressor, Headers};
 pub const VERSION: u16 = 3;
 /// Largest payload of one frame (24-bit length).
 pub const MAX_FRAME_PAYLOAD: usize = (1 << 24) - 1;
+/// Largest frame payload accepted from a peer. The 24-bit length allows 16 MiB, and the payload
+/// is read whole before it is parsed: a stranger announcing 16 MiB frames on many connections
+/// would make the daemon allocate that much for each. Data frames never need more than the
+/// receive window granted (64 KiB per stream; clients write 32 KiB chunks), header blocks are
+/// small.
+pub const MAX_RECV_PAYLOAD: usize = 1 << 20;
 /// Initial per-stream and per-session flow-control window (SPDY/3.1: 64 KiB).
 pub const DEFAULT_WINDOW: u32 = 64 * 1024;
 
