@@ -15,6 +15,7 @@
 //! - [`pods`]: pod sandboxes and containers (records, lifecycle, exits);
 //! - [`metrics`]: Prometheus metrics of the pulls (loopback, off by default);
 //! - [`fsutil`]: atomic file replacement, shared by the modules that persist state;
+//! - [`httpserve`]: the accept loop, connection cap and header timeout of the HTTP servers;
 //! - [`stream`]: the streaming server behind the Exec RPC's URLs (HTTP/1.1, SPDY/3.1,
 //!   remotecommand).
 
@@ -25,6 +26,7 @@ pub mod cri;
 pub mod daemon;
 pub mod error;
 pub mod fsutil;
+pub mod httpserve;
 #[cfg(feature = "kube-watch")]
 pub mod kube_watch;
 pub mod logs;

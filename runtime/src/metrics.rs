@@ -14,7 +14,6 @@ use std::sync::atomic::Ordering;
 use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use minicri_store::{JobSnapshot, PullCounters};
 
 use crate::daemon::Daemon;
@@ -202,25 +201,18 @@ pub async fn spawn(
         .await
         .map_err(|e| anyhow::anyhow!("binding the metrics address {addr}: {e}"))?;
     tracing::info!(address = %listener.local_addr()?, "serving Prometheus metrics on /metrics");
-    Ok(tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let daemon = daemon.clone();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req| {
-                    let resp = respond(&daemon, &req);
-                    async move { Ok::<_, Infallible>(resp) }
-                });
-                let conn = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), svc);
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, "metrics connection ended with an error");
-                }
-            });
-        }
-    }))
+    Ok(crate::httpserve::serve(
+        listener,
+        "metrics",
+        crate::httpserve::Limits {
+            max_connections: 16,
+            ..crate::httpserve::DEFAULT_LIMITS
+        },
+        move |req| {
+            let resp = respond(&daemon, &req);
+            async move { Ok::<_, Infallible>(resp) }
+        },
+    ))
 }
 
 #[cfg(test)]

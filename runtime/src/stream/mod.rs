@@ -44,8 +44,6 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use hyper_util::rt::TokioIo;
-
 use crate::error::{Error, Result};
 pub use attach::AttachRequest;
 pub use exec::{ExecBackend, ExecRequest};
@@ -144,30 +142,12 @@ impl StreamServer {
         let listener = tokio::net::TcpListener::from_std(std_listener)?;
         tracing::info!(address = %self.addr, "streaming server (exec, attach, port-forward) listening");
         let server = self.clone();
-        Ok(tokio::spawn(async move {
-            loop {
-                let stream = match listener.accept().await {
-                    Ok((s, _)) => s,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "streaming server accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                };
-                let (server, backend) = (server.clone(), backend.clone());
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| {
-                        http::handle(req, server.clone(), backend.clone())
-                    });
-                    let conn = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .with_upgrades();
-                    if let Err(e) = conn.await {
-                        tracing::debug!(error = %e, "streaming connection ended with an error");
-                    }
-                });
-            }
-        }))
+        Ok(crate::httpserve::serve(
+            listener,
+            "streaming",
+            crate::httpserve::DEFAULT_LIMITS,
+            move |req| http::handle(req, server.clone(), backend.clone()),
+        ))
     }
 }
 
