@@ -28,6 +28,9 @@ use super::{FLAG_FIN, FLAG_UNIDIRECTIONAL, Frame, SpdyError, decode, encode, goa
 pub const MAX_DATA_CHUNK: usize = 32 * 1024;
 /// DATA frames of one stream buffered for its reader before the connection's reader waits.
 const DATA_QUEUE: usize = 16;
+/// Streams a peer may hold open (not yet half-closed by it) in one session: exec and attach use
+/// up to five, port-forward two per forwarded connection. More are refused with REFUSED_STREAM.
+pub const MAX_OPEN_STREAMS: usize = 1024;
 
 /// What the connection tells its user.
 #[derive(Debug)]
@@ -298,6 +301,15 @@ impl Reader {
                 }
                 self.last_id = stream_id;
                 self.shared_last_id.store(stream_id, Ordering::Relaxed);
+                if self.streams.len() >= MAX_OPEN_STREAMS {
+                    tracing::debug!(stream_id, "refused a SPDY stream: too many open");
+                    return self
+                        .send(Frame::RstStream {
+                            stream_id,
+                            status: rst::REFUSED_STREAM,
+                        })
+                        .await;
+                }
                 self.send(Frame::SynReply {
                     stream_id,
                     flags: 0,
@@ -308,13 +320,16 @@ impl Reader {
                     self.windows.open_stream(stream_id);
                 }
                 let (tx, rx) = mpsc::channel(DATA_QUEUE);
-                self.streams.insert(
-                    stream_id,
-                    StreamIn {
-                        data: (flags & FLAG_FIN == 0).then_some(tx),
-                        recv: RecvWindow::default(),
-                    },
-                );
+                // A stream the peer opened half-closed has nothing to read: not kept.
+                if flags & FLAG_FIN == 0 {
+                    self.streams.insert(
+                        stream_id,
+                        StreamIn {
+                            data: Some(tx),
+                            recv: RecvWindow::default(),
+                        },
+                    );
+                }
                 let stream = IncomingStream {
                     id: stream_id,
                     headers,
@@ -334,6 +349,7 @@ impl Reader {
             } => {
                 let len = data.len();
                 let mut updates = Vec::new();
+                let mut fin = false;
                 if let Some(d) = self.session_recv.consumed(len) {
                     updates.push((0, d));
                 }
@@ -346,7 +362,9 @@ impl Reader {
                             let _ = tx.send(data).await;
                         }
                         if flags & FLAG_FIN != 0 {
-                            s.data = None;
+                            // The peer is done writing: nothing more is read for the stream
+                            // (writes from this side go on through the send windows).
+                            fin = true;
                         } else if let Some(d) = s.recv.consumed(len) {
                             updates.push((stream_id, d));
                         }
@@ -358,8 +376,11 @@ impl Reader {
                         })
                         .await?;
                     }
-                    // A stream that is gone already (reset): dropped.
+                    // A stream that is gone already (reset, or half-closed by the peer): dropped.
                     None => {}
+                }
+                if fin {
+                    self.streams.remove(&stream_id);
                 }
                 for (stream_id, delta) in updates {
                     self.send(Frame::WindowUpdate { stream_id, delta }).await?;
@@ -368,10 +389,8 @@ impl Reader {
             Frame::Headers {
                 stream_id, flags, ..
             } => {
-                if flags & FLAG_FIN != 0
-                    && let Some(s) = self.streams.get_mut(&stream_id)
-                {
-                    s.data = None;
+                if flags & FLAG_FIN != 0 {
+                    self.streams.remove(&stream_id);
                 }
             }
             Frame::RstStream { stream_id, status } => {
@@ -474,6 +493,50 @@ mod tests {
         let (a, b) = tokio::io::duplex(1 << 20);
         let (h, ev) = serve(b);
         (Peer::new(a), h, ev)
+    }
+
+    #[tokio::test]
+    async fn open_streams_are_bounded_and_half_closed_ones_forgotten() {
+        let (mut peer, _handle, mut ev) = start();
+        // The session's handler: keeps every stream it is given.
+        tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Some(e) = ev.recv().await {
+                kept.push(e);
+            }
+        });
+        let id = |i: usize| 2 * i as u32 + 1;
+        for i in 0..MAX_OPEN_STREAMS {
+            peer.open(id(i), "data").await;
+        }
+        let over = id(MAX_OPEN_STREAMS);
+        peer.open(over, "data").await;
+        loop {
+            match peer.recv().await {
+                Frame::RstStream { stream_id, status } => {
+                    assert_eq!((stream_id, status), (over, rst::REFUSED_STREAM));
+                    break;
+                }
+                Frame::SynReply { stream_id, .. } => assert!(stream_id < over),
+                _ => {}
+            }
+        }
+        // The peer half-closes one: its slot is free again.
+        peer.send(Frame::Data {
+            stream_id: id(0),
+            flags: FLAG_FIN,
+            data: Vec::new(),
+        })
+        .await;
+        let next = id(MAX_OPEN_STREAMS + 1);
+        peer.open(next, "data").await;
+        loop {
+            match peer.recv().await {
+                Frame::SynReply { stream_id, .. } if stream_id == next => break,
+                Frame::RstStream { stream_id, .. } => panic!("stream {stream_id} refused"),
+                _ => {}
+            }
+        }
     }
 
     #[tokio::test]
