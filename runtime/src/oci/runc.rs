@@ -537,8 +537,11 @@ impl OciRuntime for Runc {
             .map_err(|e| OciError::io("wait for", &self.binary, e))?;
             // Output is drained unless something left behind in the container holds the pipes.
             let grace = Duration::from_secs(2);
-            let stdout = drain(out, grace, &opts.id, "stdout").await;
-            let stderr = drain(err, grace, &opts.id, "stderr").await;
+            // Both at once: two held pipes cost one grace, not two.
+            let (stdout, stderr) = tokio::join!(
+                drain(out, grace, &opts.id, "stdout"),
+                drain(err, grace, &opts.id, "stderr")
+            );
             let runtime_error = read_runtime_log(&log);
             for f in scratch.iter().chain([&log]) {
                 let _ = std::fs::remove_file(f);
