@@ -108,6 +108,8 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     crate::fsutil::private_layout(&config.root, &config.state)?;
     let socket = config.socket.clone();
     let daemon = Arc::new(Daemon::open(config)?);
+    // Operations a killed daemon left half-done are undone before any call is answered.
+    daemon.pods.finish_interrupted().await;
 
     let routes = tonic::service::Routes::new(
         RuntimeServiceServer::new(RuntimeHandler {

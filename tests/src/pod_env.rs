@@ -193,12 +193,19 @@ impl PodEnv {
     /// Starts the registry (with the standard images pushed), the daemon, and writes the CNI
     /// configuration of a fresh bridge and /28.
     pub async fn new() -> PodEnv {
+        PodEnv::with_args(&[]).await
+    }
+
+    /// As [`PodEnv::new`], the daemon started with `extra_args` as well.
+    pub async fn with_args(extra_args: &[&str]) -> PodEnv {
         let registry = Registry::start();
         let set = images::push_standard_set(&registry.addr(), None)
             .await
             .expect("push standard set");
         let hosts = HostsDir::new();
-        let daemon = Daemon::start(hosts.path()).await.expect("start minicri");
+        let daemon = Daemon::start_with(hosts.path(), extra_args)
+            .await
+            .expect("start minicri");
         let dir = daemon.root().parent().unwrap().to_path_buf();
         let hex = unique_hex();
         let (subnet_base, subnet) = free_subnet();

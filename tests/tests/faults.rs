@@ -1,16 +1,27 @@
 //! Faults: the daemon killed (SIGKILL) in the middle of an operation leaves a state the next
-//! start finishes or undoes, with nothing half-done ever used. More of the matrix (SIGKILL during
-//! pull: tests/tests/pulls.rs and kubelet_release.rs; a failing CNI plugin:
-//! pod_rollback.rs) lives with the feature it exercises.
+//! start finishes or undoes, with nothing half-done ever used; a component failing (the OCI
+//! runtime in `create`) leaves a clear error and nothing behind. More of the matrix (SIGKILL
+//! during pull: tests/tests/pulls.rs and kubelet_release.rs; registry faults: pulls.rs; a failing
+//! CNI plugin: pod_rollback.rs) lives with the feature it exercises; docs/hardening.md lists it.
+//!
+//! The pod tests need root, runc and Debian's CNI plugins ([`skip_reason`]).
 
 use std::collections::BTreeSet;
 use std::ffi::OsString;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use minicri_proto::runtime::v1 as cri;
 use minicri_tests::daemon::{Daemon, HostsDir};
 use minicri_tests::images::{Compression, ImageBuilder, LayerBuilder, RegistryClient};
+use minicri_tests::pod_env::{
+    PodEnv, eventually, mounts_under, pod_config, processes_mentioning, skip_reason,
+};
+use minicri_tests::pod_rpc::{
+    container_config, container_status, create_container, list_pod_sandboxes, pod_sandbox_status,
+    remove_pod_sandbox, run_container, run_pod, stop_and_remove_pod, stop_container,
+    stop_pod_sandbox,
+};
 use minicri_tests::registry::Registry;
 
 fn spec(image: &str) -> Option<cri::ImageSpec> {
@@ -149,4 +160,527 @@ fn walk_count(dir: &Path) -> usize {
                 .sum()
         })
         .unwrap_or(0)
+}
+
+// ---- Pods: SIGKILL half-way through RunPodSandbox, CreateContainer, StartContainer and
+// StopPodSandbox, and a runtime failing in `create`. Real runc and CNI plugins; the slow or failing
+// step is a wrapper script around them, steered by flag files in its directory.
+
+/// A directory holding `runc-wrapper` (runs runc; with the flag `fail-create` it fails `create`
+/// as runc does, logging the error; with `hang-start` or `hang-delete` it touches
+/// `<command>-started` and blocks in that command until `release`, then fails) and
+/// `cni/minicri-test-hang` (a CNI plugin for the end of a chain: ADD touches `add-started`, with
+/// `hang-add` blocks until `release`, and fails; DEL succeeds).
+struct Injector {
+    dir: tempfile::TempDir,
+}
+
+impl Injector {
+    fn new() -> Injector {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display().to_string();
+        let runc = format!(
+            r#"#!/bin/sh
+D={d}
+log=""; prev=""; cmd=""
+for a in "$@"; do
+    [ "$prev" = "--log" ] && log="$a"
+    case "$a" in create|start|delete) [ -z "$cmd" ] && cmd="$a";; esac
+    prev="$a"
+done
+if [ "$cmd" = create ] && [ -e "$D/fail-create" ]; then
+    printf '{{"level":"error","msg":"injected: runc create failed","time":"2026-01-01T00:00:00Z"}}\n' >>"$log"
+    exit 1
+fi
+if [ -e "$D/hang-$cmd" ]; then
+    touch "$D/$cmd-started"
+    while [ ! -e "$D/release" ]; do sleep 0.05; done
+    exit 1
+fi
+exec runc "$@"
+"#
+        );
+        let plugin = format!(
+            r#"#!/bin/sh
+D={d}
+case "$CNI_COMMAND" in
+ADD)
+    cat >/dev/null
+    touch "$D/add-started"
+    if [ -e "$D/hang-add" ]; then
+        while [ ! -e "$D/release" ]; do sleep 0.05; done
+        echo '{{"cniVersion":"1.0.0","code":999,"msg":"released"}}'
+        exit 1
+    fi
+    echo '{{"cniVersion":"1.0.0","code":999,"msg":"this plugin only hangs"}}'
+    exit 1;;
+DEL)
+    cat >/dev/null
+    exit 0;;
+VERSION)
+    echo '{{"cniVersion":"1.0.0","supportedVersions":["0.4.0","1.0.0"]}}';;
+esac
+exit 0
+"#
+        );
+        std::fs::create_dir(dir.path().join("cni")).unwrap();
+        for (path, text) in [
+            (dir.path().join("runc-wrapper"), runc),
+            (dir.path().join("cni/minicri-test-hang"), plugin),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        Injector { dir }
+    }
+
+    /// Daemon arguments that put the wrapper and the plugin in place.
+    fn args(&self) -> Vec<String> {
+        let d = self.dir.path();
+        vec![
+            "--oci-runtime".into(),
+            d.join("runc-wrapper").display().to_string(),
+            "--cni-bin-dir".into(),
+            d.join("cni").display().to_string(),
+            "--cni-bin-dir".into(),
+            "/usr/lib/cni".into(),
+            "--cni-bin-dir".into(),
+            "/opt/cni/bin".into(),
+        ]
+    }
+
+    fn set(&self, flag: &str) {
+        std::fs::write(self.dir.path().join(flag), b"").unwrap();
+    }
+
+    fn clear(&self, flag: &str) {
+        let _ = std::fs::remove_file(self.dir.path().join(flag));
+    }
+
+    async fn wait_for(&self, flag: &str) {
+        let p = self.dir.path().join(flag);
+        eventually(flag, || p.exists()).await;
+    }
+}
+
+impl Drop for Injector {
+    fn drop(&mut self) {
+        // Whatever still waits in a wrapper goes on and ends.
+        self.set("release");
+    }
+}
+
+async fn pod_env_with(inj: &Injector) -> PodEnv {
+    let args = inj.args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    PodEnv::with_args(&args).await
+}
+
+/// The CNI configuration of `env`, the name of its bridge, and its host-local IPAM directory.
+fn network_of(env: &PodEnv) -> (PathBuf, serde_json::Value, String, PathBuf) {
+    let dir = env.daemon.root().parent().unwrap().to_path_buf();
+    let conf = dir.join("cni/10-test.conflist");
+    let list: serde_json::Value = serde_json::from_slice(&std::fs::read(&conf).unwrap()).unwrap();
+    let bridge = list["plugins"][0]["bridge"].as_str().unwrap().to_string();
+    (conf, list, bridge, dir.join("ipam"))
+}
+
+/// Interfaces enslaved to `bridge`.
+fn ports_of(bridge: &str) -> Vec<String> {
+    let out = std::process::Command::new("ip")
+        .args(["-o", "link", "show", "master", bridge])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+/// Addresses host-local holds (files named as IPs under its data directory).
+fn leases(ipam: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for net in std::fs::read_dir(ipam).into_iter().flatten().flatten() {
+        for f in std::fs::read_dir(net.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let n = f.file_name().to_string_lossy().into_owned();
+            if n.parse::<std::net::IpAddr>().is_ok() {
+                out.push(n);
+            }
+        }
+    }
+    out
+}
+
+/// Operations the daemon has journaled and not finished.
+fn journals(env: &PodEnv) -> BTreeSet<OsString> {
+    names(&env.state().join("pods/inflight"))
+}
+
+/// The ids of the containers runc knows under the daemon's runtime root.
+fn runc_ids(env: &PodEnv) -> Vec<String> {
+    let out = std::process::Command::new("runc")
+        .arg("--root")
+        .arg(env.state().join("runc"))
+        .args(["list", "-q"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+/// SIGKILL while the last CNI plugin of the chain is in ADD (the bridge plugin before it has
+/// plugged a veth in and host-local has leased an address): the next start undoes the sandbox
+/// (CNI DEL, network namespace, files, infra), nothing is listed, and the name is free again.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_during_run_pod_sandbox_is_undone_at_the_next_start() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let inj = Injector::new();
+    let mut env = pod_env_with(&inj).await;
+    let (conf, good, bridge, ipam) = network_of(&env);
+    let mut chained = good.clone();
+    chained["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({ "type": "minicri-test-hang" }));
+    std::fs::write(&conf, serde_json::to_vec(&chained).unwrap()).unwrap();
+    inj.set("hang-add");
+
+    let pod = pod_config("killed-in-run", env.logs.path());
+    let c = env.runtime().await;
+    let call = {
+        let pod = pod.clone();
+        let mut c = c.clone();
+        tokio::spawn(async move {
+            c.run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(pod),
+                runtime_handler: String::new(),
+            })
+            .await
+        })
+    };
+    inj.wait_for("add-started").await;
+    assert_eq!(ports_of(&bridge).len(), 1, "the bridge plugin ran first");
+    assert_eq!(leases(&ipam).len(), 1);
+    env.daemon.kill();
+    assert!(call.await.unwrap().is_err());
+    inj.clear("hang-add");
+    inj.set("release");
+
+    env.daemon.restart().await.unwrap();
+    let mut c2 = env.runtime().await;
+    assert!(list_pod_sandboxes(&mut c2).await.is_empty());
+    assert!(ports_of(&bridge).is_empty(), "the veth is gone (CNI DEL)");
+    assert!(leases(&ipam).is_empty(), "the address is released");
+    let stray = env.stray_state();
+    assert!(stray.is_empty(), "left behind: {stray:?}");
+    assert!(journals(&env).is_empty());
+    assert!(names(&env.state().join("sandboxes")).is_empty());
+
+    // The name is free: with the chain fixed, the same pod runs.
+    std::fs::write(&conf, serde_json::to_vec(&good).unwrap()).unwrap();
+    let mut c = c2;
+    let id = run_pod(&mut c, &pod).await;
+    assert_eq!(ports_of(&bridge).len(), 1);
+    stop_and_remove_pod(&mut c, &id).await;
+    assert!(env.stray_state().is_empty());
+}
+
+/// SIGKILL during StopPodSandbox, while `runc delete` of the infra container hangs (the infra is
+/// killed, the network still attached): after the restart the sandbox is not ready, a second
+/// StopPodSandbox (the kubelet's retry) finishes the teardown (CNI DEL, network namespace) and
+/// RemovePodSandbox leaves nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_during_stop_pod_sandbox_is_finished_by_the_next_stop() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let inj = Injector::new();
+    let mut env = pod_env_with(&inj).await;
+    let (_, _, bridge, ipam) = network_of(&env);
+    let mut c = env.runtime().await;
+    let pod = pod_config("killed-in-stop", env.logs.path());
+    let id = run_pod(&mut c, &pod).await;
+    assert_eq!(leases(&ipam).len(), 1);
+    inj.set("hang-delete");
+    let call = {
+        let mut c = c.clone();
+        let id = id.clone();
+        tokio::spawn(async move {
+            c.stop_pod_sandbox(cri::StopPodSandboxRequest { pod_sandbox_id: id })
+                .await
+        })
+    };
+    inj.wait_for("delete-started").await;
+    env.daemon.kill();
+    assert!(call.await.unwrap().is_err());
+    inj.clear("hang-delete");
+    inj.set("release");
+    assert_eq!(
+        ports_of(&bridge).len(),
+        1,
+        "the kill came before the network teardown"
+    );
+
+    env.daemon.restart().await.unwrap();
+    let mut c = env.runtime().await;
+    let st = pod_sandbox_status(&mut c, &id).await;
+    assert_eq!(st.state, cri::PodSandboxState::SandboxNotready as i32);
+    stop_pod_sandbox(&mut c, &id).await;
+    assert!(ports_of(&bridge).is_empty());
+    assert!(leases(&ipam).is_empty());
+    remove_pod_sandbox(&mut c, &id).await;
+    let stray = env.stray_state();
+    assert!(stray.is_empty(), "left behind: {stray:?}");
+    assert!(list_pod_sandboxes(&mut c).await.is_empty());
+}
+
+/// SIGKILL while `runc start` runs (the shim has created the container): the next start undoes
+/// the start (shim and runtime container gone) and the container is created again, not running;
+/// StartContainer then runs it.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_during_start_container_leaves_it_created() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let inj = Injector::new();
+    let mut env = pod_env_with(&inj).await;
+    env.pull_busybox().await;
+    let mut c = env.runtime().await;
+    let pod = pod_config("killed-in-start", env.logs.path());
+    let sb = run_pod(&mut c, &pod).await;
+    let image = env.set.busybox_oci.reference.clone();
+    let cid = create_container(
+        &mut c,
+        &sb,
+        &pod,
+        container_config("main", &image, &["sleep", "1000"]),
+    )
+    .await
+    .unwrap();
+    inj.set("hang-start");
+    let call = {
+        let mut c = c.clone();
+        let cid = cid.clone();
+        tokio::spawn(async move {
+            c.start_container(cri::StartContainerRequest { container_id: cid })
+                .await
+        })
+    };
+    inj.wait_for("start-started").await;
+    assert!(
+        runc_ids(&env).contains(&cid),
+        "the shim created the container"
+    );
+    assert!(!processes_mentioning(&cid).is_empty());
+    env.daemon.kill();
+    assert!(call.await.unwrap().is_err());
+    inj.clear("hang-start");
+    inj.set("release");
+
+    env.daemon.restart().await.unwrap();
+    let mut c = env.runtime().await;
+    let st = container_status(&mut c, &cid).await;
+    assert_eq!(st.state, cri::ContainerState::ContainerCreated as i32);
+    assert!(!runc_ids(&env).contains(&cid), "runc still has it");
+    eventually("the container's shim to be gone", || {
+        processes_mentioning(&cid).is_empty()
+    })
+    .await;
+    assert!(journals(&env).is_empty());
+
+    c.start_container(cri::StartContainerRequest {
+        container_id: cid.clone(),
+    })
+    .await
+    .expect("the created container starts");
+    let st = container_status(&mut c, &cid).await;
+    assert_eq!(st.state, cri::ContainerState::ContainerRunning as i32);
+    stop_and_remove_pod(&mut c, &sb).await;
+    let stray = env.stray_state();
+    assert!(stray.is_empty(), "left behind: {stray:?}");
+}
+
+/// The OCI runtime failing in `create`: StartContainer fails with the runtime's own message, the
+/// container is recorded as exited (StartError), nothing of it is left running, and the pod
+/// goes on (another container starts).
+#[tokio::test(flavor = "multi_thread")]
+async fn runc_failing_in_create_fails_the_start_and_leaves_nothing() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let inj = Injector::new();
+    let env = pod_env_with(&inj).await;
+    env.pull_busybox().await;
+    let mut c = env.runtime().await;
+    let pod = pod_config("create-fails", env.logs.path());
+    let sb = run_pod(&mut c, &pod).await;
+    let image = env.set.busybox_oci.reference.clone();
+    let cid = create_container(
+        &mut c,
+        &sb,
+        &pod,
+        container_config("broken", &image, &["sleep", "1000"]),
+    )
+    .await
+    .unwrap();
+    inj.set("fail-create");
+    let err = c
+        .start_container(cri::StartContainerRequest {
+            container_id: cid.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        err.message().contains("injected: runc create failed"),
+        "the runtime's message reaches the caller: {err:?}"
+    );
+    let st = container_status(&mut c, &cid).await;
+    assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
+    assert_eq!(st.reason, "StartError");
+    assert!(!runc_ids(&env).contains(&cid));
+    eventually("the failed container's shim to be gone", || {
+        processes_mentioning(&cid).is_empty()
+    })
+    .await;
+    assert!(journals(&env).is_empty());
+
+    inj.clear("fail-create");
+    let ok = run_container(
+        &mut c,
+        &sb,
+        &pod,
+        container_config("works", &image, &["sleep", "1000"]),
+    )
+    .await;
+    assert_eq!(
+        container_status(&mut c, &ok).await.state,
+        cri::ContainerState::ContainerRunning as i32
+    );
+    c.remove_container(cri::RemoveContainerRequest {
+        container_id: cid.clone(),
+    })
+    .await
+    .expect("RemoveContainer of the failed one");
+    stop_and_remove_pod(&mut c, &sb).await;
+    let stray = env.stray_state();
+    assert!(stray.is_empty(), "left behind: {stray:?}");
+}
+
+/// SIGKILL at a sweep of moments during CreateContainer (a few milliseconds of snapshot,
+/// mount and bundle work): after each restart the container is either whole and listed or
+/// gone without a trace (no directory, mount, bundle or snapshot of it). The sweep must hit
+/// the operation half-way at least once (a journal left), or it shows nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_during_create_container_leaves_it_whole_or_gone() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let mut env = PodEnv::new().await;
+    env.pull_busybox().await;
+    let mut c = env.runtime().await;
+    let pod = pod_config("killed-in-create", env.logs.path());
+    let sb = run_pod(&mut c, &pod).await;
+    let image = env.set.busybox_oci.reference.clone();
+    let snapshots = env.daemon.root().join("snapshots/snapshots");
+    let base_snapshots = names(&snapshots);
+    let base_bundles = names(&env.state().join("b"));
+    let (mut interrupted, mut whole, mut never) = (0, 0, 0);
+    for (i, delay_ms) in [0u64, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40]
+        .into_iter()
+        .enumerate()
+    {
+        let call = {
+            let mut c = c.clone();
+            let (pod, sb) = (pod.clone(), sb.clone());
+            let config = container_config(&format!("c{i}"), &image, &["sleep", "1000"]);
+            tokio::spawn(async move { create_container(&mut c, &sb, &pod, config).await })
+        };
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        env.daemon.kill();
+        let _ = call.await;
+        if !journals(&env).is_empty() {
+            interrupted += 1;
+        }
+        env.daemon.restart().await.unwrap();
+        c = env.runtime().await;
+        let listed = c
+            .list_containers(cri::ListContainersRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+            .containers;
+        assert!(journals(&env).is_empty(), "journals left after the restart");
+        let dirs = names(&env.state().join("containers"));
+        let mounts = mounts_under(&env.state().join("containers"));
+        let snaps: BTreeSet<_> = names(&snapshots)
+            .difference(&base_snapshots)
+            .cloned()
+            .collect();
+        let bundles: BTreeSet<_> = names(&env.state().join("b"))
+            .difference(&base_bundles)
+            .cloned()
+            .collect();
+        match listed.as_slice() {
+            [] => {
+                never += 1;
+                assert!(dirs.is_empty(), "kill at {delay_ms} ms: dirs {dirs:?}");
+                assert!(
+                    mounts.is_empty(),
+                    "kill at {delay_ms} ms: mounts {mounts:?}"
+                );
+                assert!(
+                    snaps.is_empty(),
+                    "kill at {delay_ms} ms: snapshots {snaps:?}"
+                );
+                assert!(
+                    bundles.is_empty(),
+                    "kill at {delay_ms} ms: bundles {bundles:?}"
+                );
+            }
+            [one] => {
+                whole += 1;
+                assert_eq!(dirs.len(), 1, "kill at {delay_ms} ms: {dirs:?}");
+                assert_eq!(snaps.len(), 1, "kill at {delay_ms} ms: {snaps:?}");
+                assert_eq!(bundles.len(), 1, "kill at {delay_ms} ms: {bundles:?}");
+                // Whole: it starts and runs.
+                c.start_container(cri::StartContainerRequest {
+                    container_id: one.id.clone(),
+                })
+                .await
+                .unwrap_or_else(|e| panic!("kill at {delay_ms} ms: start: {e:?}"));
+                stop_container(&mut c, &one.id, 0).await;
+                c.remove_container(cri::RemoveContainerRequest {
+                    container_id: one.id.clone(),
+                })
+                .await
+                .unwrap();
+            }
+            more => panic!("kill at {delay_ms} ms: {} containers", more.len()),
+        }
+    }
+    eprintln!(
+        "CreateContainer killed: {interrupted} times half-way, {whole} times after it finished, \
+         {never} times with no container"
+    );
+    assert!(
+        interrupted > 0,
+        "no kill came half-way through CreateContainer"
+    );
+    stop_and_remove_pod(&mut c, &sb).await;
+    let stray = env.stray_state();
+    assert!(stray.is_empty(), "left behind: {stray:?}");
 }

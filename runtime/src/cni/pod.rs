@@ -18,7 +18,7 @@ pub const INGRESS_BANDWIDTH_ANNOTATION: &str = "kubernetes.io/ingress-bandwidth"
 pub const EGRESS_BANDWIDTH_ANNOTATION: &str = "kubernetes.io/egress-bandwidth";
 
 /// Everything needed to attach one pod sandbox to the network, or detach it.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct PodNetwork {
     /// The sandbox id: `CNI_CONTAINERID` and `K8S_POD_INFRA_CONTAINER_ID`.
     pub id: String,

@@ -14,7 +14,7 @@ use minicri_proto::runtime::v1 as cri;
 use prost::Message;
 
 use super::store::{ContainerRecord, ContainerState, SandboxState};
-use super::{PodService, Undo, blocking, now_ns};
+use super::{Journal, Operation, PodService, Undo, blocking, now_ns};
 use crate::error::{Error, Result};
 use crate::oci::{
     self, ContainerSpecParams, ExecOpts, ImageConfig, OciRuntime, SandboxFiles, SandboxNamespaces,
@@ -61,7 +61,7 @@ impl PodService {
         config: cri::ContainerConfig,
         sandbox_config: Option<cri::PodSandboxConfig>,
     ) -> Result<String> {
-        self.undoable("CreateContainer", move |svc, undo| {
+        self.undoable(Operation::CreateContainer, move |svc, undo| {
             Box::pin(async move {
                 svc.create_steps(&sandbox_id, config, sandbox_config, undo)
                     .await
@@ -75,7 +75,7 @@ impl PodService {
         sandbox_id: &str,
         config: cri::ContainerConfig,
         _sandbox_config: Option<cri::PodSandboxConfig>,
-        undo: &mut Vec<Undo>,
+        undo: &mut Journal,
     ) -> Result<String> {
         let sb = self
             .store
@@ -120,6 +120,7 @@ impl PodService {
         oci::userns::check_volume_mappings(&config.mounts, pod_userns.as_ref())?;
 
         let id = self.new_id()?;
+        undo.subject(&id)?;
         let sm = sb_config.metadata.clone().unwrap_or_default();
         let name = format!(
             "{}_{}_{}_{}_{}",
@@ -129,7 +130,7 @@ impl PodService {
         undo.push(Undo::ReleaseName {
             name: name.clone(),
             id: id.clone(),
-        });
+        })?;
 
         // The writable snapshot, mounted; in a pod with its own user namespace, on idmapped
         // layers (crate::oci::userns).
@@ -142,10 +143,10 @@ impl PodService {
         let rootfs = dir.join("rootfs");
         // Idmapped mounts stay out of `dir`, which undo removes recursively (crate::oci::userns).
         let idmap = self.idmap_dir(&id);
-        undo.push(Undo::RemoveDir(dir.clone()));
-        undo.push(Undo::RemoveSnapshot(id.clone()));
-        undo.push(Undo::Unmount(rootfs.clone()));
-        undo.push(Undo::RemoveIdmapped(idmap.clone()));
+        undo.push(Undo::RemoveDir(dir.clone()))?;
+        undo.push(Undo::RemoveSnapshot(id.clone()))?;
+        undo.push(Undo::Unmount(rootfs.clone()))?;
+        undo.push(Undo::RemoveIdmapped(idmap.clone()))?;
         {
             let snap = self.snapshotter.clone();
             let (key, rootfs, layers) = (id.clone(), rootfs.clone(), idmap.join("layers"));
@@ -236,7 +237,7 @@ impl PodService {
             })
         })?;
         let bundle = self.bundle_dir(&id);
-        undo.push(Undo::RemoveDir(bundle.clone()));
+        undo.push(Undo::RemoveDir(bundle.clone()))?;
         oci::write_bundle(&bundle, &spec)?;
 
         // CRI: the log is <sandbox log_directory>/<container log_path>.
@@ -271,14 +272,16 @@ impl PodService {
     }
 
     /// StartContainer: only a created container can be started.
+    /// A start the daemon is killed in is undone at the next start: the container is created
+    /// again, not running.
     pub async fn start_container(self: &Arc<Self>, id: String) -> Result<()> {
-        let svc = self.clone();
-        tokio::spawn(async move { svc.start_inner(&id).await })
-            .await
-            .map_err(|e| Error::Internal(format!("StartContainer task: {e}")))?
+        self.undoable(Operation::StartContainer, move |svc, undo| {
+            Box::pin(async move { svc.start_steps(&id, undo).await })
+        })
+        .await
     }
 
-    async fn start_inner(self: &Arc<Self>, id: &str) -> Result<()> {
+    async fn start_steps(self: &Arc<Self>, id: &str, undo: &mut Journal) -> Result<()> {
         let _guard = self.store.op_lock(id).await;
         let rec = self.store.container(id).ok_or_else(|| not_found(id))?;
         if rec.state != ContainerState::Created {
@@ -306,20 +309,22 @@ impl PodService {
         cfg.stdin = config.stdin;
         cfg.stdin_once = config.stdin_once;
         cfg.tty = config.tty;
+        // From here on the runtime may know the id; undone, the container is created again
+        // (when the start failed, it is also recorded as exited below).
+        undo.subject(id)?;
+        undo.push(Undo::DeleteContainer {
+            id: id.to_string(),
+            shim: None,
+        })?;
         let started = async {
             let shim = spawn_shim(cfg).await?;
-            if let Err(e) = self.runtime.start(id).await {
-                let _ = self.runtime.delete(id, true).await;
-                super::reap_shim(&shim).await;
-                return Err(e);
-            }
-            Ok(shim)
+            self.runtime.start(id).await?;
+            Ok::<_, crate::oci::OciError>(shim)
         }
         .await;
         let shim = match started {
             Ok(s) => s,
             Err(e) => {
-                let _ = self.runtime.delete(id, true).await;
                 let msg = e.to_string();
                 self.store.update_container(id, |r| {
                     r.state = ContainerState::Exited;

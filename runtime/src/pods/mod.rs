@@ -9,9 +9,10 @@
 //! - [`exec`]: streaming exec (the Exec RPC's check, the process with piped stdio);
 //! - [`cgroups`]: what the kernel says about a container's or pod's cgroup (OOM kills, CPU,
 //!   memory and process counters);
-//! - [`stats`]: ContainerStats, ListContainerStats, PodSandboxStats, ListPodSandboxStats.
+//! - [`stats`]: ContainerStats, ListContainerStats, PodSandboxStats, ListPodSandboxStats;
+//! - [`undo`]: multi-step operations, their undo steps and the on-disk journal of them.
 //!
-//! Layout under the state directory: `pods/` (records), `sandboxes/<id>/` (hostname, resolv.conf,
+//! Layout under the state directory: `pods/` (records; `pods/inflight/` the undo journals), `sandboxes/<id>/` (hostname, resolv.conf,
 //! hosts, shm), `containers/<id>/rootfs` (the mounted writable snapshot), `b/<id[..32]>/` (OCI
 //! bundles with the shim's files: the full id would make the shim's socket path too long),
 //! `netns/<id>` (pinned network namespaces), `infra/` (the infra rootfs), `runc/` (the OCI
@@ -19,7 +20,8 @@
 //! namespaces, see `crate::oci::userns`).
 //!
 //! Invariants:
-//! - a multi-step operation that fails half-way undoes every step it completed ([`Undo`]);
+//! - a multi-step operation that fails half-way undoes every step it took, and one the daemon
+//!   was killed in is undone at the next start ([`undo`]: the steps are journaled on disk);
 //! - stop and remove are idempotent (CRI: success when already stopped or gone);
 //! - operations that change one object are serialised by [`store::Store::op_lock`]; they run in
 //!   a spawned task, so a client that hangs up does not leave a step half-done;
@@ -33,6 +35,7 @@ pub mod inspect;
 pub mod sandbox;
 pub mod stats;
 pub mod store;
+pub mod undo;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -41,12 +44,13 @@ use std::sync::{Arc, Mutex};
 use minicri_snapshotter::Snapshotter;
 use minicri_store::{ContentStore, ImageStore, PullManager};
 
-use crate::cni::{CniManager, CniOptions, PodNetwork};
+use crate::cni::{CniManager, CniOptions};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::oci::{CgroupDriver, HostInfo, OciRuntime, Runc};
+use crate::oci::{CgroupDriver, HostInfo, Runc};
 use crate::shim::ShimHandle;
 use store::{ContainerState, Store};
+pub(crate) use undo::{Journal, Operation, Undo};
 
 /// The pod and container service; one per daemon, shared as `Arc<PodService>`.
 pub struct PodService {
@@ -94,29 +98,6 @@ pub(crate) async fn blocking<T: Send + 'static>(
         .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
 }
 
-/// One completed step of a multi-step operation, undone in reverse order when a later step
-/// fails.
-pub(crate) enum Undo {
-    ReleaseName {
-        name: String,
-        id: String,
-    },
-    RemoveNetns(PathBuf),
-    CniTeardown(PodNetwork),
-    SandboxFiles(PathBuf),
-    RemoveDir(PathBuf),
-    /// `runtime delete --force` and the shim killed.
-    DeleteContainer {
-        id: String,
-        shim: Option<ShimHandle>,
-    },
-    Unmount(PathBuf),
-    RemoveSnapshot(String),
-    /// Idmapped mounts of a container in a pod user namespace, and their directory
-    /// (`crate::oci::userns::remove_idmapped`: never a recursive removal).
-    RemoveIdmapped(PathBuf),
-}
-
 impl PodService {
     /// Opens the records under `<state>/pods` and re-attaches to the shims of running
     /// containers (their exits are recorded as they happen); containers whose shim is gone get
@@ -130,6 +111,7 @@ impl PodService {
     ) -> anyhow::Result<Arc<PodService>> {
         let state = config.state.clone();
         let store = Store::open(&state.join("pods"))?;
+        std::fs::create_dir_all(state.join("pods/inflight"))?;
         let cni = CniManager::new(CniOptions::new(
             config.cni_conf_dirs.clone(),
             config.cni_bin_dirs.clone(),
@@ -295,74 +277,6 @@ impl PodService {
                 return Ok(id);
             }
         }
-    }
-
-    /// Runs a multi-step operation (RunPodSandbox, CreateContainer) in its own task, so that a
-    /// client hanging up does not stop it half-way. `steps` records how to undo each step it
-    /// completes; when it fails, those run in reverse and its error is returned.
-    pub(crate) async fn undoable<T, F>(self: &Arc<Self>, what: &'static str, steps: F) -> Result<T>
-    where
-        T: Send + 'static,
-        F: for<'a> FnOnce(
-                Arc<PodService>,
-                &'a mut Vec<Undo>,
-            ) -> futures::future::BoxFuture<'a, Result<T>>
-            + Send
-            + 'static,
-    {
-        let svc = self.clone();
-        tokio::spawn(async move {
-            let mut undo = Vec::new();
-            let result = steps(svc.clone(), &mut undo).await;
-            if result.is_err() {
-                svc.undo(undo).await;
-            }
-            result
-        })
-        .await
-        .map_err(|e| Error::Internal(format!("{what} task: {e}")))?
-    }
-
-    /// Undoes completed steps, last first; failures are logged (the original error is what
-    /// the caller reports).
-    pub(crate) async fn undo(&self, steps: Vec<Undo>) {
-        for step in steps.into_iter().rev() {
-            if let Err(e) = self.undo_one(step).await {
-                tracing::warn!(error = %e, "rollback step failed");
-            }
-        }
-    }
-
-    async fn undo_one(&self, step: Undo) -> Result<()> {
-        match step {
-            Undo::ReleaseName { name, id } => self.store.release(&name, &id),
-            Undo::RemoveNetns(p) => blocking(move || Ok(crate::netns::remove(&p)?)).await?,
-            Undo::CniTeardown(pod) => {
-                let cni = self.cni.clone();
-                tokio::spawn(async move { cni.teardown(&pod).await })
-                    .await
-                    .map_err(|e| Error::Internal(e.to_string()))??
-            }
-            Undo::SandboxFiles(dir) => crate::oci::SandboxFiles::cleanup(&dir)?,
-            Undo::RemoveDir(d) => remove_dir(&d)?,
-            Undo::DeleteContainer { id, shim } => {
-                self.runtime.delete(&id, true).await?;
-                if let Some(s) = shim {
-                    reap_shim(&s).await;
-                }
-            }
-            Undo::Unmount(p) => unmount_all(&p)?,
-            Undo::RemoveIdmapped(p) => crate::oci::userns::remove_idmapped(&p)?,
-            Undo::RemoveSnapshot(key) => {
-                let snap = self.snapshotter.clone();
-                blocking(move || match snap.remove(&key) {
-                    Ok(_) | Err(minicri_snapshotter::Error::NotFound { .. }) => Ok(()),
-                    Err(e) => Err(e.into()),
-                })
-                .await?
-            }
-        }
-        Ok(())
     }
 }
 

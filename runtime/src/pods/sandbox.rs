@@ -11,7 +11,7 @@ use minicri_proto::runtime::v1 as cri;
 use prost::Message;
 
 use super::store::{SandboxRecord, SandboxState};
-use super::{PodService, Undo, blocking, now_ns};
+use super::{Journal, Operation, PodService, Undo, blocking, now_ns};
 use crate::cni::PodNetwork;
 use crate::error::{Error, Result};
 use crate::oci::{self, OciRuntime, SandboxFiles, SandboxSpecParams};
@@ -69,7 +69,7 @@ impl PodService {
         config: cri::PodSandboxConfig,
         runtime_handler: String,
     ) -> Result<String> {
-        self.undoable("RunPodSandbox", move |svc, undo| {
+        self.undoable(Operation::RunPodSandbox, move |svc, undo| {
             Box::pin(async move { svc.run_sandbox_steps(config, runtime_handler, undo).await })
         })
         .await
@@ -79,7 +79,7 @@ impl PodService {
         self: &Arc<Self>,
         config: cri::PodSandboxConfig,
         runtime_handler: String,
-        undo: &mut Vec<Undo>,
+        undo: &mut Journal,
     ) -> Result<String> {
         let meta = validate_metadata(&config)?.clone();
         if !runtime_handler.is_empty() {
@@ -98,12 +98,13 @@ impl PodService {
             ));
         }
         let id = self.new_id()?;
+        undo.subject(&id)?;
         let name = sandbox_name(&meta);
         self.store.reserve(&name, &id)?;
         undo.push(Undo::ReleaseName {
             name: name.clone(),
             id: id.clone(),
-        });
+        })?;
 
         // Network: a pinned namespace, attached through CNI.
         let mut netns = None;
@@ -111,19 +112,19 @@ impl PodService {
         if !host_network(&config) && !own_userns {
             let dir = self.netns_dir();
             let nid = id.clone();
+            undo.push(Undo::RemoveNetns(dir.join(&nid)))?;
             let path = blocking(move || Ok(crate::netns::create(&dir, &nid)?)).await?;
-            undo.push(Undo::RemoveNetns(path.clone()));
             netns = Some(path.clone());
             ips = self.attach_network(&id, path, &config, undo).await?;
         }
 
         // Shared files.
         let dir = self.sandbox_dir(&id);
-        undo.push(Undo::RemoveDir(dir.clone()));
+        undo.push(Undo::RemoveDir(dir.clone()))?;
         let files_dir = dir.join("files");
         let cfg = config.clone();
         let fd = files_dir.clone();
-        undo.push(Undo::SandboxFiles(files_dir.clone()));
+        undo.push(Undo::SandboxFiles(files_dir.clone()))?;
         blocking(move || Ok(SandboxFiles::prepare(&fd, &cfg)?)).await?;
 
         // The infra process.
@@ -139,13 +140,13 @@ impl PodService {
             annotations: &self.annotations,
         })?;
         let bundle = self.bundle_dir(&id);
-        undo.push(Undo::RemoveDir(bundle.clone()));
+        undo.push(Undo::RemoveDir(bundle.clone()))?;
         oci::write_bundle(&bundle, &spec)?;
         // The shim creates the container; from here on, runc knows the id.
         undo.push(Undo::DeleteContainer {
             id: id.clone(),
             shim: None,
-        });
+        })?;
         let shim = spawn_shim(ShimConfig::new(
             &id,
             &bundle,
@@ -156,13 +157,13 @@ impl PodService {
         undo.push(Undo::DeleteContainer {
             id: id.clone(),
             shim: Some(shim.clone()),
-        });
+        })?;
         if !host_network(&config) && own_userns {
             let dir = self.netns_dir();
             let nid = id.clone();
             let ns = std::path::PathBuf::from(format!("/proc/{}/ns/net", shim.init_pid));
+            undo.push(Undo::RemoveNetns(dir.join(&nid)))?;
             let path = blocking(move || Ok(crate::netns::pin(&dir, &nid, &ns)?)).await?;
-            undo.push(Undo::RemoveNetns(path.clone()));
             netns = Some(path.clone());
             ips = self.attach_network(&id, path, &config, undo).await?;
         }
@@ -193,11 +194,12 @@ impl PodService {
         id: &str,
         netns: std::path::PathBuf,
         config: &cri::PodSandboxConfig,
-        undo: &mut Vec<Undo>,
+        undo: &mut Journal,
     ) -> Result<Vec<String>> {
         let pod = PodNetwork::from_sandbox_config(id, netns, config);
+        // CNI DEL is defined for an ADD that never happened or failed half-way.
+        undo.push(Undo::CniTeardown(pod.clone()))?;
         let status = self.cni.setup(&pod).await?;
-        undo.push(Undo::CniTeardown(pod));
         Ok(status.ips.iter().map(|ip| ip.to_string()).collect())
     }
 
