@@ -214,4 +214,77 @@ for name, data in layers.items():
     assert len(data) < 64 * 1024, name
     put("layer_apply", name, data)
 
+# --- spdy_frames, spdy_conn --------------------------------------------------------------------
+# Client sessions as kubectl writes them: header blocks compressed as ONE zlib stream per
+# direction with the SPDY/3 dictionary (runtime/src/stream/spdy/headers.rs), sync-flushed per block.
+import struct
+import zlib
+
+SPDY_WORDS = ['options', 'head', 'post', 'put', 'delete', 'trace', 'accept', 'accept-charset', 'accept-encoding', 'accept-language', 'accept-ranges', 'age', 'allow', 'authorization', 'cache-control', 'connection', 'content-base', 'content-encoding', 'content-language', 'content-length', 'content-location', 'content-md5', 'content-range', 'content-type', 'date', 'etag', 'expect', 'expires', 'from', 'host', 'if-match', 'if-modified-since', 'if-none-match', 'if-range', 'if-unmodified-since', 'last-modified', 'location', 'max-forwards', 'pragma', 'proxy-authenticate', 'proxy-authorization', 'range', 'referer', 'retry-after', 'server', 'te', 'trailer', 'transfer-encoding', 'upgrade', 'user-agent', 'vary', 'via', 'warning', 'www-authenticate', 'method', 'get', 'status', '200 OK', 'version', 'HTTP/1.1', 'url', 'public', 'set-cookie', 'keep-alive', 'origin']
+SPDY_TAIL = '100101201202205206300302303304305306307402405406407408409410411412413414415416417502504505203 Non-Authoritative Information204 No Content301 Moved Permanently400 Bad Request401 Unauthorized403 Forbidden404 Not Found500 Internal Server Error501 Not Implemented503 Service UnavailableJan Feb Mar Apr May Jun Jul Aug Sept Oct Nov Dec 00:00:00 Mon, Tue, Wed, Thu, Fri, Sat, Sun, GMTchunked,text/html,image/png,image/jpg,image/gif,application/xml,application/xhtml+xml,text/plain,text/javascript,publicprivatemax-age=gzip,deflate,sdchcharset=utf-8charset=iso-8859-1,utf-,*,enq=0.'
+SPDY_DICT = b"".join(struct.pack(">I", len(w)) + w.encode() for w in SPDY_WORDS) + SPDY_TAIL.encode()
+assert len(SPDY_DICT) == 1423, len(SPDY_DICT)
+
+
+class Session:
+    def __init__(self):
+        self.z = zlib.compressobj(zdict=SPDY_DICT)
+        self.out = b""
+
+    def block(self, pairs):
+        raw = struct.pack(">I", len(pairs))
+        for k, v in pairs:
+            raw += struct.pack(">I", len(k)) + k.encode() + struct.pack(">I", len(v)) + v.encode()
+        return self.z.compress(raw) + self.z.flush(zlib.Z_SYNC_FLUSH)
+
+    def control(self, ftype, flags, payload):
+        self.out += struct.pack(">HHI", 0x8003, ftype, (flags << 24) | len(payload)) + payload
+        return self
+
+    def syn(self, sid, pairs, flags=0):
+        return self.control(1, flags, struct.pack(">IIBB", sid, 0, 0, 0) + self.block(pairs))
+
+    def headers(self, sid, pairs, flags=0):
+        return self.control(8, flags, struct.pack(">I", sid) + self.block(pairs))
+
+    def data(self, sid, payload, flags=0):
+        self.out += struct.pack(">II", sid, (flags << 24) | len(payload)) + payload
+        return self
+
+
+exec_streams = [("error", 1), ("stdin", 3), ("stdout", 5), ("stderr", 7)]
+s = Session()
+s.control(4, 0, struct.pack(">III", 1, 7, 1 << 20))  # SETTINGS: initial window 1 MiB
+for name, sid in exec_streams:
+    s.syn(sid, [("streamtype", name)])
+s.data(3, b"echo hello\n").data(3, b"", 1).control(6, 0, struct.pack(">I", 1))
+s.control(9, 0, struct.pack(">II", 5, 4096)).control(9, 0, struct.pack(">II", 0, 65536))
+s.control(3, 0, struct.pack(">II", 7, 5)).control(7, 0, struct.pack(">II", 7, 0))
+spdy = {"exec-session": s.out}
+s = Session()
+s.syn(1, [("streamtype", "error"), ("port", "80"), ("requestid", "0")])
+s.syn(3, [("streamtype", "data"), ("port", "80"), ("requestid", "0")])
+s.data(3, b"GET / HTTP/1.0\r\n\r\n").headers(3, [("x", "y")], 1).data(1, b"", 1)
+spdy["portforward-session"] = s.out
+s = Session()
+s.syn(1, [("streamtype", "resize")]).data(1, b'{"Width":80,"Height":24}\n')
+s.syn(2, [("streamtype", "stdout")]).syn(1, [("streamtype", "again")])
+s.syn(5, [("streamtype", "x")], flags=1).data(5, b"after fin").data(9, b"never opened")
+s.control(9, 0, struct.pack(">II", 0, 0x7fffffff)).control(9, 0, struct.pack(">II", 0, 0x7fffffff))
+spdy["protocol-errors"] = s.out
+s = Session()
+s.control(2, 0, struct.pack(">I", 1) + s.block([("a", "b")])).control(99, 0, b"skipped")
+s.control(4, 0, struct.pack(">I", 2) + struct.pack(">II", 7, 0) + struct.pack(">II", 4, 10))
+s.out += struct.pack(">HHI", 0x8002, 1, 0)  # SPDY/2
+spdy["odd-frames"] = s.out
+# A header block that inflates far past what it costs to send.
+z = zlib.compressobj(zdict=SPDY_DICT)
+bomb = z.compress(struct.pack(">I", 1) + struct.pack(">I", 1) + b"a" + struct.pack(">I", 3 << 20) + b"v" * (3 << 20))
+bomb += z.flush(zlib.Z_SYNC_FLUSH)
+spdy["inflation-bomb"] = struct.pack(">HHI", 0x8003, 1, len(bomb) + 10) + struct.pack(">IIBB", 1, 0, 0, 0) + bomb
+for name, data in spdy.items():
+    assert len(data) < 64 * 1024, name
+    put("spdy_frames", name, data)
+    put("spdy_conn", name, data)
+
 print("seeds written to", CORPUS)
