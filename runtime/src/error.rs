@@ -48,6 +48,7 @@ impl Error {
                 // the pod's "Failed to pull image" event reads "… is still downloading in the
                 // background: 45% …". Every code makes the kubelet back off and retry alike.
                 ErrorKind::Detached => Code::Unknown,
+                ErrorKind::ResourceExhausted => Code::ResourceExhausted,
                 ErrorKind::Internal => Code::Internal,
             },
         }

@@ -25,6 +25,9 @@ pub enum ErrorKind {
     /// The call returned while the work it asked for carries on in the background (a pull
     /// detached after its window); the caller is expected to ask again later.
     Detached,
+    /// The disk holding the store is full (or a quota is used up): nothing to retry until room
+    /// is made.
+    ResourceExhausted,
     /// Anything else: a local I/O failure or a bug.
     Internal,
 }
@@ -144,6 +147,9 @@ impl StoreError {
     /// The class of this error, for mapping onto protocol status codes.
     pub fn kind(&self) -> ErrorKind {
         use StoreError::*;
+        if self.is_disk_full() {
+            return ErrorKind::ResourceExhausted;
+        }
         match self {
             InvalidReference { .. } | InvalidDigest { .. } => ErrorKind::InvalidArgument,
             ImageNotFound(_) | BlobNotFound(_) | RemoteNotFound { .. } => ErrorKind::NotFound,
@@ -171,6 +177,32 @@ impl StoreError {
             },
             HostsConfig { .. } | Io { .. } | Json { .. } => ErrorKind::Internal,
         }
+    }
+
+    /// Whether a full disk (ENOSPC) or an exhausted quota (EDQUOT) caused this error, at any
+    /// depth of its sources.
+    pub fn is_disk_full(&self) -> bool {
+        if let StoreError::Shared(inner) = self {
+            return inner.is_disk_full();
+        }
+        let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(e) = cur {
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                if matches!(
+                    io.kind(),
+                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+                ) {
+                    return true;
+                }
+                // An io::Error wrapping another error hides it from `source`.
+                if let Some(inner) = io.get_ref() {
+                    cur = Some(inner);
+                    continue;
+                }
+            }
+            cur = e.source();
+        }
+        false
     }
 
     /// Wraps an I/O error with what was being done.

@@ -684,3 +684,248 @@ async fn sigkill_during_create_container_leaves_it_whole_or_gone() {
     let stray = env.stray_state();
     assert!(stray.is_empty(), "left behind: {stray:?}");
 }
+
+// ---- Images: SIGKILL during an unpack, and a full disk during a download and during an unpack.
+
+/// SIGKILL while a layer of 30,000 files is unpacked (its tree in the snapshotter's tmp): the
+/// next start removes the half-made tree, the image is not listed, and pulling it again
+/// unpacks it whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_during_unpack_leaves_no_half_snapshot() {
+    let registry = Registry::start();
+    let hosts = HostsDir::new();
+    let mut d = Daemon::start(hosts.path()).await.expect("minicri");
+    let client = RegistryClient::new(&registry.addr());
+    let mut b = LayerBuilder::new().dir("many", 0o755);
+    for f in 0..30_000 {
+        b = b.file(&format!("many/f{f}"), format!("{f}\n"), 0o644);
+    }
+    let pushed = ImageBuilder::busybox()
+        .layer(b.build(Compression::Gzip).unwrap())
+        .push(&client, "faults/unpack:1")
+        .await
+        .expect("push");
+    let image = format!("{}/faults/unpack:1", registry.addr());
+    let root = d.root();
+    let tmp = root.join("snapshots/tmp");
+    let snapshots = root.join("snapshots/snapshots");
+
+    let call = {
+        let images = d.images().await.unwrap();
+        let image = image.clone();
+        tokio::spawn(async move {
+            let mut images = images;
+            images
+                .pull_image(cri::PullImageRequest {
+                    image: spec(&image),
+                    auth: None,
+                    sandbox_config: None,
+                })
+                .await
+        })
+    };
+    // The busybox layer unpacks first; the big one is the tree that stays in tmp for a while.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if names(&snapshots).len() == 1 && walk_count(&tmp) > 1000 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the unpack never showed in tmp");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    d.kill();
+    assert!(call.await.unwrap().is_err());
+    let half = walk_count(&tmp);
+    eprintln!("killed with {half} entries of the layer unpacked in tmp");
+
+    d.restart().await.expect("restart");
+    let mut c = d.images().await.unwrap();
+    let listed = c
+        .list_images(cri::ListImagesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .images;
+    assert!(listed.iter().all(|i| i.id != pushed.config_digest));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !names(&tmp).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "tmp still holds {:?}",
+            names(&tmp)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    assert_eq!(pull(&d, &image).await, pushed.config_digest);
+    let snaps = names(&snapshots);
+    assert_eq!(snaps.len(), 2);
+    let files: usize = snaps.iter().map(|s| walk_count(&snapshots.join(s))).sum();
+    assert!(files > 30_000, "only {files} entries unpacked");
+}
+
+/// The daemon's root on a tmpfs of `mib` MiB (mounted over its root while it is stopped);
+/// unmounted when dropped.
+struct SmallDisk {
+    root: PathBuf,
+}
+
+impl SmallDisk {
+    async fn under(d: &mut Daemon, mib: u64) -> SmallDisk {
+        d.stop().expect("stop");
+        let root = d.root();
+        std::fs::remove_dir_all(&root).unwrap();
+        std::fs::create_dir_all(&root).unwrap();
+        let status = std::process::Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={mib}m,mode=0700"),
+                "tmpfs",
+            ])
+            .arg(&root)
+            .status()
+            .unwrap();
+        assert!(status.success(), "mount tmpfs");
+        d.restart().await.expect("restart on the small disk");
+        SmallDisk { root }
+    }
+
+    fn grow(&self, mib: u64) {
+        let status = std::process::Command::new("mount")
+            .args(["-o", &format!("remount,size={mib}m"), "tmpfs"])
+            .arg(&self.root)
+            .status()
+            .unwrap();
+        assert!(status.success(), "remount tmpfs");
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.root, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+async fn pull_result(d: &Daemon, image: &str) -> Result<String, tonic::Status> {
+    Ok(d.images()
+        .await
+        .unwrap()
+        .pull_image(cri::PullImageRequest {
+            image: spec(image),
+            auth: None,
+            sandbox_config: None,
+        })
+        .await?
+        .into_inner()
+        .image_ref)
+}
+
+/// The disk fills up during a download (a 64 MiB layer, a 48 MiB disk): PullImage fails with
+/// RESOURCE_EXHAUSTED naming the full disk, the daemon goes on answering, nothing stored is
+/// damaged, and once there is room the same pull completes and the image is whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn disk_full_during_a_download_is_resource_exhausted_and_recoverable() {
+    if let Some(why) = minicri_tests::pod_env::runc_skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let registry = Registry::start();
+    let hosts = HostsDir::new();
+    let mut d = Daemon::start(hosts.path()).await.expect("minicri");
+    let disk = SmallDisk::under(&mut d, 48).await;
+    let client = RegistryClient::new(&registry.addr());
+    let small = ImageBuilder::busybox()
+        .push(&client, "faults/small:1")
+        .await
+        .expect("push");
+    let big = ImageBuilder::busybox()
+        .layer(minicri_tests::images::random_layer(64, Compression::None, 7).unwrap())
+        .push(&client, "faults/big:1")
+        .await
+        .expect("push");
+    let small_ref = format!("{}/faults/small:1", registry.addr());
+    let big_ref = format!("{}/faults/big:1", registry.addr());
+    assert_eq!(pull(&d, &small_ref).await, small.config_digest);
+
+    let err = pull_result(&d, &big_ref).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().to_lowercase().contains("no space left"),
+        "the message says the disk is full: {err:?}"
+    );
+    // The daemon answers, and what it had is intact.
+    let mut c = d.images().await.unwrap();
+    let listed = c
+        .list_images(cri::ListImagesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .images;
+    assert!(listed.iter().any(|i| i.id == small.config_digest));
+    assert!(listed.iter().all(|i| i.id != big.config_digest));
+    c.image_fs_info(cri::ImageFsInfoRequest {}).await.unwrap();
+
+    disk.grow(256);
+    assert_eq!(pull(&d, &big_ref).await, big.config_digest);
+    let root = d.root();
+    for digest in big.blob_digests() {
+        let hex = digest.trim_start_matches("sha256:");
+        let bytes = std::fs::read(root.join("content/blobs/sha256").join(hex)).unwrap();
+        assert_eq!(minicri_tests::images::sha256_digest(&bytes), digest);
+    }
+    d.kill();
+}
+
+/// The disk fills up during an unpack (a layer of 96 MiB of zeros, small compressed, on a
+/// 48 MiB disk): PullImage fails with RESOURCE_EXHAUSTED, the half-made tree is removed, no
+/// snapshot of the layer is kept, and once there is room the pull completes.
+#[tokio::test(flavor = "multi_thread")]
+async fn disk_full_during_an_unpack_is_resource_exhausted_and_recoverable() {
+    if let Some(why) = minicri_tests::pod_env::runc_skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let registry = Registry::start();
+    let hosts = HostsDir::new();
+    let mut d = Daemon::start(hosts.path()).await.expect("minicri");
+    let disk = SmallDisk::under(&mut d, 48).await;
+    let client = RegistryClient::new(&registry.addr());
+    let zeros = LayerBuilder::new()
+        .dir("zeros", 0o755)
+        .file("zeros/a", vec![0u8; 48 << 20], 0o644)
+        .file("zeros/b", vec![0u8; 48 << 20], 0o644)
+        .build(Compression::Gzip)
+        .unwrap();
+    let pushed = ImageBuilder::busybox()
+        .layer(zeros)
+        .push(&client, "faults/zeros:1")
+        .await
+        .expect("push");
+    let image = format!("{}/faults/zeros:1", registry.addr());
+    let root = d.root();
+    let snapshots = root.join("snapshots/snapshots");
+
+    let err = pull_result(&d, &image).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().to_lowercase().contains("no space left"),
+        "{err:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !names(&root.join("snapshots/tmp")).is_empty() {
+        assert!(Instant::now() < deadline, "the half-made tree stays in tmp");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        names(&snapshots).len(),
+        1,
+        "only the busybox layer is a snapshot"
+    );
+
+    disk.grow(256);
+    assert_eq!(pull(&d, &image).await, pushed.config_digest);
+    assert_eq!(names(&snapshots).len(), 2);
+    d.kill();
+}
