@@ -23,6 +23,8 @@ pub struct Daemon {
     pub content: Arc<ContentStore>,
     pub images: Arc<ImageStore>,
     pub pulls: Arc<PullManager>,
+    /// The registry sessions' shared configuration and client cache (the pulls use a clone).
+    pub registry: Registry,
     pub ingest_gc: Arc<minicri_store::gc::IngestGc>,
     pub snapshotter: Arc<dyn Snapshotter>,
     /// Pod sandboxes and containers.
@@ -59,7 +61,7 @@ impl Daemon {
         let pulls = PullManager::new(
             content.clone(),
             images.clone(),
-            registry,
+            registry.clone(),
             pull_config,
             Some(snapshotter.clone()),
         );
@@ -94,6 +96,7 @@ impl Daemon {
             content,
             images,
             pulls,
+            registry,
             ingest_gc,
             snapshotter,
             pods,

@@ -27,6 +27,7 @@ pub mod daemon;
 pub mod error;
 pub mod fsutil;
 pub mod httpserve;
+pub mod idle;
 #[cfg(feature = "kube-watch")]
 pub mod kube_watch;
 pub mod logs;

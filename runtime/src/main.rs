@@ -72,6 +72,7 @@ fn main() -> std::process::ExitCode {
                 }
             };
             init_logging(&config.log_level);
+            minicri::idle::limit_arenas();
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()

@@ -133,6 +133,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     // Partial downloads nobody resumes are collected after their TTL, or sooner when space is low.
     let gc = minicri_store::gc::spawn_periodic(daemon.ingest_gc.clone(), Duration::from_secs(60));
     let streaming = daemon.streaming.spawn(daemon.pods.clone())?;
+    let idle = crate::idle::spawn(daemon.clone());
     let metrics = match daemon.config.metrics_address {
         Some(addr) => Some(crate::metrics::spawn(addr, daemon.clone()).await?),
         None => None,
@@ -176,6 +177,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         let _ = tokio::time::timeout(Duration::from_secs(2), w).await;
     }
     gc.abort();
+    idle.abort();
     streaming.abort();
     if let Some(m) = metrics {
         m.abort();

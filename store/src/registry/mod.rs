@@ -21,7 +21,7 @@
 pub mod auth;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::stream::BoxStream;
@@ -180,7 +180,10 @@ pub struct Registry {
     connect_timeout: Duration,
     read_timeout: Duration,
     request_deadline: Duration,
-    clients: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<ClientKey, CachedClient>>>,
+    /// Each client with the time it was last handed out.
+    clients: std::sync::Arc<
+        std::sync::Mutex<std::collections::HashMap<ClientKey, (CachedClient, Instant)>>,
+    >,
 }
 
 impl std::fmt::Debug for Registry {
@@ -249,7 +252,8 @@ impl Registry {
             ca: ep.ca.clone(),
             auth,
         };
-        if let Some(c) = self.clients.lock().unwrap().get(&key) {
+        if let Some((c, used)) = self.clients.lock().unwrap().get_mut(&key) {
+            *used = Instant::now();
             return Ok(c.clone());
         }
         let client = build()?;
@@ -257,8 +261,19 @@ impl Registry {
         if cache.len() >= MAX_CACHED_CLIENTS {
             cache.clear();
         }
-        cache.insert(key, client.clone());
+        cache.insert(key, (client.clone(), Instant::now()));
         Ok(client)
+    }
+
+    /// Forgets the clients not handed out for `idle`, and with them the connections their pools
+    /// keep alive (the HTTP client keeps every idle connection for 90 s, however many a burst of
+    /// pulls opened; a download still using a client keeps it until it ends). Returns how many
+    /// were dropped.
+    pub fn drop_idle_clients(&self, idle: Duration) -> usize {
+        let mut cache = self.clients.lock().unwrap();
+        let before = cache.len();
+        cache.retain(|_, (_, used)| used.elapsed() < idle);
+        before - cache.len()
     }
 
     /// The `oci-client` client for `ep` (whose CA certificates are `pems`) holding `decision`'s
