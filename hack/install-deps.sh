@@ -30,6 +30,8 @@ PACKAGES=(
     # A C toolchain and pkg-config for crates with build scripts.
     gcc
     libc6-dev
+    # libFuzzer (built by cargo-fuzz for the fuzz run that ends the suite) is C++.
+    g++
     pkg-config
     ca-certificates
 )

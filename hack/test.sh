@@ -2,7 +2,8 @@
 # test.sh - everything the test suite needs, then the suite: installs the Debian packages the tests
 # drive (hack/install-deps.sh), builds the minicri binary the black-box tests start, and runs every
 # test in the workspace with cargo-nextest (cargo test if nextest is missing). The optional
-# kube-watch feature (the API-server watch, with kube-rs) is built and tested too.
+# kube-watch feature (the API-server watch, with kube-rs) is built and tested too. Without
+# arguments (the whole suite) it then fuzzes every fuzz target for FUZZ_SECONDS (10) each.
 # Run as root: the tests start registries, mount overlays and run containers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,8 +14,16 @@ FEATURES=(--features minicri/kube-watch)
 # they ran (tests/src/prereq.rs).
 export MINICRI_TEST_STRICT=1
 cargo build --workspace --bins "${FEATURES[@]}"
+rc=0
 if cargo nextest --version >/dev/null 2>&1; then
-    exec cargo nextest run --workspace "${FEATURES[@]}" --no-fail-fast "$@"
+    cargo nextest run --workspace "${FEATURES[@]}" --no-fail-fast "$@" || rc=$?
 else
-    exec cargo test --workspace "${FEATURES[@]}" --no-fail-fast "$@"
+    cargo test --workspace "${FEATURES[@]}" --no-fail-fast "$@" || rc=$?
 fi
+# The whole suite (no arguments, as CI runs it) ends with a short libFuzzer run of every fuzz
+# target from its committed seeds (docs/fuzzing.md); a filtered run skips it.
+if [[ $# -eq 0 ]]; then
+    hack/install-fuzz.sh
+    FUZZ_SECONDS="${FUZZ_SECONDS:-10}" hack/fuzz-smoke.sh || rc=$?
+fi
+exit "$rc"
