@@ -3,7 +3,6 @@
 //! Layout under the root directory: `content/` (blobs and ingests, see `minicri_store::content`)
 //! and `images/` (image records). The image filesystem reported to the kubelet is the root.
 
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
@@ -187,31 +186,22 @@ impl Daemon {
         })
     }
 
-    /// NetworkReady follows the presence of a CNI network configuration.
+    /// NetworkReady: whether the CNI manager that RunPodSandbox uses finds a valid network
+    /// configuration now (a file that does not parse, or names no plugin, does not count; the
+    /// message says why each was skipped).
     pub fn network_condition(&self) -> cri::RuntimeCondition {
-        let found = self.config.cni_conf_dirs.iter().any(|d| has_cni_config(d));
-        if found {
-            cri::RuntimeCondition {
+        match crate::fsutil::off_async(|| self.pods.cni.network_ready()) {
+            Ok(_) => cri::RuntimeCondition {
                 r#type: "NetworkReady".into(),
                 status: true,
                 ..Default::default()
-            }
-        } else {
-            let dirs: Vec<String> = self
-                .config
-                .cni_conf_dirs
-                .iter()
-                .map(|d| d.display().to_string())
-                .collect();
-            cri::RuntimeCondition {
+            },
+            Err(why) => cri::RuntimeCondition {
                 r#type: "NetworkReady".into(),
                 status: false,
                 reason: "NetworkPluginNotReady".into(),
-                message: format!(
-                    "no CNI network configuration (*.conflist, *.conf, *.json) in {}",
-                    dirs.join(", ")
-                ),
-            }
+                message: why,
+            },
         }
     }
 
@@ -241,21 +231,6 @@ impl Daemon {
     pub fn set_pod_cidr(&self, cidr: String) {
         *self.pod_cidr.lock().unwrap() = cidr;
     }
-}
-
-fn has_cni_config(dir: &Path) -> bool {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .any(|e| {
-            let p = e.path();
-            p.is_file()
-                && matches!(
-                    p.extension().and_then(|x| x.to_str()),
-                    Some("conflist" | "conf" | "json")
-                )
-        })
 }
 
 /// (when, bytes, inodes) of the last walk of content and snapshots, and whether one runs.

@@ -44,12 +44,24 @@ async fn version_status_and_runtime_config() {
     assert_eq!(net.reason, "NetworkPluginNotReady");
     assert!(net.message.contains("cni"), "{}", net.message);
 
-    // A conflist appearing makes the network ready, without a restart.
+    // A file that does not parse does not make the network ready (RunPodSandbox could not use
+    // it); the message names it.
     let cni = d.root().parent().unwrap().join("cni");
     std::fs::create_dir_all(&cni).unwrap();
+    std::fs::write(cni.join("10-test.conflist"), "{").unwrap();
+    let s = rt
+        .status(cri::StatusRequest { verbose: false })
+        .await
+        .unwrap()
+        .into_inner();
+    let net = cond(&s, "NetworkReady");
+    assert!(!net.status, "a broken conflist is not a network");
+    assert!(net.message.contains("10-test.conflist"), "{}", net.message);
+
+    // A valid conflist makes the network ready, without a restart.
     std::fs::write(
         cni.join("10-test.conflist"),
-        r#"{"cniVersion":"1.0.0","name":"t","plugins":[]}"#,
+        r#"{"cniVersion":"1.0.0","name":"t","plugins":[{"type":"bridge"}]}"#,
     )
     .unwrap();
     let s = rt
