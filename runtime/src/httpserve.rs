@@ -16,6 +16,7 @@ use hyper::body::Bytes;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio_util::sync::CancellationToken;
 
 /// What one server admits.
 #[derive(Debug, Clone, Copy)]
@@ -30,12 +31,14 @@ pub const DEFAULT_LIMITS: Limits = Limits {
     header_timeout: Duration::from_secs(10),
 };
 
-/// Serves `listener` until the returned task is aborted: each request goes to `handle`;
+/// Serves `listener` until `shutdown` is cancelled (the listener is closed then; connections
+/// already accepted go on until they end or the process does): each request goes to `handle`;
 /// `name` names the server in logs.
 pub fn serve<H, F>(
     listener: tokio::net::TcpListener,
     name: &'static str,
     limits: Limits,
+    shutdown: CancellationToken,
     handle: H,
 ) -> tokio::task::JoinHandle<()>
 where
@@ -45,10 +48,18 @@ where
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
     tokio::spawn(async move {
         loop {
-            let Ok(slot) = slots.clone().acquire_owned().await else {
-                return;
+            let slot = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                s = slots.clone().acquire_owned() => match s {
+                    Ok(s) => s,
+                    Err(_) => return,
+                },
             };
-            let stream = match listener.accept().await {
+            let accepted = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                a = listener.accept() => a,
+            };
+            let stream = match accepted {
                 Ok((s, _)) => s,
                 Err(e) => {
                     // Out of descriptors, most likely: wait instead of spinning.
@@ -82,7 +93,7 @@ mod tests {
     async fn start(limits: Limits) -> std::net::SocketAddr {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
-        serve(l, "test", limits, |_req| async {
+        serve(l, "test", limits, CancellationToken::new(), |_req| async {
             Ok(Response::new(Full::new(Bytes::from_static(b"ok"))))
         });
         addr
@@ -96,6 +107,23 @@ mod tests {
         let mut out = String::new();
         s.read_to_string(&mut out).await.unwrap();
         out
+    }
+
+    #[tokio::test]
+    async fn shutdown_ends_the_accept_loop_and_closes_the_listener() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let task = serve(l, "test", DEFAULT_LIMITS, shutdown.clone(), |_req| async {
+            Ok(Response::new(Full::new(Bytes::from_static(b"ok"))))
+        });
+        assert!(get(addr).await.ends_with("ok"));
+        shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(2), task)
+            .await
+            .expect("the accept loop ends")
+            .unwrap();
+        assert!(tokio::net::TcpStream::connect(addr).await.is_err());
     }
 
     #[tokio::test]

@@ -33,13 +33,19 @@ pub fn limit_arenas() {
     }
 }
 
-/// Gives idle resources back every [`INTERVAL`].
-pub fn spawn(daemon: Arc<crate::daemon::Daemon>) -> tokio::task::JoinHandle<()> {
+/// Gives idle resources back every [`INTERVAL`], until `shutdown`.
+pub fn spawn(
+    daemon: Arc<crate::daemon::Daemon>,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tick.tick().await;
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
             let dropped = daemon.registry.drop_idle_clients(CLIENT_IDLE);
             if dropped > 0 {
                 tracing::debug!(clients = dropped, "dropped idle registry clients");

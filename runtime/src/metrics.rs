@@ -196,6 +196,7 @@ fn respond(daemon: &Daemon, req: &Request<hyper::body::Incoming>) -> Response<Fu
 pub async fn spawn(
     addr: SocketAddr,
     daemon: Arc<Daemon>,
+    shutdown: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -208,6 +209,7 @@ pub async fn spawn(
             max_connections: 16,
             ..crate::httpserve::DEFAULT_LIMITS
         },
+        shutdown,
         move |req| {
             let resp = respond(&daemon, &req);
             async move { Ok::<_, Infallible>(resp) }

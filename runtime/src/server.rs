@@ -32,6 +32,9 @@ use crate::daemon::Daemon;
 
 /// How long in-flight calls get to finish after a shutdown signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// How long background tasks (collection, streaming and metrics servers, the API-server
+/// watch) get to stop after the shutdown signal before they are aborted.
+const BACKGROUND_GRACE: Duration = Duration::from_secs(2);
 
 /// Holds the root's lock file for the daemon's lifetime.
 pub struct RootLock {
@@ -130,16 +133,25 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     }))
     .prepare();
 
-    // Partial downloads nobody resumes are collected after their TTL, or sooner when space is low.
-    let gc = minicri_store::gc::spawn_periodic(daemon.ingest_gc.clone(), Duration::from_secs(60));
-    let streaming = daemon.streaming.spawn(daemon.pods.clone())?;
-    let idle = crate::idle::spawn(daemon.clone());
-    let metrics = match daemon.config.metrics_address {
-        Some(addr) => Some(crate::metrics::spawn(addr, daemon.clone()).await?),
-        None => None,
-    };
+    // Every background task stops when `shutdown` is cancelled, and is awaited (with a bound).
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let kube_watch = spawn_kube_watch(&daemon, shutdown.clone());
+    let mut background = vec![
+        // Partial downloads nobody resumes are collected after their TTL, or sooner when space
+        // is low.
+        minicri_store::gc::spawn_periodic(
+            daemon.ingest_gc.clone(),
+            Duration::from_secs(60),
+            shutdown.clone(),
+        ),
+        daemon
+            .streaming
+            .spawn(daemon.pods.clone(), shutdown.clone())?,
+        crate::idle::spawn(daemon.clone(), shutdown.clone()),
+    ];
+    if let Some(addr) = daemon.config.metrics_address {
+        background.push(crate::metrics::spawn(addr, daemon.clone(), shutdown.clone()).await?);
+    }
+    background.extend(spawn_kube_watch(&daemon, shutdown.clone()));
     let listener = bind_socket(&socket).await?;
     let _socket_guard = SocketGuard(socket.clone());
     tracing::info!(socket = %socket.display(), version = env!("CARGO_PKG_VERSION"), "minicri serving");
@@ -173,14 +185,17 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     }
     drop(listener);
     shutdown.cancel();
-    if let Some(w) = kube_watch {
-        let _ = tokio::time::timeout(Duration::from_secs(2), w).await;
-    }
-    gc.abort();
-    idle.abort();
-    streaming.abort();
-    if let Some(m) = metrics {
-        m.abort();
+    if tokio::time::timeout(
+        BACKGROUND_GRACE,
+        futures::future::join_all(background.iter_mut()),
+    )
+    .await
+    .is_err()
+    {
+        tracing::warn!("background tasks still running after {BACKGROUND_GRACE:?}; stopping them");
+        for t in &background {
+            t.abort();
+        }
     }
     tokio::select! {
         _ = graceful.shutdown() => tracing::info!("all connections closed"),

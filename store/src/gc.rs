@@ -116,13 +116,21 @@ fn plan(
     out
 }
 
-/// Runs collections every `interval` until the returned handle is aborted.
-pub fn spawn_periodic(gc: Arc<IngestGc>, interval: Duration) -> tokio::task::JoinHandle<()> {
+/// Runs collections every `interval` until `shutdown` is cancelled (a collection under way
+/// finishes first).
+pub fn spawn_periodic(
+    gc: Arc<IngestGc>,
+    interval: Duration,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         loop {
             let g = gc.clone();
             let _ = tokio::task::spawn_blocking(move || g.collect()).await;
-            tokio::time::sleep(interval).await;
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
         }
     })
 }

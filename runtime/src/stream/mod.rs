@@ -132,6 +132,7 @@ impl StreamServer {
     pub fn spawn(
         self: &Arc<Self>,
         backend: Arc<dyn ExecBackend>,
+        shutdown: tokio_util::sync::CancellationToken,
     ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
         let std_listener = self
             .listener
@@ -146,6 +147,7 @@ impl StreamServer {
             listener,
             "streaming",
             crate::httpserve::DEFAULT_LIMITS,
+            shutdown,
             move |req| http::handle(req, server.clone(), backend.clone()),
         ))
     }

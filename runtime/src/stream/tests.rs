@@ -27,7 +27,8 @@ fn started() -> Arc<StreamServer> {
     let backend = Arc::new(LocalBackend {
         killed: Arc::new(AtomicBool::new(false)),
     });
-    s.spawn(backend).unwrap();
+    s.spawn(backend, tokio_util::sync::CancellationToken::new())
+        .unwrap();
     s
 }
 
