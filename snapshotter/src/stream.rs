@@ -8,7 +8,6 @@
 
 use std::fs::File;
 use std::io::{self, Read};
-use std::time::Duration;
 
 /// A [`Read`] over chunks handed out one at a time by `next`, for example from a channel that a
 /// download task fills: `ChunkReader::new(move || rx.blocking_recv())` with a tokio channel of
@@ -85,33 +84,36 @@ pub enum WriterStatus {
     Failed(io::Error),
 }
 
-/// A [`Read`] over a file another task is still writing: at the current end of the file it asks
-/// `status` and waits (polling every `poll`) until more bytes arrive or the writer is done.
+/// A [`Read`] over a file another task is still writing: at the current end of the file it calls
+/// `status` with the bytes read so far, which blocks until the writer has written past them
+/// (or a while has passed) and says whether more may come. No polling: the writer's
+/// notification wakes the reader.
 pub struct FollowReader<F> {
     file: File,
     status: F,
-    poll: Duration,
+    read: u64,
 }
 
-impl<F: FnMut() -> WriterStatus> FollowReader<F> {
+impl<F: FnMut(u64) -> WriterStatus> FollowReader<F> {
     pub fn new(file: File, status: F) -> Self {
         FollowReader {
             file,
             status,
-            poll: Duration::from_millis(5),
+            read: 0,
         }
     }
 }
 
-impl<F: FnMut() -> WriterStatus> Read for FollowReader<F> {
+impl<F: FnMut(u64) -> WriterStatus> Read for FollowReader<F> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
             let n = self.file.read(buf)?;
+            self.read += n as u64;
             if n > 0 || buf.is_empty() {
                 return Ok(n);
             }
-            match (self.status)() {
-                WriterStatus::Writing => std::thread::sleep(self.poll),
+            match (self.status)(self.read) {
+                WriterStatus::Writing => {}
                 // The last bytes may have landed between the read above and the status.
                 WriterStatus::Done => return self.file.read(buf),
                 WriterStatus::Failed(e) => return Err(e),
@@ -126,6 +128,7 @@ mod tests {
     use std::io::Write;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
 
     #[test]
     fn chunk_reader_passes_errors() {
@@ -143,15 +146,23 @@ mod tests {
         let path = dir.path().join("blob");
         let mut w = File::create(&path).unwrap();
         let done = Arc::new(AtomicBool::new(false));
-        let d = done.clone();
+        let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (d, wr) = (done.clone(), written.clone());
         let writer = std::thread::spawn(move || {
             for i in 0..50u8 {
                 w.write_all(&[i; 1000]).unwrap();
+                wr.fetch_add(1000, Ordering::SeqCst);
                 std::thread::sleep(Duration::from_millis(1));
             }
             d.store(true, Ordering::SeqCst);
         });
-        let mut r = FollowReader::new(File::open(&path).unwrap(), || {
+        let mut positions = Vec::new();
+        let mut r = FollowReader::new(File::open(&path).unwrap(), |read| {
+            positions.push(read);
+            // The writer's side: wait until it wrote past `read` or is done.
+            while written.load(Ordering::SeqCst) <= read && !done.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_micros(200));
+            }
             if done.load(Ordering::SeqCst) {
                 WriterStatus::Done
             } else {
@@ -160,8 +171,13 @@ mod tests {
         });
         let mut out = Vec::new();
         r.read_to_end(&mut out).unwrap();
+        drop(r);
         writer.join().unwrap();
         assert_eq!(out.len(), 50_000);
         assert_eq!(out[49_999], 49);
+        // Asked only at the end of what was read, with that position.
+        assert!(!positions.is_empty());
+        assert!(positions.windows(2).all(|w| w[0] <= w[1]), "{positions:?}");
+        assert!(positions.iter().all(|&p| p <= 50_000));
     }
 }

@@ -78,8 +78,13 @@ pub struct BlobProgress {
     resumed_from: AtomicU64,
     /// Bytes received from the network by this download.
     downloaded: AtomicU64,
+    /// Bytes of the ingest file on disk (what a reader following it can read).
+    written: AtomicU64,
     state: AtomicU8,
     started: Instant,
+    /// Taken, then notified, after every change of `written` or `state`
+    /// ([`BlobProgress::wait_until`]).
+    changes: (Mutex<()>, std::sync::Condvar),
 }
 
 impl BlobProgress {
@@ -90,8 +95,48 @@ impl BlobProgress {
             done: AtomicU64::new(0),
             resumed_from: AtomicU64::new(0),
             downloaded: AtomicU64::new(0),
+            written: AtomicU64::new(0),
             state: AtomicU8::new(BlobState::Queued as u8),
             started: Instant::now(),
+            changes: (Mutex::new(()), std::sync::Condvar::new()),
+        }
+    }
+
+    /// Bytes of the ingest file on disk.
+    pub fn written(&self) -> u64 {
+        self.written.load(Ordering::Relaxed)
+    }
+
+    fn set_written(&self, n: u64) {
+        self.written.store(n, Ordering::Relaxed);
+        self.changed();
+    }
+
+    fn changed(&self) {
+        let _g = self.changes.0.lock().unwrap_or_else(|p| p.into_inner());
+        self.changes.1.notify_all();
+    }
+
+    /// Blocks (a blocking thread, not an async worker) until `ready` holds, checked now and after
+    /// each change the download reports (bytes on disk, state), or until `timeout`; whether it
+    /// holds.
+    pub fn wait_until(&self, timeout: Duration, ready: impl Fn(&BlobProgress) -> bool) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut g = self.changes.0.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if ready(self) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            g = self
+                .changes
+                .1
+                .wait_timeout(g, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
@@ -113,6 +158,7 @@ impl BlobProgress {
 
     fn set_state(&self, s: BlobState) {
         self.state.store(s as u8, Ordering::Relaxed);
+        self.changed();
     }
 
     /// Network bytes per second since this download started.
@@ -274,7 +320,7 @@ fn writer_gone() -> StoreError {
 async fn fetch(
     content: &Arc<ContentStore>,
     session: &Session,
-    progress: &BlobProgress,
+    progress: &Arc<BlobProgress>,
     transfers: &Semaphore,
 ) -> Result<()> {
     let digest = progress.digest.clone();
@@ -290,7 +336,6 @@ async fn fetch(
         progress.done.store(size, Ordering::Relaxed);
         return Ok(());
     }
-    progress.set_state(BlobState::Downloading);
     let c = content.clone();
     let d = digest.clone();
     let ingest = tokio::task::spawn_blocking(move || c.open_ingest(&d, size))
@@ -299,12 +344,16 @@ async fn fetch(
     let mut offset = ingest.offset();
     progress.resumed_from.store(offset, Ordering::Relaxed);
     progress.done.store(offset, Ordering::Relaxed);
+    progress.written.store(offset, Ordering::Relaxed);
+    // The ingest file exists from here on: a reader waiting to follow it may open it.
+    progress.set_state(BlobState::Downloading);
     if offset > 0 {
         tracing::info!(blob = %digest, offset, size, "resuming download");
     }
     // The writer thread owns the ingest and its lock, so the lock is released only after the last
     // queued chunk is on disk, even when this future is dropped (cancelled) mid-transfer.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<WriterMsg>(32);
+    let on_disk = progress.clone();
     let writer = tokio::task::spawn_blocking(move || {
         let _guard = guard;
         let mut ingest: Ingest = ingest;
@@ -313,6 +362,7 @@ async fn fetch(
                 WriterMsg::Data(b) => ingest.append(&b)?,
                 WriterMsg::Restart => ingest.restart()?,
             }
+            on_disk.set_written(ingest.offset());
         }
         Ok::<Ingest, StoreError>(ingest)
     });

@@ -115,12 +115,12 @@ async fn run_apply(
             Some(p) => {
                 let file = open_growing(&content, &digest, &p)
                     .map_err(io(format!("following the download of {digest}")))?;
-                let status = move || match p.state() {
-                    BlobState::Queued | BlobState::Downloading => WriterStatus::Writing,
-                    BlobState::Verifying | BlobState::Done => WriterStatus::Done,
-                    BlobState::Failed | BlobState::Cancelled => {
-                        WriterStatus::Failed(std::io::Error::other("download stopped"))
-                    }
+                // Woken by the download as its bytes reach the disk (no polling).
+                let status = move |read: u64| {
+                    p.wait_until(FOLLOW_WAIT, |p| {
+                        p.written() > read || !in_progress(p.state())
+                    });
+                    follow_status(p.state())
                 };
                 let mut reader = BufReader::with_capacity(
                     1 << 20,
@@ -150,9 +150,31 @@ fn open_growing(
             BlobState::Failed | BlobState::Cancelled => {
                 return Err(std::io::Error::other("download stopped"));
             }
-            BlobState::Queued | BlobState::Downloading => {
-                std::thread::sleep(Duration::from_millis(5))
+            // The ingest file exists once the download is past Queued.
+            BlobState::Queued => {
+                p.wait_until(FOLLOW_WAIT, |p| p.state() != BlobState::Queued);
             }
+            BlobState::Downloading => {
+                p.wait_until(FOLLOW_WAIT, |p| !in_progress(p.state()));
+            }
+        }
+    }
+}
+
+/// How long a follower waits for the download's next notification before it looks again.
+const FOLLOW_WAIT: Duration = Duration::from_secs(1);
+
+fn in_progress(s: BlobState) -> bool {
+    matches!(s, BlobState::Queued | BlobState::Downloading)
+}
+
+/// What a reader following the download's file is told about the writer.
+fn follow_status(s: BlobState) -> WriterStatus {
+    match s {
+        BlobState::Queued | BlobState::Downloading => WriterStatus::Writing,
+        BlobState::Verifying | BlobState::Done => WriterStatus::Done,
+        BlobState::Failed | BlobState::Cancelled => {
+            WriterStatus::Failed(std::io::Error::other("download stopped"))
         }
     }
 }

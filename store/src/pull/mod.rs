@@ -209,6 +209,8 @@ struct Job {
     requesters: Mutex<HashMap<String, RequesterEntry>>,
     joined: AtomicUsize,
     parts: Mutex<Vec<Part>>,
+    /// Notified when a part's download registers (the unpack waits for it).
+    parts_changed: tokio::sync::Notify,
     result: watch::Sender<JobResult>,
     started: Instant,
     started_at: chrono::DateTime<chrono::Utc>,
@@ -611,6 +613,7 @@ impl PullManager {
                     requesters: Mutex::new(HashMap::new()),
                     joined: AtomicUsize::new(0),
                     parts: Mutex::new(Vec::new()),
+                    parts_changed: tokio::sync::Notify::new(),
                     result: watch::Sender::new(None),
                     started: Instant::now(),
                     started_at: chrono::Utc::now(),

@@ -238,15 +238,18 @@ impl PullManager {
         };
         let mut parent = None;
         for (i, layer) in layers.iter().enumerate() {
-            // Wait for the layer's download to be registered (or its blob to be present).
+            // Wait for the layer's download to be registered (or its blob to be present): woken
+            // when a part registers; the bound re-checks the content store, where another job
+            // may have committed the blob.
             let progress = loop {
+                let registered = job.parts_changed.notified();
                 if let Some(p) = job.parts.lock().unwrap()[i + 1].progress.clone() {
                     break Some(p);
                 }
                 if self.content.size(&layer.digest).is_some() {
                     break None;
                 }
-                tokio::time::sleep(Duration::from_millis(5)).await;
+                let _ = tokio::time::timeout(Duration::from_secs(1), registered).await;
             };
             let chain = unpack::apply_layer(
                 snap,
@@ -270,6 +273,7 @@ impl PullManager {
         };
         let handle = self.blobs.acquire(&digest, size, session);
         job.parts.lock().unwrap()[i].progress = Some(handle.progress().clone());
+        job.parts_changed.notify_waiters();
         handle
     }
 
