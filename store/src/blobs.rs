@@ -178,6 +178,19 @@ struct BlobDownload {
     /// Handles alive; guarded by the `inflight` map's lock.
     interest: Mutex<usize>,
     result: watch::Receiver<Option<Result<(), Arc<StoreError>>>>,
+    /// The sessions of the requesters, one per source ([`Session::same_source`]), in the order
+    /// they came: when the download fails with one, it goes on with the next.
+    sessions: Mutex<Vec<Arc<Session>>>,
+}
+
+impl BlobDownload {
+    /// Adds `session` unless one of the same source is there.
+    fn add_session(&self, session: &Arc<Session>) {
+        let mut sessions = self.sessions.lock().unwrap();
+        if !sessions.iter().any(|s| s.same_source(session)) {
+            sessions.push(session.clone());
+        }
+    }
 }
 
 /// Node-wide registry of blob downloads.
@@ -203,16 +216,21 @@ impl BlobDownloads {
         })
     }
 
-    /// Joins the download of `digest`, starting it (with `session`) if none is running.
+    /// Joins the download of `digest`, starting it (with the first of `sessions`) if none is
+    /// running; the other sessions are where it goes on when one fails.
     pub fn acquire(
         self: &Arc<Self>,
         digest: &Digest,
         size: u64,
-        session: &Arc<Session>,
+        sessions: &[Arc<Session>],
     ) -> BlobHandle {
+        let session = sessions.first().expect("a blob is fetched with a session");
         let mut inflight = self.inflight.lock().unwrap();
         if let Some(dl) = inflight.get(digest).filter(|d| !d.cancel.is_cancelled()) {
             *dl.interest.lock().unwrap() += 1;
+            for s in sessions {
+                dl.add_session(s);
+            }
             return BlobHandle {
                 downloads: self.clone(),
                 dl: dl.clone(),
@@ -226,17 +244,34 @@ impl BlobDownloads {
             cancel: cancel.clone(),
             interest: Mutex::new(1),
             result: rx,
+            sessions: Mutex::new(vec![session.clone()]),
         });
+        for s in &sessions[1..] {
+            dl.add_session(s);
+        }
         inflight.insert(digest.clone(), dl.clone());
         drop(inflight);
 
         let this = self.clone();
-        let session = session.clone();
         let me = dl.clone();
         tokio::spawn(async move {
-            let result = tokio::select! {
-                r = fetch(&this.content, &session, &progress, &this.transfers) => r,
-                _ = cancel.cancelled() => Err(StoreError::Cancelled(format!("download of {} stopped: no pull wants it", progress.digest))),
+            // With the first requester's session; when that fails, with the next requester's of
+            // another source (other registry, mirror or credentials), from the bytes on disk.
+            let mut used = 0;
+            let result = loop {
+                let session = me.sessions.lock().unwrap()[used].clone();
+                let result = tokio::select! {
+                    r = fetch(&this.content, &session, &progress, &this.transfers) => r,
+                    _ = cancel.cancelled() => Err(StoreError::Cancelled(format!("download of {} stopped: no pull wants it", progress.digest))),
+                };
+                let next = me.sessions.lock().unwrap().len() > used + 1;
+                match result {
+                    Err(e) if next && !matches!(e, StoreError::Cancelled(_)) => {
+                        used += 1;
+                        tracing::warn!(blob = %progress.digest, failed = %session.reference(), next = %me.sessions.lock().unwrap()[used].reference(), error = %e, "blob download failed for one requester; going on with another's registry session");
+                    }
+                    r => break r,
+                }
             };
             progress.set_state(match &result {
                 Ok(()) => BlobState::Done,
@@ -257,6 +292,13 @@ impl BlobDownloads {
         BlobHandle {
             downloads: self.clone(),
             dl,
+        }
+    }
+
+    /// Adds `session` to the ones the running download of `digest` may go on with.
+    pub fn add_session(&self, digest: &Digest, session: &Arc<Session>) {
+        if let Some(dl) = self.inflight.lock().unwrap().get(digest) {
+            dl.add_session(session);
         }
     }
 

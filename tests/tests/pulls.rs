@@ -532,3 +532,78 @@ fn metrics_are_refused_off_loopback() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("loopback"), "{err}");
 }
+
+/// A shared blob download does not inherit the first requester's fate: a second requester that
+/// reaches the same blob through another registry name (here another proxy in front of the same
+/// registry) joins the download; when the first requester's registry dies mid-blob, the download
+/// goes on with the second one's session from the bytes on disk, and both pulls succeed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shared_download_failing_for_one_requester_goes_on_with_anothers_registry() {
+    let Env {
+        registry: _registry,
+        proxy: a,
+        hosts: _hosts,
+        daemon,
+    } = env(&[]).await;
+    let client = images::RegistryClient::new(a.upstream());
+    let img = images::push_big_image(
+        &client,
+        "minicri-test/shared:latest",
+        1,
+        8,
+        images::Compression::None,
+        9,
+    )
+    .await
+    .expect("push");
+    let b = minicri_tests::proxy::Proxy::start(a.upstream()).expect("second proxy");
+    let via_a = format!("{}/minicri-test/shared:latest", a.addr());
+    let via_b = format!("{}/minicri-test/shared:latest", b.addr());
+    let layer = img.layers.last().unwrap().clone();
+
+    // Through the first registry name the layer stalls after 2 MiB.
+    a.faults()
+        .stall_after(Target::Blob(layer.digest.clone()), 2 * MIB);
+    let first = spawn_pull(&daemon, &via_a, pod(1)).await;
+    assert!(a.faults().wait_stalled(1, Duration::from_secs(30)).await);
+    let second = spawn_pull(&daemon, &via_b, pod(2)).await;
+    // The second pull has resolved its manifest and joined the layer's download.
+    wait_until(
+        "the second pull's manifest",
+        Duration::from_secs(30),
+        || b.requests().iter().any(|r| r.path.contains("/manifests/")),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(b.bytes_served(&layer.digest), 0, "not downloaded twice");
+
+    // The first registry goes away for good, mid-blob.
+    drop(a);
+    let second = second.await.unwrap();
+    let first = first.await.unwrap();
+    assert_eq!(
+        second
+            .expect("the second requester's pull")
+            .into_inner()
+            .image_ref,
+        img.config_digest
+    );
+    assert_eq!(
+        first
+            .expect("the first requester's pull, finished through the other registry")
+            .into_inner()
+            .image_ref,
+        img.config_digest
+    );
+    let from_b = b.bytes_served(&layer.digest);
+    assert!(
+        from_b > 0 && from_b < layer.size,
+        "resumed from the bytes on disk: {from_b} of {} from the second registry",
+        layer.size
+    );
+    assert!(
+        daemon
+            .log()
+            .contains("going on with another's registry session")
+    );
+}

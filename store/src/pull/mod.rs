@@ -211,6 +211,9 @@ struct Job {
     parts: Mutex<Vec<Part>>,
     /// Notified when a part's download registers (the unpack waits for it).
     parts_changed: tokio::sync::Notify,
+    /// The registry sessions of the requesters that resolved the image, one per source: a blob
+    /// download that fails with one goes on with the next.
+    sessions: Mutex<Vec<Arc<Session>>>,
     result: watch::Sender<JobResult>,
     started: Instant,
     started_at: chrono::DateTime<chrono::Utc>,
@@ -494,6 +497,7 @@ impl PullManager {
                 let key = format!("{}|{}", top.digest, self.config.platform);
                 let (job, jref, created) =
                     self.join(&key, &reference, &top.digest, &requester, Joining::Call)?;
+                self.add_session(&job, &session);
                 if created {
                     let mgr = self.clone();
                     let job2 = job.clone();
@@ -534,6 +538,29 @@ impl PullManager {
         let rec = outcome.map_err(StoreError::Shared)?;
         // Each caller adds its own names: several references can resolve to one job.
         self.name_image(&rec, &reference, &job.top)
+    }
+
+    /// Offers `session` to `job` and to the downloads of its parts running now (unless one of the
+    /// same source is there): a requester reaching the image through another registry, mirror or
+    /// credentials keeps the job going when the first requester's registry fails.
+    fn add_session(&self, job: &Job, session: &Arc<Session>) {
+        {
+            let mut sessions = job.sessions.lock().unwrap();
+            if sessions.iter().any(|s| s.same_source(session)) {
+                return;
+            }
+            sessions.push(session.clone());
+        }
+        let digests: Vec<Digest> = job
+            .parts
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|p| p.digest.clone())
+            .collect();
+        for d in digests {
+            self.blobs.add_session(&d, session);
+        }
     }
 
     /// Builds a registry session (off the async threads: it loads TLS roots) and resolves the
@@ -614,6 +641,7 @@ impl PullManager {
                     joined: AtomicUsize::new(0),
                     parts: Mutex::new(Vec::new()),
                     parts_changed: tokio::sync::Notify::new(),
+                    sessions: Mutex::new(Vec::new()),
                     result: watch::Sender::new(None),
                     started: Instant::now(),
                     started_at: chrono::Utc::now(),

@@ -271,7 +271,10 @@ impl PullManager {
             let parts = job.parts.lock().unwrap();
             (parts[i].digest.clone(), parts[i].size)
         };
-        let handle = self.blobs.acquire(&digest, size, session);
+        // The job's own session first, then those of requesters that joined from elsewhere.
+        let mut sessions = vec![session.clone()];
+        sessions.extend(job.sessions.lock().unwrap().iter().cloned());
+        let handle = self.blobs.acquire(&digest, size, &sessions);
         job.parts.lock().unwrap()[i].progress = Some(handle.progress().clone());
         job.parts_changed.notify_waiters();
         handle

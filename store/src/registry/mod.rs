@@ -374,8 +374,28 @@ impl Registry {
                 authed: tokio::sync::OnceCell::new(),
             });
         }
+        let source = {
+            use sha2::Digest as _;
+            let mut h = sha2::Sha256::new();
+            for part in [&reference.domain, &reference.path]
+                .into_iter()
+                .chain(sessions.iter().map(|s| &s.endpoint.host))
+                .chain([
+                    &creds.username,
+                    &creds.password,
+                    &creds.auth,
+                    &creds.identity_token,
+                    &creds.registry_token,
+                ])
+            {
+                h.update((part.len() as u64).to_be_bytes());
+                h.update(part.as_bytes());
+            }
+            h.finalize().into()
+        };
         Ok(Session {
             reference: reference.clone(),
+            source,
             endpoints: sessions,
             preferred: AtomicUsize::new(0),
         })
@@ -530,6 +550,9 @@ pub struct BlobBody {
 /// A pull's view of one image's registry endpoints.
 pub struct Session {
     reference: Reference,
+    /// sha256 of where the session's blob requests go and with what credentials: two sessions
+    /// with the same source fail alike.
+    source: [u8; 32],
     endpoints: Vec<EndpointSession>,
     /// The endpoint that answered last; tried first for everything after the manifest.
     preferred: AtomicUsize,
@@ -538,6 +561,12 @@ pub struct Session {
 impl Session {
     pub fn reference(&self) -> &Reference {
         &self.reference
+    }
+
+    /// Whether `other` fetches from the same endpoints, for the same repository, with the same
+    /// credentials (so a failure of one is a failure of both).
+    pub fn same_source(&self, other: &Session) -> bool {
+        self.source == other.source
     }
 
     /// Endpoint indices in the order to try: the preferred one first, then the rest in order.
