@@ -105,6 +105,18 @@ pub fn processes_mentioning(needle: &str) -> Vec<i32> {
     pids
 }
 
+/// Interfaces enslaved to `bridge` (`ip link show master`).
+pub fn ports_of(bridge: &str) -> Vec<String> {
+    let out = Command::new("ip")
+        .args(["-o", "link", "show", "master", bridge])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
 /// Cleans up after a test, also a failed one: runc containers under the daemon's state, shims,
 /// mounts under the daemon's directory, the bridge, cgroup parents.
 pub struct Leftovers {

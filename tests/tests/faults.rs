@@ -15,12 +15,12 @@ use minicri_proto::runtime::v1 as cri;
 use minicri_tests::daemon::{Daemon, HostsDir};
 use minicri_tests::images::{Compression, ImageBuilder, LayerBuilder, RegistryClient};
 use minicri_tests::pod_env::{
-    PodEnv, eventually, mounts_under, pod_config, processes_mentioning, skip_reason,
+    PodEnv, eventually, mounts_under, pod_config, ports_of, processes_mentioning, skip_reason,
 };
 use minicri_tests::pod_rpc::{
-    container_config, container_status, create_container, list_pod_sandboxes, pod_sandbox_status,
-    remove_pod_sandbox, run_container, run_pod, stop_and_remove_pod, stop_container,
-    stop_pod_sandbox,
+    RuntimeClient, container_config, container_status, create_container, list_pod_sandboxes,
+    pod_sandbox_status, remove_pod_sandbox, run_container, run_pod, stop_and_remove_pod,
+    stop_container, stop_pod_sandbox,
 };
 use minicri_tests::registry::Registry;
 
@@ -286,18 +286,6 @@ fn network_of(env: &PodEnv) -> (PathBuf, serde_json::Value, String, PathBuf) {
     (conf, list, bridge, dir.join("ipam"))
 }
 
-/// Interfaces enslaved to `bridge`.
-fn ports_of(bridge: &str) -> Vec<String> {
-    let out = std::process::Command::new("ip")
-        .args(["-o", "link", "show", "master", bridge])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(String::from)
-        .collect()
-}
-
 /// Addresses host-local holds (files named as IPs under its data directory).
 fn leases(ipam: &Path) -> Vec<String> {
     let mut out = Vec::new();
@@ -335,6 +323,47 @@ fn runc_ids(env: &PodEnv) -> Vec<String> {
         .collect()
 }
 
+/// Runs `call` in a task until the wrapper it reaches touches `<step>-started` (blocked by the
+/// flag `hang-<step>`), then SIGKILLs the daemon, checks that the call failed, and lets the
+/// wrapper go on (it fails).
+async fn kill_during<T: Send + 'static>(
+    env: &mut PodEnv,
+    inj: &Injector,
+    step: &str,
+    call: impl std::future::Future<Output = Result<T, tonic::Status>> + Send + 'static,
+) {
+    inj.set(&format!("hang-{step}"));
+    let call = tokio::spawn(call);
+    inj.wait_for(&format!("{step}-started")).await;
+    env.daemon.kill();
+    assert!(call.await.unwrap().is_err(), "the call outlived the daemon");
+    inj.clear(&format!("hang-{step}"));
+    inj.set("release");
+}
+
+/// A running pod `name` with a created (not started) busybox container `container` that would
+/// sleep: (client, pod config, sandbox id, container id).
+async fn pod_with_created_container(
+    env: &PodEnv,
+    name: &str,
+    container: &str,
+) -> (RuntimeClient, cri::PodSandboxConfig, String, String) {
+    env.pull_busybox().await;
+    let mut c = env.runtime().await;
+    let pod = pod_config(name, env.logs.path());
+    let sb = run_pod(&mut c, &pod).await;
+    let image = env.set.busybox_oci.reference.clone();
+    let cid = create_container(
+        &mut c,
+        &sb,
+        &pod,
+        container_config(container, &image, &["sleep", "1000"]),
+    )
+    .await
+    .unwrap();
+    (c, pod, sb, cid)
+}
+
 /// SIGKILL while the last CNI plugin of the chain is in ADD (the bridge plugin before it has
 /// plugged a veth in and host-local has leased an address): the next start undoes the sandbox
 /// (CNI DEL, network namespace, files, infra), nothing is listed, and the name is free again.
@@ -353,28 +382,21 @@ async fn sigkill_during_run_pod_sandbox_is_undone_at_the_next_start() {
         .unwrap()
         .push(serde_json::json!({ "type": "minicri-test-hang" }));
     std::fs::write(&conf, serde_json::to_vec(&chained).unwrap()).unwrap();
-    inj.set("hang-add");
-
     let pod = pod_config("killed-in-run", env.logs.path());
     let c = env.runtime().await;
-    let call = {
-        let pod = pod.clone();
-        let mut c = c.clone();
-        tokio::spawn(async move {
+    let run = {
+        let (pod, mut c) = (pod.clone(), c.clone());
+        async move {
             c.run_pod_sandbox(cri::RunPodSandboxRequest {
                 config: Some(pod),
                 runtime_handler: String::new(),
             })
             .await
-        })
+        }
     };
-    inj.wait_for("add-started").await;
+    kill_during(&mut env, &inj, "add", run).await;
     assert_eq!(ports_of(&bridge).len(), 1, "the bridge plugin ran first");
     assert_eq!(leases(&ipam).len(), 1);
-    env.daemon.kill();
-    assert!(call.await.unwrap().is_err());
-    inj.clear("hang-add");
-    inj.set("release");
 
     env.daemon.restart().await.unwrap();
     let mut c2 = env.runtime().await;
@@ -412,20 +434,14 @@ async fn sigkill_during_stop_pod_sandbox_is_finished_by_the_next_stop() {
     let pod = pod_config("killed-in-stop", env.logs.path());
     let id = run_pod(&mut c, &pod).await;
     assert_eq!(leases(&ipam).len(), 1);
-    inj.set("hang-delete");
-    let call = {
-        let mut c = c.clone();
-        let id = id.clone();
-        tokio::spawn(async move {
+    let stop = {
+        let (mut c, id) = (c.clone(), id.clone());
+        async move {
             c.stop_pod_sandbox(cri::StopPodSandboxRequest { pod_sandbox_id: id })
                 .await
-        })
+        }
     };
-    inj.wait_for("delete-started").await;
-    env.daemon.kill();
-    assert!(call.await.unwrap().is_err());
-    inj.clear("hang-delete");
-    inj.set("release");
+    kill_during(&mut env, &inj, "delete", stop).await;
     assert_eq!(
         ports_of(&bridge).len(),
         1,
@@ -456,38 +472,21 @@ async fn sigkill_during_start_container_leaves_it_created() {
     }
     let inj = Injector::new();
     let mut env = pod_env_with(&inj).await;
-    env.pull_busybox().await;
-    let mut c = env.runtime().await;
-    let pod = pod_config("killed-in-start", env.logs.path());
-    let sb = run_pod(&mut c, &pod).await;
-    let image = env.set.busybox_oci.reference.clone();
-    let cid = create_container(
-        &mut c,
-        &sb,
-        &pod,
-        container_config("main", &image, &["sleep", "1000"]),
-    )
-    .await
-    .unwrap();
-    inj.set("hang-start");
-    let call = {
-        let mut c = c.clone();
-        let cid = cid.clone();
-        tokio::spawn(async move {
+    let (c, _, sb, cid) = pod_with_created_container(&env, "killed-in-start", "main").await;
+    let start = {
+        let (mut c, cid) = (c.clone(), cid.clone());
+        async move {
             c.start_container(cri::StartContainerRequest { container_id: cid })
                 .await
-        })
+        }
     };
-    inj.wait_for("start-started").await;
+    kill_during(&mut env, &inj, "start", start).await;
+    // `runc start` blocked in the wrapper: the shim had created the container.
     assert!(
         runc_ids(&env).contains(&cid),
         "the shim created the container"
     );
     assert!(!processes_mentioning(&cid).is_empty());
-    env.daemon.kill();
-    assert!(call.await.unwrap().is_err());
-    inj.clear("hang-start");
-    inj.set("release");
 
     env.daemon.restart().await.unwrap();
     let mut c = env.runtime().await;
@@ -523,19 +522,8 @@ async fn runc_failing_in_create_fails_the_start_and_leaves_nothing() {
     }
     let inj = Injector::new();
     let env = pod_env_with(&inj).await;
-    env.pull_busybox().await;
-    let mut c = env.runtime().await;
-    let pod = pod_config("create-fails", env.logs.path());
-    let sb = run_pod(&mut c, &pod).await;
+    let (mut c, pod, sb, cid) = pod_with_created_container(&env, "create-fails", "broken").await;
     let image = env.set.busybox_oci.reference.clone();
-    let cid = create_container(
-        &mut c,
-        &sb,
-        &pod,
-        container_config("broken", &image, &["sleep", "1000"]),
-    )
-    .await
-    .unwrap();
     inj.set("fail-create");
     let err = c
         .start_container(cri::StartContainerRequest {

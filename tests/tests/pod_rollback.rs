@@ -5,20 +5,8 @@
 //! Root only, with runc and Debian's CNI plugins ([`skip_reason`]).
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_tests::pod_env::{PodEnv, pod_config, skip_reason};
+use minicri_tests::pod_env::{PodEnv, pod_config, ports_of, skip_reason};
 use minicri_tests::pod_rpc::{list_pod_sandboxes, stop_and_remove_pod};
-
-/// Interfaces enslaved to `bridge`.
-fn ports_of(bridge: &str) -> Vec<String> {
-    let out = std::process::Command::new("ip")
-        .args(["-o", "link", "show", "master", bridge])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(String::from)
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_failing_cni_plugin_rolls_the_sandbox_back() {
