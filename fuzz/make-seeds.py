@@ -79,6 +79,8 @@ hosts = {
     "server-http": 'server = "http://127.0.0.1:5000"\n',
     "loopback-names": '[host."127.evil.example:5000"]\n[host."localhost:5000"]\n',
     "not-toml": "[[[",
+    # Found by fuzzing: a host with TOML escapes (and characters no host has).
+    "escaped-host": '[host."http://plm:##5##ost:0ple:5\\b\\bbbbb###(###001"]\n',
     "empty": "",
 }
 for name, text in hosts.items():

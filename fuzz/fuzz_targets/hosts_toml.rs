@@ -1,5 +1,6 @@
 //! hosts.toml parsing (store/src/hosts.rs): never panics; every endpoint it yields has a host, and
-//! plain http only where the file says `http://` or the host is a loopback IP literal.
+//! plain http only where the file says `http://` (in a TOML string or key, escapes decoded) or
+//! the host is a loopback IP literal.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -17,7 +18,9 @@ fuzz_target!(|data: &[u8]| {
         for e in &endpoints {
             assert!(!e.host.is_empty(), "{text:?}: endpoint without a host");
             if e.plain_http {
-                let explicit = text.contains(&format!("http://{}", e.host));
+                let want = format!("http://{}", e.host);
+                let explicit = toml::from_str::<toml::Value>(text)
+                    .is_ok_and(|v| strings(&v).iter().any(|s| s.starts_with(&want)));
                 assert!(
                     explicit || is_loopback_ip(&e.host),
                     "{text:?}: plain http for {} without http:// in the file",
@@ -28,3 +31,16 @@ fuzz_target!(|data: &[u8]| {
         }
     }
 });
+
+/// Every key and string value of a TOML document, decoded.
+fn strings(v: &toml::Value) -> Vec<String> {
+    match v {
+        toml::Value::String(s) => vec![s.clone()],
+        toml::Value::Array(a) => a.iter().flat_map(strings).collect(),
+        toml::Value::Table(t) => t
+            .iter()
+            .flat_map(|(k, v)| std::iter::once(k.clone()).chain(strings(v)))
+            .collect(),
+        _ => Vec::new(),
+    }
+}

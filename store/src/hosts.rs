@@ -181,7 +181,46 @@ fn parse_url(url: &str, path: &Path) -> Result<(String, bool, String)> {
     if host.is_empty() {
         return Err(bad(format!("host URL {url:?} has no host")));
     }
+    if !valid_authority(host) {
+        return Err(bad(format!(
+            "host URL {url:?}: {host:?} is not a host name, IPv4 address or [IPv6] address with \
+             an optional port"
+        )));
+    }
     Ok((host.to_string(), plain_http, url_path))
+}
+
+/// `name[:port]`, `ipv4[:port]` or `[ipv6][:port]`: DNS labels of letters, digits, `-` and `_`.
+fn valid_authority(a: &str) -> bool {
+    let (host_ok, port) = if let Some(rest) = a.strip_prefix('[') {
+        let Some((v6, after)) = rest.split_once(']') else {
+            return false;
+        };
+        let port = match after {
+            "" => None,
+            p => match p.strip_prefix(':') {
+                Some(p) => Some(p),
+                None => return false,
+            },
+        };
+        (v6.parse::<std::net::Ipv6Addr>().is_ok(), port)
+    } else {
+        let (h, port) = match a.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (a, None),
+        };
+        let label_ok = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        };
+        (h.len() <= 253 && h.split('.').all(label_ok), port)
+    };
+    host_ok
+        && port.is_none_or(|p| {
+            !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) && p.parse::<u16>().is_ok()
+        })
 }
 
 fn caps(list: &Option<Vec<String>>) -> (bool, bool) {
@@ -284,6 +323,36 @@ mod tests {
             h.endpoints("quay.io").unwrap()[0].to_string(),
             "https://quay.io"
         );
+    }
+
+    #[test]
+    fn hosts_that_are_not_host_names_are_refused() {
+        for host in [
+            "a b",
+            "plm:##5##ost:0ple:5\\u0008bb",
+            "m.example:99999",
+            "m.example:",
+            "[::1",
+            "[::1]x",
+            "bad..dots",
+            "m.example:5000:1",
+        ] {
+            let text = format!("[host.\"http://{host}\"]\n");
+            let (_d, h) = hosts_with("r.example", &text);
+            let err = h.endpoints("r.example").unwrap_err().to_string();
+            assert!(err.contains("is not a host name"), "{host}: {err}");
+        }
+        for host in [
+            "m.example",
+            "m.example:5000",
+            "10.0.0.1:5000",
+            "[::1]:5000",
+            "my_host",
+        ] {
+            let text = format!("[host.\"https://{host}\"]\n");
+            let (_d, h) = hosts_with("r.example", &text);
+            assert_eq!(h.endpoints("r.example").unwrap()[0].host, host);
+        }
     }
 
     #[test]
