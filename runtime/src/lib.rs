@@ -16,6 +16,8 @@
 //! - [`metrics`]: Prometheus metrics of the pulls (loopback, off by default);
 //! - [`fsutil`]: atomic file replacement, shared by the modules that persist state;
 //! - [`httpserve`]: the accept loop, connection cap and header timeout of the HTTP servers;
+//! - [`idle`]: what the daemon gives back after a burst (allocator pages, registry connections);
+//! - [`ids`]: random sandbox and container ids, streaming tokens;
 //! - [`stream`]: the streaming server behind the Exec RPC's URLs (HTTP/1.1, SPDY/3.1,
 //!   remotecommand).
 
@@ -28,6 +30,7 @@ pub mod error;
 pub mod fsutil;
 pub mod httpserve;
 pub mod idle;
+pub mod ids;
 #[cfg(feature = "kube-watch")]
 pub mod kube_watch;
 pub mod logs;

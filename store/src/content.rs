@@ -10,12 +10,10 @@
 //! One writer per ingest is enforced by [`ContentStore::lock_ingest`]; committed blobs are never
 //! modified, only deleted when no image uses them.
 
-use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, Weak};
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
@@ -30,7 +28,7 @@ pub const MAX_METADATA_BLOB: u64 = 16 * 1024 * 1024;
 #[derive(Debug)]
 pub struct ContentStore {
     root: PathBuf,
-    ingest_locks: Mutex<HashMap<Digest, Weak<tokio::sync::Mutex<()>>>>,
+    ingest_locks: crate::keyed::KeyedLocks<Digest>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -66,7 +64,7 @@ impl ContentStore {
         }
         Ok(ContentStore {
             root: root.to_path_buf(),
-            ingest_locks: Mutex::new(HashMap::new()),
+            ingest_locks: crate::keyed::KeyedLocks::new(),
         })
     }
 
@@ -174,19 +172,7 @@ impl ContentStore {
 
     /// Takes the one-writer lock of a blob's ingest. Held across the whole download of that blob.
     pub async fn lock_ingest(&self, d: &Digest) -> tokio::sync::OwnedMutexGuard<()> {
-        let lock = {
-            let mut locks = self.ingest_locks.lock().unwrap();
-            locks.retain(|_, w| w.strong_count() > 0);
-            match locks.get(d).and_then(Weak::upgrade) {
-                Some(l) => l,
-                None => {
-                    let l = Arc::new(tokio::sync::Mutex::new(()));
-                    locks.insert(d.clone(), Arc::downgrade(&l));
-                    l
-                }
-            }
-        };
-        lock.lock_owned().await
+        self.ingest_locks.lock(d).await
     }
 
     /// Opens the ingest of blob `d` for writing, resuming from the bytes already there.

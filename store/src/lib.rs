@@ -2,6 +2,7 @@
 //!
 //! - [`reference`]: image reference parsing and normalisation;
 //! - [`fsutil`]: durable atomic file replacement, for every record the daemon writes;
+//! - [`keyed`]: per-key async locks that last as long as their holders;
 //! - [`content`]: the content-addressed blob store and its resumable ingest area;
 //! - [`images`]: image records (CRI images) keyed by config digest, with names and blob ownership;
 //! - [`hosts`]: registry endpoints from a containerd-style `hosts.toml` directory;
@@ -19,6 +20,7 @@ pub mod fsutil;
 pub mod gc;
 pub mod hosts;
 pub mod images;
+pub mod keyed;
 pub mod manifest;
 pub mod pull;
 pub mod reference;

@@ -28,10 +28,9 @@ pub mod exec;
 pub mod pod;
 pub mod result;
 
-use std::collections::HashMap;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use serde_json::{Map, Value};
@@ -155,7 +154,7 @@ pub struct CniManager {
     /// addresses (`ranges`/`subnet` of host-local).
     pod_cidr: Mutex<String>,
     /// One lock per container id with an operation under way.
-    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    locks: minicri_store::keyed::KeyedLocks<String>,
 }
 
 impl CniManager {
@@ -167,7 +166,7 @@ impl CniManager {
             runner,
             cache,
             pod_cidr: Mutex::new(String::new()),
-            locks: Mutex::new(HashMap::new()),
+            locks: minicri_store::keyed::KeyedLocks::new(),
         }
     }
 
@@ -207,22 +206,7 @@ impl CniManager {
     }
 
     async fn lock(&self, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        let m = self
-            .locks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(id.to_string())
-            .or_default()
-            .clone();
-        m.lock_owned().await
-    }
-
-    fn forget_lock(&self, id: &str) {
-        let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
-        // Only when nobody else holds or waits for it (the map's own reference is the last).
-        if locks.get(id).is_some_and(|m| Arc::strong_count(m) == 1) {
-            locks.remove(id);
-        }
+        self.locks.lock(&id.to_string()).await
     }
 
     /// ADD: attaches the pod's namespace to the network, running the list's plugins in order, each
@@ -432,7 +416,6 @@ impl CniManager {
         // Spec: a cached result must be deleted on a successful DEL.
         self.cache.remove(&pod.id)?;
         drop(guard);
-        self.forget_lock(&pod.id);
         tracing::info!(id = %pod.id, network = %list.name, "pod network torn down");
         Ok(())
     }

@@ -488,7 +488,6 @@ impl PodService {
         super::remove_dir(&rec.bundle)?;
         self.store.delete_container(id)?;
         drop(guard);
-        self.store.forget_op_lock(id);
         Ok(())
     }
 

@@ -37,7 +37,6 @@ pub mod stats;
 pub mod store;
 pub mod undo;
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -78,15 +77,6 @@ pub fn now_ns() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as i64)
         .unwrap_or(0)
-}
-
-/// 64 random hex digits (the id format the kubelet and crictl expect).
-pub fn random_id() -> Result<String> {
-    let mut b = [0u8; 32];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut b))
-        .map_err(|e| Error::Internal(format!("reading /dev/urandom: {e}")))?;
-    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 /// Runs blocking work on tokio's blocking pool.
@@ -272,7 +262,7 @@ impl PodService {
     /// A fresh id whose bundle directory is free.
     pub(crate) fn new_id(&self) -> Result<String> {
         loop {
-            let id = random_id()?;
+            let id = crate::ids::object_id()?;
             if !self.store.id_in_use(&id) && !self.bundle_dir(&id).exists() {
                 return Ok(id);
             }

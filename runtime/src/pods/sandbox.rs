@@ -310,7 +310,6 @@ impl PodService {
                 svc.pulls.reopen_pod(&m.uid, m.attempt);
             }
             drop(_guard);
-            svc.store.forget_op_lock(&id);
             Ok(())
         })
         .await

@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use minicri_proto::runtime::v1 as cri;
 use prost::Message;
@@ -178,7 +178,7 @@ pub struct Store {
     writes: Mutex<()>,
     events: tokio::sync::broadcast::Sender<ContainerEvent>,
     /// One lock per object id with a state-changing operation under way.
-    ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    ops: minicri_store::keyed::KeyedLocks<String>,
 }
 
 fn read_dir_json<T: for<'de> Deserialize<'de>>(dir: &Path) -> Vec<T> {
@@ -215,7 +215,7 @@ impl Store {
             dir: dir.to_path_buf(),
             inner: Mutex::new(inner),
             writes: Mutex::new(()),
-            ops: Mutex::new(HashMap::new()),
+            ops: minicri_store::keyed::KeyedLocks::new(),
             events: tokio::sync::broadcast::Sender::new(EVENT_BUFFER),
         })
     }
@@ -241,22 +241,7 @@ impl Store {
 
     /// Serialises state-changing operations on one object.
     pub async fn op_lock(&self, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        let m = self
-            .ops
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(id.to_string())
-            .or_default()
-            .clone();
-        m.lock_owned().await
-    }
-
-    /// Drops the operation lock of a removed object (when nobody else waits for it).
-    pub fn forget_op_lock(&self, id: &str) {
-        let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
-        if ops.get(id).is_some_and(|m| Arc::strong_count(m) == 1) {
-            ops.remove(id);
-        }
+        self.ops.lock(&id.to_string()).await
     }
 
     /// Reserves `name` for `id`; ALREADY_EXISTS when another id holds it.

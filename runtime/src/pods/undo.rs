@@ -82,7 +82,7 @@ pub(crate) struct Journal {
 impl Journal {
     fn new(dir: &Path, operation: Operation) -> Result<Journal> {
         Ok(Journal {
-            path: dir.join(format!("{}.json", &super::random_id()?[..16])),
+            path: dir.join(format!("{}.json", crate::ids::random_hex::<8>()?)),
             file: JournalFile {
                 operation,
                 subject: None,

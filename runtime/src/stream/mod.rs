@@ -39,7 +39,6 @@ mod tests;
 pub mod ws;
 
 use std::collections::HashMap;
-use std::io::Read;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -108,7 +107,7 @@ impl StreamServer {
     }
 
     fn insert(&self, p: Pending) -> Result<String> {
-        let token = new_token()?;
+        let token = crate::ids::random_hex::<16>()?;
         let now = Instant::now();
         let mut pending = self.pending.lock().unwrap();
         pending.retain(|_, (expires, _)| *expires > now);
@@ -151,13 +150,4 @@ impl StreamServer {
             move |req| http::handle(req, server.clone(), backend.clone()),
         ))
     }
-}
-
-/// 32 hex digits from the kernel's random source (URL-safe).
-fn new_token() -> Result<String> {
-    let mut b = [0u8; 16];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut b))
-        .map_err(|e| Error::Internal(format!("reading /dev/urandom: {e}")))?;
-    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
