@@ -105,16 +105,18 @@ pub fn processes_mentioning(needle: &str) -> Vec<i32> {
     pids
 }
 
-/// Interfaces enslaved to `bridge` (`ip link show master`).
-pub fn ports_of(bridge: &str) -> Vec<String> {
-    let out = Command::new("ip")
-        .args(["-o", "link", "show", "master", bridge])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
+/// The lines `cmd` prints on stdout (none when it cannot run).
+pub fn output_lines(cmd: &mut Command) -> Vec<String> {
+    let out = cmd.output().map(|o| o.stdout).unwrap_or_default();
+    String::from_utf8_lossy(&out)
         .lines()
         .map(String::from)
         .collect()
+}
+
+/// Interfaces enslaved to `bridge` (`ip link show master`).
+pub fn ports_of(bridge: &str) -> Vec<String> {
+    output_lines(Command::new("ip").args(["-o", "link", "show", "master", bridge]))
 }
 
 /// Cleans up after a test, also a failed one: runc containers under the daemon's state, shims,

@@ -15,7 +15,8 @@ use minicri_proto::runtime::v1 as cri;
 use minicri_tests::daemon::{Daemon, HostsDir};
 use minicri_tests::images::{Compression, ImageBuilder, LayerBuilder, RegistryClient};
 use minicri_tests::pod_env::{
-    PodEnv, eventually, mounts_under, pod_config, ports_of, processes_mentioning, skip_reason,
+    PodEnv, eventually, mounts_under, output_lines, pod_config, ports_of, processes_mentioning,
+    skip_reason,
 };
 use minicri_tests::pod_rpc::{
     RuntimeClient, container_config, container_status, create_container, list_pod_sandboxes,
@@ -311,16 +312,12 @@ fn journals(env: &PodEnv) -> BTreeSet<OsString> {
 
 /// The ids of the containers runc knows under the daemon's runtime root.
 fn runc_ids(env: &PodEnv) -> Vec<String> {
-    let out = std::process::Command::new("runc")
-        .arg("--root")
-        .arg(env.state().join("runc"))
-        .args(["list", "-q"])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(String::from)
-        .collect()
+    output_lines(
+        std::process::Command::new("runc")
+            .arg("--root")
+            .arg(env.state().join("runc"))
+            .args(["list", "-q"]),
+    )
 }
 
 /// Runs `call` in a task until the wrapper it reaches touches `<step>-started` (blocked by the

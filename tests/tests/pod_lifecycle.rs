@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
 use minicri_tests::pod_env::{
-    PodEnv, eventually, mounts_under, pod_config, processes_mentioning, skip_reason,
+    PodEnv, eventually, mounts_under, pod_config, ports_of, processes_mentioning, skip_reason,
 };
 use minicri_tests::pod_rpc::{
     container_status, exec_text, list_pod_sandboxes, pod_sandbox_status, run_container, run_pod,
@@ -290,17 +290,6 @@ fn cgroups_of(parent: &str, id: &str) -> Vec<PathBuf> {
     out
 }
 
-fn veths_on(bridge_master_of_ip: &str) -> Vec<String> {
-    let out = std::process::Command::new("ip")
-        .args(["-o", "link", "show", "master", bridge_master_of_ip])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(String::from)
-        .collect()
-}
-
 /// The bridge that carries the test's subnet.
 fn bridge_of(subnet_base: &str) -> String {
     let prefix = subnet_base.rsplit_once('.').unwrap().0;
@@ -371,7 +360,7 @@ async fn removing_every_pod_leaves_nothing_behind() {
     let state = env.state();
     // While they run, the things checked below exist (so the checks can see them).
     assert!(!cgroups_of(&parent, &ids[0]).is_empty(), "container cgroup");
-    assert_eq!(veths_on(&bridge).len(), 2, "two veths on {bridge}");
+    assert_eq!(ports_of(&bridge).len(), 2, "two veths on {bridge}");
     assert!(!mounts_under(&state).is_empty());
     assert!(
         processes_mentioning(&state.to_string_lossy())
@@ -392,7 +381,7 @@ async fn removing_every_pod_leaves_nothing_behind() {
         let left = cgroups_of(&parent, id);
         assert!(left.is_empty(), "cgroups left: {left:?}");
     }
-    assert!(veths_on(&bridge).is_empty(), "veths left on {bridge}");
+    assert!(ports_of(&bridge).is_empty(), "veths left on {bridge}");
     // runc's own record of containers.
     let runc = std::process::Command::new("runc")
         .arg("--root")
