@@ -10,6 +10,7 @@
 //! - [`cgroups`]: what the kernel says about a container's or pod's cgroup (OOM kills, CPU,
 //!   memory and process counters);
 //! - [`stats`]: ContainerStats, ListContainerStats, PodSandboxStats, ListPodSandboxStats;
+//! - [`streaming`]: exec and attach for the streaming server (its `ExecBackend`);
 //! - [`undo`]: multi-step operations, their undo steps and the on-disk journal of them.
 //!
 //! Layout under the state directory: `pods/` (records; `pods/inflight/` the undo journals), `sandboxes/<id>/` (hostname, resolv.conf,
@@ -35,6 +36,7 @@ pub mod inspect;
 pub mod sandbox;
 pub mod stats;
 pub mod store;
+pub mod streaming;
 pub mod undo;
 
 use std::path::{Path, PathBuf};

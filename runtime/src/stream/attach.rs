@@ -138,27 +138,6 @@ pub async fn run_session(
     link.finish().await;
 }
 
-/// The daemon's attach: the running container's shim serves the session.
-pub(super) fn pod_attach<'a>(
-    pods: &'a crate::pods::PodService,
-    container_id: &'a str,
-    stdin: bool,
-    stdout: bool,
-    stderr: bool,
-) -> BoxFuture<'a, Result<Attached, String>> {
-    Box::pin(async move {
-        let rec = pods.exec_target(container_id).map_err(|e| e.to_string())?;
-        let shim = rec
-            .shim
-            .ok_or_else(|| format!("container {container_id} has no monitor to attach to"))?;
-        let conn = shim
-            .attach(stdin, stdout, stderr)
-            .await
-            .map_err(|e| format!("attaching to container {container_id}: {e}"))?;
-        Ok(from_shim(conn, stdin, stdout, stderr))
-    })
-}
-
 /// Turns a shim attach connection into the session's pipes: one task copies the shim's
 /// frames to the stdout / stderr pipes, another the stdin pipe and the resizes to the shim as
 /// frames. Both stop, closing the connection (the shim's sign of a detach), when

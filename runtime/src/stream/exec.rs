@@ -4,8 +4,9 @@
 //! 1. Get the channels the request announced: `error`, and `stdin` / `stdout` / `stderr` as
 //!    asked, `resize` with a terminal ([`super::session`]; over SPDY, wait up to 30 s, as the
 //!    kubelet does, until the client has opened them; over WebSocket they are just there).
-//! 2. Start the process through an [`ExecBackend`] (the pod service in the daemon; a local
-//!    process in unit tests), with a terminal when the request asks for one.
+//! 2. Start the process through an [`ExecBackend`] (the pod service in the daemon,
+//!    `crate::pods::streaming`; a local process in unit tests), with a terminal when the request
+//!    asks for one.
 //! 3. Copy stdin from its stream to the process (the client's FIN closes the process's stdin, or
 //!    sends ^D to a terminal; no stdin stream: closed at once) and stdout / stderr to theirs as
 //!    data; output nobody asked for is read and dropped so the process never blocks on a
@@ -39,9 +40,6 @@ pub struct ExecRequest {
     pub stdout: bool,
     pub stderr: bool,
 }
-
-/// How often (every 20 ms) a kill looks for the pid file of an exec's process.
-const KILL_PID_POLLS: usize = 250;
 
 pub type BoxRead = Pin<Box<dyn AsyncRead + Send>>;
 pub type BoxWrite = Pin<Box<dyn AsyncWrite + Send>>;
@@ -82,101 +80,6 @@ pub trait ExecBackend: Send + Sync + 'static {
         _stderr: bool,
     ) -> BoxFuture<'a, Result<super::attach::Attached, String>> {
         Box::pin(async move { Err(format!("cannot attach to {container_id} here")) })
-    }
-}
-
-impl ExecBackend for crate::pods::PodService {
-    fn spawn<'a>(
-        &'a self,
-        container_id: &'a str,
-        cmd: Vec<String>,
-        tty: bool,
-    ) -> BoxFuture<'a, Result<Spawned, String>> {
-        Box::pin(async move {
-            let (p, stdin, stdout, stderr, resize) = if tty {
-                let (p, master) = self
-                    .exec_streaming_tty(container_id, cmd)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let io = |fd: &std::os::fd::OwnedFd| {
-                    fd.try_clone()
-                        .and_then(super::pty::PtyIo::new)
-                        .map_err(|e| format!("pty: {e}"))
-                };
-                let (w, r) = (io(&master)?, io(&master)?);
-                // runc resizes the container's terminal to its own on SIGWINCH.
-                let runc = p
-                    .child
-                    .id()
-                    .map(|pid| nix::unistd::Pid::from_raw(pid as i32));
-                let resize: Resize = Box::new(move |width, height| {
-                    if super::pty::resize(&master, width, height).is_ok()
-                        && let Some(pid) = runc
-                    {
-                        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGWINCH);
-                    }
-                });
-                (
-                    p,
-                    Some(Box::pin(w) as BoxWrite),
-                    Some(Box::pin(r) as BoxRead),
-                    None,
-                    Some(resize),
-                )
-            } else {
-                let mut p = self
-                    .exec_streaming(container_id, cmd)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let stdin = p.child.stdin.take().map(|s| Box::pin(s) as BoxWrite);
-                let stdout = p.child.stdout.take().map(|s| Box::pin(s) as BoxRead);
-                let stderr = p.child.stderr.take().map(|s| Box::pin(s) as BoxRead);
-                (p, stdin, stdout, stderr, None)
-            };
-            let pid_file = p.pid_file();
-            let kill = Box::new(move || {
-                // runc writes the pid file once the process runs, which may be after the
-                // process's first output: a client that hangs up at once must not find it
-                // missing. Wait for it a little (it goes when the process has been waited for).
-                let Some(pid_file) = pid_file.clone() else {
-                    return;
-                };
-                tokio::spawn(async move {
-                    for _ in 0..KILL_PID_POLLS {
-                        let pid = std::fs::read_to_string(&pid_file)
-                            .ok()
-                            .and_then(|s| s.trim().parse::<i32>().ok());
-                        if let Some(pid) = pid.filter(|p| *p > 0) {
-                            let _ = nix::sys::signal::kill(
-                                nix::unistd::Pid::from_raw(pid),
-                                nix::sys::signal::Signal::SIGKILL,
-                            );
-                            return;
-                        }
-                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                    }
-                });
-            });
-            let exit = Box::pin(async move { p.wait().await.map_err(|e| e.to_string()) });
-            Ok(Spawned {
-                stdin,
-                stdout,
-                stderr,
-                exit,
-                kill,
-                resize,
-            })
-        })
-    }
-
-    fn attach<'a>(
-        &'a self,
-        container_id: &'a str,
-        stdin: bool,
-        stdout: bool,
-        stderr: bool,
-    ) -> BoxFuture<'a, Result<super::attach::Attached, String>> {
-        super::attach::pod_attach(self, container_id, stdin, stdout, stderr)
     }
 }
 
