@@ -81,6 +81,8 @@ hosts = {
     "not-toml": "[[[",
     # Found by fuzzing: a host with TOML escapes (and characters no host has).
     "escaped-host": '[host."http://plm:##5##ost:0ple:5\\b\\bbbbb###(###001"]\n',
+    # Found by fuzzing: an ignored key whose integer overflows, beside a plain-http server.
+    "overflowing-ignored-key": 'se =666666666666666666666\nserver = "http://977.0.0.1:5/100 "\n',
     "empty": "",
 }
 for name, text in hosts.items():
