@@ -1,4 +1,5 @@
-//! Low-level filesystem helpers: extended attributes, device nodes, timestamps, ownership, tree copies
+//! Low-level filesystem helpers: durable atomic file replacement ([`write_atomic`], the one every
+//! record writer of the daemon uses), extended attributes, device nodes, timestamps, ownership, tree copies
 //! that keep everything (owners, modes, xattrs, hardlinks, devices, times), removal and disk usage.
 //!
 //! Invariant: nothing here follows a symlink at the last component of a path it is given. Callers pass
@@ -7,11 +8,11 @@
 use std::collections::HashMap;
 use std::ffi::{CString, OsStr, OsString};
 use std::fs::{self, File, Metadata};
-use std::io;
+use std::io::{self, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
-use std::path::Path;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
 
 use nix::sys::stat::{Mode, SFlag, UtimensatFlags};
 use nix::sys::time::TimeSpec;
@@ -368,6 +369,42 @@ pub(crate) fn disk_usage(root: &Path) -> io::Result<(u64, u64)> {
         }
     }
     Ok((bytes, inodes))
+}
+
+/// Writes `bytes` to `path` through a temporary file beside it (`<path>.tmp`, created with
+/// `mode`), fsynced, renamed over `path`, and the directory fsynced: readers see the old contents
+/// or the new, never a part, and the new contents survive a crash once this returns. The
+/// temporary file is removed when a step fails. Blocking: call it off the async threads.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let result = (|| {
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        sync_dir(path.parent().unwrap_or(Path::new(".")))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Makes a directory's entries (a rename, a removal) durable.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    std::fs::File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]

@@ -10,8 +10,7 @@
 //! - a record's parent, if any, is itself a record (loading drops records whose parent went missing).
 
 use std::collections::{BTreeSet, HashMap};
-use std::fs::{self, File};
-use std::io::Write;
+use std::fs;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -163,19 +162,12 @@ impl Records {
     /// renames a snapshot).
     pub(crate) fn put(&mut self, rec: Record, old_key: Option<&str>) -> Result<()> {
         let path = self.dir.join(format!("{}.json", rec.id));
-        let tmp = self.dir.join(format!("{}.json.tmp", rec.id));
         let bytes = serde_json::to_vec_pretty(&rec).map_err(|source| Error::Record {
             path: path.clone(),
             source,
         })?;
-        let write = || -> std::io::Result<()> {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_all()?;
-            fs::rename(&tmp, &path)?;
-            File::open(&self.dir)?.sync_all()
-        };
-        write().ctx(|| format!("writing {}", path.display()))?;
+        crate::fsutil::write_atomic(&path, &bytes, 0o644)
+            .ctx(|| format!("writing {}", path.display()))?;
         if let Some(old) = old_key {
             self.by_key.remove(old);
         }

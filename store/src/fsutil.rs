@@ -1,35 +1,8 @@
 //! File work for the daemon's records: durable replacement (the one helper every record writer
-//! uses) and running blocking file work without stalling the async runtime.
+//! uses, defined in the snapshotter crate, the lowest one, whose records use it too) and running
+//! blocking file work without stalling the async runtime.
 
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
-
-/// Writes `bytes` to `path` through a temporary file beside it (`<path>.tmp`, created with
-/// `mode`), fsynced, renamed over `path`, and the directory fsynced: readers see the old contents
-/// or the new, never a part, and the new contents survive a crash once this returns. The
-/// temporary file is removed when a step fails. Blocking: call it off the async threads.
-pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let result = (|| {
-        let _ = std::fs::remove_file(&tmp);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        sync_dir(path.parent().unwrap_or(Path::new(".")))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
+pub use minicri_snapshotter::{sync_dir, write_atomic};
 
 /// Runs blocking file work `f` (an fsync, a removal) without stalling the async runtime: on a
 /// worker of a multi-threaded tokio runtime, the worker hands its queued tasks to another thread
@@ -42,16 +15,6 @@ pub fn off_async<T>(f: impl FnOnce() -> T) -> T {
         }
         _ => f(),
     }
-}
-
-/// Makes a directory's entries (a rename, a removal) durable.
-pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    let dir = if dir.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        dir
-    };
-    std::fs::File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]
