@@ -186,10 +186,7 @@ struct BlobDownload {
 impl BlobDownload {
     /// Adds `session` unless one of the same source is there.
     fn add_session(&self, session: &Arc<Session>) {
-        let mut sessions = self.sessions.lock().unwrap();
-        if !sessions.iter().any(|s| s.same_source(session)) {
-            sessions.push(session.clone());
-        }
+        Session::add_distinct(&mut self.sessions.lock().unwrap(), session);
     }
 }
 

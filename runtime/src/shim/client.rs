@@ -369,7 +369,6 @@ impl ShimHandle {
         }
     }
 
-    /// SIGKILLs the shim (not the container): for cleanup of a shim whose container is gone.
     /// SIGKILL to the shim's process group (it leads its own session): the shim and a runtime
     /// `create` it still waits for, so that nothing creates the container after this.
     pub fn kill_group(&self) {
@@ -378,6 +377,7 @@ impl ShimHandle {
         }
     }
 
+    /// SIGKILLs the shim (not the container): for cleanup of a shim whose container is gone.
     pub fn kill_shim(&self) {
         if self.is_alive() {
             let _ = kill(Pid::from_raw(self.shim_pid), Signal::SIGKILL);

@@ -544,12 +544,8 @@ impl PullManager {
     /// same source is there): a requester reaching the image through another registry, mirror or
     /// credentials keeps the job going when the first requester's registry fails.
     fn add_session(&self, job: &Job, session: &Arc<Session>) {
-        {
-            let mut sessions = job.sessions.lock().unwrap();
-            if sessions.iter().any(|s| s.same_source(session)) {
-                return;
-            }
-            sessions.push(session.clone());
+        if !Session::add_distinct(&mut job.sessions.lock().unwrap(), session) {
+            return;
         }
         let digests: Vec<Digest> = job
             .parts

@@ -569,6 +569,18 @@ impl Session {
         self.source == other.source
     }
 
+    /// Appends `session` to `sessions` unless one of the same source is there; whether it did.
+    pub fn add_distinct(
+        sessions: &mut Vec<std::sync::Arc<Session>>,
+        session: &std::sync::Arc<Session>,
+    ) -> bool {
+        if sessions.iter().any(|s| s.same_source(session)) {
+            return false;
+        }
+        sessions.push(session.clone());
+        true
+    }
+
     /// Endpoint indices in the order to try: the preferred one first, then the rest in order.
     fn order(&self, need_resolve: bool) -> Vec<usize> {
         let p = self.preferred.load(Ordering::Relaxed);
