@@ -200,11 +200,7 @@ async fn pod_deleted_mid_pull_is_released_within_the_window_and_a_later_pod_resu
         b2 > 100 * MIB && b2 < size,
         "stopped mid-blob: {b2} of {size}"
     );
-    let kept = ingest_bytes(&e.daemon.root());
-    assert!(
-        kept + MIB >= b2 && kept <= b2,
-        "partial kept: {kept} of {b2}"
-    );
+    assert_partial_kept(&e, b2);
     assert!(list_pulls(&e).await.is_empty(), "no job left running");
     assert!(
         !e.daemon
@@ -631,6 +627,18 @@ fn released(sim: &KubeletSim, uid: &str) -> (Instant, Instant) {
     (noticed, returned)
 }
 
+/// The partial download stayed on disk after its transfer stopped: all of what the proxy sent
+/// (`sent` bytes) but what was still in flight. Bytes the proxy wrote that the daemon never read
+/// sit in the socket buffers on both sides of loopback, which autotune to several MiB at these
+/// rates, and are not on disk.
+fn assert_partial_kept(e: &Env, sent: u64) {
+    let kept = ingest_bytes(&e.daemon.root());
+    assert!(
+        kept > 0 && kept <= sent && kept + 8 * MIB >= sent,
+        "partial kept: {kept} of {sent} bytes sent"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn with_the_watch_a_pod_deleted_mid_pull_is_released_within_a_second() {
     if let Some(why) = skip_reason() {
@@ -679,7 +687,7 @@ async fn with_the_watch_a_pod_deleted_mid_pull_is_released_within_a_second() {
     let (b1, b2) = bytes_after(&e, &layer, returned).await;
     assert_eq!(b1, b2, "bytes kept flowing after the pod's deletion");
     assert!(b2 < size, "stopped mid-blob");
-    assert!(ingest_bytes(&e.daemon.root()) + MIB >= b2);
+    assert_partial_kept(&e, b2);
     let log = e.daemon.log();
     assert!(log.contains("pod deleted: its pulls are dropped"), "{log}");
     sim.shutdown().await;
