@@ -4,6 +4,7 @@
 //! `_` for `-` (`registry_config_dir = "..."`). With no `--config`, `/etc/minicri/config.toml` is read
 //! if it exists; minicri runs with no file at all.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
@@ -127,10 +128,26 @@ pub struct ServeArgs {
     #[serde(default)]
     pub cni_bin_dirs: Vec<PathBuf>,
 
-    /// OCI runtime binary with runc's command line (runc, crun), a name on PATH or a path.
+    /// Binary of the `runc` runtime handler (runc's command line), a name on PATH or a path.
     /// [default: runc]
     #[arg(long, value_name = "BINARY")]
     pub oci_runtime: Option<PathBuf>,
+
+    /// A runtime handler pods can choose by name (RuntimeClass `handler`): a runc-compatible
+    /// binary, a name on PATH or a path (repeatable). `runc` and `crun` are built in. In the
+    /// file: `[runtimes.NAME]` tables with `binary` and optionally `root`.
+    #[arg(long = "runtime", value_name = "NAME=BINARY", value_parser = parse_runtime_flag)]
+    #[serde(skip)]
+    pub runtime_flags: Vec<(String, PathBuf)>,
+
+    /// Runtime handlers from the file: `[runtimes.NAME]` with `binary` and `root`.
+    #[arg(skip)]
+    #[serde(default)]
+    pub runtimes: BTreeMap<String, RuntimeEntry>,
+
+    /// The runtime handler of pods that name none. [default: runc]
+    #[arg(long, value_name = "NAME")]
+    pub default_runtime: Option<String>,
 
     /// Serve Prometheus metrics on this loopback address (e.g. 127.0.0.1:9464) at /metrics.
     /// [default: off]
@@ -149,6 +166,25 @@ pub struct ServeArgs {
     #[arg(long = "pod-annotation", value_name = "PATTERN")]
     #[serde(default)]
     pub pod_annotations: Vec<String>,
+}
+
+/// A `[runtimes.NAME]` table of the configuration file.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuntimeEntry {
+    /// The runtime binary (runc's command line), a name on PATH or a path.
+    pub binary: PathBuf,
+    /// Its state directory (`--root`). [default: <state>/runtimes/NAME; <state>/runc for runc]
+    pub root: Option<PathBuf>,
+}
+
+fn parse_runtime_flag(s: &str) -> Result<(String, PathBuf), String> {
+    match s.split_once('=') {
+        Some((name, binary)) if !name.is_empty() && !binary.is_empty() => {
+            Ok((name.to_string(), binary.into()))
+        }
+        _ => Err(format!("{s:?} is not NAME=BINARY")),
+    }
 }
 
 /// The cgroup driver the runtime uses and reports.
@@ -193,7 +229,11 @@ pub struct Config {
     pub ingest_min_free: f64,
     pub cni_conf_dirs: Vec<PathBuf>,
     pub cni_bin_dirs: Vec<PathBuf>,
-    pub oci_runtime: PathBuf,
+    /// Runtime handlers configured (the built-in ones are added by
+    /// [`crate::oci::Handlers::new`]), by name.
+    pub runtimes: BTreeMap<String, crate::oci::HandlerConfig>,
+    /// The handler of pods that name none.
+    pub default_runtime: String,
     pub metrics_address: Option<std::net::SocketAddr>,
     /// Where the streaming server listens (loopback only; port 0: any free port).
     pub stream_address: std::net::SocketAddr,
@@ -259,6 +299,13 @@ impl ServeArgs {
                 self.cni_bin_dirs
             },
             oci_runtime: self.oci_runtime.or(base.oci_runtime),
+            runtime_flags: [base.runtime_flags, self.runtime_flags].concat(),
+            runtimes: {
+                let mut r = base.runtimes;
+                r.extend(self.runtimes);
+                r
+            },
+            default_runtime: self.default_runtime.or(base.default_runtime),
             metrics_address: self.metrics_address.or(base.metrics_address),
             stream_address: self.stream_address.or(base.stream_address),
             pod_annotations: if self.pod_annotations.is_empty() {
@@ -384,10 +431,41 @@ impl ServeArgs {
         }
         let pod_annotations = crate::oci::annotations::AnnotationPolicy::new(self.pod_annotations)
             .map_err(|e| anyhow::anyhow!(e))?;
-        let oci_runtime = self.oci_runtime.unwrap_or_else(|| "runc".into());
-        if oci_runtime.as_os_str().is_empty() {
-            bail!("oci_runtime must name a binary");
+        let mut runtimes: BTreeMap<String, crate::oci::HandlerConfig> = self
+            .runtimes
+            .into_iter()
+            .map(|(name, e)| {
+                let c = crate::oci::HandlerConfig {
+                    binary: e.binary,
+                    root: e.root,
+                };
+                (name, c)
+            })
+            .collect();
+        // `oci_runtime` and the flags give binaries; a file's `root` for the same handler stays.
+        let mut set_binary = |name: String, binary: PathBuf| {
+            runtimes
+                .entry(name)
+                .or_insert_with(|| crate::oci::HandlerConfig {
+                    binary: PathBuf::new(),
+                    root: None,
+                })
+                .binary = binary;
+        };
+        if let Some(binary) = self.oci_runtime {
+            if binary.as_os_str().is_empty() {
+                bail!("oci_runtime must name a binary");
+            }
+            set_binary(crate::oci::handlers::DEFAULT_HANDLER.to_string(), binary);
         }
+        for (name, binary) in self.runtime_flags {
+            set_binary(name, binary);
+        }
+        let default_runtime = self
+            .default_runtime
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(|| crate::oci::handlers::DEFAULT_HANDLER.into());
+        crate::oci::handlers::check_config(&runtimes, &default_runtime)?;
         Ok(Config {
             socket: self
                 .socket
@@ -422,7 +500,8 @@ impl ServeArgs {
             } else {
                 self.cni_bin_dirs
             },
-            oci_runtime,
+            runtimes,
+            default_runtime,
             metrics_address,
             stream_address,
             pod_annotations,
@@ -644,17 +723,50 @@ mod tests {
     }
 
     #[test]
-    fn oci_runtime_defaults_to_runc() {
-        assert_eq!(
-            ServeArgs::default().finish().unwrap().oci_runtime,
-            PathBuf::from("runc")
-        );
+    fn runtime_handlers_from_flags_and_file() {
+        let c = ServeArgs::default().finish().unwrap();
+        assert!(c.runtimes.is_empty());
+        assert_eq!(c.default_runtime, "runc");
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(
+            &f,
+            "default_runtime = \"crun\"\n[runtimes.crun]\nbinary = \"/opt/crun\"\nroot = \"/r\"\n\
+             [runtimes.kata]\nbinary = \"kata-runtime\"\n",
+        )
+        .unwrap();
         let c = ServeArgs {
-            oci_runtime: Some("/usr/bin/crun".into()),
+            config: Some(f),
+            oci_runtime: Some("/usr/bin/runc".into()),
+            runtime_flags: vec![("kata".into(), "/flag/kata".into())],
             ..Default::default()
         }
-        .finish()
+        .resolve()
         .unwrap();
-        assert_eq!(c.oci_runtime, PathBuf::from("/usr/bin/crun"));
+        assert_eq!(c.default_runtime, "crun");
+        let crun = &c.runtimes["crun"];
+        assert_eq!(
+            (crun.binary.as_path(), crun.root.as_deref()),
+            (Path::new("/opt/crun"), Some(Path::new("/r")))
+        );
+        assert_eq!(c.runtimes["kata"].binary, Path::new("/flag/kata"));
+        assert_eq!(c.runtimes["runc"].binary, Path::new("/usr/bin/runc"));
+        for bad in [
+            ServeArgs {
+                default_runtime: Some("gvisor".into()),
+                ..Default::default()
+            },
+            ServeArgs {
+                runtime_flags: vec![("Bad/Name".into(), "x".into())],
+                ..Default::default()
+            },
+            ServeArgs {
+                oci_runtime: Some("".into()),
+                ..Default::default()
+            },
+        ] {
+            assert!(bad.finish().is_err());
+        }
+        assert!(parse_runtime_flag("kata").is_err() && parse_runtime_flag("=x").is_err());
     }
 }

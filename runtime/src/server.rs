@@ -113,6 +113,8 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     let daemon = Arc::new(Daemon::open(config)?);
     // Operations a killed daemon left half-done are undone before any call is answered.
     daemon.pods.finish_interrupted().await;
+    // Which runtime handlers work here, found out before any pod can ask for one.
+    daemon.pods.probe_handlers().await;
 
     let routes = tonic::service::Routes::new(
         RuntimeServiceServer::new(RuntimeHandler {

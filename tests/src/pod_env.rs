@@ -141,13 +141,22 @@ fn remove_cgroup_tree(dir: &Path) {
 
 impl Drop for Leftovers {
     fn drop(&mut self) {
-        let runc_root = self.dir.join("state/runc");
-        if let Ok(out) = Command::new("runc")
-            .arg("--root")
-            .arg(&runc_root)
-            .args(["list", "-q"])
-            .output()
-        {
+        // The runc handler's root, and those of other handlers (all runc-compatible).
+        let roots = std::fs::read_dir(self.dir.join("state/runtimes"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .chain([self.dir.join("state/runc")]);
+        for runc_root in roots {
+            let Ok(out) = Command::new("runc")
+                .arg("--root")
+                .arg(&runc_root)
+                .args(["list", "-q"])
+                .output()
+            else {
+                continue;
+            };
             for id in String::from_utf8_lossy(&out.stdout).lines() {
                 let _ = Command::new("runc")
                     .arg("--root")

@@ -48,30 +48,73 @@ impl RuntimeService for RuntimeHandler {
         let dl = deadline(&req);
         let verbose = req.get_ref().verbose;
         call("Status", "", dl, Verbosity::Poll, async {
+            let pods = &self.daemon.pods;
             let network = self.daemon.network_condition();
+            let handlers = pods.handler_availability().await?;
+            let default = pods.handlers.default_name();
             let mut info = HashMap::new();
             if verbose {
                 info.insert("config".to_string(), self.daemon.config_json());
+                let list: Vec<_> = handlers
+                    .iter()
+                    .map(|(h, r)| {
+                        serde_json::json!({
+                            "name": h.name, "default": h.name == default,
+                            "binary": h.runtime.binary, "root": h.runtime.root,
+                            "available": r.is_ok(), "reason": r.as_ref().err(),
+                        })
+                    })
+                    .collect();
+                info.insert(
+                    "runtimeHandlers".to_string(),
+                    serde_json::Value::from(list).to_string(),
+                );
+            }
+            let features = |h: &crate::oci::Handler| cri::RuntimeHandlerFeatures {
+                recursive_read_only_mounts: h.features.recursive_read_only_mounts,
+                user_namespaces: h.features.user_namespaces,
+            };
+            // The default handler as "" (what pods naming none get), then every handler that
+            // works here by its name.
+            let mut runtime_handlers = Vec::new();
+            let mut runtime_ready = cri::RuntimeCondition {
+                r#type: "RuntimeReady".into(),
+                status: true,
+                ..Default::default()
+            };
+            for (h, r) in &handlers {
+                match r {
+                    Ok(()) if h.name == default => runtime_handlers.insert(
+                        0,
+                        cri::RuntimeHandler {
+                            name: String::new(),
+                            features: Some(features(h)),
+                        },
+                    ),
+                    Err(reason) if h.name == default => {
+                        runtime_ready.status = false;
+                        runtime_ready.reason = "DefaultRuntimeHandlerUnavailable".into();
+                        runtime_ready.message = format!(
+                            "the default runtime handler {:?} ({}) does not work here: {reason}",
+                            h.name,
+                            h.runtime.binary.display()
+                        );
+                    }
+                    _ => {}
+                }
+                if r.is_ok() {
+                    runtime_handlers.push(cri::RuntimeHandler {
+                        name: h.name.clone(),
+                        features: Some(features(h)),
+                    });
+                }
             }
             Ok(cri::StatusResponse {
                 status: Some(cri::RuntimeStatus {
-                    conditions: vec![
-                        cri::RuntimeCondition {
-                            r#type: "RuntimeReady".into(),
-                            status: true,
-                            ..Default::default()
-                        },
-                        network,
-                    ],
+                    conditions: vec![runtime_ready, network],
                 }),
                 info,
-                runtime_handlers: vec![cri::RuntimeHandler {
-                    name: String::new(),
-                    features: Some(cri::RuntimeHandlerFeatures {
-                        recursive_read_only_mounts: self.daemon.pods.host.recursive_read_only,
-                        user_namespaces: self.daemon.pods.host.user_namespaces,
-                    }),
-                }],
+                runtime_handlers,
                 // SupplementalGroupsPolicy: `Strict` is honoured (crate::oci::user) and
                 // ContainerStatus reports the process's groups.
                 features: Some(cri::RuntimeFeatures {

@@ -25,6 +25,12 @@ pub enum OciError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// RunPodSandbox named a runtime handler that is not configured.
+    #[error("unknown runtime handler {name:?}; configured: {}", known.join(", "))]
+    UnknownHandler { name: String, known: Vec<String> },
+    /// The handler is configured but does not work on this host.
+    #[error("runtime handler {name:?} is unavailable on this host: {reason}")]
+    HandlerUnavailable { name: String, reason: String },
     #[error("{0}")]
     Other(String),
 }

@@ -2,6 +2,7 @@
 //!
 //! - [`runtime`]: the [`OciRuntime`] trait, the seam between minicri and runc / crun / youki;
 //! - [`runc`]: [`Runc`], its implementation for runc-compatible command lines;
+//! - [`handlers`]: the runtime handlers pods choose by name (RuntimeClass), each probed at start;
 //! - [`spec`]: [`container_spec`], the spec of a CRI container;
 //! - [`sandbox`]: [`sandbox_spec`] for the infra process, the namespaces containers join and the
 //!   files (hostname, resolv.conf, hosts, shm) a sandbox shares;
@@ -24,6 +25,7 @@
 pub mod annotations;
 pub mod defaults;
 pub mod error;
+pub mod handlers;
 pub mod host;
 pub mod image_config;
 pub mod propagation;
@@ -41,6 +43,7 @@ mod sandbox_tests;
 mod spec_tests;
 
 pub use error::{OciError, Result};
+pub use handlers::{Handler, HandlerConfig, HandlerFeatures, Handlers, ProbeEnv};
 pub use host::{CgroupDriver, HostInfo, cgroups_path};
 pub use image_config::ImageConfig;
 pub use runc::Runc;

@@ -87,6 +87,8 @@ impl PodService {
             )));
         }
         let sb_config = sb.config();
+        // Containers run under their pod's runtime handler.
+        let host = self.host_for(self.handlers.get(&sb.runtime_handler)?);
         let meta = config.metadata.clone().ok_or_else(|| {
             Error::InvalidArgument("container config metadata is required".into())
         })?;
@@ -116,7 +118,7 @@ impl PodService {
         // Mounts are checked before anything is done on the host for them (their sources may
         // be made shared below, which is not undone).
         let pod_userns = oci::userns::pod_userns(&sb_config)?;
-        oci::spec::validate_mounts(&config.mounts, &self.host)?;
+        oci::spec::validate_mounts(&config.mounts, &host)?;
         oci::userns::check_volume_mappings(&config.mounts, pod_userns.as_ref())?;
 
         let id = self.new_id()?;
@@ -232,7 +234,7 @@ impl PodService {
                 files: &files,
                 target_pid_ns: target_pid_ns.as_deref(),
                 cgroup_driver: self.cgroup_driver,
-                host: &self.host,
+                host: &host,
                 annotations: &self.annotations,
             })
         })?;
@@ -265,6 +267,7 @@ impl PodService {
             shim: None,
             pid: 0,
             user: spec.process().as_ref().map(|p| p.user().clone()),
+            runtime_handler: sb.runtime_handler.clone(),
         };
         self.store.put_container(rec)?;
         tracing::info!(container = %id, sandbox = %sandbox_id, name = %meta.name, "container created");
@@ -303,7 +306,8 @@ impl PodService {
             std::fs::create_dir_all(parent)
                 .map_err(|e| Error::Internal(format!("creating {}: {e}", parent.display())))?;
         }
-        let mut cfg = ShimConfig::new(id, &rec.bundle, self.runtime.clone(), &self.shim_binary);
+        let runtime = self.runtime(&rec.runtime_handler)?;
+        let mut cfg = ShimConfig::new(id, &rec.bundle, runtime.clone(), &self.shim_binary);
         cfg.log_path = rec.log_path.clone();
         let config = rec.config();
         cfg.stdin = config.stdin;
@@ -315,10 +319,11 @@ impl PodService {
         undo.push(Undo::DeleteContainer {
             id: id.to_string(),
             shim: None,
+            handler: rec.runtime_handler.clone(),
         })?;
         let started = async {
             let shim = spawn_shim(cfg).await?;
-            self.runtime.start(id).await?;
+            runtime.start(id).await?;
             Ok::<_, crate::oci::OciError>(shim)
         }
         .await;
@@ -423,8 +428,9 @@ impl PodService {
         let Some(shim) = rec.shim.clone() else {
             return Ok(());
         };
+        let runtime = self.runtime(&rec.runtime_handler)?;
         if timeout > 0 {
-            if let Err(e) = self.runtime.kill(id, rec.stop_signal, false).await {
+            if let Err(e) = runtime.kill(id, rec.stop_signal, false).await {
                 tracing::debug!(container = %id, error = %e, "stop signal");
             }
             if let Ok(Ok(exit)) =
@@ -435,7 +441,7 @@ impl PodService {
             }
         }
         // In the pod's shared PID namespace other processes outlive the init: kill them all.
-        if let Err(e) = self.runtime.kill(id, libc::SIGKILL, true).await {
+        if let Err(e) = runtime.kill(id, libc::SIGKILL, true).await {
             tracing::debug!(container = %id, error = %e, "SIGKILL");
         }
         match tokio::time::timeout(KILL_WAIT, shim.wait()).await {
@@ -468,7 +474,7 @@ impl PodService {
         let Some(rec) = self.store.container(id) else {
             return Ok(());
         };
-        self.runtime.delete(id, true).await?;
+        self.runtime(&rec.runtime_handler)?.delete(id, true).await?;
         if let Some(shim) = &rec.shim {
             super::reap_shim(shim).await;
         }
@@ -592,7 +598,7 @@ impl PodService {
         process.set_args(Some(cmd));
         process.set_terminal(Some(false));
         let out = self
-            .runtime
+            .runtime(&r.runtime_handler)?
             .exec(ExecOpts {
                 id: id.to_string(),
                 process,
@@ -632,7 +638,10 @@ impl PodService {
         let Some(linux) = linux else { return Ok(()) };
         let resources = oci::spec::linux_resources(&linux, &self.host)?;
         match r.state {
-            ContainerState::Running => Ok(self.runtime.update(id, &resources).await?),
+            ContainerState::Running => Ok(self
+                .runtime(&r.runtime_handler)?
+                .update(id, &resources)
+                .await?),
             ContainerState::Created => {
                 let path = r.bundle.join("config.json");
                 let mut spec = oci_spec::runtime::Spec::load(&path)

@@ -61,7 +61,7 @@ impl PodService {
     pub async fn exec_streaming(&self, id: &str, cmd: Vec<String>) -> Result<ExecProcess> {
         let process = self.exec_process(id, cmd, false)?;
         Ok(self
-            .runtime
+            .container_runtime(id)?
             .exec_spawn(ExecOpts {
                 id: id.to_string(),
                 process,
@@ -96,7 +96,7 @@ impl PodService {
         };
         let (stdin, stdout) = (dup(&pty.slave)?, dup(&pty.slave)?);
         // The slave copies go with the command: only the runtime holds them once it started.
-        let p = self.runtime.exec_spawn_stdio(
+        let p = self.container_runtime(id)?.exec_spawn_stdio(
             ExecOpts {
                 id: id.to_string(),
                 process,

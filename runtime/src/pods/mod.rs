@@ -48,7 +48,7 @@ use minicri_store::{ContentStore, ImageStore, PullManager};
 use crate::cni::{CniManager, CniOptions};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::oci::{CgroupDriver, HostInfo, Runc};
+use crate::oci::{CgroupDriver, Handler, HandlerFeatures, Handlers, HostInfo, ProbeEnv, Runc};
 use crate::shim::ShimHandle;
 use store::{ContainerState, Store};
 pub(crate) use undo::{Journal, Operation, Undo};
@@ -57,7 +57,9 @@ pub(crate) use undo::{Journal, Operation, Undo};
 pub struct PodService {
     pub store: Store,
     pub cni: Arc<CniManager>,
-    pub runtime: Runc,
+    /// The OCI runtimes pods run under, by handler name.
+    pub handlers: Handlers,
+    /// Host facts; what a runtime supports is in its handler's features.
     pub host: HostInfo,
     pub cgroup_driver: CgroupDriver,
     /// Which pod annotations reach the OCI spec.
@@ -109,10 +111,7 @@ impl PodService {
             config.cni_bin_dirs.clone(),
             &state,
         ));
-        let mut runtime = Runc::new(config.oci_runtime.clone(), state.join("runc"));
-        runtime.systemd_cgroup = config.cgroup_driver == CgroupDriver::Systemd;
         let mut host = HostInfo::detect();
-        host.recursive_read_only &= runtime.supports_mount_option("rro");
         if host.user_namespaces {
             // A pod user namespace's root is an unprivileged host uid: it must be able to pass
             // through every directory above the state directory to reach its rootfs.
@@ -127,10 +126,21 @@ impl PodService {
                 host.user_namespaces = false;
             }
         }
+        let handlers = Handlers::new(
+            &config.runtimes,
+            &config.default_runtime,
+            &state,
+            config.cgroup_driver == CgroupDriver::Systemd,
+            |runtime| HandlerFeatures {
+                recursive_read_only_mounts: host.recursive_read_only
+                    && runtime.supports_mount_option("rro"),
+                user_namespaces: host.user_namespaces,
+            },
+        )?;
         let svc = Arc::new(PodService {
             store,
             cni: Arc::new(cni),
-            runtime,
+            handlers,
             host,
             cgroup_driver: config.cgroup_driver,
             annotations: config.pod_annotations.clone(),
@@ -242,6 +252,81 @@ impl PodService {
             crate::pause::prepare_infra_rootfs(&self.state_dir.join("infra"), &self.shim_binary)?;
         *g = Some(r.clone());
         Ok(r)
+    }
+
+    /// What the runtime handlers' availability probes need.
+    fn probe_env(&self) -> Result<ProbeEnv> {
+        Ok(ProbeEnv {
+            dir: self.state_dir.join("probe"),
+            infra: self.infra_rootfs()?,
+            cgroup_driver: self.cgroup_driver,
+        })
+    }
+
+    /// The handler a new pod asked for (`""`: the default), known and working here.
+    pub(crate) async fn handler_for_new_pod(&self, name: &str) -> Result<&Arc<Handler>> {
+        let env = self.probe_env()?;
+        Ok(self.handlers.for_new_pod(name, &env).await?)
+    }
+
+    /// Each handler with whether it works here (`Err`: why not), probing those not yet probed
+    /// (at once).
+    pub async fn handler_availability(
+        &self,
+    ) -> Result<Vec<(Arc<Handler>, std::result::Result<(), String>)>> {
+        let env = self.probe_env()?;
+        let probes = self.handlers.all().map(|h| {
+            let env = &env;
+            async move { (h.clone(), h.availability(env).await) }
+        });
+        Ok(futures::future::join_all(probes).await)
+    }
+
+    /// Probes every runtime handler and logs which ones pods can use (at start, before the CRI
+    /// is served).
+    pub async fn probe_handlers(&self) {
+        let results = match self.handler_availability().await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot probe the runtime handlers");
+                return;
+            }
+        };
+        for (h, result) in results {
+            let default = h.name == self.handlers.default_name();
+            match result {
+                Ok(()) => tracing::info!(
+                    handler = %h.name, binary = %h.runtime.binary.display(), default,
+                    "runtime handler available"
+                ),
+                Err(reason) => tracing::warn!(
+                    handler = %h.name, binary = %h.runtime.binary.display(), default, %reason,
+                    "runtime handler unavailable: pods naming it are refused"
+                ),
+            }
+        }
+    }
+
+    /// The OCI runtime of a sandbox or container recorded with `handler`.
+    pub(crate) fn runtime(&self, handler: &str) -> Result<&Runc> {
+        Ok(&self.handlers.get(handler)?.runtime)
+    }
+
+    /// The OCI runtime of the container `id`.
+    pub(crate) fn container_runtime(&self, id: &str) -> Result<&Runc> {
+        let rec = self
+            .store
+            .container(id)
+            .ok_or_else(|| Error::NotFound(format!("container {id} not found")))?;
+        self.runtime(&rec.runtime_handler)
+    }
+
+    /// The host facts as a pod under `handler` sees them (what its runtime supports).
+    pub(crate) fn host_for(&self, handler: &Handler) -> HostInfo {
+        let mut host = self.host;
+        host.recursive_read_only = handler.features.recursive_read_only_mounts;
+        host.user_namespaces = handler.features.user_namespaces;
+        host
     }
 
     pub(crate) fn netns_dir(&self) -> PathBuf {

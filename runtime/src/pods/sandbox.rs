@@ -82,17 +82,14 @@ impl PodService {
         undo: &mut Journal,
     ) -> Result<String> {
         let meta = validate_metadata(&config)?.clone();
-        if !runtime_handler.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "unknown runtime handler {runtime_handler:?}; only the default (\"\") exists"
-            )));
-        }
+        let handler = self.handler_for_new_pod(&runtime_handler).await?;
+        let host = self.host_for(handler);
         oci::sandbox::validate_sysctls(&config)?;
         oci::sandbox::validate_dns_and_hostname(&config)?;
         // A pod in its own user namespace gets its network namespace from the infra process,
         // which creates both; CNI attaches it after `create` (see crate::oci::userns).
         let own_userns = oci::userns::pod_userns(&config)?.is_some();
-        if own_userns && !self.host.user_namespaces {
+        if own_userns && !host.user_namespaces {
             return Err(Error::InvalidArgument(
                 "pod user namespaces need Linux >= 5.19 (idmapped overlay layers)".into(),
             ));
@@ -136,7 +133,7 @@ impl PodService {
             infra: &infra,
             netns: netns.as_deref(),
             cgroup_driver: self.cgroup_driver,
-            host: &self.host,
+            host: &host,
             annotations: &self.annotations,
         })?;
         let bundle = self.bundle_dir(&id);
@@ -146,17 +143,19 @@ impl PodService {
         undo.push(Undo::DeleteContainer {
             id: id.clone(),
             shim: None,
+            handler: runtime_handler.clone(),
         })?;
         let shim = spawn_shim(ShimConfig::new(
             &id,
             &bundle,
-            self.runtime.clone(),
+            handler.runtime.clone(),
             &self.shim_binary,
         ))
         .await?;
         undo.push(Undo::DeleteContainer {
             id: id.clone(),
             shim: Some(shim.clone()),
+            handler: runtime_handler.clone(),
         })?;
         if !host_network(&config) && own_userns {
             let dir = self.netns_dir();
@@ -167,7 +166,7 @@ impl PodService {
             netns = Some(path.clone());
             ips = self.attach_network(&id, path, &config, undo).await?;
         }
-        self.runtime.start(&id).await?;
+        handler.runtime.start(&id).await?;
 
         let rec = SandboxRecord {
             id: id.clone(),
@@ -248,7 +247,7 @@ impl PodService {
         };
         let config = rec.config();
         if let Some(shim) = &rec.shim {
-            self.stop_infra(id, shim).await?;
+            self.stop_infra(&rec, shim).await?;
         }
         self.store.update_sandbox(id, |r| {
             r.state = SandboxState::NotReady;
@@ -273,8 +272,9 @@ impl PodService {
 
     /// Kills the infra process (SIGKILL ends the pod's PID namespace), waits for it, deletes
     /// it from the runtime and lets its shim go.
-    async fn stop_infra(&self, id: &str, shim: &ShimHandle) -> Result<()> {
-        match self.runtime.kill(id, libc::SIGKILL, false).await {
+    async fn stop_infra(&self, rec: &SandboxRecord, shim: &ShimHandle) -> Result<()> {
+        let (id, runtime) = (rec.id.as_str(), self.runtime(&rec.runtime_handler)?);
+        match runtime.kill(id, libc::SIGKILL, false).await {
             Ok(()) => {}
             Err(e) if e.is_not_found() => {}
             // Already stopped: runc refuses to signal it.
@@ -283,7 +283,7 @@ impl PodService {
         if shim.is_alive() {
             let _ = tokio::time::timeout(INFRA_EXIT_TIMEOUT, shim.wait()).await;
         }
-        self.runtime.delete(id, true).await?;
+        runtime.delete(id, true).await?;
         super::reap_shim(shim).await;
         Ok(())
     }

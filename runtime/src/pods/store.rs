@@ -108,6 +108,10 @@ pub struct ContainerRecord {
     /// absent in records written before it existed.
     #[serde(default)]
     pub user: Option<oci_spec::runtime::User>,
+    /// Its pod's runtime handler (`""`: the default; records written before handlers existed
+    /// have none, and ran under the default).
+    #[serde(default)]
+    pub runtime_handler: String,
 }
 
 impl ContainerRecord {

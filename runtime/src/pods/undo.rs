@@ -38,6 +38,10 @@ pub(crate) enum Undo {
     DeleteContainer {
         id: String,
         shim: Option<ShimHandle>,
+        /// The runtime handler it was created with (journals from before handlers: the
+        /// default).
+        #[serde(default)]
+        handler: String,
     },
     Unmount(PathBuf),
     RemoveSnapshot(String),
@@ -180,13 +184,13 @@ impl PodService {
             }
             Undo::SandboxFiles(dir) => crate::oci::SandboxFiles::cleanup(&dir)?,
             Undo::RemoveDir(d) => remove_dir(&d)?,
-            Undo::DeleteContainer { id, shim } => {
+            Undo::DeleteContainer { id, shim, handler } => {
                 let shim = shim.or_else(|| ShimHandle::load(&id, self.bundle_dir(&id)).ok());
                 if let Some(s) = &shim {
                     // A shim whose `create` has not returned takes the runtime process with it.
                     s.kill_group();
                 }
-                self.runtime.delete(&id, true).await?;
+                self.runtime(&handler)?.delete(&id, true).await?;
                 if let Some(s) = shim {
                     reap_shim(&s).await;
                 }

@@ -1,0 +1,407 @@
+//! Runtime handlers: the OCI runtimes a pod can run under, by the name RunPodSandbox's
+//! `runtime_handler` gives (a Kubernetes RuntimeClass's `handler`).
+//!
+//! Each handler is a runc-compatible binary with its own state directory (`--root`). `runc` is
+//! built in and is the default (the handler `""` means the default); `crun` is built in too and
+//! is offered where it works. The configuration's `runtimes` table adds handlers or changes these
+//! (`[runtimes.NAME] binary = ..., root = ...`), and `default_runtime` names the default.
+//!
+//! Whether a handler works is found out, not assumed: at start each one creates and deletes a
+//! throwaway container (the infra process's rootfs, its own cgroup and namespaces) under a root
+//! of its own. A handler whose binary is missing, or that cannot create that container (crun
+//! refuses hosts whose cgroup v2 hierarchy is mounted beside v1 controllers, "hybrid" mode), is
+//! unavailable: left out of the Status RPC's handlers, refused by RunPodSandbox with the
+//! runtime's own reason, and logged at start.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::OnceCell;
+
+use super::error::{OciError, Result};
+use super::host::{CgroupDriver, cgroups_path};
+use super::runc::Runc;
+use super::runtime::{CreateIo, CreateOpts, OciRuntime};
+use crate::pause::InfraRootfs;
+
+/// The handler used when none is configured as the default.
+pub const DEFAULT_HANDLER: &str = "runc";
+
+/// The handlers every daemon has (their binaries found on PATH), unless configured otherwise.
+const BUILT_IN: [&str; 2] = [DEFAULT_HANDLER, "crun"];
+
+/// How long the availability probe of one handler may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a handler is configured as: its binary and its state directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandlerConfig {
+    pub binary: PathBuf,
+    /// `--root`; [`Handlers::new`] defaults it.
+    pub root: Option<PathBuf>,
+}
+
+/// What a handler supports, as the Status RPC reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HandlerFeatures {
+    pub recursive_read_only_mounts: bool,
+    pub user_namespaces: bool,
+}
+
+/// One runtime handler.
+#[derive(Debug)]
+pub struct Handler {
+    pub name: String,
+    pub runtime: Runc,
+    pub features: HandlerFeatures,
+    /// `Err(reason)` once probed and found unusable.
+    probed: OnceCell<std::result::Result<(), String>>,
+}
+
+impl Handler {
+    /// Whether the handler works here (`Err` says why not); probes it on first use.
+    pub async fn availability(&self, probe: &ProbeEnv) -> std::result::Result<(), String> {
+        self.probed
+            .get_or_init(|| probe_handler(&self.name, &self.runtime, probe))
+            .await
+            .clone()
+    }
+}
+
+/// What the availability probe needs from the daemon.
+#[derive(Debug, Clone)]
+pub struct ProbeEnv {
+    /// Where each handler's throwaway bundle and runtime root go (`<dir>/<name>/`).
+    pub dir: PathBuf,
+    pub infra: InfraRootfs,
+    pub cgroup_driver: CgroupDriver,
+}
+
+/// Every configured handler, by name.
+#[derive(Debug, Clone)]
+pub struct Handlers {
+    default: String,
+    by_name: BTreeMap<String, Arc<Handler>>,
+}
+
+/// A handler name, as Kubernetes allows for a RuntimeClass handler (a DNS label: lowercase
+/// letters, digits and '-', at most 63), which also keeps it a safe directory name.
+pub fn valid_handler_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+}
+
+/// The handler names and binaries of a configuration, and its default among them (or the
+/// built-in handlers).
+pub fn check_config(configured: &BTreeMap<String, HandlerConfig>, default: &str) -> Result<()> {
+    for (name, c) in configured {
+        if !valid_handler_name(name) {
+            return Err(OciError::invalid(format!(
+                "runtime handler name {name:?} is not a DNS label (lowercase letters, digits and \
+                 '-', at most 63)"
+            )));
+        }
+        if c.binary.as_os_str().is_empty() {
+            return Err(OciError::invalid(format!(
+                "runtime handler {name:?} must name a binary"
+            )));
+        }
+    }
+    if !BUILT_IN.contains(&default) && !configured.contains_key(default) {
+        let mut known: Vec<&str> = BUILT_IN.to_vec();
+        known.extend(configured.keys().map(String::as_str));
+        known.sort();
+        known.dedup();
+        return Err(OciError::invalid(format!(
+            "default_runtime {default:?} is not a configured runtime handler ({})",
+            known.join(", ")
+        )));
+    }
+    Ok(())
+}
+
+impl Handlers {
+    /// The built-in handlers (`runc`, `crun`) overlaid with `configured`; `default` names the
+    /// handler `""` stands for. Each gets `--root` `<state>/runc` for `runc` (where its
+    /// containers have always been) and `<state>/runtimes/<name>` for any other, unless set.
+    /// `features` gives each runtime's supported features.
+    pub fn new(
+        configured: &BTreeMap<String, HandlerConfig>,
+        default: &str,
+        state: &Path,
+        systemd_cgroup: bool,
+        features: impl Fn(&Runc) -> HandlerFeatures,
+    ) -> Result<Handlers> {
+        let mut all: BTreeMap<String, HandlerConfig> = BUILT_IN
+            .into_iter()
+            .map(|n| {
+                let c = HandlerConfig {
+                    binary: n.into(),
+                    root: None,
+                };
+                (n.to_string(), c)
+            })
+            .collect();
+        all.extend(configured.iter().map(|(k, v)| (k.clone(), v.clone())));
+        check_config(configured, default)?;
+        let mut by_name = BTreeMap::new();
+        for (name, c) in all {
+            let root = c.root.clone().unwrap_or_else(|| {
+                if name == DEFAULT_HANDLER {
+                    state.join("runc")
+                } else {
+                    state.join("runtimes").join(&name)
+                }
+            });
+            let mut runtime = Runc::new(c.binary, root);
+            runtime.systemd_cgroup = systemd_cgroup;
+            let features = features(&runtime);
+            let handler = Handler {
+                name: name.clone(),
+                runtime,
+                features,
+                probed: OnceCell::new(),
+            };
+            by_name.insert(name, Arc::new(handler));
+        }
+        Ok(Handlers {
+            default: default.to_string(),
+            by_name,
+        })
+    }
+
+    /// The name of the default handler.
+    pub fn default_name(&self) -> &str {
+        &self.default
+    }
+
+    /// Every handler, by name.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<Handler>> {
+        self.by_name.values()
+    }
+
+    /// The handler `name` stands for (`""`: the default), or why there is none.
+    pub fn get(&self, name: &str) -> Result<&Arc<Handler>> {
+        let name = if name.is_empty() { &self.default } else { name };
+        self.by_name
+            .get(name)
+            .ok_or_else(|| OciError::UnknownHandler {
+                name: name.to_string(),
+                known: self.by_name.keys().cloned().collect(),
+            })
+    }
+
+    /// The handler for a new pod: known and available here.
+    pub async fn for_new_pod(&self, name: &str, probe: &ProbeEnv) -> Result<&Arc<Handler>> {
+        let h = self.get(name)?;
+        h.availability(probe)
+            .await
+            .map_err(|reason| OciError::HandlerUnavailable {
+                name: h.name.clone(),
+                reason,
+            })?;
+        Ok(h)
+    }
+}
+
+/// Creates and deletes a throwaway container with `runtime` (under a root of its own, so
+/// nothing of it is ever taken for a pod's container), bounded by [`PROBE_TIMEOUT`].
+async fn probe_handler(
+    name: &str,
+    runtime: &Runc,
+    env: &ProbeEnv,
+) -> std::result::Result<(), String> {
+    if which(&runtime.binary).is_none() {
+        return Err(format!(
+            "binary {} not found (PATH or path)",
+            runtime.binary.display()
+        ));
+    }
+    let dir = env.dir.join(name);
+    let _ = tokio::fs::remove_dir_all(&dir).await;
+    let mut probe_runtime = runtime.clone();
+    probe_runtime.root = dir.join("root");
+    let id = match crate::ids::random_hex::<6>() {
+        Ok(hex) => format!("minicri-probe-{hex}"),
+        Err(e) => return Err(e.to_string()),
+    };
+    let result = tokio::time::timeout(PROBE_TIMEOUT, async {
+        let bundle = dir.join("bundle");
+        let spec = probe_spec(env, &id).map_err(|e| e.to_string())?;
+        let b = bundle.clone();
+        tokio::task::spawn_blocking(move || {
+            std::fs::create_dir_all(&b)?;
+            crate::fsutil::write_atomic(&b.join("config.json"), spec.as_bytes(), 0o600)
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("writing the probe bundle {}: {e}", bundle.display()))?;
+        let created = probe_runtime
+            .create(CreateOpts {
+                id: id.clone(),
+                pid_file: bundle.join("pid"),
+                bundle: bundle.clone(),
+                io: CreateIo::Null,
+            })
+            .await;
+        let deleted = probe_runtime.delete(&id, true).await;
+        created.map_err(runtime_message)?;
+        deleted.map_err(|e| format!("deleting the probe container: {}", runtime_message(e)))
+    })
+    .await
+    .unwrap_or_else(|_| Err(format!("no answer within {PROBE_TIMEOUT:?}")));
+    let _ = tokio::fs::remove_dir_all(&dir).await;
+    result
+}
+
+/// What the runtime said, without the command line around it.
+fn runtime_message(e: OciError) -> String {
+    match e {
+        OciError::Runtime { message, .. } => message,
+        other => other.to_string(),
+    }
+}
+
+/// The probe container: the infra process's rootfs and binary, its own cgroup, PID, mount,
+/// IPC, UTS and network namespaces. It is created, never started.
+fn probe_spec(env: &ProbeEnv, id: &str) -> Result<String> {
+    let parent = match env.cgroup_driver {
+        CgroupDriver::Cgroupfs => "/minicri",
+        CgroupDriver::Systemd => "system.slice",
+    };
+    let cgroups = cgroups_path(env.cgroup_driver, parent, id)?;
+    let bind = |dest: &Path, src: &Path| {
+        serde_json::json!({
+            "destination": dest, "type": "bind", "source": src,
+            "options": ["rbind", "rprivate", "ro"],
+        })
+    };
+    let mut mounts = vec![
+        serde_json::json!({"destination": "/proc", "type": "proc", "source": "proc"}),
+        bind(Path::new(crate::pause::INFRA_BINARY), &env.infra.binary),
+    ];
+    mounts.extend(env.infra.lib_dirs.iter().map(|d| bind(d, d)));
+    let spec = serde_json::json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "args": [crate::pause::INFRA_BINARY, "pause"],
+            "cwd": "/",
+            "env": ["PATH=/"],
+            "user": {"uid": 0, "gid": 0},
+        },
+        "root": {"path": env.infra.rootfs, "readonly": true},
+        "hostname": "probe",
+        "mounts": mounts,
+        "linux": {
+            "cgroupsPath": cgroups,
+            "namespaces": [
+                {"type": "pid"}, {"type": "mount"}, {"type": "ipc"}, {"type": "uts"},
+                {"type": "network"},
+            ],
+        },
+    });
+    Ok(spec.to_string())
+}
+
+/// `binary` as the runtime command would find it: a path as is, a bare name on PATH.
+fn which(binary: &Path) -> Option<PathBuf> {
+    if binary.components().count() > 1 {
+        return binary.is_file().then(|| binary.to_path_buf());
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(binary))
+        .find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handlers(configured: &[(&str, &str)], default: &str) -> Result<Handlers> {
+        let configured = configured
+            .iter()
+            .map(|(n, b)| {
+                let c = HandlerConfig {
+                    binary: b.into(),
+                    root: None,
+                };
+                (n.to_string(), c)
+            })
+            .collect();
+        Handlers::new(&configured, default, Path::new("/run/m"), false, |_| {
+            HandlerFeatures::default()
+        })
+    }
+
+    #[test]
+    fn built_ins_and_roots() {
+        let h = handlers(&[("kata-like", "/opt/k/bin/rt")], "runc").unwrap();
+        assert_eq!(
+            h.all().map(|h| h.name.as_str()).collect::<Vec<_>>(),
+            ["crun", "kata-like", "runc"]
+        );
+        assert_eq!(h.get("").unwrap().name, "runc");
+        assert_eq!(
+            h.get("runc").unwrap().runtime.root,
+            Path::new("/run/m/runc")
+        );
+        let k = h.get("kata-like").unwrap();
+        assert_eq!(k.runtime.root, Path::new("/run/m/runtimes/kata-like"));
+        assert_eq!(k.runtime.binary, Path::new("/opt/k/bin/rt"));
+    }
+
+    #[test]
+    fn the_default_can_be_another_handler() {
+        let h = handlers(&[], "crun").unwrap();
+        assert_eq!(h.get("").unwrap().name, "crun");
+        assert_eq!(h.default_name(), "crun");
+    }
+
+    #[test]
+    fn unknown_handlers_are_refused_by_name() {
+        let h = handlers(&[], "runc").unwrap();
+        let e = h.get("gvisor").unwrap_err().to_string();
+        assert!(e.contains("\"gvisor\"") && e.contains("crun, runc"), "{e}");
+        let e = handlers(&[], "youki").unwrap_err().to_string();
+        assert!(e.contains("default_runtime \"youki\""), "{e}");
+    }
+
+    #[test]
+    fn names_are_dns_labels() {
+        for bad in ["", "Runc", "a/b", "..", "-x", "x-", &"a".repeat(64)] {
+            assert!(!valid_handler_name(bad), "{bad:?}");
+            assert!(handlers(&[(bad, "/bin/true")], "runc").is_err(), "{bad:?}");
+        }
+        for good in ["runc", "crun", "kata-qemu", "a1", &"a".repeat(63)] {
+            assert!(valid_handler_name(good), "{good:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_missing_binary_is_unavailable_with_its_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = handlers(&[("gone", "/nonexistent/runtime")], "runc").unwrap();
+        let env = ProbeEnv {
+            dir: dir.path().join("probe"),
+            infra: InfraRootfs {
+                rootfs: dir.path().join("rootfs"),
+                binary: "/bin/true".into(),
+                lib_dirs: vec![],
+            },
+            cgroup_driver: CgroupDriver::Cgroupfs,
+        };
+        let e = h.for_new_pod("gone", &env).await.unwrap_err().to_string();
+        assert!(
+            e.contains("\"gone\"") && e.contains("/nonexistent/runtime not found"),
+            "{e}"
+        );
+    }
+}
