@@ -74,6 +74,14 @@ impl From<crate::cni::CniError> for Error {
         match e {
             C::NotReady(_) => Error::FailedPrecondition(e.to_string()),
             C::InvalidArgument(_) => Error::InvalidArgument(e.to_string()),
+            // The node's network setup is missing a plugin, or its configuration is one the
+            // plugin rejects (CNI error code 7): nothing a retry changes until it is fixed.
+            C::PluginNotFound { .. } | C::Plugin { code: Some(7), .. } => {
+                Error::FailedPrecondition(e.to_string())
+            }
+            C::Timeout { .. } => Error::DeadlineExceeded(e.to_string()),
+            // CNI error code 11: "try again later".
+            C::Plugin { code: Some(11), .. } => Error::Unavailable(e.to_string()),
             other => Error::Internal(other.to_string()),
         }
     }
@@ -94,5 +102,57 @@ impl From<minicri_snapshotter::Error> for Error {
 impl From<Error> for Status {
     fn from(e: Error) -> Status {
         Status::new(e.code(), e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cni::{CniError, Command};
+
+    /// A CNI failure keeps its kind up to the gRPC status, and its message names the plugin.
+    #[test]
+    fn cni_errors_map_by_kind() {
+        let plugin = |code| CniError::Plugin {
+            plugin: "bridge".into(),
+            command: Command::Add,
+            message: "boom".into(),
+            code,
+        };
+        for (e, code) in [
+            (
+                CniError::Timeout {
+                    plugin: "slow-ipam".into(),
+                    command: Command::Add,
+                    timeout: std::time::Duration::from_secs(55),
+                },
+                Code::DeadlineExceeded,
+            ),
+            (
+                CniError::PluginNotFound {
+                    plugin: "slow-ipam".into(),
+                    dirs: "/opt/cni/bin".into(),
+                },
+                Code::FailedPrecondition,
+            ),
+            (plugin(Some(11)), Code::Unavailable),
+            (plugin(Some(7)), Code::FailedPrecondition),
+            (plugin(None), Code::Internal),
+            (
+                CniError::NotReady("no conflist".into()),
+                Code::FailedPrecondition,
+            ),
+        ] {
+            let text = e.to_string();
+            let status = Status::from(Error::from(e));
+            assert_eq!(status.code(), code, "{text}");
+            assert_eq!(status.message(), text);
+        }
+        let status = Status::from(Error::from(CniError::Timeout {
+            plugin: "slow-ipam".into(),
+            command: Command::Add,
+            timeout: std::time::Duration::from_secs(55),
+        }));
+        assert!(status.message().contains("slow-ipam"), "{status:?}");
     }
 }
