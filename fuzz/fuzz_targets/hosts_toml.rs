@@ -1,6 +1,6 @@
-//! hosts.toml parsing (store/src/hosts.rs): never panics; every endpoint it yields has a host, and
+//! hosts.toml parsing (store/src/hosts.rs): never panics; every endpoint it yields has a host,
 //! plain http only where the file says `http://` (in a TOML string or key, escapes decoded) or
-//! the host is a loopback IP literal.
+//! the host is a loopback IP literal, and a path prefix of whole repository components.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -31,6 +31,15 @@ fuzz_target!(|data: &[u8]| {
                     e.host
                 );
             }
+            // A path prefix goes into request URLs: whole, plain repository components only.
+            assert!(
+                e.path_prefix.is_empty()
+                    || e.path_prefix
+                        .split('/')
+                        .all(|c| !c.is_empty() && c != "." && c != ".."),
+                "{text:?}: path prefix {:?}",
+                e.path_prefix
+            );
             let _ = e.to_string();
         }
     }

@@ -56,6 +56,7 @@ fn to_proto(j: JobSnapshot) -> admin::PullJob {
                 resumed_from: p.resumed_from,
                 state: p.state,
                 bytes_per_second: p.bytes_per_second,
+                source: p.source,
             })
             .collect(),
         bytes_done: j.bytes_done,

@@ -162,8 +162,13 @@ pub fn render(jobs: &[admin::PullJob]) -> String {
             } else {
                 String::new()
             };
+            let from = if l.source.is_empty() {
+                String::new()
+            } else {
+                format!(" from {}", l.source)
+            };
             out.push_str(&format!(
-                "    {} {:>11} {} / {}{resumed}\n",
+                "    {} {:>11} {} / {}{resumed}{from}\n",
                 &l.digest[..l.digest.len().min(19)],
                 l.state,
                 human(l.done as f64),
@@ -187,6 +192,9 @@ fn layer_message(l: &admin::LayerProgress) -> String {
     }
     if l.resumed_from > 0 {
         m.push_str(&format!(" (resumed at {})", human(l.resumed_from as f64)));
+    }
+    if !l.source.is_empty() && l.state != "done" {
+        m.push_str(&format!(" from {}", l.source));
     }
     m
 }

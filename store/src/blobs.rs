@@ -82,6 +82,8 @@ pub struct BlobProgress {
     written: AtomicU64,
     state: AtomicU8,
     started: Instant,
+    /// The endpoint the current (or last) request went to.
+    source: Mutex<Option<String>>,
     /// Taken, then notified, after every change of `written` or `state`
     /// ([`BlobProgress::wait_until`]).
     changes: (Mutex<()>, std::sync::Condvar),
@@ -98,6 +100,7 @@ impl BlobProgress {
             written: AtomicU64::new(0),
             state: AtomicU8::new(BlobState::Queued as u8),
             started: Instant::now(),
+            source: Mutex::new(None),
             changes: (Mutex::new(()), std::sync::Condvar::new()),
         }
     }
@@ -146,6 +149,18 @@ impl BlobProgress {
 
     pub fn resumed_from(&self) -> u64 {
         self.resumed_from.load(Ordering::Relaxed)
+    }
+
+    /// The endpoint the bytes come from (or last came from), `http(s)://host[:port]`.
+    pub fn source(&self) -> Option<String> {
+        self.source
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set_source(&self, endpoint: &str) {
+        *self.source.lock().unwrap_or_else(|p| p.into_inner()) = Some(endpoint.to_string());
     }
 
     pub fn downloaded(&self) -> u64 {
@@ -408,13 +423,22 @@ async fn fetch(
 
     let mut failures = 0u32;
     let mut backoff = FIRST_BACKOFF;
+    // The endpoint whose body broke off last: the next request tries the others first (a mirror
+    // failing mid-blob hands the rest of it to the next host, from the bytes on disk).
+    let mut broke_off: Option<String> = None;
     while offset < size {
         let before = offset;
+        let mut opened_at: Option<String> = None;
         let attempt = async {
             let mut body = session
-                .blob(&digest, offset)
+                .blob(&digest, offset, broke_off.as_deref())
                 .await
                 .map_err(|e| session.fold_errors("blob", e))?;
+            if broke_off.is_some() || offset > 0 {
+                tracing::info!(blob = %digest, offset, endpoint = %body.endpoint, "blob continues");
+            }
+            progress.set_source(&body.endpoint);
+            opened_at = Some(body.endpoint.clone());
             if offset > 0 && !body.resumed {
                 tracing::info!(blob = %digest, offset, endpoint = %body.endpoint, "registry ignored the range request; restarting blob");
                 offset = 0;
@@ -445,6 +469,10 @@ async fn fetch(
             failures = 0;
             backoff = FIRST_BACKOFF;
         }
+        broke_off = match &outcome {
+            Ok(()) if offset >= size => None,
+            _ => opened_at,
+        };
         match outcome {
             Ok(()) if offset < size => {
                 tracing::warn!(blob = %digest, offset, size, "blob body ended early; resuming");

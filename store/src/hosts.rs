@@ -8,8 +8,14 @@
 //! are loopback IP literals: `registry::auth`); without a file, only a registry named by a
 //! loopback IP literal is. The files are read at every pull, so edits apply without a restart.
 //!
-//! Supported keys: `server`, `capabilities` (`pull`, `resolve`), `skip_verify`, `ca`. A host URL
-//! with a path other than `/v2` cannot be used by the registry client and is skipped with a warning.
+//! Keys read: `server`, `capabilities` (`pull`, `resolve`), `skip_verify`, `ca`, `dial_timeout`
+//! (a Go duration: `5s`, `500ms`, `1m30s`) and `override_path`. A host URL's path follows
+//! containerd: without `override_path` a path gets `/v2` appended; with it, the path is the API
+//! root. The registry client speaks to API roots `/v2` and `/v2/<prefix>` (a path-based mirror
+//! such as a Harbor proxy-cache project: the prefix goes before the repository); a host whose
+//! URL needs another root is skipped with a warning. `client` (mTLS) and `header` are not sent:
+//! the host is still tried, with a warning. Keys containerd does not know are warned about, not
+//! fatal. Each warning is logged once per file and key.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -33,6 +39,10 @@ pub struct Endpoint {
     pub ca: Vec<PathBuf>,
     /// Whether this endpoint is a mirror (a `[host]` entry) rather than the registry's server.
     pub mirror: bool,
+    /// Put before the repository (`<prefix>/<repository>`): the API root is `/v2/<prefix>`.
+    pub path_prefix: String,
+    /// Time limit of connecting to it (`dial_timeout`; `None`: the daemon's).
+    pub dial_timeout: Option<std::time::Duration>,
 }
 
 impl std::fmt::Display for Endpoint {
@@ -42,7 +52,11 @@ impl std::fmt::Display for Endpoint {
             "{}://{}",
             if self.plain_http { "http" } else { "https" },
             self.host
-        )
+        )?;
+        if !self.path_prefix.is_empty() {
+            write!(f, "/v2/{}", self.path_prefix)?;
+        }
+        Ok(())
     }
 }
 
@@ -56,24 +70,90 @@ pub struct RegistryHosts {
 struct HostsFile {
     server: Option<String>,
     #[serde(default)]
-    capabilities: Option<Vec<String>>,
-    #[serde(default)]
-    skip_verify: Option<bool>,
-    #[serde(default)]
-    ca: Option<StringOrList>,
-    #[serde(default)]
     host: toml::Table,
+    #[serde(flatten)]
+    settings: HostEntry,
 }
 
+/// What a `[host]` table, or the file's top level for `server`, says about one host.
 #[derive(Debug, serde::Deserialize)]
 struct HostEntry {
     capabilities: Option<Vec<String>>,
     skip_verify: Option<bool>,
     ca: Option<StringOrList>,
     override_path: Option<bool>,
+    dial_timeout: Option<String>,
+    client: Option<toml::Value>,
+    header: Option<toml::Table>,
 }
 
-#[derive(Debug, serde::Deserialize)]
+/// Keys containerd reads in a `[host]` table (and at the top level, beside `server`).
+const HOST_KEYS: [&str; 7] = [
+    "capabilities",
+    "skip_verify",
+    "ca",
+    "client",
+    "header",
+    "override_path",
+    "dial_timeout",
+];
+
+/// Logs `message` for `path` once per daemon (the files are read at every pull).
+fn warn_once(path: &Path, key: &str, message: &str) {
+    static WARNED: std::sync::Mutex<Option<std::collections::HashSet<String>>> =
+        std::sync::Mutex::new(None);
+    let id = format!("{}\0{key}\0{message}", path.display());
+    let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
+    let set = warned.get_or_insert_with(Default::default);
+    if set.len() >= 1024 {
+        set.clear();
+    }
+    if set.insert(id) {
+        tracing::warn!(hosts_toml = %path.display(), key, "{message}");
+    }
+}
+
+/// Warns about the keys of `table` that are not in `known` (`at` names the table).
+fn warn_unknown_keys(table: &toml::Table, known: &[&str], at: &str, path: &Path) {
+    for k in table.keys().filter(|k| !known.contains(&k.as_str())) {
+        warn_once(path, k, &format!("{at}: unknown key {k:?} ignored"));
+    }
+}
+
+/// A Go duration as containerd's `dial_timeout` takes it: decimal numbers with units (`ns`,
+/// `us`, `ms`, `s`, `m`, `h`), e.g. `5s`, `1.5s`, `1m30s`.
+fn parse_go_duration(text: &str) -> Option<std::time::Duration> {
+    let mut rest = text.trim();
+    if rest.is_empty() {
+        return None;
+    }
+    let mut total = 0f64;
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let n: f64 = rest[..num_len].parse().ok()?;
+        rest = &rest[num_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return None,
+        };
+        rest = &rest[unit_len..];
+        total += n * scale;
+    }
+    (total.is_finite() && total > 0.0 && total <= 86400.0)
+        .then(|| std::time::Duration::from_secs_f64(total))
+}
+
+#[derive(Debug, Clone, serde::Deserialize)]
 #[serde(untagged)]
 enum StringOrList {
     One(String),
@@ -157,6 +237,8 @@ pub fn default_endpoint(registry: &str) -> Endpoint {
         skip_verify: false,
         ca: Vec::new(),
         mirror: false,
+        path_prefix: String::new(),
+        dial_timeout: None,
     }
 }
 
@@ -248,53 +330,140 @@ pub fn parse_hosts_toml(text: &str, registry: &str, path: &Path) -> Result<Vec<E
         path: path.to_path_buf(),
         reason,
     };
-    let file: HostsFile = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
+    let table: toml::Table = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
+    let mut top_keys = HOST_KEYS.to_vec();
+    top_keys.extend(["server", "host"]);
+    warn_unknown_keys(&table, &top_keys, "top level", path);
+    let file: HostsFile = table.try_into().map_err(|e| bad(e.to_string()))?;
     let mut out = Vec::new();
     for (url, entry) in file.host {
+        let at = format!("[host.{url:?}]");
+        if let toml::Value::Table(t) = &entry {
+            warn_unknown_keys(t, &HOST_KEYS, &at, path);
+        }
         let entry: HostEntry = entry
             .try_into()
-            .map_err(|e: toml::de::Error| bad(format!("[host.{url:?}]: {e}")))?;
+            .map_err(|e: toml::de::Error| bad(format!("{at}: {e}")))?;
         let (host, plain_http, url_path) = parse_url(&url, path)?;
-        let v2_path =
-            url_path.is_empty() || url_path == "/" || url_path.trim_end_matches('/') == "/v2";
-        if !v2_path || entry.override_path == Some(true) {
-            tracing::warn!(hosts_toml = %path.display(), %url, "skipping mirror: URL paths other than /v2 are not supported");
+        let Some(path_prefix) = api_prefix(&url_path, entry.override_path == Some(true)) else {
+            warn_once(
+                path,
+                "override_path",
+                &format!(
+                    "{at}: skipping mirror: its API root {url_path:?} is not /v2 or \
+                     /v2/<prefix>, the only roots the registry client can reach"
+                ),
+            );
             continue;
-        }
-        let (pull, resolve) = caps(&entry.capabilities);
-        out.push(Endpoint {
-            host,
-            plain_http,
-            pull,
-            resolve,
-            skip_verify: entry.skip_verify.unwrap_or(false),
-            ca: entry.ca.map(StringOrList::paths).unwrap_or_default(),
-            mirror: true,
-        });
+        };
+        let mut ep = endpoint_with(&entry, &at, path)?;
+        ep.host = host;
+        ep.plain_http = plain_http;
+        ep.mirror = true;
+        ep.path_prefix = path_prefix;
+        out.push(ep);
     }
-    let mut server = match &file.server {
-        Some(url) => {
-            let (host, plain_http, _) = parse_url(url, path)?;
-            let mut e = default_endpoint(registry);
-            e.host = host;
-            e.plain_http = plain_http;
-            e
+    let mut server = endpoint_with(&file.settings, "top level", path)?;
+    server.plain_http = is_loopback_ip(registry);
+    server.host = default_endpoint(registry).host;
+    if let Some(url) = &file.server {
+        let (host, plain_http, url_path) = parse_url(url, path)?;
+        server.host = host;
+        server.plain_http = plain_http;
+        match api_prefix(&url_path, file.settings.override_path == Some(true)) {
+            Some(prefix) => server.path_prefix = prefix,
+            None => {
+                return Err(bad(format!(
+                    "server {url:?}: its API root {url_path:?} is not /v2 or /v2/<prefix>, the \
+                     only roots the registry client can reach"
+                )));
+            }
         }
-        None => default_endpoint(registry),
-    };
-    let (pull, resolve) = caps(&file.capabilities);
-    server.pull = pull;
-    server.resolve = resolve;
-    server.skip_verify = file.skip_verify.unwrap_or(false);
-    server.ca = file.ca.map(StringOrList::paths).unwrap_or_default();
+    }
     // A server that repeats the last mirror adds nothing.
-    if !out
-        .iter()
-        .any(|e| e.host == server.host && e.plain_http == server.plain_http)
-    {
+    if !out.iter().any(|e| {
+        e.host == server.host
+            && e.plain_http == server.plain_http
+            && e.path_prefix == server.path_prefix
+    }) {
         out.push(server);
     }
     Ok(out)
+}
+
+/// The repository prefix of a host URL's path, as containerd reads it: without `override_path`
+/// the URL's path gets `/v2` appended (unless it ends in it); with it, the path is the API root.
+/// `None` when that root is not `/v2` or `/v2/<prefix>`.
+fn api_prefix(url_path: &str, override_path: bool) -> Option<String> {
+    let trimmed = url_path.trim_end_matches('/');
+    let root = if override_path || trimmed.is_empty() || trimmed.ends_with("/v2") {
+        if trimmed.is_empty() {
+            "/v2".to_string()
+        } else {
+            trimmed.to_string()
+        }
+    } else {
+        format!("{trimmed}/v2")
+    };
+    if root == "/v2" {
+        return Some(String::new());
+    }
+    let prefix = root.strip_prefix("/v2/")?;
+    let valid = prefix.split('/').all(|c| {
+        !c.is_empty()
+            && c != "."
+            && c != ".."
+            && c.bytes().all(|b| {
+                b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
+            })
+    });
+    valid.then(|| prefix.to_string())
+}
+
+/// An endpoint with the settings of `entry` (capabilities, TLS, dial timeout); its host is
+/// filled in by the caller. `client` and `header` are warned about: they are not sent.
+fn endpoint_with(entry: &HostEntry, at: &str, path: &Path) -> Result<Endpoint> {
+    let (pull, resolve) = caps(&entry.capabilities);
+    let dial_timeout = match &entry.dial_timeout {
+        None => None,
+        Some(t) => Some(parse_go_duration(t).ok_or_else(|| StoreError::HostsConfig {
+            path: path.to_path_buf(),
+            reason: format!(
+                "{at}: dial_timeout {t:?} is not a duration such as \"5s\" or \"500ms\" \
+                 (at most 24h)"
+            ),
+        })?),
+    };
+    for (key, set) in [
+        ("client", entry.client.is_some()),
+        ("header", entry.header.is_some()),
+    ] {
+        if set {
+            warn_once(
+                path,
+                key,
+                &format!(
+                    "{at}: {key:?} is not supported (the registry client cannot send client \
+                     certificates or extra headers); requests to this host go without it"
+                ),
+            );
+        }
+    }
+    Ok(Endpoint {
+        host: String::new(),
+        plain_http: false,
+        resolve,
+        pull,
+        skip_verify: entry.skip_verify.unwrap_or(false),
+        ca: entry
+            .ca
+            .clone()
+            .map(StringOrList::paths)
+            .unwrap_or_default(),
+        mirror: false,
+        path_prefix: String::new(),
+        dial_timeout,
+    })
 }
 
 #[cfg(test)]
@@ -418,5 +587,113 @@ server = "https://registry-1.docker.io"
         let (_d, h) = hosts_with("x.io", "server = 3");
         let err = h.endpoints("x.io").unwrap_err().to_string();
         assert!(err.contains("hosts.toml"), "{err}");
+    }
+
+    #[test]
+    fn path_based_mirrors_follow_containerds_api_root() {
+        let (_d, h) = hosts_with(
+            "docker.io",
+            r#"
+[host."https://harbor.example/v2/proxy-hub"]
+  override_path = true
+[host."https://plain.example/v2"]
+[host."https://root.example/"]
+[host."https://prefixed.example/mirror"]
+[host."https://nonstd.example/api/docker"]
+  override_path = true
+[host."https://twice.example/v2/proj"]
+"#,
+        );
+        let e = h.endpoints("docker.io").unwrap();
+        let names: Vec<String> = e.iter().map(ToString::to_string).collect();
+        // /mirror gets /v2 appended (/mirror/v2) and /api/docker is the root as given: neither
+        // is /v2[/<prefix>]. /v2/proj without override_path is /v2/proj/v2, which is.
+        assert_eq!(
+            names,
+            [
+                "https://harbor.example/v2/proxy-hub",
+                "https://plain.example",
+                "https://root.example",
+                "https://twice.example/v2/proj/v2",
+                "https://registry-1.docker.io"
+            ]
+        );
+        assert_eq!(e[0].path_prefix, "proxy-hub");
+        assert!(e[1].path_prefix.is_empty() && e[4].path_prefix.is_empty());
+        assert_eq!(e[3].path_prefix, "proj/v2");
+        assert_eq!(api_prefix("/v2/a/b/", true).as_deref(), Some("a/b"));
+        for bad in ["/v2/../x", "/v2/A", "/v2//x", "/v2/x y"] {
+            assert_eq!(api_prefix(bad, true), None, "{bad}");
+        }
+        let (_d, h) = hosts_with("r.example", "server = \"https://r.example/other\"\n");
+        let err = h.endpoints("r.example").unwrap_err().to_string();
+        assert!(
+            err.contains("/other") && err.contains("hosts.toml"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn dial_timeout_is_a_go_duration() {
+        let (_d, h) = hosts_with(
+            "r.example",
+            "dial_timeout = \"1m30s\"\n[host.\"https://m.example\"]\n  dial_timeout = \"250ms\"\n",
+        );
+        let e = h.endpoints("r.example").unwrap();
+        assert_eq!(
+            e[0].dial_timeout,
+            Some(std::time::Duration::from_millis(250))
+        );
+        assert_eq!(e[1].dial_timeout, Some(std::time::Duration::from_secs(90)));
+        for (text, secs) in [("5s", 5.0), ("1.5s", 1.5), ("2h", 7200.0), ("100us", 1e-4)] {
+            let d = parse_go_duration(text).unwrap();
+            assert!((d.as_secs_f64() - secs).abs() < 1e-9, "{text}");
+        }
+        for bad in ["", "5", "s", "-1s", "5x", "1..2s", "48h", "0s"] {
+            assert_eq!(parse_go_duration(bad), None, "{bad:?}");
+        }
+        let (_d, h) = hosts_with(
+            "r.example",
+            "[host.\"https://m.example\"]\n  dial_timeout = \"soon\"\n",
+        );
+        let err = h.endpoints("r.example").unwrap_err().to_string();
+        assert!(err.contains("dial_timeout \"soon\""), "{err}");
+    }
+
+    #[test]
+    fn every_containerd_key_and_unknown_keys_are_accepted() {
+        // A containerd certs.d file using every host key, plus keys containerd does not know:
+        // all of it parses; client and header are warned about, the unknown keys too.
+        let (_d, h) = hosts_with(
+            "r.example",
+            r#"
+server = "https://r.example"
+capabilities = ["pull", "resolve"]
+skip_verify = false
+ca = "/etc/certs/r.pem"
+client = [["/etc/certs/client.cert", "/etc/certs/client.key"]]
+dial_timeout = "3s"
+future_key = 1
+[header]
+  x-custom = ["1"]
+[host."https://m.example:5000/v2"]
+  capabilities = ["pull"]
+  skip_verify = true
+  ca = ["/etc/certs/m.pem"]
+  client = "/etc/certs/m-client.pem"
+  override_path = false
+  dial_timeout = "2s"
+  typo_key = "x"
+  [host."https://m.example:5000/v2".header]
+    Authorization = "Basic Zm9vOmJhcg=="
+"#,
+        );
+        let e = h.endpoints("r.example").unwrap();
+        assert_eq!(e.len(), 2);
+        assert_eq!(e[0].to_string(), "https://m.example:5000");
+        assert!(e[0].skip_verify && e[0].pull && !e[0].resolve);
+        assert_eq!(e[0].ca, [PathBuf::from("/etc/certs/m.pem")]);
+        assert_eq!(e[1].ca, [PathBuf::from("/etc/certs/r.pem")]);
+        assert_eq!(e[1].dial_timeout, Some(std::time::Duration::from_secs(3)));
     }
 }

@@ -607,3 +607,128 @@ async fn a_shared_download_failing_for_one_requester_goes_on_with_anothers_regis
             .contains("going on with another's registry session")
     );
 }
+
+/// ListPulls until the layer `digest` is downloading from `source`; that layer's progress.
+async fn layer_downloading_from(e: &Env, digest: &str, source: &str) -> admin::LayerProgress {
+    let mut client = PullsClient::new(e.daemon.channel().await.unwrap());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let jobs = client
+            .list_pulls(admin::ListPullsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .jobs;
+        let layer = jobs
+            .iter()
+            .flat_map(|j| j.layers.iter())
+            .find(|l| l.digest == digest);
+        if let Some(l) = layer
+            && l.state == "downloading"
+            && l.source == source
+        {
+            return l.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "layer {digest} not downloading from {source}: {jobs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mirror_breaking_off_mid_blob_hands_the_rest_to_the_next_host() {
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "mirrored", 2, 8, 11).await;
+    let layer = img.layers.last().unwrap();
+    // The mirror (its own proxy in front of the registry) is tried first; the registry's own
+    // server (the test's proxy) after it. The mirror breaks off every response for the last
+    // layer after 3 MiB.
+    let mirror = minicri_tests::proxy::Proxy::start(&e.registry.addr()).unwrap();
+    e.hosts.set(
+        &e.proxy.addr(),
+        &format!(
+            "server = \"{}\"\n[host.\"{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+            e.proxy.url(),
+            mirror.url()
+        ),
+    );
+    mirror
+        .faults()
+        .cut_after(Target::Blob(layer.digest.clone()), 3 * MIB, Times::Always);
+    e.proxy
+        .faults()
+        .stall_after(Target::Blob(layer.digest.clone()), MIB);
+    let call = spawn_pull(&e.daemon, &r, None).await;
+    // The rest of the layer comes from the server, and `minicri pulls` says so.
+    let l = layer_downloading_from(&e, &layer.digest, &e.proxy.url()).await;
+    assert_eq!(l.resumed_from, 0, "one download, resumed in place: {l:?}");
+    e.proxy.faults().release_stall();
+    call.await.unwrap().unwrap();
+
+    let at_mirror = mirror.bytes_served(&layer.digest);
+    assert_eq!(
+        at_mirror,
+        3 * MIB,
+        "{:?}",
+        mirror.blob_requests(&layer.digest)
+    );
+    let reqs = e.proxy.blob_requests(&layer.digest);
+    assert_eq!(reqs.len(), 1, "{reqs:?}");
+    assert_eq!(
+        reqs[0].range.as_deref(),
+        Some(format!("bytes={}-", 3 * MIB).as_str()),
+        "resumed from the bytes on disk"
+    );
+    assert_eq!(
+        at_mirror + e.proxy.bytes_served(&layer.digest),
+        layer.size,
+        "no byte served twice"
+    );
+    // Only that blob moved on: the image's other blobs came from the mirror.
+    for d in img.blob_digests() {
+        if d != layer.digest {
+            assert_eq!(e.proxy.bytes_served(&d), 0, "{d} not from the mirror");
+            assert!(mirror.bytes_served(&d) > 0, "{d}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_path_based_mirror_serves_the_repository_under_its_prefix() {
+    let e = env(&[]).await;
+    // The mirror serves `hub-cache/<repository>` (as a Harbor proxy-cache project does), and
+    // the registry's own server is down: only the prefixed path can serve the image.
+    let client = images::RegistryClient::new(&e.registry.addr());
+    let img = images::push_big_image(
+        &client,
+        "hub-cache/minicri-test/prefixed:latest",
+        1,
+        1,
+        minicri_tests::images::Compression::None,
+        12,
+    )
+    .await
+    .unwrap();
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    e.hosts.set(
+        "r.example",
+        &format!(
+            "server = \"http://{dead}\"\n\
+             [host.\"http://{}/v2/hub-cache\"]\n  capabilities = [\"pull\", \"resolve\"]\n  \
+             override_path = true\n",
+            e.registry.addr()
+        ),
+    );
+    assert_eq!(
+        pull(&e.daemon, "r.example/minicri-test/prefixed:latest", None)
+            .await
+            .unwrap(),
+        img.config_digest
+    );
+}

@@ -276,6 +276,8 @@ pub struct PartSnapshot {
     pub resumed_from: u64,
     pub state: String,
     pub bytes_per_second: f64,
+    /// The endpoint the bytes come from (or last came from); empty before the first request.
+    pub source: String,
 }
 
 /// A job's progress, for the admin API.
@@ -1029,6 +1031,7 @@ fn snapshot(j: &Job) -> JobSnapshot {
                 resumed_from: pr.resumed_from(),
                 state: pr.state().as_str().to_string(),
                 bytes_per_second: pr.speed(),
+                source: pr.source().unwrap_or_default(),
             },
             None => PartSnapshot {
                 digest: p.digest.to_string(),
@@ -1037,6 +1040,7 @@ fn snapshot(j: &Job) -> JobSnapshot {
                 resumed_from: 0,
                 state: "waiting".into(),
                 bytes_per_second: 0.0,
+                source: String::new(),
             },
         })
         .collect();

@@ -510,6 +510,8 @@ mod tests {
                 skip_verify: false,
                 ca: vec![],
                 mirror: false,
+                path_prefix: String::new(),
+                dial_timeout: None,
             };
             EndpointCreds::new(&creds, &basic, &ep, host, vec![host.into()])
         };

@@ -160,6 +160,7 @@ struct ClientKey {
     plain_http: bool,
     skip_verify: bool,
     ca: Vec<std::path::PathBuf>,
+    dial_timeout: Option<Duration>,
     /// `None` for minicri's own client (pings, identity-token exchange), which holds nothing.
     auth: Option<[u8; 32]>,
 }
@@ -250,6 +251,7 @@ impl Registry {
             plain_http: ep.plain_http,
             skip_verify: ep.skip_verify,
             ca: ep.ca.clone(),
+            dial_timeout: ep.dial_timeout,
             auth,
         };
         if let Some((c, used)) = self.clients.lock().unwrap().get_mut(&key) {
@@ -295,7 +297,7 @@ impl Registry {
                 },
                 accept_invalid_certificates: ep.skip_verify,
                 extra_root_certificates: certs,
-                connect_timeout: Some(self.connect_timeout),
+                connect_timeout: Some(ep.dial_timeout.unwrap_or(self.connect_timeout)),
                 read_timeout: Some(self.read_timeout),
                 user_agent: concat!("minicri/", env!("CARGO_PKG_VERSION")),
                 ..Default::default()
@@ -321,7 +323,7 @@ impl Registry {
                 .collect::<reqwest::Result<Vec<_>>>()
                 .map_err(|e| ca_error(ep, format!("parsing CA certificate: {}", describe(&e))))?;
             let timeouts = ProbeTimeouts {
-                connect: self.connect_timeout,
+                connect: ep.dial_timeout.unwrap_or(self.connect_timeout),
                 read: self.read_timeout,
             };
             auth::probe_client(ep, certs, &timeouts)
@@ -377,9 +379,11 @@ impl Registry {
         let source = {
             use sha2::Digest as _;
             let mut h = sha2::Sha256::new();
+            // Endpoints as `scheme://host[/v2/prefix]`: a path-based mirror is another source.
+            let endpoints: Vec<String> = sessions.iter().map(|s| s.endpoint.to_string()).collect();
             for part in [&reference.domain, &reference.path]
                 .into_iter()
-                .chain(sessions.iter().map(|s| &s.endpoint.host))
+                .chain(endpoints.iter())
                 .chain([
                     &creds.username,
                     &creds.password,
@@ -424,7 +428,11 @@ struct EndpointSession {
 
 impl EndpointSession {
     fn oci_ref(&self, r: &Reference, digest: Option<&Digest>) -> oci_client::Reference {
-        let path = r.path.clone();
+        // A path-based mirror (API root `/v2/<prefix>`) serves the repository under its prefix.
+        let path = match self.endpoint.path_prefix.as_str() {
+            "" => r.path.clone(),
+            prefix => format!("{prefix}/{}", r.path),
+        };
         match (digest.or(r.digest.as_ref()), &r.tag) {
             (Some(d), _) => {
                 oci_client::Reference::with_digest(self.endpoint.host.clone(), path, d.to_string())
@@ -595,11 +603,12 @@ impl Session {
     }
 
     /// Tries `attempt` at the endpoints in `order`, each authenticated first, until one
-    /// succeeds; that one becomes the preferred endpoint. Returns every endpoint's failure
-    /// otherwise.
+    /// succeeds; with `remember`, that one becomes the preferred endpoint. Returns every
+    /// endpoint's failure otherwise.
     async fn first_success<'a, T, Fut>(
         &'a self,
         order: Vec<usize>,
+        remember: bool,
         attempt: impl Fn(&'a EndpointSession, Authed) -> Fut,
     ) -> std::result::Result<T, Vec<RemoteError>>
     where
@@ -614,7 +623,9 @@ impl Session {
             };
             match outcome {
                 Ok(v) => {
-                    self.preferred.store(i, Ordering::Relaxed);
+                    if remember {
+                        self.preferred.store(i, Ordering::Relaxed);
+                    }
                     return Ok(v);
                 }
                 Err(e) => errors.push(e),
@@ -632,7 +643,7 @@ impl Session {
         let by_tag = digest.is_none() && self.reference.digest.is_none();
         let expected = digest.or(self.reference.digest.as_ref());
         let fetched = self
-            .first_success(self.order(by_tag), |ep, authed| async move {
+            .first_success(self.order(by_tag), true, |ep, authed| async move {
                 let oref = ep.oci_ref(&self.reference, digest);
                 let (bytes, d) = ep
                     .deadline("manifest request", ep.fetch_manifest(&authed, &oref))
@@ -665,13 +676,23 @@ impl Session {
         }
     }
 
-    /// Opens blob `digest` at byte `offset` (0 for the whole blob).
+    /// Opens blob `digest` at byte `offset` (0 for the whole blob). The endpoint named
+    /// `last_resort` (`http(s)://host[:port]`, as [`BlobBody::endpoint`] says it), whose body
+    /// broke off, is tried after every other.
     pub async fn blob(
         &self,
         digest: &Digest,
         offset: u64,
+        last_resort: Option<&str>,
     ) -> std::result::Result<BlobBody, Vec<RemoteError>> {
-        self.first_success(self.order(false), |ep, authed| async move {
+        let mut order = self.order(false);
+        if let Some(avoid) = last_resort {
+            // A stable sort: the others keep their order.
+            order.sort_by_key(|i| self.endpoints[*i].endpoint.to_string() == avoid);
+        }
+        // Only this blob moves on from an endpoint that broke off: the pull's other blobs keep
+        // the preferred one (a fleet's cache stays first).
+        self.first_success(order, last_resort.is_none(), |ep, authed| async move {
             let oref = ep.oci_ref(&self.reference, None);
             // Always a range request (bytes=0- for a fresh download): the body is hashed once,
             // by the ingest, rather than also by the client's verifying stream. The deadline
