@@ -124,6 +124,14 @@ async fn pods_run_under_the_handler_they_name_and_unusable_handlers_are_refused(
         assert!(!crun["reason"].as_str().unwrap().is_empty(), "{crun}");
     }
 
+    // The probes (two of them runc) ran in containers of their own: nothing was written into
+    // the infra rootfs every sandbox shares (its /dev stays an empty mount point).
+    let infra_dev: Vec<_> = std::fs::read_dir(env.state().join("infra/dev"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(infra_dev.is_empty(), "{infra_dev:?}");
+
     // Refused by name: a handler nobody configured, one that does not work here.
     let config = pod_config("traced", env.logs.path());
     let e = run_pod_with(&mut c, &config, "gvisor").await.unwrap_err();

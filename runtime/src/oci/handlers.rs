@@ -283,8 +283,14 @@ fn probe_spec(env: &ProbeEnv, id: &str) -> Result<String> {
             "options": ["rbind", "rprivate", "ro"],
         })
     };
+    // /dev on a tmpfs of its own, as in the sandbox spec: the runtime sets up device nodes and
+    // the ptmx link there, not in the shared infra rootfs (concurrent probes would collide).
     let mut mounts = vec![
         serde_json::json!({"destination": "/proc", "type": "proc", "source": "proc"}),
+        serde_json::json!({
+            "destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+            "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+        }),
         bind(Path::new(crate::pause::INFRA_BINARY), &env.infra.binary),
     ];
     mounts.extend(env.infra.lib_dirs.iter().map(|d| bind(d, d)));
