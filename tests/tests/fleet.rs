@@ -1,0 +1,153 @@
+//! Nodes pulling through a cluster's pull-through cache: the project's registry as the origin,
+//! the byte-counting proxy in front of it, Debian's `docker-registry` in proxy mode as the cache
+//! in front of that, and minicri daemons (the nodes) with their own roots, reaching the origin's
+//! name through hosts.toml with the cache as the mirror.
+//!
+//! What reaches the origin is the cache's behaviour as much as the nodes'. distribution 2.8 (the
+//! cache here) fetches a blob it does not have twice on a miss, one copy for the client and one
+//! to store, and does not merge concurrent misses; the tests assert what the nodes add on top of
+//! that (nothing) and print the origin's bytes for docs/fleet.md.
+
+use std::time::{Duration, Instant};
+
+use minicri_tests::daemon::{Daemon, HostsDir};
+use minicri_tests::images::{self, Compression, PushedImage};
+use minicri_tests::proxy::Proxy;
+use minicri_tests::pull_env::{MIB, pull};
+use minicri_tests::registry::Registry;
+
+/// The origin's name in image references; hosts.toml sends it to the cache, then the origin.
+const ORIGIN: &str = "origin.example";
+
+struct Fleet {
+    origin: Registry,
+    /// Counts what the origin serves.
+    counting: Proxy,
+    cache: Registry,
+    hosts: HostsDir,
+}
+
+impl Fleet {
+    fn new() -> Fleet {
+        let origin = Registry::start();
+        let counting = Proxy::start(&origin.addr()).expect("proxy");
+        let cache = Registry::start_cache_of(&counting.url());
+        let hosts = HostsDir::new();
+        hosts.set(
+            ORIGIN,
+            &format!(
+                "server = \"{}\"\n[host.\"{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+                counting.url(),
+                cache.url()
+            ),
+        );
+        Fleet {
+            origin,
+            counting,
+            cache,
+            hosts,
+        }
+    }
+
+    async fn node(&self) -> Daemon {
+        Daemon::start_with(self.hosts.path(), &[]).await.unwrap()
+    }
+
+    /// Pushes an image of `layers` incompressible layers of `mib` MiB to the origin; its
+    /// reference by the origin's name.
+    async fn push(&self, name: &str, layers: u64, mib: u64) -> (PushedImage, String) {
+        let client = images::RegistryClient::new(&self.origin.addr());
+        let img = images::push_big_image(
+            &client,
+            &format!("minicri-test/{name}:latest"),
+            layers,
+            mib,
+            Compression::None,
+            21,
+        )
+        .await
+        .unwrap();
+        (img, format!("{ORIGIN}/minicri-test/{name}:latest"))
+    }
+
+    /// Waits until the cache has stored every blob of `img` (it stores in the background
+    /// after serving).
+    async fn cached(&self, img: &PushedImage) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !img
+            .blob_digests()
+            .iter()
+            .all(|d| self.cache.blob_path(d).is_file())
+        {
+            assert!(Instant::now() < deadline, "the cache never stored {img:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn blob_bytes(img: &PushedImage) -> u64 {
+    img.config_size + img.layers.iter().map(|l| l.size).sum::<u64>()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_node_pulls_from_the_cache_at_no_cost_to_the_origin() {
+    let fleet = Fleet::new();
+    let (img, r) = fleet.push("fleet", 2, 16).await;
+    let size = blob_bytes(&img);
+    let (a, b) = (fleet.node().await, fleet.node().await);
+
+    assert_eq!(pull(&a, &r, None).await.unwrap(), img.config_digest);
+    fleet.cached(&img).await;
+    let first = fleet.counting.total_blob_bytes();
+    eprintln!(
+        "first node, cold cache: the origin served {:.2}x the image's blobs ({first} of {size} bytes)",
+        first as f64 / size as f64
+    );
+    // Every blob came through the cache once for the node and once to be stored (the cache's
+    // own cost on a miss); the node asked for each blob once.
+    assert!(first >= size, "{first} < {size}");
+    assert!(first <= 2 * size + MIB, "{first} > 2 x {size}");
+    for d in img.blob_digests() {
+        let asked: Vec<_> = fleet
+            .counting
+            .blob_requests(&d)
+            .into_iter()
+            .filter(|q| q.method == "GET")
+            .collect();
+        assert!(asked.len() <= 2, "{d}: {asked:?}");
+    }
+
+    assert_eq!(pull(&b, &r, None).await.unwrap(), img.config_digest);
+    assert_eq!(
+        fleet.counting.total_blob_bytes(),
+        first,
+        "the second node's pull cost the origin blob bytes"
+    );
+    eprintln!("second node, warm cache: the origin served 0 blob bytes");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nodes_pulling_at_once_through_a_cold_cache() {
+    let fleet = Fleet::new();
+    let (img, r) = fleet.push("fleet-burst", 2, 16).await;
+    let size = blob_bytes(&img);
+    let nodes = [fleet.node().await, fleet.node().await, fleet.node().await];
+    let pulls = nodes.iter().map(|n| pull(n, &r, None));
+    for result in futures::future::join_all(pulls).await {
+        assert_eq!(result.unwrap(), img.config_digest);
+    }
+    fleet.cached(&img).await;
+    let served = fleet.counting.total_blob_bytes();
+    eprintln!(
+        "{} nodes at once, cold cache: the origin served {:.2}x the image's blobs ({served} of {size} bytes)",
+        nodes.len(),
+        served as f64 / size as f64
+    );
+    // The cache stores each blob once and, not merging concurrent misses, fetches it once more
+    // for each node it serves during the miss: at most one copy per node plus one.
+    assert!(
+        served <= (nodes.len() as u64 + 1) * size + MIB,
+        "{served} > {} x {size}",
+        nodes.len() + 1
+    );
+}
