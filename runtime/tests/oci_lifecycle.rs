@@ -303,7 +303,7 @@ async fn containers_share_the_sandbox() {
         std::fs::read_link("/proc/self/ns/net").unwrap(),
         "the sandbox has its own netns"
     );
-    assert!(minicri::oci::sandbox::is_mountpoint(
+    assert!(minicri::oci::propagation::is_mountpoint(
         sb.files.shm.as_ref().unwrap()
     ));
 }

@@ -90,7 +90,7 @@ pub async fn port_forward(
                     "pod sandbox {id} is not ready"
                 )));
             }
-            let host_network = crate::oci::sandbox::namespace_options(&sb.config())
+            let host_network = crate::oci::namespaces::namespace_options(&sb.config())
                 .is_some_and(|o| o.network == cri::NamespaceMode::Node as i32);
             // The pinned namespace; else the infra process's (host network: the host's).
             let netns = match (&sb.netns, host_network) {

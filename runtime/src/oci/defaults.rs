@@ -1,11 +1,15 @@
 //! What a container gets when the CRI says nothing: capabilities, masked and read-only paths,
 //! standard mounts and device rules. The values are the ones container runtimes have converged
 //! on (runc's `spec` template, Docker and containerd defaults), taken from the OCI runtime spec's
-//! Linux section.
+//! Linux section. Also the spec pieces every builder uses: mounts ([`mount`], [`bind_mount`]) and
+//! a process's capability sets ([`linux_capabilities`]).
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use oci_spec::runtime::{Capability, LinuxDevice, LinuxDeviceCgroup, LinuxDeviceType, Mount};
+use oci_spec::runtime::{
+    Capability, LinuxCapabilities, LinuxDevice, LinuxDeviceCgroup, LinuxDeviceType, Mount,
+};
 
 use super::error::{OciError, Result};
 use super::host::HostInfo;
@@ -334,6 +338,29 @@ pub fn all_host_devices() -> Vec<LinuxDevice> {
     walk(Path::new("/dev"), &mut out);
     out.sort_by(|a, b| a.path().cmp(b.path()));
     out
+}
+
+/// Bounding, permitted and effective sets are `set`; inheritable is empty; ambient as asked.
+pub fn linux_capabilities(
+    set: &HashSet<Capability>,
+    ambient: &[String],
+) -> Result<LinuxCapabilities> {
+    let mut c = LinuxCapabilities::default();
+    c.set_bounding(Some(set.clone()));
+    c.set_permitted(Some(set.clone()));
+    c.set_effective(Some(set.clone()));
+    c.set_inheritable(Some(HashSet::new()));
+    let amb: HashSet<Capability> = ambient
+        .iter()
+        .map(|a| parse_capability(a))
+        .collect::<Result<_>>()?;
+    if amb.iter().any(|a| !set.contains(a)) {
+        return Err(OciError::invalid(
+            "ambient capabilities must also be added to the bounding set",
+        ));
+    }
+    c.set_ambient(Some(amb));
+    Ok(c)
 }
 
 #[cfg(test)]

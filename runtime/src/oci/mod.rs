@@ -8,6 +8,7 @@
 //!   files (hostname, resolv.conf, hosts, shm) a sandbox shares;
 //! - [`user`]: uid, gid and groups from the security context, the image and `/etc/passwd`;
 //! - [`userns`]: pods in their own user namespace: validation, idmapped rootfs layers;
+//! - [`namespaces`]: the pod's namespace options and OCI namespace entries;
 //! - [`annotations`]: which pod annotations reach the OCI spec (an allowlist);
 //! - [`defaults`]: default capabilities, mounts, masked paths and device rules;
 //! - [`seccomp`]: the `RuntimeDefault` profile and `Localhost` profiles;
@@ -28,6 +29,7 @@ pub mod error;
 pub mod handlers;
 pub mod host;
 pub mod image_config;
+pub mod namespaces;
 pub mod propagation;
 pub mod runc;
 pub mod runtime;

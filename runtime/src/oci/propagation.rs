@@ -10,7 +10,7 @@
 //!   shared, non-recursively: its submounts keep their own propagation. Private
 //!   (`rprivate`) mounts need nothing.
 //!
-//! Mount points come from `/proc/self/mountinfo` (minicri runs in the host's mount namespace,
+//! Mount points come from `/proc/self/mountinfo` (also [`is_mountpoint`]) (minicri runs in the host's mount namespace,
 //! the one the OCI runtime copies). Making a mount shared is not undone when the container goes:
 //! other containers may rely on it, and a shared mount with no peers behaves like a private one.
 
@@ -140,6 +140,19 @@ pub fn prepare_bind_sources(mounts: &[cri::Mount]) -> Result<Vec<PathBuf>> {
         made_shared.push(host_mount.mount_point.clone());
     }
     Ok(made_shared)
+}
+
+/// Whether `path` is a mount point (listed in this process's mountinfo).
+pub fn is_mountpoint(path: &Path) -> bool {
+    let Ok(canon) = path.canonicalize() else {
+        return false;
+    };
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    parse_mountinfo(&info)
+        .iter()
+        .any(|m| m.mount_point == canon)
 }
 
 #[cfg(test)]

@@ -19,10 +19,12 @@ use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, Mount, Process, Root, Spec, User};
 
 use super::annotations::AnnotationPolicy;
-use super::defaults::{self, bind_mount, mount};
+use super::defaults::{self, bind_mount, linux_capabilities, mount};
 use super::error::{OciError, Result};
 use super::host::{CgroupDriver, HostInfo, cgroups_path};
-use super::spec::{linux_capabilities, namespace, select_seccomp};
+use super::namespaces::{namespace, namespace_options};
+use super::propagation::is_mountpoint;
+use super::seccomp::select_seccomp;
 
 /// `oom_score_adj` asked for the infra process (the kubelet's value for pause containers);
 /// clamped like any other.
@@ -38,17 +40,6 @@ fn mode(
     opts.map(f)
         .and_then(|m| cri::NamespaceMode::try_from(m).ok())
         .unwrap_or(cri::NamespaceMode::Pod)
-}
-
-/// The sandbox's namespace options (defaults: everything `POD`).
-pub fn namespace_options(config: &cri::PodSandboxConfig) -> Option<&cri::NamespaceOption> {
-    config
-        .linux
-        .as_ref()?
-        .security_context
-        .as_ref()?
-        .namespace_options
-        .as_ref()
 }
 
 /// Namespace files a container of the sandbox joins; `None` means the host's namespace.
@@ -194,19 +185,6 @@ impl SandboxFiles {
         }
         Ok(())
     }
-}
-
-/// Whether `path` is a mount point (listed in this process's mountinfo).
-pub fn is_mountpoint(path: &Path) -> bool {
-    let Ok(canon) = path.canonicalize() else {
-        return false;
-    };
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    super::propagation::parse_mountinfo(&info)
-        .iter()
-        .any(|m| m.mount_point == canon)
 }
 
 /// Inputs of [`sandbox_spec`].

@@ -1,4 +1,5 @@
-//! minicri's `RuntimeDefault` seccomp profile, and loading `Localhost` profiles.
+//! minicri's `RuntimeDefault` seccomp profile, loading `Localhost` profiles, and choosing the filter
+//! for a CRI security profile ([`select_seccomp`]).
 //!
 //! The default profile is a deny-list: every system call is allowed except the ones below,
 //! which fail with `EPERM`. It blocks what containers never need and what escapes or
@@ -181,6 +182,35 @@ pub fn load_profile(path: &str) -> Result<LinuxSeccomp> {
     let text = std::fs::read(path).map_err(|e| OciError::io("read seccomp profile", path, e))?;
     serde_json::from_slice(&text)
         .map_err(|e| OciError::invalid(format!("seccomp profile {path}: {e}")))
+}
+
+/// The seccomp filter for a security profile: `None` (absent) or `Unconfined` → no filter;
+/// `RuntimeDefault` → [`default_profile`]; `Localhost` → the JSON file at
+/// `localhost_ref`. The deprecated `seccomp_profile_path` strings (`runtime/default`,
+/// `docker/default`, `unconfined`, `localhost/<path>`) are honoured when no profile is set.
+pub fn select_seccomp(
+    profile: Option<&minicri_proto::runtime::v1::SecurityProfile>,
+    deprecated_path: &str,
+    caps: &HashSet<Capability>,
+) -> Result<Option<LinuxSeccomp>> {
+    use minicri_proto::runtime::v1::security_profile::ProfileType;
+    if let Some(p) = profile {
+        return match ProfileType::try_from(p.profile_type) {
+            Ok(ProfileType::Unconfined) => Ok(None),
+            Ok(ProfileType::RuntimeDefault) => Ok(Some(default_profile(caps))),
+            Ok(ProfileType::Localhost) => load_profile(&p.localhost_ref).map(Some),
+            Err(_) => Err(OciError::invalid(format!(
+                "unknown seccomp profile type {}",
+                p.profile_type
+            ))),
+        };
+    }
+    match deprecated_path {
+        "" | "unconfined" => Ok(None),
+        "runtime/default" | "docker/default" => Ok(Some(default_profile(caps))),
+        p if p.starts_with("localhost/") => load_profile(p).map(Some),
+        p => Err(OciError::invalid(format!("unknown seccomp profile {p:?}"))),
+    }
 }
 
 #[cfg(test)]

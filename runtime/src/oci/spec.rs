@@ -21,7 +21,7 @@
 //!   one at the same destination; CRI mounts are ordered parents first;
 //! - security: capabilities (the 14 defaults, `add`/`drop` with `ALL`), `privileged` (every
 //!   capability and host device, no masked paths, no seccomp, read-write `/sys`, and only in a
-//!   privileged sandbox), seccomp ([`select_seccomp`]), masked and read-only paths (the CRI's
+//!   privileged sandbox), seccomp ([`super::seccomp::select_seccomp`]), masked and read-only paths (the CRI's
 //!   lists, or the defaults when it sends none), `no_new_privs`, read-only rootfs;
 //! - resources: cpu shares, quota, period, cpuset, memory limit and swap, hugepages, `unified`
 //!   (cgroup v2 only); `oom_score_adj` clamped by [`HostInfo::clamp_oom_score_adj`];
@@ -35,17 +35,18 @@ use std::path::{Path, PathBuf};
 
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::{
-    Capability, LinuxCapabilities, LinuxCpu, LinuxHugepageLimit, LinuxMemory, LinuxNamespace,
-    LinuxNamespaceType, LinuxResources, LinuxSeccomp, Mount, Process, Root, Spec, User,
+    Capability, LinuxCpu, LinuxHugepageLimit, LinuxMemory, LinuxNamespaceType, LinuxResources,
+    Mount, Process, Root, Spec, User,
 };
 
 use super::annotations::AnnotationPolicy;
-use super::defaults::{self, bind_mount};
+use super::defaults::{self, bind_mount, linux_capabilities};
 use super::error::{OciError, Result};
 use super::host::{CgroupDriver, HostInfo, cgroups_path};
 use super::image_config::ImageConfig;
+use super::namespaces::namespace;
 use super::sandbox::{SandboxFiles, SandboxNamespaces};
-use super::seccomp;
+use super::seccomp::select_seccomp;
 use super::user::{UserRequest, resolve_user};
 
 pub const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -68,13 +69,6 @@ pub struct ContainerSpecParams<'a> {
     pub host: &'a HostInfo,
     /// Which of the container's annotations go into the spec.
     pub annotations: &'a AnnotationPolicy,
-}
-
-pub(crate) fn namespace(typ: LinuxNamespaceType, path: Option<&Path>) -> LinuxNamespace {
-    let mut n = LinuxNamespace::default();
-    n.set_typ(typ);
-    n.set_path(path.map(Path::to_path_buf));
-    n
 }
 
 /// The capability set from the defaults and the CRI `add`/`drop` lists (`ALL` in `add` grants
@@ -115,58 +109,6 @@ pub fn capability_set(
         set.remove(&defaults::parse_capability(c)?);
     }
     Ok(set)
-}
-
-/// Bounding, permitted and effective sets are `set`; inheritable is empty; ambient as asked.
-pub(crate) fn linux_capabilities(
-    set: &HashSet<Capability>,
-    ambient: &[String],
-) -> Result<LinuxCapabilities> {
-    let mut c = LinuxCapabilities::default();
-    c.set_bounding(Some(set.clone()));
-    c.set_permitted(Some(set.clone()));
-    c.set_effective(Some(set.clone()));
-    c.set_inheritable(Some(HashSet::new()));
-    let amb: HashSet<Capability> = ambient
-        .iter()
-        .map(|a| defaults::parse_capability(a))
-        .collect::<Result<_>>()?;
-    if amb.iter().any(|a| !set.contains(a)) {
-        return Err(OciError::invalid(
-            "ambient capabilities must also be added to the bounding set",
-        ));
-    }
-    c.set_ambient(Some(amb));
-    Ok(c)
-}
-
-/// The seccomp filter for a security profile: `None` (absent) or `Unconfined` → no filter;
-/// `RuntimeDefault` → [`seccomp::default_profile`]; `Localhost` → the JSON file at
-/// `localhost_ref`. The deprecated `seccomp_profile_path` strings (`runtime/default`,
-/// `docker/default`, `unconfined`, `localhost/<path>`) are honoured when no profile is set.
-pub fn select_seccomp(
-    profile: Option<&cri::SecurityProfile>,
-    deprecated_path: &str,
-    caps: &HashSet<Capability>,
-) -> Result<Option<LinuxSeccomp>> {
-    use cri::security_profile::ProfileType;
-    if let Some(p) = profile {
-        return match ProfileType::try_from(p.profile_type) {
-            Ok(ProfileType::Unconfined) => Ok(None),
-            Ok(ProfileType::RuntimeDefault) => Ok(Some(seccomp::default_profile(caps))),
-            Ok(ProfileType::Localhost) => seccomp::load_profile(&p.localhost_ref).map(Some),
-            Err(_) => Err(OciError::invalid(format!(
-                "unknown seccomp profile type {}",
-                p.profile_type
-            ))),
-        };
-    }
-    match deprecated_path {
-        "" | "unconfined" => Ok(None),
-        "runtime/default" | "docker/default" => Ok(Some(seccomp::default_profile(caps))),
-        p if p.starts_with("localhost/") => seccomp::load_profile(p).map(Some),
-        p => Err(OciError::invalid(format!("unknown seccomp profile {p:?}"))),
-    }
 }
 
 /// Cgroup resources from the CRI (zero means unset, as in the CRI).

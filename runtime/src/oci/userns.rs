@@ -33,7 +33,7 @@ use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::LinuxIdMapping;
 
 use super::error::{OciError, Result};
-use super::sandbox::namespace_options;
+use super::namespaces::namespace_options;
 
 /// The pod's user namespace mappings (one range each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -400,7 +400,7 @@ pub fn unmount_idmapped(layers_dir: &Path) -> Result<()> {
     };
     for e in entries.flatten() {
         let p = e.path();
-        while super::sandbox::is_mountpoint(&p) {
+        while super::propagation::is_mountpoint(&p) {
             nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH)
                 .map_err(|e| OciError::io("unmount", &p, e.into()))?;
         }

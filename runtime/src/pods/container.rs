@@ -180,7 +180,7 @@ impl PodService {
             hostname: Some(files_dir.join("hostname")),
             resolv_conf: Some(files_dir.join("resolv.conf")),
             hosts: Some(files_dir.join("hosts")),
-            shm: oci::sandbox::is_mountpoint(&shm).then_some(shm),
+            shm: oci::propagation::is_mountpoint(&shm).then_some(shm),
         };
         let target_pid_ns = config
             .linux

@@ -369,7 +369,7 @@ pub(crate) fn remove_dir(d: &Path) -> Result<()> {
 
 /// Unmounts everything stacked on `p` (idempotent).
 pub(crate) fn unmount_all(p: &Path) -> Result<()> {
-    while crate::oci::sandbox::is_mountpoint(p) {
+    while crate::oci::propagation::is_mountpoint(p) {
         nix::mount::umount2(p, nix::mount::MntFlags::MNT_DETACH)
             .map_err(|e| Error::Internal(format!("unmounting {}: {e}", p.display())))?;
     }

@@ -21,7 +21,7 @@ use crate::shim::{ShimConfig, ShimHandle, spawn_shim};
 const INFRA_EXIT_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn host_network(config: &cri::PodSandboxConfig) -> bool {
-    oci::sandbox::namespace_options(config)
+    oci::namespaces::namespace_options(config)
         .is_some_and(|o| o.network == cri::NamespaceMode::Node as i32)
 }
 
@@ -377,7 +377,7 @@ fn sandbox_status(r: &SandboxRecord) -> cri::PodSandboxStatus {
                 .collect(),
         })
     };
-    let options = oci::sandbox::namespace_options(&c)
+    let options = oci::namespaces::namespace_options(&c)
         .cloned()
         .unwrap_or_default();
     cri::PodSandboxStatus {
