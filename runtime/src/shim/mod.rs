@@ -53,7 +53,9 @@
 pub mod attach;
 pub mod client;
 pub mod console;
+mod control;
 pub mod monitor;
+mod output;
 pub mod protocol;
 
 pub use client::{ShimAttach, ShimConfig, ShimHandle, spawn_shim, spawn_shim_blocking};

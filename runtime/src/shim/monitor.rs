@@ -1,18 +1,18 @@
 //! The shim process (`minicri shim`): creates one container through the OCI runtime and
 //! monitors it until it exits. No async runtime: plain threads and one reaper.
 //!
-//! Threads: main (setup, then the only caller of `waitpid`), one pump per output (the stdout
-//! and stderr pipes, or a tty container's pty master, [`super::console`]), the control socket
-//! acceptor (one short-lived thread per connection, attach sessions in [`super::attach`]) and a
-//! `sigwait` thread
+//! Threads: main (setup, then the only caller of `waitpid`), one pump per output ([`super::output`]:
+//! the stdout and stderr pipes, or a tty container's pty master, [`super::console`]), the control
+//! socket acceptor ([`super::control`]: one short-lived thread per connection, attach sessions in
+//! [`super::attach`]) and a `sigwait` thread
 //! (SIGUSR1 reopens the log; SIGTERM, SIGINT and SIGHUP are ignored so the shim outlives
 //! whoever signals its session). Signals are blocked before any thread starts and unblocked in
 //! the OCI runtime's child before it execs, so the container does not inherit the mask.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Write;
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixListener;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
@@ -24,11 +24,13 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::Pid;
 
-use super::attach::{Attachments, serve_session};
+use super::attach::Attachments;
 use super::console::ConsoleSocket;
-use super::protocol::{ExitRecord, Ready, Request, Response, ShimPaths};
+use super::control::{Shared, serve};
+use super::output::{SharedLog, pump, signal_loop};
+use super::protocol::{ExitRecord, Ready, ShimPaths};
 use crate::fsutil::write_atomic;
-use crate::logs::{CriLogFile, DEFAULT_MAX_LINE, LineSplitter, Stream};
+use crate::logs::{CriLogFile, Stream};
 use crate::oci::runc::{Runc, read_runtime_log};
 
 /// `minicri shim` flags. The daemon builds them with [`super::spawn_shim`].
@@ -74,19 +76,6 @@ pub struct ShimArgs {
 
 /// How long the runtime may take to hand over the terminal once `create` has returned.
 const CONSOLE_TIMEOUT: Duration = Duration::from_secs(10);
-
-type SharedLog = Arc<Mutex<Option<CriLogFile>>>;
-
-struct Shared {
-    shim_pid: i32,
-    init_pid: i32,
-    exited: Mutex<Option<ExitRecord>>,
-    cond: Condvar,
-    log: SharedLog,
-    /// Connections waiting for the exit, answered before the shim leaves.
-    waiters: Mutex<usize>,
-    attach: Arc<Attachments>,
-}
 
 /// Closes every descriptor but stdio and `keep`, so nothing of the spawner's stays open.
 fn close_inherited(keep: Option<i32>) {
@@ -395,113 +384,4 @@ fn wait_init(init_pid: i32, mut seen: HashMap<i32, WaitStatus>) -> Option<WaitSt
             }
         }
     }
-}
-
-/// Copies one output (a pipe, or a terminal's master) into the CRI log, and to the attach
-/// sessions, until EOF (EIO on a master: every slave descriptor is closed).
-fn pump(fd: OwnedFd, stream: Stream, log: &SharedLog, attach: &Attachments) {
-    let mut pipe = std::fs::File::from(fd);
-    let mut splitter = LineSplitter::new(DEFAULT_MAX_LINE);
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut write = |content: &[u8], partial: bool| {
-        if let Some(f) = log.lock().unwrap().as_mut()
-            && let Err(e) = f.write_entry(stream, partial, content)
-        {
-            eprintln!("minicri shim: write {}: {e}", f.path().display());
-        }
-    };
-    loop {
-        match pipe.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => {
-                splitter.feed(&buf[..n], &mut write);
-                attach.publish(stream, &buf[..n]);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) if e.raw_os_error() == Some(libc::EIO) => break,
-            Err(e) => {
-                eprintln!("minicri shim: read {}: {e}", stream.as_str());
-                break;
-            }
-        }
-    }
-    splitter.finish(&mut write);
-}
-
-fn reopen(log: &SharedLog) -> Result<(), String> {
-    match log.lock().unwrap().as_mut() {
-        Some(f) => f
-            .reopen()
-            .map_err(|e| format!("reopen {}: {e}", f.path().display())),
-        None => Err("this container has no log file".into()),
-    }
-}
-
-fn signal_loop(signals: SigSet, log: SharedLog) {
-    loop {
-        match signals.wait() {
-            Ok(Signal::SIGUSR1) => {
-                if let Err(e) = reopen(&log) {
-                    eprintln!("minicri shim: {e}");
-                }
-            }
-            Ok(_) => {}
-            Err(_) => return,
-        }
-    }
-}
-
-fn serve(listener: UnixListener, shared: Arc<Shared>) {
-    for conn in listener.incoming() {
-        let Ok(conn) = conn else { continue };
-        let shared = shared.clone();
-        std::thread::spawn(move || {
-            if let Err(e) = handle(conn, &shared) {
-                eprintln!("minicri shim: control connection: {e}");
-            }
-        });
-    }
-}
-
-fn handle(conn: UnixStream, shared: &Shared) -> std::io::Result<()> {
-    let mut reader = BufReader::new(conn.try_clone()?);
-    let mut line = String::new();
-    reader.read_line(&mut line)?;
-    let response = match serde_json::from_str::<Request>(&line) {
-        Err(e) => Response::Error {
-            message: format!("bad request: {e}"),
-        },
-        Ok(Request::State) => Response::State {
-            shim_pid: shared.shim_pid,
-            init_pid: shared.init_pid,
-            exited: shared.exited.lock().unwrap().clone(),
-        },
-        Ok(Request::ReopenLog) => match reopen(&shared.log) {
-            Ok(()) => Response::Ok,
-            Err(message) => Response::Error { message },
-        },
-        Ok(Request::Attach {
-            stdin,
-            stdout,
-            stderr,
-        }) => return serve_session(conn, shared.attach.clone(), stdin, stdout, stderr),
-        Ok(Request::Wait) => {
-            *shared.waiters.lock().unwrap() += 1;
-            let mut exited = shared.exited.lock().unwrap();
-            while exited.is_none() {
-                exited = shared.cond.wait(exited).unwrap();
-            }
-            let exit = exited.clone().expect("set");
-            drop(exited);
-            let r = Response::Exited { exit };
-            let mut out = serde_json::to_vec(&r).map_err(std::io::Error::other)?;
-            out.push(b'\n');
-            let res = (&conn).write_all(&out);
-            *shared.waiters.lock().unwrap() -= 1;
-            return res;
-        }
-    };
-    let mut out = serde_json::to_vec(&response).map_err(std::io::Error::other)?;
-    out.push(b'\n');
-    (&conn).write_all(&out)
 }
