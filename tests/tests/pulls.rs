@@ -732,3 +732,30 @@ async fn a_path_based_mirror_serves_the_repository_under_its_prefix() {
         img.config_digest
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mirror_without_a_blob_hands_it_to_the_next_host() {
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "partial-mirror", 2, 2, 13).await;
+    let layer = img.layers.last().unwrap();
+    // The mirror has every blob but the last layer (404, as a cache that lost it answers).
+    let mirror = minicri_tests::proxy::Proxy::start(&e.registry.addr()).unwrap();
+    e.hosts.set(
+        &e.proxy.addr(),
+        &format!(
+            "server = \"{}\"\n[host.\"{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+            e.proxy.url(),
+            mirror.url()
+        ),
+    );
+    mirror
+        .faults()
+        .fail(Target::Blob(layer.digest.clone()), 404, Times::Always);
+    assert_eq!(pull(&e.daemon, &r, None).await.unwrap(), img.config_digest);
+    assert_eq!(e.proxy.bytes_served(&layer.digest), layer.size);
+    for d in img.blob_digests() {
+        if d != layer.digest {
+            assert_eq!(e.proxy.bytes_served(&d), 0, "{d} not from the mirror");
+        }
+    }
+}
