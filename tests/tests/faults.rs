@@ -415,7 +415,7 @@ async fn sigkill_during_run_pod_sandbox_is_undone_at_the_next_start() {
 }
 
 /// SIGKILL during StopPodSandbox, while `runc delete` of the infra container hangs (the infra is
-/// killed, the network still attached): after the restart the sandbox is not ready, a second
+/// killed; the network, torn down at the same time, still recorded attached): after the restart the sandbox is not ready, a second
 /// StopPodSandbox (the kubelet's retry) finishes the teardown (CNI DEL, network namespace) and
 /// RemovePodSandbox leaves nothing.
 #[tokio::test(flavor = "multi_thread")]
@@ -438,12 +438,10 @@ async fn sigkill_during_stop_pod_sandbox_is_finished_by_the_next_stop() {
                 .await
         }
     };
+    // The network goes at the same time as the infra: when the kill comes (the infra's delete
+    // hangs), its CNI DEL may or may not have finished. Either way the record still says
+    // attached (it is updated once both are done), so the next stop runs DEL again.
     kill_during(&mut env, &inj, "delete", stop).await;
-    assert_eq!(
-        ports_of(&bridge).len(),
-        1,
-        "the kill came before the network teardown"
-    );
 
     env.daemon.restart().await.unwrap();
     let mut c = env.runtime().await;

@@ -246,23 +246,40 @@ impl PodService {
             return Ok(());
         };
         let config = rec.config();
-        if let Some(shim) = &rec.shim {
-            self.stop_infra(&rec, shim).await?;
-        }
-        self.store.update_sandbox(id, |r| {
-            r.state = SandboxState::NotReady;
-            r.shim = None;
-        })?;
-        if rec.network_attached {
+        // The infra process and the pod's network go at once: the network namespace is pinned
+        // apart from the infra, so CNI DEL does not need it alive (nor dead). Each outcome is
+        // recorded on its own, so a retry redoes only what failed.
+        let infra = async {
+            match &rec.shim {
+                Some(shim) => self.stop_infra(&rec, shim).await,
+                None => Ok(()),
+            }
+        };
+        let network = async {
+            if !rec.network_attached {
+                return Ok(false);
+            }
             let pod =
                 PodNetwork::from_sandbox_config(id, rec.netns.clone().unwrap_or_default(), &config);
             let cni = self.cni.clone();
             tokio::spawn(async move { cni.teardown(&pod).await })
                 .await
                 .map_err(|e| Error::Internal(e.to_string()))??;
+            Ok::<_, Error>(true)
+        };
+        let (infra, network) = tokio::join!(infra, network);
+        if infra.is_ok() {
+            self.store.update_sandbox(id, |r| {
+                r.state = SandboxState::NotReady;
+                r.shim = None;
+            })?;
+        }
+        if let Ok(true) = network {
             self.store
                 .update_sandbox(id, |r| r.network_attached = false)?;
         }
+        infra?;
+        network?;
         if let Some(ns) = rec.netns.clone() {
             blocking(move || Ok(crate::netns::remove(&ns)?)).await?;
             self.store.update_sandbox(id, |r| r.netns = None)?;
