@@ -461,3 +461,57 @@ async fn container_events_follow_the_lifecycle() {
     }
     stop_and_remove_pod(&mut c, &sb).await;
 }
+
+/// A container that exits is deleted from the OCI runtime at once (its runtime state and cgroup
+/// go, as containerd deletes its task); its record, exit code and log stay until
+/// RemoveContainer, which then has no runtime call left to make.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exited_container_leaves_the_runtime_and_keeps_its_status() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let env = PodEnv::new().await;
+    env.pull_busybox().await;
+    let image = env.set.busybox_oci.reference.clone();
+    let mut c = env.runtime().await;
+    let pod = pod_config("exits", env.logs.path());
+    let sb = run_pod(&mut c, &pod).await;
+    let id = run_container(
+        &mut c,
+        &sb,
+        &pod,
+        sh_container_config("quits", &image, "echo bye; exit 3"),
+    )
+    .await;
+    let runc_list = || {
+        let out = std::process::Command::new("runc")
+            .arg("--root")
+            .arg(env.state().join("runc"))
+            .args(["list", "-q"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    eventually("the exited container is deleted from runc", || {
+        !runc_list().contains(&id)
+    })
+    .await;
+    assert!(
+        runc_list().contains(&sb),
+        "the infra stays: {}",
+        runc_list()
+    );
+    let st = container_status(&mut c, &id).await;
+    assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
+    assert_eq!(st.exit_code, 3);
+    let log = read_log(&env.logs.path().join("quits/0.log"));
+    assert_eq!(lines_of(&log, "stdout"), ["bye"], "{log:?}");
+    c.remove_container(cri::RemoveContainerRequest {
+        container_id: id.clone(),
+    })
+    .await
+    .unwrap();
+    stop_and_remove_pod(&mut c, &sb).await;
+    assert!(env.stray_state().is_empty(), "{:?}", env.stray_state());
+}

@@ -268,6 +268,7 @@ impl PodService {
             pid: 0,
             user: spec.process().as_ref().map(|p| p.user().clone()),
             runtime_handler: sb.runtime_handler.clone(),
+            runtime_deleted: false,
         };
         self.store.put_container(rec)?;
         tracing::info!(container = %id, sandbox = %sandbox_id, name = %meta.name, "container created");
@@ -359,7 +360,38 @@ impl PodService {
                 Ok(exit) => svc.record_exit(&id, &exit),
                 Err(e) => svc.record_lost(&id, &e.to_string()),
             }
+            svc.delete_exited(&id).await;
         });
+    }
+
+    /// Deletes an exited container from its OCI runtime at once (its state directory and
+    /// cgroup go; the record, logs and rootfs stay until RemoveContainer), so that RemoveContainer
+    /// has no runtime call to wait for. A failure leaves it to RemoveContainer.
+    async fn delete_exited(&self, id: &str) {
+        let _guard = self.store.op_lock(id).await;
+        let Some(rec) = self.store.container(id) else {
+            return;
+        };
+        if rec.state != ContainerState::Exited || rec.runtime_deleted {
+            return;
+        }
+        let deleted = match self.runtime(&rec.runtime_handler) {
+            Ok(runtime) => runtime.delete(id, true).await.map_err(Error::from),
+            Err(e) => Err(e),
+        };
+        match deleted {
+            Ok(()) => {
+                if let Err(e) = self
+                    .store
+                    .update_container(id, |r| r.runtime_deleted = true)
+                {
+                    tracing::debug!(container = %id, error = %e, "recording the runtime delete");
+                }
+            }
+            Err(e) => {
+                tracing::debug!(container = %id, error = %e, "delete after exit; RemoveContainer retries")
+            }
+        }
     }
 
     /// Marks a container exited with `exit` (once; later calls change nothing).
@@ -474,7 +506,9 @@ impl PodService {
         let Some(rec) = self.store.container(id) else {
             return Ok(());
         };
-        self.runtime(&rec.runtime_handler)?.delete(id, true).await?;
+        if !rec.runtime_deleted {
+            self.runtime(&rec.runtime_handler)?.delete(id, true).await?;
+        }
         if let Some(shim) = &rec.shim {
             super::reap_shim(shim).await;
         }

@@ -112,6 +112,10 @@ pub struct ContainerRecord {
     /// have none, and ran under the default).
     #[serde(default)]
     pub runtime_handler: String,
+    /// The OCI runtime's container was deleted once it exited (RemoveContainer then has no
+    /// runtime call left to make).
+    #[serde(default)]
+    pub runtime_deleted: bool,
 }
 
 impl ContainerRecord {
