@@ -119,6 +119,17 @@ pub fn ports_of(bridge: &str) -> Vec<String> {
     output_lines(Command::new("ip").args(["-o", "link", "show", "master", bridge]))
 }
 
+/// The ids `runc list` shows under the runtime root `root`, one per line.
+pub fn runc_list(root: &Path) -> String {
+    let out = Command::new("runc")
+        .arg("--root")
+        .arg(root)
+        .args(["list", "-q"])
+        .output()
+        .expect("runc list");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Cleans up after a test, also a failed one: runc containers under the daemon's state, shims,
 /// mounts under the daemon's directory, the bridge, cgroup parents.
 pub struct Leftovers {

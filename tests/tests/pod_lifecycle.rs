@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
 use minicri_tests::pod_env::{
-    PodEnv, eventually, mounts_under, pod_config, ports_of, processes_mentioning, skip_reason,
+    PodEnv, eventually, mounts_under, pod_config, ports_of, processes_mentioning, runc_list,
+    skip_reason,
 };
 use minicri_tests::pod_rpc::{
     container_status, exec_text, list_pod_sandboxes, pod_sandbox_status, run_container, run_pod,
@@ -484,24 +485,12 @@ async fn an_exited_container_leaves_the_runtime_and_keeps_its_status() {
         sh_container_config("quits", &image, "echo bye; exit 3"),
     )
     .await;
-    let runc_list = || {
-        let out = std::process::Command::new("runc")
-            .arg("--root")
-            .arg(env.state().join("runc"))
-            .args(["list", "-q"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let listed = || runc_list(&env.state().join("runc"));
     eventually("the exited container is deleted from runc", || {
-        !runc_list().contains(&id)
+        !listed().contains(&id)
     })
     .await;
-    assert!(
-        runc_list().contains(&sb),
-        "the infra stays: {}",
-        runc_list()
-    );
+    assert!(listed().contains(&sb), "the infra stays: {}", listed());
     let st = container_status(&mut c, &id).await;
     assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
     assert_eq!(st.exit_code, 3);

@@ -608,6 +608,21 @@ async fn a_shared_download_failing_for_one_requester_goes_on_with_anothers_regis
     );
 }
 
+/// A mirror (a proxy of its own in front of the registry) tried before the registry's own
+/// server (the test's proxy) for the images `big` pushes.
+fn mirror_before_the_server(e: &Env) -> minicri_tests::proxy::Proxy {
+    let mirror = minicri_tests::proxy::Proxy::start(&e.registry.addr()).unwrap();
+    e.hosts.set(
+        &e.proxy.addr(),
+        &format!(
+            "server = \"{}\"\n[host.\"{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+            e.proxy.url(),
+            mirror.url()
+        ),
+    );
+    mirror
+}
+
 /// ListPulls until the layer `digest` is downloading from `source`; that layer's progress.
 async fn layer_downloading_from(e: &Env, digest: &str, source: &str) -> admin::LayerProgress {
     let mut client = PullsClient::new(e.daemon.channel().await.unwrap());
@@ -642,18 +657,8 @@ async fn a_mirror_breaking_off_mid_blob_hands_the_rest_to_the_next_host() {
     let e = env(&[]).await;
     let (img, r) = big(&e, "mirrored", 2, 8, 11).await;
     let layer = img.layers.last().unwrap();
-    // The mirror (its own proxy in front of the registry) is tried first; the registry's own
-    // server (the test's proxy) after it. The mirror breaks off every response for the last
-    // layer after 3 MiB.
-    let mirror = minicri_tests::proxy::Proxy::start(&e.registry.addr()).unwrap();
-    e.hosts.set(
-        &e.proxy.addr(),
-        &format!(
-            "server = \"{}\"\n[host.\"{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
-            e.proxy.url(),
-            mirror.url()
-        ),
-    );
+    // The mirror breaks off every response for the last layer after 3 MiB.
+    let mirror = mirror_before_the_server(&e);
     mirror
         .faults()
         .cut_after(Target::Blob(layer.digest.clone()), 3 * MIB, Times::Always);
@@ -739,15 +744,7 @@ async fn a_mirror_without_a_blob_hands_it_to_the_next_host() {
     let (img, r) = big(&e, "partial-mirror", 2, 2, 13).await;
     let layer = img.layers.last().unwrap();
     // The mirror has every blob but the last layer (404, as a cache that lost it answers).
-    let mirror = minicri_tests::proxy::Proxy::start(&e.registry.addr()).unwrap();
-    e.hosts.set(
-        &e.proxy.addr(),
-        &format!(
-            "server = \"{}\"\n[host.\"{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
-            e.proxy.url(),
-            mirror.url()
-        ),
-    );
+    let mirror = mirror_before_the_server(&e);
     mirror
         .faults()
         .fail(Target::Blob(layer.digest.clone()), 404, Times::Always);

@@ -8,7 +8,7 @@
 use std::os::unix::fs::PermissionsExt;
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_tests::pod_env::{PodEnv, pod_config, skip_reason};
+use minicri_tests::pod_env::{PodEnv, pod_config, runc_list, skip_reason};
 use minicri_tests::pod_rpc::{
     container_config, exec_text, remove_pod_sandbox, run_container, stop_pod_sandbox,
 };
@@ -227,13 +227,7 @@ async fn pods_run_under_the_handler_they_name_and_unusable_handlers_are_refused(
         "{:?}",
         traced.calls_with(&sb2)
     );
-    let listed = std::process::Command::new("runc")
-        .arg("--root")
-        .arg(env.state().join("runc"))
-        .args(["list", "-q"])
-        .output()
-        .unwrap();
-    let listed = String::from_utf8_lossy(&listed.stdout).into_owned();
+    let listed = runc_list(&env.state().join("runc"));
     assert!(listed.contains(&sb2) && !listed.contains(&sb), "{listed}");
 
     // Across a restart the records keep their handler: the pod is stopped and removed through
@@ -254,12 +248,7 @@ async fn pods_run_under_the_handler_they_name_and_unusable_handlers_are_refused(
     }
     remove_pod_sandbox(&mut c, &sb).await;
     remove_pod_sandbox(&mut c, &sb2).await;
-    let left = std::process::Command::new("runc")
-        .arg("--root")
-        .arg(&root)
-        .args(["list", "-q"])
-        .output()
-        .unwrap();
-    assert!(left.stdout.is_empty(), "{:?}", left);
+    let left = runc_list(&root);
+    assert!(left.is_empty(), "{left}");
     assert!(env.stray_state().is_empty(), "{:?}", env.stray_state());
 }
