@@ -18,6 +18,7 @@
 //! - [`httpserve`]: the accept loop, connection cap and header timeout of the HTTP servers;
 //! - [`idle`]: what the daemon gives back after a burst (allocator pages, registry connections);
 //! - [`ids`]: random sandbox and container ids, streaming tokens;
+//! - [`sdnotify`]: readiness and stopping notifications to systemd (`Type=notify` units);
 //! - [`stream`]: the streaming server behind the Exec RPC's URLs (HTTP/1.1, SPDY/3.1,
 //!   remotecommand).
 
@@ -41,6 +42,7 @@ pub mod pause;
 pub mod pods;
 pub mod pulls_cli;
 pub mod rpc;
+pub mod sdnotify;
 pub mod server;
 pub mod shim;
 pub mod stream;

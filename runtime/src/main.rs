@@ -73,11 +73,13 @@ fn main() -> std::process::ExitCode {
             };
             init_logging(&config.log_level);
             minicri::idle::limit_arenas();
+            // Before any thread exists: it leaves the environment children inherit.
+            let notifier = minicri::sdnotify::Notifier::from_env();
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()
                 .expect("tokio runtime");
-            match rt.block_on(server::serve(config)) {
+            match rt.block_on(server::serve(config, notifier)) {
                 Ok(()) => std::process::ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");

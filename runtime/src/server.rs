@@ -102,7 +102,7 @@ impl Drop for SocketGuard {
 }
 
 /// Runs the daemon until SIGTERM or SIGINT.
-pub async fn serve(config: Config) -> anyhow::Result<()> {
+pub async fn serve(config: Config, notifier: crate::sdnotify::Notifier) -> anyhow::Result<()> {
     // Modes below are given explicitly; whatever else the daemon creates gets at most 0755.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
     let _lock = lock_root(&config.root)?;
@@ -157,6 +157,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     let listener = bind_socket(&socket).await?;
     let _socket_guard = SocketGuard(socket.clone());
     tracing::info!(socket = %socket.display(), version = env!("CARGO_PKG_VERSION"), "minicri serving");
+    notifier.notify("READY=1");
 
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
@@ -185,6 +186,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             _ = sigint.recv() => { tracing::info!("SIGINT: shutting down"); break; }
         }
     }
+    notifier.notify("STOPPING=1");
     drop(listener);
     shutdown.cancel();
     if tokio::time::timeout(

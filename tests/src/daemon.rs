@@ -186,18 +186,7 @@ impl Daemon {
 
     /// A channel to the daemon's socket.
     pub async fn channel(&self) -> Result<Channel> {
-        let path = self.socket();
-        let ch = Endpoint::try_from("http://[::]:50051")?
-            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-                let path = path.clone();
-                async move {
-                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                        tokio::net::UnixStream::connect(path).await?,
-                    ))
-                }
-            }))
-            .await?;
-        Ok(ch)
+        channel_to(&self.socket()).await
     }
 
     pub async fn images(&self) -> Result<ImageServiceClient<Channel>> {
@@ -282,4 +271,20 @@ impl Drop for Daemon {
             );
         }
     }
+}
+
+/// A gRPC channel to the unix socket `path` (a daemon's CRI socket).
+pub async fn channel_to(path: &Path) -> Result<Channel> {
+    let path = path.to_path_buf();
+    let ch = Endpoint::try_from("http://[::]:50051")?
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        }))
+        .await?;
+    Ok(ch)
 }

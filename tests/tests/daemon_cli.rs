@@ -5,7 +5,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_tests::daemon::{Daemon, HostsDir, minicri_bin};
+use minicri_tests::daemon::{Daemon, HostsDir, channel_to, minicri_bin};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn version_status_and_runtime_config() {
@@ -162,6 +162,49 @@ async fn socket_mode_lock_and_graceful_stop() {
     assert!(!d.socket().exists());
 }
 
+/// Under systemd with `Type=notify`: READY=1 once the socket answers calls, STOPPING=1 at
+/// SIGTERM.
+#[tokio::test(flavor = "multi_thread")]
+async fn tells_systemd_when_it_is_ready_and_when_it_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let notify = std::os::unix::net::UnixDatagram::bind(dir.path().join("notify.sock")).unwrap();
+    notify
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    let socket = dir.path().join("minicri.sock");
+    let mut child = Command::new(minicri_bin())
+        .arg("serve")
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--root")
+        .arg(dir.path().join("root"))
+        .arg("--state")
+        .arg(dir.path().join("state"))
+        .arg("--cni-conf-dir")
+        .arg(dir.path().join("cni"))
+        .env("NOTIFY_SOCKET", dir.path().join("notify.sock"))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut buf = [0u8; 64];
+    let n = notify.recv(&mut buf).expect("READY=1 within 30 s");
+    assert_eq!(&buf[..n], b"READY=1");
+    // Ready means the CRI answers.
+    let channel = channel_to(&socket).await.unwrap();
+    cri::runtime_service_client::RuntimeServiceClient::new(channel)
+        .version(cri::VersionRequest::default())
+        .await
+        .unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let n = notify.recv(&mut buf).expect("STOPPING=1");
+    assert_eq!(&buf[..n], b"STOPPING=1");
+    assert!(child.wait().unwrap().success());
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn config_file_and_flags() {
     let dir = tempfile::tempdir().unwrap();
@@ -263,4 +306,60 @@ fn version_and_help() {
         help.contains("/run/minicri/minicri.sock"),
         "defaults are documented:\n{help}"
     );
+}
+
+/// hack/install-node.sh below a root of the test's: the binary, the systemd unit (notify,
+/// process kill mode), the hosts directory and the default CNI network; a second run keeps an
+/// existing CNI configuration.
+#[test]
+fn install_node_puts_the_binary_unit_and_network_in_place() {
+    use std::os::unix::fs::PermissionsExt;
+    let root = tempfile::tempdir().unwrap();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../hack/install-node.sh");
+    let run = || {
+        let out = Command::new("bash")
+            .arg(&script)
+            .arg("--binary")
+            .arg(minicri_bin())
+            .arg("--root")
+            .arg(root.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    run();
+    let bin = root.path().join("usr/local/bin/minicri");
+    assert_eq!(
+        std::fs::metadata(&bin).unwrap().permissions().mode() & 0o777,
+        0o755
+    );
+    let version = Command::new(&bin).arg("--version").output().unwrap();
+    assert!(String::from_utf8_lossy(&version.stdout).starts_with("minicri "));
+    let unit =
+        std::fs::read_to_string(root.path().join("etc/systemd/system/minicri.service")).unwrap();
+    for line in [
+        "Type=notify",
+        "KillMode=process",
+        "Delegate=yes",
+        "ExecStart=/usr/local/bin/minicri serve",
+    ] {
+        assert!(unit.lines().any(|l| l == line), "{line} missing:\n{unit}");
+    }
+    assert!(root.path().join("etc/minicri/certs.d").is_dir());
+    let cni = root.path().join("etc/cni/net.d/10-minicri-bridge.conflist");
+    let conf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cni).unwrap()).unwrap();
+    assert_eq!(conf["plugins"][0]["type"], "bridge");
+    // An operator's own network stays.
+    std::fs::remove_file(&cni).unwrap();
+    let own = root.path().join("etc/cni/net.d/05-own.conflist");
+    std::fs::write(&own, "{}").unwrap();
+    assert!(run().contains("leaving it"));
+    assert!(!cni.exists() && own.exists());
 }
