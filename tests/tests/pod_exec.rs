@@ -215,3 +215,55 @@ async fn exec_streams_output_exit_codes_and_stdin() {
 
     stop_and_remove_pod(&mut c, &sb).await;
 }
+
+/// A tty exec whose client ends its input at once, before `runc exec` has started (a runtime
+/// wrapper holds it back 0.5 s): the end of input reaches the command as the end of input, not
+/// as a NUL typed into its terminal (the pty handed to runc was in canonical mode until runc
+/// made it raw, and cooked the ^D into a NUL).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tty_execs_input_ended_before_the_runtime_runs_is_the_end_of_input() {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let wrapper = dir.path().join("slow-exec-runc");
+    std::fs::write(
+        &wrapper,
+        "#!/bin/sh\ncase \" $* \" in *\" exec \"*) sleep 0.5;; esac\nexec runc \"$@\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let env = PodEnv::with_args(&["--oci-runtime", wrapper.to_str().unwrap()]).await;
+    let image = env.pull_busybox().await;
+    let mut c = env.runtime().await;
+    let pod = pod_config("exec-eof", env.logs.path());
+    let sb = run_pod(&mut c, &pod).await;
+    let id = run_container(&mut c, &sb, &pod, container("shell", &image)).await;
+    let mut req = exec_request(&id, &["sh", "-c", "cat >/dev/null; echo got-eof"]);
+    req.tty = true;
+    req.stdin = true;
+    req.stderr = false;
+    let url = exec_url(&mut c, req).await;
+    let out = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        remotecommand::exec_with(
+            &url,
+            remotecommand::ExecOptions {
+                stdin: Some(b""),
+                stdout: true,
+                stderr: false,
+                tty: Some((80, 24)),
+                ..Default::default()
+            },
+        ),
+    )
+    .await
+    .expect("cat saw the end of its input")
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("got-eof"), "{text:?}");
+    assert!(!text.contains("^@"), "{text:?}");
+    assert_eq!(out.status()["status"], "Success");
+}

@@ -81,6 +81,15 @@ impl PodService {
         let process = self.exec_process(id, cmd, true)?;
         let pty = nix::pty::openpty(None, None)
             .map_err(|e| Error::Internal(format!("opening a pty: {e}")))?;
+        // Raw from the start: `runc exec` makes its terminal raw itself, but only once it runs.
+        // Input that arrived before, in canonical mode, is cooked on the way: a client's end of
+        // input (^D) was stored as a NUL byte and reached the container's terminal as a typed
+        // NUL (echoed "^@") instead of the end of input.
+        let mut raw = nix::sys::termios::tcgetattr(&pty.slave)
+            .map_err(|e| Error::Internal(format!("pty: {e}")))?;
+        nix::sys::termios::cfmakeraw(&mut raw);
+        nix::sys::termios::tcsetattr(&pty.slave, nix::sys::termios::SetArg::TCSANOW, &raw)
+            .map_err(|e| Error::Internal(format!("pty: {e}")))?;
         for fd in [&pty.master, &pty.slave] {
             // No other child the daemon starts may keep the slave open (the master would never
             // see the end) or get the master.
