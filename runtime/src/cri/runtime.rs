@@ -50,7 +50,16 @@ impl RuntimeService for RuntimeHandler {
         call("Status", "", dl, Verbosity::Poll, async {
             let pods = &self.daemon.pods;
             let network = self.daemon.network_condition();
-            let handlers = pods.handler_availability().await?;
+            // The probes ran before the CRI was served; a handler they could not reach counts
+            // as unavailable.
+            let handlers: Vec<_> = pods
+                .handlers
+                .all()
+                .map(|h| {
+                    let r = h.probed().unwrap_or_else(|| Err("not probed".into()));
+                    (h, r)
+                })
+                .collect();
             let default = pods.handlers.default_name();
             let mut info = HashMap::new();
             if verbose {

@@ -61,6 +61,11 @@ pub struct Handler {
 }
 
 impl Handler {
+    /// The probe's outcome, if it ran (polled calls read this; they never probe).
+    pub fn probed(&self) -> Option<std::result::Result<(), String>> {
+        self.probed.get().cloned()
+    }
+
     /// Whether the handler works here (`Err` says why not); probes it on first use.
     pub async fn availability(&self, probe: &ProbeEnv) -> std::result::Result<(), String> {
         self.probed

@@ -269,30 +269,21 @@ impl PodService {
         Ok(self.handlers.for_new_pod(name, &env).await?)
     }
 
-    /// Each handler with whether it works here (`Err`: why not), probing those not yet probed
-    /// (at once).
-    pub async fn handler_availability(
-        &self,
-    ) -> Result<Vec<(Arc<Handler>, std::result::Result<(), String>)>> {
-        let env = self.probe_env()?;
-        let probes = self.handlers.all().map(|h| {
-            let env = &env;
-            async move { (h.clone(), h.availability(env).await) }
-        });
-        Ok(futures::future::join_all(probes).await)
-    }
-
-    /// Probes every runtime handler and logs which ones pods can use (at start, before the CRI
-    /// is served).
+    /// Probes every runtime handler at once and logs which ones pods can use (at start, before
+    /// the CRI is served; Status then reads the outcomes).
     pub async fn probe_handlers(&self) {
-        let results = match self.handler_availability().await {
-            Ok(r) => r,
+        let env = match self.probe_env() {
+            Ok(env) => env,
             Err(e) => {
                 tracing::error!(error = %e, "cannot probe the runtime handlers");
                 return;
             }
         };
-        for (h, result) in results {
+        let probes = self.handlers.all().map(|h| {
+            let env = &env;
+            async move { (h, h.availability(env).await) }
+        });
+        for (h, result) in futures::future::join_all(probes).await {
             let default = h.name == self.handlers.default_name();
             match result {
                 Ok(()) => tracing::info!(
