@@ -85,6 +85,12 @@ async fn verbose_status_carries_the_info_tools_read() {
     // The pid is the container's init on the host: `sleep 1000` in the container's pid 1.
     let pid = info["pid"].as_i64().expect("a pid");
     assert!(pid > 1, "{info}");
+    // StartContainer returns once runc has released the container's init, which may not have
+    // exec'd the process yet (its command line is still `runc init` for a moment).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !cmdline(pid).contains("sleep 1000") && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     assert!(cmdline(pid).contains("sleep 1000"), "{}", cmdline(pid));
     let (_, ns_pid, _) = exec_text(&mut c, &id, &["sh", "-c", "cat /proc/1/cmdline"], 10).await;
     assert!(ns_pid.contains("sleep"), "{ns_pid}");
