@@ -133,7 +133,8 @@ fn kernel_has_mount_setattr() -> bool {
 /// - cgroupfs: `<parent>/<id>` (an empty parent means `/minicri`); the parent must be a path,
 ///   not a systemd slice;
 /// - systemd: `<slice>:minicri:<id>` (runc and crun then create the scope `minicri-<id>.scope`
-///   in the slice; an empty parent means `system.slice`); the parent must be a slice name.
+///   in the slice; an empty parent means `system.slice`); the parent must be a slice name, or a
+///   path whose last component is one.
 pub fn cgroups_path(driver: CgroupDriver, parent: &str, id: &str) -> Result<PathBuf> {
     match driver {
         CgroupDriver::Cgroupfs => {
@@ -164,18 +165,25 @@ pub fn cgroups_path(driver: CgroupDriver, parent: &str, id: &str) -> Result<Path
             Ok(base.join(id))
         }
         CgroupDriver::Systemd => {
-            let slice = if parent.is_empty() {
-                "system.slice"
-            } else {
-                parent
-            };
-            if !slice.ends_with(".slice") || slice.contains('/') {
-                return Err(OciError::invalid(format!(
-                    "cgroup parent {parent:?} is not a systemd slice but the cgroup driver is systemd"
-                )));
-            }
+            let slice = systemd_slice(parent)?;
             Ok(PathBuf::from(format!("{slice}:minicri:{id}")))
         }
+    }
+}
+
+/// The systemd slice a CRI `cgroup_parent` names under the systemd driver: the parent itself,
+/// or the last component of a path (`/test.slice`, what critest sends, or
+/// `/kubepods.slice/kubepods-pod1.slice`: a slice's name encodes its ancestors, `a-b.slice` is
+/// inside `a.slice`); `system.slice` for an empty parent.
+pub fn systemd_slice(parent: &str) -> Result<&str> {
+    if parent.is_empty() {
+        return Ok("system.slice");
+    }
+    match parent.rsplit('/').next() {
+        Some(slice) if slice.len() > ".slice".len() && slice.ends_with(".slice") => Ok(slice),
+        _ => Err(OciError::invalid(format!(
+            "cgroup parent {parent:?} is not a systemd slice but the cgroup driver is systemd"
+        ))),
     }
 }
 
@@ -254,6 +262,28 @@ mod tests {
             cgroups_path(Systemd, "", "c1").unwrap(),
             PathBuf::from("system.slice:minicri:c1")
         );
-        assert!(cgroups_path(Systemd, "/kubepods/podx", "c1").is_err());
+        assert_eq!(
+            cgroups_path(Systemd, "/test.slice", "c1").unwrap(),
+            PathBuf::from("test.slice:minicri:c1")
+        );
+        assert_eq!(
+            cgroups_path(
+                Systemd,
+                "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-podx.slice",
+                "c1"
+            )
+            .unwrap(),
+            PathBuf::from("kubepods-besteffort-podx.slice:minicri:c1")
+        );
+        for bad in [
+            "/kubepods/podx",
+            "/test.slice/",
+            ".slice",
+            "/x/.slice",
+            "kubepods",
+        ] {
+            let e = cgroups_path(Systemd, bad, "c1").unwrap_err();
+            assert!(e.to_string().contains("not a systemd slice"), "{bad}: {e}");
+        }
     }
 }

@@ -46,7 +46,7 @@ mod spec_tests;
 
 pub use error::{OciError, Result};
 pub use handlers::{Handler, HandlerConfig, HandlerFeatures, Handlers, ProbeEnv};
-pub use host::{CgroupDriver, HostInfo, cgroups_path};
+pub use host::{CgroupDriver, HostInfo, cgroups_path, systemd_slice};
 pub use image_config::ImageConfig;
 pub use runc::Runc;
 pub use runtime::{CreateIo, CreateOpts, ExecOpts, ExecOutput, ExecProcess, OciRuntime, OciState};

@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use crate::oci::{CgroupDriver, cgroups_path};
+use crate::oci::{CgroupDriver, cgroups_path, systemd_slice};
 
 /// Limits above this are "no limit": the kernel reports an unset limit as a page-rounded
 /// `i64::MAX`, never exactly a round number.
@@ -300,7 +300,7 @@ pub fn pod_cgroup(driver: CgroupDriver, parent: &str) -> Option<PathBuf> {
             return None;
         }
         CgroupDriver::Cgroupfs => relative(Path::new(parent)),
-        CgroupDriver::Systemd => slice_dir(parent)?,
+        CgroupDriver::Systemd => slice_dir(systemd_slice(parent).ok()?)?,
     };
     (!rel.as_os_str().is_empty()).then_some(rel)
 }
@@ -600,6 +600,10 @@ pgmajfault 7
         assert_eq!(
             pod_cgroup(Systemd, "kubepods-pod1.slice").unwrap(),
             PathBuf::from("kubepods.slice/kubepods-pod1.slice")
+        );
+        assert_eq!(
+            pod_cgroup(Systemd, "/test.slice").unwrap(),
+            PathBuf::from("test.slice")
         );
     }
 
