@@ -33,7 +33,7 @@ pub const DEFAULT_HANDLER: &str = "runc";
 const BUILT_IN: [&str; 2] = [DEFAULT_HANDLER, "crun"];
 
 /// How long the availability probe of one handler may take.
-const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a handler is configured as: its binary and its state directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,6 +82,8 @@ pub struct ProbeEnv {
     pub dir: PathBuf,
     pub infra: InfraRootfs,
     pub cgroup_driver: CgroupDriver,
+    /// How long one probe may take ([`PROBE_TIMEOUT`]); a runtime still running then is killed.
+    pub timeout: Duration,
 }
 
 /// Every configured handler, by name.
@@ -233,11 +235,12 @@ async fn probe_handler(
     let _ = tokio::fs::remove_dir_all(&dir).await;
     let mut probe_runtime = runtime.clone();
     probe_runtime.root = dir.join("root");
+    probe_runtime.kill_on_drop = true;
     let id = match crate::ids::random_hex::<6>() {
         Ok(hex) => format!("minicri-probe-{hex}"),
         Err(e) => return Err(e.to_string()),
     };
-    let result = tokio::time::timeout(PROBE_TIMEOUT, async {
+    let result = tokio::time::timeout(env.timeout, async {
         let bundle = dir.join("bundle");
         let spec = probe_spec(env, &id).map_err(|e| e.to_string())?;
         let b = bundle.clone();
@@ -261,7 +264,7 @@ async fn probe_handler(
         deleted.map_err(|e| format!("deleting the probe container: {}", runtime_message(e)))
     })
     .await
-    .unwrap_or_else(|_| Err(format!("no answer within {PROBE_TIMEOUT:?}")));
+    .unwrap_or_else(|_| Err(format!("no answer within {:?}", env.timeout)));
     let _ = tokio::fs::remove_dir_all(&dir).await;
     result
 }
@@ -408,11 +411,57 @@ mod tests {
                 lib_dirs: vec![],
             },
             cgroup_driver: CgroupDriver::Cgroupfs,
+            timeout: PROBE_TIMEOUT,
         };
         let e = h.for_new_pod("gone", &env).await.unwrap_err().to_string();
         assert!(
             e.contains("\"gone\"") && e.contains("/nonexistent/runtime not found"),
             "{e}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_hung_runtime_is_killed_at_the_probe_timeout() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("hung.pid");
+        let bin = dir.path().join("hung-runtime");
+        std::fs::write(
+            &bin,
+            format!(
+                "#!/bin/sh\necho $$ > {}\nexec sleep 1000\n",
+                pid_file.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let h = handlers(&[("hung", bin.to_str().unwrap())], "runc").unwrap();
+        let env = ProbeEnv {
+            dir: dir.path().join("probe"),
+            infra: InfraRootfs {
+                rootfs: dir.path().join("rootfs"),
+                binary: "/bin/true".into(),
+                lib_dirs: vec![],
+            },
+            cgroup_driver: CgroupDriver::Cgroupfs,
+            timeout: Duration::from_millis(500),
+        };
+        let e = h.for_new_pod("hung", &env).await.unwrap_err().to_string();
+        assert!(e.contains("no answer within 500ms"), "{e}");
+        let pid: i32 = std::fs::read_to_string(&pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        // Killed: gone, or a zombie until the runtime's orphan reaper collects it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let alive = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|st| st.rsplit(')').next().is_some_and(|r| !r.starts_with(" Z")))
+        };
+        while alive() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(!alive(), "the hung runtime (pid {pid}) still runs");
     }
 }

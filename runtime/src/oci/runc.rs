@@ -70,6 +70,11 @@ pub struct Runc {
     pub root: PathBuf,
     /// Pass `--systemd-cgroup` (the systemd cgroup driver).
     pub systemd_cgroup: bool,
+    /// Kill the runtime's process when the call awaiting it is dropped. Off for pods: a call
+    /// cut short (a cancelled RPC) leaves the runtime to finish what it started, and the state
+    /// it leaves is reconciled after. On for handler probes, whose timeout gives up on a runtime
+    /// that hangs and must not leave it running.
+    pub kill_on_drop: bool,
 }
 
 impl Runc {
@@ -78,6 +83,7 @@ impl Runc {
             binary: binary.into(),
             root: root.into(),
             systemd_cgroup: false,
+            kill_on_drop: false,
         }
     }
 
@@ -164,7 +170,7 @@ impl Runc {
         let mut c = Command::new(&self.binary);
         c.args(self.global_args())
             .stdin(Stdio::null())
-            .kill_on_drop(false);
+            .kill_on_drop(self.kill_on_drop);
         c
     }
 
@@ -247,7 +253,7 @@ impl Runc {
         if detach {
             c.arg("--detach");
         }
-        c.arg(id).kill_on_drop(false);
+        c.arg(id).kill_on_drop(self.kill_on_drop);
         Ok((c, vec![process_file, pid_file], log))
     }
 
@@ -413,7 +419,8 @@ impl OciRuntime for Runc {
             let log = opts.bundle.join("create-log.json");
             let _ = std::fs::remove_file(&log);
             let mut c = Command::new(&self.binary);
-            c.args(self.create_args(&opts.id, &opts.bundle, &opts.pid_file, &log, None));
+            c.args(self.create_args(&opts.id, &opts.bundle, &opts.pid_file, &log, None))
+                .kill_on_drop(self.kill_on_drop);
             let (i, o, e) = match opts.io {
                 CreateIo::Null => (Stdio::null(), Stdio::null(), Stdio::null()),
                 CreateIo::Files {

@@ -260,6 +260,7 @@ impl PodService {
             dir: self.state_dir.join("probe"),
             infra: self.infra_rootfs()?,
             cgroup_driver: self.cgroup_driver,
+            timeout: crate::oci::handlers::PROBE_TIMEOUT,
         })
     }
 
