@@ -61,7 +61,9 @@ impl From<crate::oci::OciError> for Error {
         match e {
             O::InvalidArgument(m) => Error::InvalidArgument(m),
             O::UnknownHandler { .. } => Error::InvalidArgument(e.to_string()),
-            O::HandlerUnavailable { .. } => Error::FailedPrecondition(e.to_string()),
+            O::HandlerUnavailable { .. } | O::Unsupported(_) => {
+                Error::FailedPrecondition(e.to_string())
+            }
             O::NotFound(_) => Error::NotFound(e.to_string()),
             other => Error::Internal(other.to_string()),
         }

@@ -31,6 +31,10 @@ pub enum OciError {
     /// The handler is configured but does not work on this host.
     #[error("runtime handler {name:?} is unavailable on this host: {reason}")]
     HandlerUnavailable { name: String, reason: String },
+    /// The request asks for something this host cannot do (an AppArmor profile where AppArmor
+    /// is off or the profile is not loaded).
+    #[error("{0}")]
+    Unsupported(String),
     #[error("{0}")]
     Other(String),
 }

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 
 pub use crate::config::CgroupDriver;
 
+use super::apparmor::AppArmorHost;
+
 use super::error::{OciError, Result};
 
 /// Read once at startup by the daemon ([`HostInfo::detect`]); tests build their own.
@@ -30,6 +32,9 @@ pub struct HostInfo {
     /// Pods can have user namespaces of their own ([`super::userns`]): the kernel has user
     /// namespaces, idmapped mounts and overlayfs on idmapped layers (Linux >= 5.19).
     pub user_namespaces: bool,
+    /// AppArmor: whether the kernel enforces it and minicri's default profile is loaded (the
+    /// daemon loads it at start, see [`super::apparmor`]).
+    pub apparmor: AppArmorHost,
 }
 
 impl Default for HostInfo {
@@ -42,6 +47,7 @@ impl Default for HostInfo {
             cgroup_v2: false,
             recursive_read_only: true,
             user_namespaces: true,
+            apparmor: AppArmorHost::default(),
         }
     }
 }
@@ -79,6 +85,10 @@ impl HostInfo {
                     &std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default(),
                     (5, 19),
                 ),
+            apparmor: AppArmorHost {
+                enabled: super::apparmor::enabled(),
+                default_profile: false,
+            },
         }
     }
 

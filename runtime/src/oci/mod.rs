@@ -12,6 +12,8 @@
 //! - [`annotations`]: which pod annotations reach the OCI spec (an allowlist);
 //! - [`defaults`]: default capabilities, mounts, masked paths and device rules;
 //! - [`seccomp`]: the `RuntimeDefault` profile and `Localhost` profiles;
+//! - [`apparmor`]: the AppArmor profile of a container's process, minicri's `RuntimeDefault`
+//!   profile;
 //! - [`host`]: host facts ([`HostInfo`]: oom_score_adj clamp, capabilities, cgroup version)
 //!   and cgroups paths per driver;
 //! - [`image_config`]: the image config fields that matter for running;
@@ -24,6 +26,7 @@
 //! runtime calls have effects.
 
 pub mod annotations;
+pub mod apparmor;
 pub mod defaults;
 pub mod error;
 pub mod handlers;

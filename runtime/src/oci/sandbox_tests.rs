@@ -33,6 +33,7 @@ fn sandbox_spec_shape() {
         recursive_read_only: true,
         user_namespaces: true,
         cgroup_v2: false,
+        apparmor: Default::default(),
     };
     let dir = tempfile::tempdir().unwrap();
     let infra = crate::pause::prepare_infra_rootfs(

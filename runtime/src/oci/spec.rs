@@ -21,14 +21,15 @@
 //!   one at the same destination; CRI mounts are ordered parents first;
 //! - security: capabilities (the 14 defaults, `add`/`drop` with `ALL`), `privileged` (every
 //!   capability and host device, no masked paths, no seccomp, read-write `/sys`, and only in a
-//!   privileged sandbox), seccomp ([`super::seccomp::select_seccomp`]), masked and read-only paths (the CRI's
-//!   lists, or the defaults when it sends none), `no_new_privs`, read-only rootfs;
+//!   privileged sandbox), seccomp ([`super::seccomp::select_seccomp`]), the AppArmor profile
+//!   ([`super::apparmor::select_apparmor`]), masked and read-only paths (the CRI's lists, or
+//!   the defaults when it sends none), `no_new_privs`, read-only rootfs;
 //! - resources: cpu shares, quota, period, cpuset, memory limit and swap, hugepages, `unified`
 //!   (cgroup v2 only); `oom_score_adj` clamped by [`HostInfo::clamp_oom_score_adj`];
 //! - `linux.cgroupsPath` from the sandbox's `cgroup_parent` ([`super::host::cgroups_path`]).
 //!
-//! Building a spec reads the rootfs's passwd/group files, host device nodes and a `Localhost`
-//! seccomp profile, and changes nothing.
+//! Building a spec reads the rootfs's passwd/group files, host device nodes, a `Localhost`
+//! seccomp profile and the kernel's list of AppArmor profiles, and changes nothing.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -40,6 +41,7 @@ use oci_spec::runtime::{
 };
 
 use super::annotations::AnnotationPolicy;
+use super::apparmor::select_apparmor;
 use super::defaults::{self, bind_mount, linux_capabilities};
 use super::error::{OciError, Result};
 use super::host::{CgroupDriver, HostInfo, cgroups_path};
@@ -400,6 +402,15 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
     process.set_user(oci_user);
     process.set_capabilities(Some(linux_capabilities(&caps, &ambient)?));
     process.set_no_new_privileges(Some(sc.no_new_privs));
+    #[allow(deprecated)] // the old field still names a profile when the new one is unset
+    let old_apparmor = &sc.apparmor_profile;
+    process.set_apparmor_profile(select_apparmor(
+        sc.apparmor.as_ref(),
+        old_apparmor,
+        sc.privileged,
+        p.host.apparmor,
+        super::apparmor::loaded,
+    )?);
     process.set_rlimits(None);
     process.set_oom_score_adj(
         linux

@@ -61,6 +61,7 @@ fn fixture() -> Fixture {
         recursive_read_only: true,
         user_namespaces: true,
         cgroup_v2: false,
+        apparmor: Default::default(),
     };
     Fixture {
         rootfs,
@@ -1060,4 +1061,45 @@ fn pod_annotations_stay_out_of_the_spec_unless_allowed() {
     let spec = build_with(&f, &c, &allow).unwrap();
     let a = own(&spec);
     assert_eq!(a["example.com/team"], "a");
+}
+
+#[test]
+fn apparmor_profile_of_the_process() {
+    use crate::oci::apparmor::{AppArmorHost, DEFAULT_PROFILE};
+    let mut f = fixture();
+    let profile = |f: &Fixture, sc: cri::LinuxContainerSecurityContext| {
+        build(f, &with_sc(sc)).map(|s| s.process().as_ref().unwrap().apparmor_profile().clone())
+    };
+    // A host without AppArmor: no profile; a Localhost one cannot be honoured.
+    assert_eq!(profile(&f, Default::default()).unwrap(), None);
+    let localhost = cri::LinuxContainerSecurityContext {
+        apparmor: Some(cri::SecurityProfile {
+            profile_type: cri::security_profile::ProfileType::Localhost as i32,
+            localhost_ref: "k8s-never-loaded".into(),
+        }),
+        ..Default::default()
+    };
+    let e = profile(&f, localhost.clone()).unwrap_err();
+    assert!(matches!(e, OciError::Unsupported(_)), "{e:?}");
+
+    f.host.apparmor = AppArmorHost {
+        enabled: true,
+        default_profile: true,
+    };
+    assert_eq!(
+        profile(&f, Default::default()).unwrap().as_deref(),
+        Some(DEFAULT_PROFILE)
+    );
+    f.sandbox.linux.as_mut().unwrap().security_context = Some(cri::LinuxSandboxSecurityContext {
+        privileged: true,
+        ..Default::default()
+    });
+    let privileged = cri::LinuxContainerSecurityContext {
+        privileged: true,
+        ..Default::default()
+    };
+    assert_eq!(profile(&f, privileged).unwrap(), None);
+    // Not loaded in this kernel (none is: the build host has no AppArmor).
+    let e = profile(&f, localhost).unwrap_err();
+    assert!(e.to_string().contains("is not loaded"), "{e}");
 }

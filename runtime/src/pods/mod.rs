@@ -126,6 +126,17 @@ impl PodService {
                 host.user_namespaces = false;
             }
         }
+        if host.apparmor.enabled {
+            let dir = state.join("apparmor");
+            match crate::oci::apparmor::load_default_profile(&dir) {
+                Ok(()) => host.apparmor.default_profile = true,
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    "AppArmor is enabled but minicri's default profile could not be loaded: \
+                     containers asking for the runtime default run without an AppArmor profile"
+                ),
+            }
+        }
         let handlers = Handlers::new(
             &config.runtimes,
             &config.default_runtime,
