@@ -21,8 +21,10 @@
 //!   and its ancestors'), `memory.stat`, `memory.events` (`oom_kill N`); `pids.current`.
 //!
 //! Cgroups come and go with their containers: a missing cgroup or file reads as `None`, never as
-//! an error. The OOM count is read right after the container's init exits, before `runc delete`
-//! removes the cgroup.
+//! an error. The OOM count is read when the shim reports the container's exit, before `runc
+//! delete` removes a cgroupfs cgroup; on cgroup v2 the shim has counted OOM kills while the
+//! container ran (`crate::shim::oom`), since systemd removes a scope's cgroup as soon as it is
+//! empty.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

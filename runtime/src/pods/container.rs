@@ -396,16 +396,19 @@ impl PodService {
 
     /// Marks a container exited with `exit` (once; later calls change nothing).
     pub(crate) fn record_exit(&self, id: &str, exit: &ExitRecord) {
-        let oom = self.store.container(id).is_some_and(|c| {
-            self.store.sandbox(&c.sandbox_id).is_some_and(|s| {
-                let parent = s
-                    .config()
-                    .linux
-                    .map(|l| l.cgroup_parent)
-                    .unwrap_or_default();
-                super::cgroups::oom_killed(self.cgroup_driver, &parent, id)
-            })
-        });
+        // The shim's count (cgroup v2, read while the cgroup existed), else the cgroup's now
+        // (v1 cgroups stay until the runtime deletes the container).
+        let oom = exit.oom_killed
+            || self.store.container(id).is_some_and(|c| {
+                self.store.sandbox(&c.sandbox_id).is_some_and(|s| {
+                    let parent = s
+                        .config()
+                        .linux
+                        .map(|l| l.cgroup_parent)
+                        .unwrap_or_default();
+                    super::cgroups::oom_killed(self.cgroup_driver, &parent, id)
+                })
+            });
         let r = self.store.update_container(id, |r| {
             if r.state == ContainerState::Exited {
                 return;

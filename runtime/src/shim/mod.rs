@@ -46,8 +46,9 @@
 //!   input is its pty master (the end of a `--stdin-once` session's input is ^D there).
 //!
 //! where `EXIT` is the content of `exit.json`:
-//! `{"pid":M,"exit_code":3,"signal":null,"exited_at":"<RFC3339Nano>","exited_at_ns":N}`
-//! (`exit_code` is 128 + signal for a killed process). SIGUSR1 to the shim also reopens the
+//! `{"pid":M,"exit_code":3,"signal":null,"exited_at":"<RFC3339Nano>","exited_at_ns":N,"oom_killed":false}`
+//! (`exit_code` is 128 + signal for a killed process; `oom_killed` from the cgroup v2 OOM count
+//! the shim watches while the container runs, [`oom`]). SIGUSR1 to the shim also reopens the
 //! log. Once the shim is gone, `exit.json` is the record; a shim gone without one was killed.
 
 pub mod attach;
@@ -55,6 +56,7 @@ pub mod client;
 pub mod console;
 mod control;
 pub mod monitor;
+mod oom;
 mod output;
 pub mod protocol;
 

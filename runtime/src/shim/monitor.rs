@@ -298,6 +298,9 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
         .parse()
         .map_err(|e| format!("init.pid: {e}"))?;
 
+    // Before the container starts (the daemon starts it after the ready report).
+    let oom = super::oom::OomWatch::start(init_pid);
+
     let shared = Arc::new(Shared {
         shim_pid,
         init_pid,
@@ -335,6 +338,7 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
             break;
         }
     }
+    let oom_killed = oom.is_some_and(|w| w.killed(Duration::from_millis(500)));
     let now = Utc::now();
     let (exit_code, signal) = match status {
         Some(WaitStatus::Exited(_, code)) => (code, None),
@@ -347,6 +351,7 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
         signal,
         exited_at: crate::logs::rfc3339_nano(now),
         exited_at_ns: now.timestamp_nanos_opt().unwrap_or_default(),
+        oom_killed,
     };
     let json = serde_json::to_vec(&record).map_err(|e| e.to_string())?;
     if let Err(e) = write_atomic(&paths.exit_file(), &json, 0o600) {

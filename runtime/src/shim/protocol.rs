@@ -64,6 +64,10 @@ pub struct ExitRecord {
     pub exited_at: String,
     /// The same instant in nanoseconds since the epoch (CRI `finished_at`).
     pub exited_at_ns: i64,
+    /// The OOM killer struck in the container's cgroup while it ran (cgroup v2, seen by the
+    /// shim's [`super::oom::OomWatch`]; absent in records of older shims).
+    #[serde(default)]
+    pub oom_killed: bool,
 }
 
 /// The one line the shim writes on its readiness pipe, then closes it.
@@ -268,6 +272,7 @@ mod tests {
             signal: Some(9),
             exited_at: "t".into(),
             exited_at_ns: 1,
+            oom_killed: false,
         };
         let s = serde_json::to_string(&Response::Exited { exit: exit.clone() }).unwrap();
         assert!(
@@ -359,6 +364,7 @@ mod tests {
             signal: None,
             exited_at: "x".into(),
             exited_at_ns: 2,
+            oom_killed: false,
         };
         write_atomic(&p.exit_file(), &serde_json::to_vec(&e).unwrap(), 0o600).unwrap();
         assert_eq!(read_exit_file(&p.exit_file()).unwrap(), Some(e));
