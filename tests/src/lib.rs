@@ -7,10 +7,12 @@
 //! [`websocket`], what the pull tests share in [`pull_env`], a
 //! kubelet simulator (pod workers, image pullers, back-off, deletion) that drives the daemon as
 //! the kubelet does in [`kubelet_sim`], with the environment its tests share in [`sim_env`],
-//! a minimal Kubernetes API server (pods list and watch) in [`apiserver`], and how tests whose
+//! a minimal Kubernetes API server (pods list and watch) in [`apiserver`], an address whose
+//! connections hang in [`blackhole`], and how tests whose
 //! prerequisites are missing skip, or fail when CI must run them, in [`prereq`].
 
 pub mod apiserver;
+pub mod blackhole;
 pub mod daemon;
 pub mod images;
 pub mod kubelet_sim;

@@ -756,3 +756,29 @@ async fn a_mirror_without_a_blob_hands_it_to_the_next_host() {
         }
     }
 }
+
+/// A mirror whose connections hang (a dead route, a firewall dropping packets): with
+/// `dial_timeout` on its host entry, the pull gives up connecting to it after that long and
+/// goes on with the server, instead of waiting for the daemon's own connect timeout (10 s) at
+/// every request.
+#[tokio::test(flavor = "multi_thread")]
+async fn dial_timeout_bounds_connecting_to_a_mirror_that_never_answers() {
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "dial-timeout", 1, 1, 14).await;
+    let hole = minicri_tests::blackhole::Blackhole::start().unwrap();
+    e.hosts.set(
+        &e.proxy.addr(),
+        &format!(
+            "server = \"{}\"\n[host.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n  \
+             dial_timeout = \"300ms\"\n",
+            e.proxy.url(),
+            hole.addr()
+        ),
+    );
+    let start = Instant::now();
+    assert_eq!(pull(&e.daemon, &r, None).await.unwrap(), img.config_digest);
+    let took = start.elapsed();
+    // Without the key it takes the daemon's connect timeout, 10 s, for the mirror (checked by
+    // hand: 10.2 s), so this fails if dial_timeout is not applied.
+    assert!(took < Duration::from_secs(8), "the pull took {took:?}");
+}
