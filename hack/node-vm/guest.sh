@@ -1,0 +1,218 @@
+#!/bin/bash
+# Runs inside the node VM (hack/node-vm/run.sh shares it as /mnt/host/guest.sh; the guest's
+# minicri-node-vm.service runs it once at boot and powers off after). Installs minicri with
+# hack/install-node.sh as a systemd service, then per cgroup driver: restarts the service with
+# that driver, runs critest, and checks what critest does not: stats read from cgroup v2 files,
+# the container and infra cgroups gone after RemovePodSandbox, a container outliving a restart
+# of the service (KillMode=process), AppArmor's default profile, OOM kills. Writes
+# /mnt/host/results/{guest.log,summary.txt,minicri-journal.log} and per driver
+# critest-DRIVER.log and dmesg-DRIVER.log (the kernel's log while critest ran).
+set -uo pipefail
+host=/mnt/host
+res=$host/results
+mkdir -p "$res"
+exec > >(tee "$res/guest.log") 2>&1
+# shellcheck source=/dev/null
+. "$host/params.env"
+export PATH=/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+summary=$res/summary.txt
+failed=0
+say() { echo "node-vm guest: $*"; }
+record() { echo "$*" | tee -a "$summary"; }
+check() { # check NAME COMMAND...: records ok/FAIL for one assertion
+    local name=$1
+    shift
+    if "$@"; then record "ok   $name"; else record "FAIL $name"; failed=1; fi
+}
+: > "$summary"
+record "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+record "minicri: $MINICRI_COMMIT; accel: $ACCEL; cpus: $(nproc); memory: $(awk '/MemTotal/ {print $2 " kB"}' /proc/meminfo)"
+record "kernel: $(uname -r); $(systemctl --version | head -n1); $(runc --version | head -n1)"
+record "/sys/fs/cgroup: $(stat -fc %T /sys/fs/cgroup); controllers: $(cat /sys/fs/cgroup/cgroup.controllers)"
+check "cgroup v2 only (no v1 controller mounted)" test "$(stat -fc %T /sys/fs/cgroup)" = cgroup2fs
+check "systemd is PID 1" test "$(cat /proc/1/comm)" = systemd
+record "AppArmor enabled: $(cat /sys/module/apparmor/parameters/enabled 2> /dev/null || echo absent)"
+
+install -m 0755 "$host/crictl" "$host/critest" /usr/local/bin/
+# The critest images, served on loopback as the mirror of every registry critest names.
+mkdir -p /var/lib/node-vm-registry
+cp -a "$host/registry-data/." /var/lib/node-vm-registry/
+cat > /etc/node-vm-registry.yml <<'YML'
+version: 0.1
+log: {level: warn}
+storage:
+  filesystem: {rootdirectory: /var/lib/node-vm-registry}
+  delete: {enabled: true}
+http: {addr: 127.0.0.1:5000}
+YML
+systemd-run --unit=node-vm-registry --quiet docker-registry serve /etc/node-vm-registry.yml
+for _ in $(seq 100); do
+    (exec 3<> /dev/tcp/127.0.0.1/5000) 2> /dev/null && break
+    sleep 0.2
+done
+for h in registry.k8s.io k8s.gcr.io gcr.io docker.io quay.io public.ecr.aws 127.0.0.1:5000; do
+    mkdir -p "/etc/minicri/certs.d/$h"
+    printf 'server = "http://127.0.0.1:5000"\n\n[host."http://127.0.0.1:5000"]\n  capabilities = ["pull", "resolve"]\n' \
+        > "/etc/minicri/certs.d/$h/hosts.toml"
+done
+
+sock=/run/minicri/minicri.sock
+# crictl's default deadline (2 s) is too short for a first RunPodSandbox under emulation: a call
+# past its deadline goes on in the daemon, leaving a pod crictl never heard of.
+printf 'runtime-endpoint: unix://%s\nimage-endpoint: unix://%s\ntimeout: 60\n' "$sock" "$sock" > /etc/crictl.yaml
+say "installing minicri as a service"
+echo 'cgroup_driver = "systemd"' > /etc/minicri/config.toml
+check "hack/install-node.sh installs, enables and starts minicri.service" \
+    "$host/hack/install-node.sh" --binary "$host/minicri"
+check "minicri.service is active (Type=notify: started means READY=1 was sent)" \
+    systemctl is-active --quiet minicri.service
+check "minicri.service is enabled" systemctl is-enabled --quiet minicri.service
+
+# A pod with a container that allocates, through crictl, as an operator would: stats, then
+# removal; the cgroups the runtime made must be gone.
+pod_and_stats() { # pod_and_stats DRIVER
+    local driver=$1 parent leaf_pod leaf_ctr pod ctr dir
+    if [[ $driver == systemd ]]; then
+        parent=kubepods-besteffort-podvm1.slice
+    else
+        parent=/kubepods/besteffort/podvm1
+        mkdir -p "/sys/fs/cgroup$parent" # as the kubelet makes it before RunPodSandbox
+    fi
+    mkdir -p /var/log/node-vm-pods
+    cat > /tmp/pod.json <<JSON
+{"metadata": {"name": "vm-$driver", "namespace": "node-vm", "uid": "vm1-$driver", "attempt": 0},
+ "log_directory": "/var/log/node-vm-pods", "linux": {"cgroup_parent": "$parent"}}
+JSON
+    cat > /tmp/ctr.json <<'JSON'
+{"metadata": {"name": "hog"}, "image": {"image": "registry.k8s.io/e2e-test-images/busybox:1.29-2"},
+ "command": ["sh", "-c", "head -c 67108864 /dev/zero | tail > /dev/null & exec sleep 1000"],
+ "log_path": "hog.log"}
+JSON
+    crictl pull registry.k8s.io/e2e-test-images/busybox:1.29-2 > /dev/null || return 1
+    pod=$(crictl runp /tmp/pod.json) || return 1
+    ctr=$(crictl create "$pod" /tmp/ctr.json /tmp/pod.json) || return 1
+    crictl start "$ctr" > /dev/null || return 1
+    sleep 3
+    local stats mem cpu
+    stats=$(crictl stats -o json --id "$ctr")
+    mem=$(jq -r '.stats[0].memory.workingSetBytes.value // 0' <<< "$stats")
+    cpu=$(jq -r '.stats[0].cpu.usageCoreNanoSeconds.value // 0' <<< "$stats")
+    record "     $driver: container stats: workingSetBytes=$mem usageCoreNanoSeconds=$cpu"
+    check "$driver: ContainerStats reads memory from cgroup v2 (>= 1 MiB)" test "$mem" -ge 1048576
+    check "$driver: ContainerStats reads cpu from cgroup v2 (> 0)" test "$cpu" -gt 0
+    stats=$(crictl statsp -o json --id "$pod")
+    mem=$(jq -r '.stats[0].linux.memory.workingSetBytes.value // 0' <<< "$stats")
+    record "     $driver: pod stats: workingSetBytes=$mem"
+    check "$driver: PodSandboxStats reads the pod's cgroup (>= 1 MiB)" test "$mem" -ge 1048576
+    if [[ $driver == systemd ]]; then
+        leaf_pod=$(find /sys/fs/cgroup -type d -name "minicri-$pod.scope" | head -n1)
+        leaf_ctr=$(find /sys/fs/cgroup -type d -name "minicri-$ctr.scope" | head -n1)
+        record "     $driver: infra cgroup $leaf_pod, container cgroup $leaf_ctr"
+        check "$driver: the container's scope is in the pod's slice" \
+            test "$leaf_ctr" = /sys/fs/cgroup/kubepods.slice/kubepods-besteffort.slice/$parent/minicri-$ctr.scope
+    else
+        leaf_pod=/sys/fs/cgroup$parent/$pod
+        leaf_ctr=/sys/fs/cgroup$parent/$ctr
+        check "$driver: the container's cgroup is in the pod's" test -d "$leaf_ctr"
+    fi
+    local profile
+    profile=$(cat "/proc/$(crictl inspect "$ctr" | jq -r .info.pid)/attr/current")
+    record "     $driver: the container's AppArmor label: $profile"
+    check "$driver: a container without a profile runs under minicri-default" \
+        test "$profile" = "minicri-default (enforce)"
+    check "$driver: the container's init is in its cgroup" \
+        grep -qx "0::${leaf_ctr#/sys/fs/cgroup}" "/proc/$(crictl inspect "$ctr" | jq -r .info.pid)/cgroup"
+
+    # A container over its memory limit: killed by the kernel, reported OOMKilled with 137.
+    cat > /tmp/oom.json <<'JSON'
+{"metadata": {"name": "oom"}, "image": {"image": "registry.k8s.io/e2e-test-images/busybox:1.29-2"},
+ "command": ["sh", "-c", "dd if=/dev/zero of=/dev/null bs=20M"], "log_path": "oom.log",
+ "linux": {"resources": {"memory_limit_in_bytes": 15728640, "memory_swap_limit_in_bytes": 15728640}}}
+JSON
+    local oom state
+    oom=$(crictl create "$pod" /tmp/oom.json /tmp/pod.json) && crictl start "$oom" > /dev/null
+    for _ in $(seq 30); do
+        state=$(crictl inspect "$oom" | jq -r '[.status.state, .status.reason, .status.exitCode] | join(" ")')
+        [[ $state == CONTAINER_EXITED* ]] && break
+        sleep 1
+    done
+    record "     $driver: the over-limit container: $state"
+    if [[ $state != CONTAINER_EXITED* ]]; then
+        local oom_cg
+        oom_cg=$(find /sys/fs/cgroup -type d \( -name "minicri-$oom.scope" -o -name "$oom" \) | head -n1)
+        record "     $driver: its cgroup $oom_cg: memory.max=$(cat "$oom_cg/memory.max" 2> /dev/null)" \
+            "memory.swap.max=$(cat "$oom_cg/memory.swap.max" 2> /dev/null)" \
+            "events: $(tr '\n' ' ' < "$oom_cg/memory.events" 2> /dev/null)" \
+            "procs: $(tr '\n' ' ' < "$oom_cg/cgroup.procs" 2> /dev/null)"
+        systemctl status "minicri-$oom.scope" --no-pager 2>&1 | head -n 12
+        crictl inspect "$oom" | jq .info.runtimeSpec.linux.resources
+    fi
+    check "$driver: a container over its memory limit exits OOMKilled with 137" \
+        test "$state" = "CONTAINER_EXITED OOMKilled 137"
+    crictl rm -f "$oom" > /dev/null 2>&1
+
+    say "$driver: restarting minicri.service with a container running"
+    local main_before shims ctr_pid
+    main_before=$(systemctl show -p MainPID --value minicri.service)
+    shims=$(pgrep -f 'minicri shim ' | tr '\n' ' ')
+    ctr_pid=$(crictl inspect "$ctr" | jq -r .info.pid)
+    record "     $driver: minicri pid $main_before, monitors: $shims, container init $ctr_pid"
+    systemctl restart minicri.service
+    check "$driver: minicri.service restarted (new main pid)" \
+        test "$(systemctl show -p MainPID --value minicri.service)" != "$main_before"
+    check "$driver: the pod's monitors outlive the restart (KillMode=process)" \
+        bash -c "test -n '$shims' && for p in $shims; do kill -0 \$p || exit 1; done"
+    check "$driver: the container outlives the restart" kill -0 "$ctr_pid"
+    check "$driver: the restarted minicri reports the container running" \
+        bash -c "crictl inspect $ctr | jq -e '.status.state == \"CONTAINER_RUNNING\"' > /dev/null"
+
+    crictl stopp "$pod" > /dev/null && crictl rmp "$pod" > /dev/null
+    check "$driver: RemovePodSandbox removed the infra's cgroup" test ! -e "$leaf_pod"
+    check "$driver: RemovePodSandbox removed the container's cgroup" test ! -e "$leaf_ctr"
+    if [[ $driver == systemd ]]; then
+        check "$driver: no minicri scope is left" \
+            test -z "$(systemctl list-units --all --plain --no-legend 'minicri-*.scope')"
+    else
+        check "$driver: the pod's cgroup has no child left" \
+            test -z "$(find "/sys/fs/cgroup$parent" -mindepth 1 -type d)"
+        rmdir "/sys/fs/cgroup$parent" # as the kubelet would
+    fi
+}
+
+for driver in $DRIVERS; do
+    say "cgroup driver $driver"
+    echo "cgroup_driver = \"$driver\"" > /etc/minicri/config.toml
+    systemctl restart minicri.service
+    check "$driver: minicri reports the driver (crictl info)" \
+        bash -c "crictl info -o json | jq -e --arg d $driver '[.. | .cgroupDriver? // empty] | any(. == \$d)' > /dev/null"
+    pod_and_stats "$driver"
+    args=(-runtime-endpoint "unix://$sock" -image-endpoint "unix://$sock" -ginkgo.no-color)
+    [[ -n $FOCUS ]] && args+=(-ginkgo.focus "$FOCUS")
+    [[ -n $SKIP ]] && args+=(-ginkgo.skip "$SKIP")
+    say "$driver: critest ${args[*]}"
+    start=$(date +%s)
+    dmesg -C
+    critest "${args[@]}" > "$res/critest-$driver.log" 2>&1
+    rc=$?
+    dmesg > "$res/dmesg-$driver.log"
+    record "     $driver: critest exit $rc after $(( $(date +%s) - start )) s: $(grep -aE '^(Ran|FAIL!|SUCCESS!)' "$res/critest-$driver.log" | tr '\n' ' ')"
+    grep -a '^\s*\[FAIL\]' "$res/critest-$driver.log" | sort -u | sed 's/^/     /' | tee -a "$summary"
+    # The one spec that cannot pass offline: it pulls an image by an upstream digest.
+    unexpected=$(grep -a '^\s*\[FAIL\]' "$res/critest-$driver.log" | grep -vc 'public image with digest should be pulled and removed')
+    check "$driver: critest ran its specs" grep -aqE '^Ran [1-9][0-9]* of' "$res/critest-$driver.log"
+    check "$driver: critest: no failure but the offline digest spec" test "$unexpected" = 0
+    left=$(find /sys/fs/cgroup -type d \( -name 'minicri-*.scope' -o -path '/sys/fs/cgroup/minicri/*' \))
+    for cg in $left; do
+        record "     left: $cg: memory.max=$(cat "$cg/memory.max" 2> /dev/null)" \
+            "events: $(tr '\n' ' ' < "$cg/memory.events" 2> /dev/null)"
+        for p in $(cat "$cg/cgroup.procs" 2> /dev/null); do
+            record "       pid $p: $(tr '\0' ' ' < "/proc/$p/cmdline") state $(awk '{print $3}' "/proc/$p/stat")" \
+                "oom_score_adj $(cat "/proc/$p/oom_score_adj")"
+        done
+    done
+    check "$driver: no container cgroup left after critest" test -z "$left"
+done
+journalctl -u minicri.service --no-pager > "$res/minicri-journal.log" 2>&1
+systemctl stop minicri.service
+if [[ $failed == 0 ]]; then record "result: ok"; else record "result: FAIL"; fi
+sync
