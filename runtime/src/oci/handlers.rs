@@ -399,20 +399,25 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_missing_binary_is_unavailable_with_its_reason() {
-        let dir = tempfile::tempdir().unwrap();
-        let h = handlers(&[("gone", "/nonexistent/runtime")], "runc").unwrap();
-        let env = ProbeEnv {
-            dir: dir.path().join("probe"),
+    /// A probe environment under `dir` (no infra rootfs is needed before the runtime runs).
+    fn probe_env(dir: &Path, timeout: Duration) -> ProbeEnv {
+        ProbeEnv {
+            dir: dir.join("probe"),
             infra: InfraRootfs {
-                rootfs: dir.path().join("rootfs"),
+                rootfs: dir.join("rootfs"),
                 binary: "/bin/true".into(),
                 lib_dirs: vec![],
             },
             cgroup_driver: CgroupDriver::Cgroupfs,
-            timeout: PROBE_TIMEOUT,
-        };
+            timeout,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_missing_binary_is_unavailable_with_its_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = handlers(&[("gone", "/nonexistent/runtime")], "runc").unwrap();
+        let env = probe_env(dir.path(), PROBE_TIMEOUT);
         let e = h.for_new_pod("gone", &env).await.unwrap_err().to_string();
         assert!(
             e.contains("\"gone\"") && e.contains("/nonexistent/runtime not found"),
@@ -436,16 +441,7 @@ mod tests {
         .unwrap();
         std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
         let h = handlers(&[("hung", bin.to_str().unwrap())], "runc").unwrap();
-        let env = ProbeEnv {
-            dir: dir.path().join("probe"),
-            infra: InfraRootfs {
-                rootfs: dir.path().join("rootfs"),
-                binary: "/bin/true".into(),
-                lib_dirs: vec![],
-            },
-            cgroup_driver: CgroupDriver::Cgroupfs,
-            timeout: Duration::from_millis(500),
-        };
+        let env = probe_env(dir.path(), Duration::from_millis(500));
         let e = h.for_new_pod("hung", &env).await.unwrap_err().to_string();
         assert!(e.contains("no answer within 500ms"), "{e}");
         let pid: i32 = std::fs::read_to_string(&pid_file)
