@@ -781,4 +781,12 @@ async fn dial_timeout_bounds_connecting_to_a_mirror_that_never_answers() {
     // Without the key it takes the daemon's connect timeout, 10 s, for the mirror (checked by
     // hand: 10.2 s), so this fails if dial_timeout is not applied.
     assert!(took < Duration::from_secs(8), "the pull took {took:?}");
+    // The daemon says which host it gave up on.
+    let log = e.daemon.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("trying the next one") && l.contains(&hole.addr())),
+        "no line about the mirror {} in the log:\n{log}",
+        hole.addr()
+    );
 }

@@ -615,7 +615,8 @@ impl Session {
         Fut: Future<Output = std::result::Result<T, RemoteError>>,
     {
         let mut errors = Vec::new();
-        for i in order {
+        let tries = order.len();
+        for (n, i) in order.into_iter().enumerate() {
             let ep = &self.endpoints[i];
             let outcome = match ep.ensure_auth(&self.reference).await {
                 Ok(authed) => attempt(ep, authed).await,
@@ -628,7 +629,19 @@ impl Session {
                     }
                     return Ok(v);
                 }
-                Err(e) => errors.push(e),
+                Err(e) => {
+                    // A host that fails and hands over to the next is otherwise silent: the
+                    // request succeeds, only later (a mirror's connect timeout at every
+                    // request). The last one's error is the caller's to report.
+                    if n + 1 < tries {
+                        tracing::info!(
+                            reference = %self.reference,
+                            error = %e,
+                            "registry host failed; trying the next one"
+                        );
+                    }
+                    errors.push(e);
+                }
             }
         }
         Err(errors)
