@@ -69,11 +69,10 @@ impl OomWatch {
                     Err(nix::errno::Errno::EINTR) => continue,
                     Err(_) => return,
                 };
-                for ev in events {
-                    if ev.mask.contains(AddWatchFlags::IN_IGNORED) {
-                        // The file is gone with its cgroup.
-                        return;
-                    }
+                let has = |flag| events.iter().any(|ev| ev.mask.contains(flag));
+                // One read per batch: under memory pressure the file changes at every `max`
+                // event, and the latest count is all that matters.
+                if has(AddWatchFlags::IN_MODIFY) {
                     match oom_kills(&file) {
                         Some(n) => {
                             kills.fetch_max(n, Ordering::SeqCst);
@@ -83,6 +82,10 @@ impl OomWatch {
                             file.display()
                         ),
                     }
+                }
+                if has(AddWatchFlags::IN_IGNORED) {
+                    // The file is gone with its cgroup.
+                    return;
                 }
             }
         });
