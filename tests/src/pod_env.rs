@@ -119,6 +119,14 @@ pub fn ports_of(bridge: &str) -> Vec<String> {
     output_lines(Command::new("ip").args(["-o", "link", "show", "master", bridge]))
 }
 
+/// Writes `text` to `path` as an executable (mode 0755): the runc wrappers and fake CNI plugins
+/// tests put in the daemon's way.
+pub fn write_executable(path: &Path, text: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
 /// The ids `runc list` shows under the runtime root `root`, one per line.
 pub fn runc_list(root: &Path) -> String {
     let out = Command::new("runc")

@@ -16,7 +16,7 @@ use minicri_tests::daemon::{Daemon, HostsDir};
 use minicri_tests::images::{Compression, ImageBuilder, LayerBuilder, RegistryClient};
 use minicri_tests::pod_env::{
     PodEnv, eventually, mounts_under, output_lines, pod_config, ports_of, processes_mentioning,
-    skip_reason,
+    skip_reason, write_executable,
 };
 use minicri_tests::pod_rpc::{
     RuntimeClient, container_config, container_status, create_container, list_pod_sandboxes,
@@ -178,7 +178,6 @@ struct Injector {
 
 impl Injector {
     fn new() -> Injector {
-        use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().display().to_string();
         let runc = format!(
@@ -230,8 +229,7 @@ exit 0
             (dir.path().join("runc-wrapper"), runc),
             (dir.path().join("cni/minicri-test-hang"), plugin),
         ] {
-            std::fs::write(&path, text).unwrap();
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+            write_executable(&path, &text);
         }
         Injector { dir }
     }

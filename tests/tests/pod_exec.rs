@@ -7,7 +7,7 @@
 //! Root only, with runc and Debian's CNI plugins ([`skip_reason`]).
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_tests::pod_env::{PodEnv, pod_config, skip_reason};
+use minicri_tests::pod_env::{PodEnv, pod_config, skip_reason, write_executable};
 use minicri_tests::pod_rpc::{
     RuntimeClient, create_container, run_container, run_pod, sh_container_config,
     stop_and_remove_pod,
@@ -222,19 +222,16 @@ async fn exec_streams_output_exit_codes_and_stdin() {
 /// made it raw, and cooked the ^D into a NUL).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_tty_execs_input_ended_before_the_runtime_runs_is_the_end_of_input() {
-    use std::os::unix::fs::PermissionsExt;
     if let Some(why) = skip_reason() {
         eprintln!("skipping: {why}");
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     let wrapper = dir.path().join("slow-exec-runc");
-    std::fs::write(
+    write_executable(
         &wrapper,
         "#!/bin/sh\ncase \" $* \" in *\" exec \"*) sleep 0.5;; esac\nexec runc \"$@\"\n",
-    )
-    .unwrap();
-    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    );
     let env = PodEnv::with_args(&["--oci-runtime", wrapper.to_str().unwrap()]).await;
     let image = env.pull_busybox().await;
     let mut c = env.runtime().await;

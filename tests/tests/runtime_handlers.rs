@@ -5,10 +5,8 @@
 //! that logs each invocation's arguments, so the test sees which runtime ran what, under which
 //! `--root`. Root only.
 
-use std::os::unix::fs::PermissionsExt;
-
 use minicri_proto::runtime::v1 as cri;
-use minicri_tests::pod_env::{PodEnv, pod_config, runc_list, skip_reason};
+use minicri_tests::pod_env::{PodEnv, pod_config, runc_list, skip_reason, write_executable};
 use minicri_tests::pod_rpc::{
     container_config, exec_text, remove_pod_sandbox, run_container, stop_pod_sandbox,
 };
@@ -28,8 +26,7 @@ impl Traced {
             dir.path().display()
         );
         let bin = dir.path().join("traced-runc");
-        std::fs::write(&bin, script).unwrap();
-        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        write_executable(&bin, &script);
         Traced { dir }
     }
 
