@@ -24,11 +24,18 @@
 //! an error. The OOM count is read when the shim reports the container's exit, before `runc
 //! delete` removes a cgroupfs cgroup; on cgroup v2 the shim has counted OOM kills while the
 //! container ran (`crate::shim::oom`), since systemd removes a scope's cgroup as soon as it is
-//! empty.
+//! empty. systemd watches the same count (a scope's `OOMPolicy`, `stop` by default, stops the
+//! unit at the first kill) and can remove the cgroup before the shim's watch has read the
+//! change; so under the systemd driver a container killed by SIGKILL with no count read is asked
+//! of systemd ([`oom_killed_after_exit`]): a scope it stopped for an OOM kill is left failed with
+//! `Result=oom-kill` until the runtime's delete resets it.
 
 use std::collections::HashMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use crate::oci::{CgroupDriver, cgroups_path, systemd_slice};
 
@@ -320,6 +327,71 @@ pub fn oom_killed(driver: CgroupDriver, parent: &str, id: &str) -> bool {
         .is_some_and(|n| n > 0)
 }
 
+/// How long systemd is given to say how a scope ended.
+const SYSTEMCTL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Whether the OOM killer ended container `id` under `parent`, asked once its init has exited
+/// with `exit_code` (blocking: reads cgroup files, and may run `systemctl`): its cgroup's count
+/// (cgroup v1, where runc removes cgroups only at delete), else, under the systemd driver for a
+/// container killed by SIGKILL, its scope's `Result`. Call before the runtime deletes the
+/// container: the delete removes the cgroup and resets a failed scope.
+pub fn oom_killed_after_exit(driver: CgroupDriver, parent: &str, id: &str, exit_code: i32) -> bool {
+    if oom_killed(driver, parent, id) {
+        return true;
+    }
+    if driver != CgroupDriver::Systemd || exit_code != 128 + libc::SIGKILL {
+        return false;
+    }
+    let Some(unit) = container_cgroup(driver, parent, id)
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+    else {
+        return false;
+    };
+    match unit_result(Path::new("systemctl"), &unit, SYSTEMCTL_TIMEOUT) {
+        Ok(result) => {
+            tracing::debug!(container = %id, unit = %unit, result = %result, "systemd's account of a scope killed by SIGKILL");
+            result == "oom-kill"
+        }
+        Err(e) => {
+            tracing::debug!(container = %id, unit = %unit, error = %e, "asking systemd how the scope ended");
+            false
+        }
+    }
+}
+
+/// A unit's `Result` property (`success`, `oom-kill`, `signal`, ...) from `systemctl show`,
+/// waiting at most `timeout` for it.
+fn unit_result(systemctl: &Path, unit: &str, timeout: Duration) -> std::io::Result<String> {
+    let failed = |what: String| std::io::Error::other(format!("systemctl show {unit}: {what}"));
+    let mut child = Command::new(systemctl)
+        .args(["show", "--property=Result", "--value", "--", unit])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        match child.try_wait()? {
+            Some(status) if status.success() => break,
+            Some(status) => return Err(failed(status.to_string())),
+            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            None => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("systemctl show {unit}: no answer within {timeout:?}"),
+                ));
+            }
+        }
+    }
+    let mut out = String::new();
+    if let Some(stdout) = child.stdout.take() {
+        stdout.take(4096).read_to_string(&mut out)?;
+    }
+    Ok(out.trim().to_string())
+}
+
 fn parse_u64(text: &str) -> Option<u64> {
     text.trim().parse().ok()
 }
@@ -397,6 +469,48 @@ fn cpu_v2(text: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn fake_systemctl(dir: &Path, body: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.join("systemctl");
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    #[test]
+    fn unit_result_asks_systemctl_for_the_result_property() {
+        let dir = tempfile::tempdir().unwrap();
+        let args = dir.path().join("args");
+        let systemctl = fake_systemctl(
+            dir.path(),
+            &format!("echo \"$@\" > {}; echo oom-kill", args.display()),
+        );
+        let got = unit_result(&systemctl, "minicri-c1.scope", Duration::from_secs(5)).unwrap();
+        assert_eq!(got, "oom-kill");
+        assert_eq!(
+            std::fs::read_to_string(&args).unwrap().trim(),
+            "show --property=Result --value -- minicri-c1.scope"
+        );
+    }
+
+    #[test]
+    fn unit_result_fails_on_a_failing_or_hung_systemctl() {
+        let dir = tempfile::tempdir().unwrap();
+        let failing = fake_systemctl(dir.path(), "echo oom-kill; exit 1");
+        assert!(unit_result(&failing, "u.scope", Duration::from_secs(5)).is_err());
+        let hung = fake_systemctl(dir.path(), "exec sleep 30");
+        let started = Instant::now();
+        let err = unit_result(&hung, "u.scope", Duration::from_millis(300)).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        let missing = dir.path().join("absent");
+        assert!(unit_result(&missing, "u.scope", Duration::from_secs(5)).is_err());
+    }
 
     const MOUNTINFO_HYBRID: &str = "\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755

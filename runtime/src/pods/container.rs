@@ -357,7 +357,7 @@ impl PodService {
         let svc = self.clone();
         tokio::spawn(async move {
             match shim.wait().await {
-                Ok(exit) => svc.record_exit(&id, &exit),
+                Ok(exit) => svc.record_exit(&id, &exit).await,
                 Err(e) => svc.record_lost(&id, &e.to_string()),
             }
             svc.delete_exited(&id).await;
@@ -394,21 +394,44 @@ impl PodService {
         }
     }
 
-    /// Marks a container exited with `exit` (once; later calls change nothing).
-    pub(crate) fn record_exit(&self, id: &str, exit: &ExitRecord) {
-        // The shim's count (cgroup v2, read while the cgroup existed), else the cgroup's now
-        // (v1 cgroups stay until the runtime deletes the container).
-        let oom = exit.oom_killed
-            || self.store.container(id).is_some_and(|c| {
-                self.store.sandbox(&c.sandbox_id).is_some_and(|s| {
-                    let parent = s
-                        .config()
-                        .linux
-                        .map(|l| l.cgroup_parent)
-                        .unwrap_or_default();
-                    super::cgroups::oom_killed(self.cgroup_driver, &parent, id)
-                })
-            });
+    /// Marks a container exited with `exit` (once; later calls change nothing), finding out off
+    /// the async workers whether the OOM killer ended it ([`Self::oom_ended`]).
+    pub(crate) async fn record_exit(&self, id: &str, exit: &ExitRecord) {
+        let oom = match self.oom_query(id, exit) {
+            None => false,
+            Some(query) => tokio::task::spawn_blocking(query).await.unwrap_or(false),
+        };
+        self.record_exit_as(id, exit, oom);
+    }
+
+    /// Whether the OOM killer ended container `id` (blocking; for the daemon's start, before it
+    /// serves).
+    pub(crate) fn oom_ended(&self, id: &str, exit: &ExitRecord) -> bool {
+        self.oom_query(id, exit).is_some_and(|query| query())
+    }
+
+    /// The shim's count (cgroup v2, read while the cgroup existed) answers at once; else a query
+    /// of the cgroup (v1 cgroups stay until the runtime deletes the container) or of systemd
+    /// ([`super::cgroups::oom_killed_after_exit`]) to run.
+    fn oom_query(&self, id: &str, exit: &ExitRecord) -> Option<Box<dyn FnOnce() -> bool + Send>> {
+        if exit.oom_killed {
+            return Some(Box::new(|| true));
+        }
+        let c = self.store.container(id)?;
+        let parent = self
+            .store
+            .sandbox(&c.sandbox_id)?
+            .config()
+            .linux
+            .map(|l| l.cgroup_parent)
+            .unwrap_or_default();
+        let (driver, id, code) = (self.cgroup_driver, id.to_string(), exit.exit_code);
+        Some(Box::new(move || {
+            super::cgroups::oom_killed_after_exit(driver, &parent, &id, code)
+        }))
+    }
+
+    pub(crate) fn record_exit_as(&self, id: &str, exit: &ExitRecord, oom: bool) {
         let r = self.store.update_container(id, |r| {
             if r.state == ContainerState::Exited {
                 return;
@@ -471,7 +494,7 @@ impl PodService {
             if let Ok(Ok(exit)) =
                 tokio::time::timeout(Duration::from_secs(timeout as u64), shim.wait()).await
             {
-                self.record_exit(id, &exit);
+                self.record_exit(id, &exit).await;
                 return Ok(());
             }
         }
@@ -480,7 +503,7 @@ impl PodService {
             tracing::debug!(container = %id, error = %e, "SIGKILL");
         }
         match tokio::time::timeout(KILL_WAIT, shim.wait()).await {
-            Ok(Ok(exit)) => self.record_exit(id, &exit),
+            Ok(Ok(exit)) => self.record_exit(id, &exit).await,
             Ok(Err(e)) => self.record_lost(id, &e.to_string()),
             Err(_) => {
                 return Err(Error::Internal(format!(

@@ -194,7 +194,8 @@ impl PodService {
             match shim.exit_record() {
                 Ok(Some(exit)) => {
                     exited += 1;
-                    self.record_exit(&c.id, &exit);
+                    let oom = self.oom_ended(&c.id, &exit);
+                    self.record_exit_as(&c.id, &exit, oom);
                 }
                 _ if shim.is_alive() => {
                     running += 1;
