@@ -1,10 +1,8 @@
-//! The CRI gRPC services. Handlers stay thin: validate the request, call the daemon's services,
-//! convert the result; every unary handler runs inside [`crate::rpc::call`] (the GetContainerEvents
-//! stream, [`events`], logs its subscribers itself).
+//! The CRI gRPC services, one module per service: [`runtime`] (RuntimeService) and [`image`]
+//! (ImageService) hold every RPC's handler. Handlers stay thin: validate the request, call the
+//! daemon's services, convert the result; every unary handler runs inside [`crate::rpc::call`]
+//! (the GetContainerEvents stream, [`events`], logs its subscribers itself).
 
 pub mod events;
 pub mod image;
-pub mod pods;
 pub mod runtime;
-pub mod stats;
-pub mod streaming;

@@ -1,7 +1,10 @@
-//! CRI RuntimeService. Version, Status and RuntimeConfig are answered here; the pod and container
-//! RPCs delegate to [`super::pods`], the stats RPCs to [`super::stats`], Exec, Attach
-//! and PortForward to [`super::streaming`]; the streamed stats variants and the newer RPCs
-//! answer UNIMPLEMENTED through the generated default stubs.
+//! CRI RuntimeService: every RPC's handler is here. Each validates the request and converts,
+//! calls the daemon's services ([`crate::pods::PodService`] for pods, containers, stats and
+//! streaming targets; [`crate::stream`] registers streaming sessions), and converts back, inside
+//! [`crate::rpc::call`]. GetContainerEvents's stream is built by [`super::events`]; the streamed
+//! stats variants and the newer RPCs answer UNIMPLEMENTED through the generated default stubs.
+//! The kubelet polls the status, list and stats RPCs, so their successes log at debug level
+//! ([`Verbosity::Poll`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,13 +13,22 @@ use minicri_proto::runtime::v1 as cri;
 use minicri_proto::runtime::v1::runtime_service_server::RuntimeService;
 use tonic::{Request, Response, Status};
 
-use super::{pods, stats, streaming};
 use crate::config::CgroupDriver;
 use crate::daemon::Daemon;
+use crate::error::Error;
+use crate::pods::inspect::INFO_KEY;
 use crate::rpc::{Verbosity, call, deadline};
+use crate::stream::{AttachRequest, ExecRequest, PortForwardRequest};
 
 /// The CRI API version minicri implements.
 pub const CRI_API_VERSION: &str = "v1";
+
+fn require_id(field: &str, id: &str) -> Result<(), Error> {
+    if id.is_empty() {
+        return Err(Error::InvalidArgument(format!("{field} is required")));
+    }
+    Ok(())
+}
 
 pub struct RuntimeHandler {
     pub daemon: Arc<Daemon>,
@@ -183,91 +195,262 @@ impl RuntimeService for RuntimeHandler {
         &self,
         req: Request<cri::RunPodSandboxRequest>,
     ) -> Result<Response<cri::RunPodSandboxResponse>, Status> {
-        pods::run_pod_sandbox(&self.daemon, req).await
+        let dl = deadline(&req);
+        let r = req.into_inner();
+        let object = r
+            .config
+            .as_ref()
+            .and_then(|c| c.metadata.as_ref())
+            .map(|m| format!("{}/{}", m.namespace, m.name))
+            .unwrap_or_default();
+        call("RunPodSandbox", object, dl, Verbosity::Normal, async {
+            let config = r
+                .config
+                .ok_or_else(|| Error::InvalidArgument("config is required".into()))?;
+            let id = self
+                .daemon
+                .pods
+                .run_pod_sandbox(config, r.runtime_handler)
+                .await?;
+            Ok(cri::RunPodSandboxResponse { pod_sandbox_id: id })
+        })
+        .await
     }
 
     async fn stop_pod_sandbox(
         &self,
         req: Request<cri::StopPodSandboxRequest>,
     ) -> Result<Response<cri::StopPodSandboxResponse>, Status> {
-        pods::stop_pod_sandbox(&self.daemon, req).await
+        let dl = deadline(&req);
+        let id = req.into_inner().pod_sandbox_id;
+        call("StopPodSandbox", id.clone(), dl, Verbosity::Normal, async {
+            require_id("pod_sandbox_id", &id)?;
+            self.daemon.pods.stop_pod_sandbox(id).await?;
+            Ok(cri::StopPodSandboxResponse {})
+        })
+        .await
     }
 
     async fn remove_pod_sandbox(
         &self,
         req: Request<cri::RemovePodSandboxRequest>,
     ) -> Result<Response<cri::RemovePodSandboxResponse>, Status> {
-        pods::remove_pod_sandbox(&self.daemon, req).await
+        let dl = deadline(&req);
+        let id = req.into_inner().pod_sandbox_id;
+        call(
+            "RemovePodSandbox",
+            id.clone(),
+            dl,
+            Verbosity::Normal,
+            async {
+                require_id("pod_sandbox_id", &id)?;
+                self.daemon.pods.remove_pod_sandbox(id).await?;
+                Ok(cri::RemovePodSandboxResponse {})
+            },
+        )
+        .await
     }
 
     async fn pod_sandbox_status(
         &self,
         req: Request<cri::PodSandboxStatusRequest>,
     ) -> Result<Response<cri::PodSandboxStatusResponse>, Status> {
-        pods::pod_sandbox_status(&self.daemon, req).await
+        let dl = deadline(&req);
+        let r = req.into_inner();
+        let id = r.pod_sandbox_id;
+        call("PodSandboxStatus", id.clone(), dl, Verbosity::Poll, async {
+            require_id("pod_sandbox_id", &id)?;
+            let status = self.daemon.pods.pod_sandbox_status(&id)?;
+            let mut info = HashMap::new();
+            if r.verbose {
+                info.insert(INFO_KEY.to_string(), self.daemon.pods.sandbox_info(&id)?);
+            }
+            Ok(cri::PodSandboxStatusResponse {
+                status: Some(status),
+                info,
+                containers_statuses: vec![],
+                timestamp: crate::pods::now_ns(),
+            })
+        })
+        .await
     }
 
     async fn list_pod_sandbox(
         &self,
         req: Request<cri::ListPodSandboxRequest>,
     ) -> Result<Response<cri::ListPodSandboxResponse>, Status> {
-        pods::list_pod_sandbox(&self.daemon, req).await
+        let dl = deadline(&req);
+        let filter = req.into_inner().filter;
+        call("ListPodSandbox", "", dl, Verbosity::Poll, async {
+            Ok(cri::ListPodSandboxResponse {
+                items: self.daemon.pods.list_pod_sandbox(filter),
+            })
+        })
+        .await
     }
 
     async fn create_container(
         &self,
         req: Request<cri::CreateContainerRequest>,
     ) -> Result<Response<cri::CreateContainerResponse>, Status> {
-        pods::create_container(&self.daemon, req).await
+        let dl = deadline(&req);
+        let r = req.into_inner();
+        let name = r
+            .config
+            .as_ref()
+            .and_then(|c| c.metadata.as_ref())
+            .map(|m| m.name.clone())
+            .unwrap_or_default();
+        let object = format!("{}/{name}", r.pod_sandbox_id);
+        call("CreateContainer", object, dl, Verbosity::Normal, async {
+            require_id("pod_sandbox_id", &r.pod_sandbox_id)?;
+            let config = r
+                .config
+                .ok_or_else(|| Error::InvalidArgument("config is required".into()))?;
+            let id = self
+                .daemon
+                .pods
+                .create_container(r.pod_sandbox_id, config, r.sandbox_config)
+                .await?;
+            Ok(cri::CreateContainerResponse { container_id: id })
+        })
+        .await
     }
 
     async fn start_container(
         &self,
         req: Request<cri::StartContainerRequest>,
     ) -> Result<Response<cri::StartContainerResponse>, Status> {
-        pods::start_container(&self.daemon, req).await
+        let dl = deadline(&req);
+        let id = req.into_inner().container_id;
+        call("StartContainer", id.clone(), dl, Verbosity::Normal, async {
+            require_id("container_id", &id)?;
+            self.daemon.pods.start_container(id).await?;
+            Ok(cri::StartContainerResponse {})
+        })
+        .await
     }
 
     async fn stop_container(
         &self,
         req: Request<cri::StopContainerRequest>,
     ) -> Result<Response<cri::StopContainerResponse>, Status> {
-        pods::stop_container(&self.daemon, req).await
+        let dl = deadline(&req);
+        let r = req.into_inner();
+        call(
+            "StopContainer",
+            r.container_id.clone(),
+            dl,
+            Verbosity::Normal,
+            async {
+                require_id("container_id", &r.container_id)?;
+                self.daemon
+                    .pods
+                    .stop_container(r.container_id, r.timeout)
+                    .await?;
+                Ok(cri::StopContainerResponse {})
+            },
+        )
+        .await
     }
 
     async fn remove_container(
         &self,
         req: Request<cri::RemoveContainerRequest>,
     ) -> Result<Response<cri::RemoveContainerResponse>, Status> {
-        pods::remove_container(&self.daemon, req).await
+        let dl = deadline(&req);
+        let id = req.into_inner().container_id;
+        call(
+            "RemoveContainer",
+            id.clone(),
+            dl,
+            Verbosity::Normal,
+            async {
+                require_id("container_id", &id)?;
+                self.daemon.pods.remove_container(id).await?;
+                Ok(cri::RemoveContainerResponse {})
+            },
+        )
+        .await
     }
 
     async fn list_containers(
         &self,
         req: Request<cri::ListContainersRequest>,
     ) -> Result<Response<cri::ListContainersResponse>, Status> {
-        pods::list_containers(&self.daemon, req).await
+        let dl = deadline(&req);
+        let filter = req.into_inner().filter;
+        call("ListContainers", "", dl, Verbosity::Poll, async {
+            Ok(cri::ListContainersResponse {
+                containers: self.daemon.pods.list_containers(filter),
+            })
+        })
+        .await
     }
 
     async fn container_status(
         &self,
         req: Request<cri::ContainerStatusRequest>,
     ) -> Result<Response<cri::ContainerStatusResponse>, Status> {
-        pods::container_status(&self.daemon, req).await
+        let dl = deadline(&req);
+        let r = req.into_inner();
+        let id = r.container_id;
+        call("ContainerStatus", id.clone(), dl, Verbosity::Poll, async {
+            require_id("container_id", &id)?;
+            let status = self.daemon.pods.container_status(&id)?;
+            let mut info = HashMap::new();
+            if r.verbose {
+                info.insert(INFO_KEY.to_string(), self.daemon.pods.container_info(&id)?);
+            }
+            Ok(cri::ContainerStatusResponse {
+                status: Some(status),
+                info,
+            })
+        })
+        .await
     }
 
     async fn update_container_resources(
         &self,
         req: Request<cri::UpdateContainerResourcesRequest>,
     ) -> Result<Response<cri::UpdateContainerResourcesResponse>, Status> {
-        pods::update_container_resources(&self.daemon, req).await
+        let dl = deadline(&req);
+        let r = req.into_inner();
+        call(
+            "UpdateContainerResources",
+            r.container_id.clone(),
+            dl,
+            Verbosity::Normal,
+            async {
+                require_id("container_id", &r.container_id)?;
+                self.daemon
+                    .pods
+                    .update_container_resources(&r.container_id, r.linux)
+                    .await?;
+                Ok(cri::UpdateContainerResourcesResponse {})
+            },
+        )
+        .await
     }
 
     async fn reopen_container_log(
         &self,
         req: Request<cri::ReopenContainerLogRequest>,
     ) -> Result<Response<cri::ReopenContainerLogResponse>, Status> {
-        pods::reopen_container_log(&self.daemon, req).await
+        let dl = deadline(&req);
+        let id = req.into_inner().container_id;
+        call(
+            "ReopenContainerLog",
+            id.clone(),
+            dl,
+            Verbosity::Normal,
+            async {
+                require_id("container_id", &id)?;
+                self.daemon.pods.reopen_container_log(&id).await?;
+                Ok(cri::ReopenContainerLogResponse {})
+            },
+        )
+        .await
     }
 
     async fn get_container_events(
@@ -281,55 +464,205 @@ impl RuntimeService for RuntimeHandler {
         &self,
         req: Request<cri::ExecSyncRequest>,
     ) -> Result<Response<cri::ExecSyncResponse>, Status> {
-        pods::exec_sync(&self.daemon, req).await
+        let dl = deadline(&req);
+        let r = req.into_inner();
+        call(
+            "ExecSync",
+            r.container_id.clone(),
+            dl,
+            Verbosity::Normal,
+            async {
+                require_id("container_id", &r.container_id)?;
+                self.daemon
+                    .pods
+                    .exec_sync(&r.container_id, r.cmd, r.timeout)
+                    .await
+            },
+        )
+        .await
     }
 
     async fn exec(
         &self,
         req: Request<cri::ExecRequest>,
     ) -> Result<Response<cri::ExecResponse>, Status> {
-        streaming::exec(&self.daemon, req).await
+        let dl = deadline(&req);
+        let r = req.into_inner();
+        call(
+            "Exec",
+            r.container_id.clone(),
+            dl,
+            Verbosity::Normal,
+            async {
+                require_id("container_id", &r.container_id)?;
+                if r.cmd.is_empty() {
+                    return Err(Error::InvalidArgument("cmd is required".into()));
+                }
+                if !(r.stdin || r.stdout || r.stderr) {
+                    return Err(Error::InvalidArgument(
+                        "one of stdin, stdout or stderr must be set".into(),
+                    ));
+                }
+                if r.tty && r.stderr {
+                    return Err(Error::InvalidArgument(
+                        "tty and stderr cannot both be true (a terminal merges stderr into stdout)"
+                            .into(),
+                    ));
+                }
+                self.daemon.pods.exec_target(&r.container_id)?;
+                let url = self.daemon.streaming.register_exec(ExecRequest {
+                    container_id: r.container_id.clone(),
+                    cmd: r.cmd.clone(),
+                    tty: r.tty,
+                    stdin: r.stdin,
+                    stdout: r.stdout,
+                    stderr: r.stderr,
+                })?;
+                Ok(cri::ExecResponse { url })
+            },
+        )
+        .await
     }
 
+    /// Attach: the container must exist (NOT_FOUND) and run (FAILED_PRECONDITION); one stream at
+    /// least, `tty` as the container was created, and `stdin` only for a container created with
+    /// `stdin` (INVALID_ARGUMENT). The session attaches to the container's shim when the client
+    /// connects ([`crate::stream::attach`]).
     async fn attach(
         &self,
         req: Request<cri::AttachRequest>,
     ) -> Result<Response<cri::AttachResponse>, Status> {
-        streaming::attach(&self.daemon, req).await
+        let dl = deadline(&req);
+        let r = req.into_inner();
+        call(
+            "Attach",
+            r.container_id.clone(),
+            dl,
+            Verbosity::Normal,
+            async {
+                require_id("container_id", &r.container_id)?;
+                let id = &r.container_id;
+                let config = self.daemon.pods.exec_target(id)?.config();
+                if !(r.stdin || r.stdout || r.stderr) {
+                    return Err(Error::InvalidArgument(
+                        "one of stdin, stdout or stderr must be set".into(),
+                    ));
+                }
+                if r.tty != config.tty {
+                    return Err(Error::InvalidArgument(format!(
+                        "tty {} does not match container {id}, created with tty {}",
+                        r.tty, config.tty
+                    )));
+                }
+                if r.stdin && !config.stdin {
+                    return Err(Error::InvalidArgument(format!(
+                        "container {id} was created without stdin: cannot attach to its stdin"
+                    )));
+                }
+                let url = self.daemon.streaming.register_attach(AttachRequest {
+                    container_id: id.clone(),
+                    tty: r.tty,
+                    stdin: r.stdin,
+                    stdout: r.stdout,
+                    stderr: r.stderr,
+                })?;
+                Ok(cri::AttachResponse { url })
+            },
+        )
+        .await
     }
 
+    /// PortForward: the sandbox must exist (NOT_FOUND) and be ready (FAILED_PRECONDITION); the
+    /// ports, if any, must be 1 to 65535 (INVALID_ARGUMENT). The ports listed do not limit the
+    /// session: as with the kubelet and containerd, each forwarded connection names its port.
     async fn port_forward(
         &self,
         req: Request<cri::PortForwardRequest>,
     ) -> Result<Response<cri::PortForwardResponse>, Status> {
-        streaming::port_forward(&self.daemon, req).await
+        let dl = deadline(&req);
+        let r = req.into_inner();
+        call(
+            "PortForward",
+            r.pod_sandbox_id.clone(),
+            dl,
+            Verbosity::Normal,
+            async {
+                require_id("pod_sandbox_id", &r.pod_sandbox_id)?;
+                if let Some(p) = r.port.iter().find(|p| !(1..=65535).contains(*p)) {
+                    return Err(Error::InvalidArgument(format!(
+                        "port {p} is out of range: ports are 1 to 65535"
+                    )));
+                }
+                let id = &r.pod_sandbox_id;
+                let netns = self.daemon.pods.port_forward_netns(id)?;
+                let url = self
+                    .daemon
+                    .streaming
+                    .register_port_forward(PortForwardRequest {
+                        sandbox_id: id.clone(),
+                        netns,
+                    })?;
+                Ok(cri::PortForwardResponse { url })
+            },
+        )
+        .await
     }
 
     async fn container_stats(
         &self,
         req: Request<cri::ContainerStatsRequest>,
     ) -> Result<Response<cri::ContainerStatsResponse>, Status> {
-        stats::container_stats(&self.daemon, req).await
+        let dl = deadline(&req);
+        let id = req.into_inner().container_id;
+        call("ContainerStats", id.clone(), dl, Verbosity::Poll, async {
+            require_id("container_id", &id)?;
+            Ok(cri::ContainerStatsResponse {
+                stats: Some(self.daemon.pods.container_stats(&id).await?),
+            })
+        })
+        .await
     }
 
     async fn list_container_stats(
         &self,
         req: Request<cri::ListContainerStatsRequest>,
     ) -> Result<Response<cri::ListContainerStatsResponse>, Status> {
-        stats::list_container_stats(&self.daemon, req).await
+        let dl = deadline(&req);
+        let filter = req.into_inner().filter;
+        call("ListContainerStats", "", dl, Verbosity::Poll, async {
+            Ok(cri::ListContainerStatsResponse {
+                stats: self.daemon.pods.list_container_stats(filter).await?,
+            })
+        })
+        .await
     }
 
     async fn pod_sandbox_stats(
         &self,
         req: Request<cri::PodSandboxStatsRequest>,
     ) -> Result<Response<cri::PodSandboxStatsResponse>, Status> {
-        stats::pod_sandbox_stats(&self.daemon, req).await
+        let dl = deadline(&req);
+        let id = req.into_inner().pod_sandbox_id;
+        call("PodSandboxStats", id.clone(), dl, Verbosity::Poll, async {
+            require_id("pod_sandbox_id", &id)?;
+            Ok(cri::PodSandboxStatsResponse {
+                stats: Some(self.daemon.pods.pod_sandbox_stats(&id).await?),
+            })
+        })
+        .await
     }
 
     async fn list_pod_sandbox_stats(
         &self,
         req: Request<cri::ListPodSandboxStatsRequest>,
     ) -> Result<Response<cri::ListPodSandboxStatsResponse>, Status> {
-        stats::list_pod_sandbox_stats(&self.daemon, req).await
+        let dl = deadline(&req);
+        let filter = req.into_inner().filter;
+        call("ListPodSandboxStats", "", dl, Verbosity::Poll, async {
+            Ok(cri::ListPodSandboxStatsResponse {
+                stats: self.daemon.pods.list_pod_sandbox_stats(filter).await?,
+            })
+        })
+        .await
     }
 }

@@ -1,5 +1,6 @@
-//! Streaming exec's side of the pod service: the check the Exec RPC makes before it hands out a
-//! URL, and the process started when the client connects to it.
+//! Streaming's side of the pod service: the checks the Exec, Attach and PortForward RPCs make
+//! before they hand out a URL (the target container, the sandbox's network namespace), and the
+//! exec process started when the client connects.
 //!
 //! The process gets the container's process settings from its bundle's `config.json` (user,
 //! groups, environment, working directory, capabilities, no_new_privileges, AppArmor/SELinux
@@ -9,10 +10,13 @@
 //! mode); the caller keeps the master side.
 
 use std::os::fd::OwnedFd;
+use std::path::PathBuf;
 use std::process::Stdio;
 
+use minicri_proto::runtime::v1 as cri;
+
 use super::PodService;
-use super::store::{ContainerRecord, ContainerState};
+use super::store::{ContainerRecord, ContainerState, SandboxState};
 use crate::error::{Error, Result};
 use crate::oci::{ExecOpts, ExecProcess, OciRuntime};
 
@@ -31,6 +35,33 @@ impl PodService {
             )));
         }
         Ok(r)
+    }
+
+    /// The network namespace a port forward into the sandbox `id` enters: its pinned namespace,
+    /// else its infra process's; `None` for a host-network pod (the host's). NOT_FOUND or
+    /// FAILED_PRECONDITION naming the sandbox when it is missing, not ready or has none.
+    pub fn port_forward_netns(&self, id: &str) -> Result<Option<PathBuf>> {
+        let sb = self
+            .store
+            .sandbox(id)
+            .ok_or_else(|| Error::NotFound(format!("pod sandbox {id} not found")))?;
+        if sb.state != SandboxState::Ready {
+            return Err(Error::FailedPrecondition(format!(
+                "pod sandbox {id} is not ready"
+            )));
+        }
+        let host_network = crate::oci::namespaces::namespace_options(&sb.config())
+            .is_some_and(|o| o.network == cri::NamespaceMode::Node as i32);
+        match (&sb.netns, host_network) {
+            (Some(p), _) => Ok(Some(p.clone())),
+            (None, true) => Ok(None),
+            (None, false) if sb.infra_pid > 0 => {
+                Ok(Some(format!("/proc/{}/ns/net", sb.infra_pid).into()))
+            }
+            (None, false) => Err(Error::FailedPrecondition(format!(
+                "pod sandbox {id} has no network namespace"
+            ))),
+        }
     }
 
     /// The process of an exec of `cmd` in the running container `id`.
