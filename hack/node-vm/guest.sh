@@ -61,7 +61,10 @@ sock=/run/minicri/minicri.sock
 # past its deadline goes on in the daemon, leaving a pod crictl never heard of.
 printf 'runtime-endpoint: unix://%s\nimage-endpoint: unix://%s\ntimeout: 60\n' "$sock" "$sock" > /etc/crictl.yaml
 say "installing minicri as a service"
-echo 'cgroup_driver = "systemd"' > /etc/minicri/config.toml
+# The pod service at debug level: how each exit was judged (OOM counts, systemd's account of a
+# scope) is in the journal kept with the results.
+log_level='log_level = "info,minicri::pods=debug"'
+printf 'cgroup_driver = "systemd"\n%s\n' "$log_level" > /etc/minicri/config.toml
 check "hack/install-node.sh installs, enables and starts minicri.service" \
     "$host/hack/install-node.sh" --binary "$host/minicri"
 check "minicri.service is active (Type=notify: started means READY=1 was sent)" \
@@ -181,7 +184,7 @@ JSON
 
 for driver in $DRIVERS; do
     say "cgroup driver $driver"
-    echo "cgroup_driver = \"$driver\"" > /etc/minicri/config.toml
+    printf 'cgroup_driver = "%s"\n%s\n' "$driver" "$log_level" > /etc/minicri/config.toml
     systemctl restart minicri.service
     check "$driver: minicri reports the driver (crictl info)" \
         bash -c "crictl info -o json | jq -e --arg d $driver '[.. | .cgroupDriver? // empty] | any(. == \$d)' > /dev/null"
