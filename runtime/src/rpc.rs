@@ -59,6 +59,32 @@ impl Drop for CallLog {
     }
 }
 
+/// [`call`] for an RPC about one object, named by a required id field of its request: the
+/// request's deadline, the id (what `id` reads) logged as the object, INVALID_ARGUMENT naming
+/// `field` when it is empty, then `body` with the request's message.
+pub async fn call_on<R, T, F>(
+    method: &'static str,
+    verbosity: Verbosity,
+    req: tonic::Request<R>,
+    (field, id): (&'static str, fn(&R) -> String),
+    body: impl FnOnce(R) -> F,
+) -> Result<Response<T>, Status>
+where
+    F: Future<Output = Result<T, Error>>,
+{
+    let dl = deadline(&req);
+    let r = req.into_inner();
+    let object = id(&r);
+    let empty = object.is_empty();
+    call(method, object, dl, verbosity, async move {
+        if empty {
+            return Err(Error::InvalidArgument(format!("{field} is required")));
+        }
+        body(r).await
+    })
+    .await
+}
+
 /// Runs one RPC's body under its deadline and logs it.
 pub async fn call<T, F>(
     method: &'static str,

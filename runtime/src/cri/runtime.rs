@@ -17,17 +17,23 @@ use crate::config::CgroupDriver;
 use crate::daemon::Daemon;
 use crate::error::Error;
 use crate::pods::inspect::INFO_KEY;
-use crate::rpc::{Verbosity, call, deadline};
+use crate::rpc::{Verbosity, call, call_on, deadline};
 use crate::stream::{AttachRequest, ExecRequest, PortForwardRequest};
 
 /// The CRI API version minicri implements.
 pub const CRI_API_VERSION: &str = "v1";
 
-fn require_id(field: &str, id: &str) -> Result<(), Error> {
-    if id.is_empty() {
-        return Err(Error::InvalidArgument(format!("{field} is required")));
-    }
-    Ok(())
+type Reply<T> = Result<Response<T>, Status>;
+
+/// The `info` map of a status reply: the object's JSON under [`INFO_KEY`] when `verbose`.
+fn info(
+    verbose: bool,
+    json: impl FnOnce() -> Result<String, Error>,
+) -> Result<HashMap<String, String>, Error> {
+    Ok(match verbose {
+        true => HashMap::from([(INFO_KEY.to_string(), json()?)]),
+        false => HashMap::new(),
+    })
 }
 
 pub struct RuntimeHandler {
@@ -220,31 +226,34 @@ impl RuntimeService for RuntimeHandler {
     async fn stop_pod_sandbox(
         &self,
         req: Request<cri::StopPodSandboxRequest>,
-    ) -> Result<Response<cri::StopPodSandboxResponse>, Status> {
-        let dl = deadline(&req);
-        let id = req.into_inner().pod_sandbox_id;
-        call("StopPodSandbox", id.clone(), dl, Verbosity::Normal, async {
-            require_id("pod_sandbox_id", &id)?;
-            self.daemon.pods.stop_pod_sandbox(id).await?;
-            Ok(cri::StopPodSandboxResponse {})
-        })
+    ) -> Reply<cri::StopPodSandboxResponse> {
+        call_on(
+            "StopPodSandbox",
+            Verbosity::Normal,
+            req,
+            ("pod_sandbox_id", |r| r.pod_sandbox_id.clone()),
+            |r| async move {
+                self.daemon.pods.stop_pod_sandbox(r.pod_sandbox_id).await?;
+                Ok(cri::StopPodSandboxResponse {})
+            },
+        )
         .await
     }
 
     async fn remove_pod_sandbox(
         &self,
         req: Request<cri::RemovePodSandboxRequest>,
-    ) -> Result<Response<cri::RemovePodSandboxResponse>, Status> {
-        let dl = deadline(&req);
-        let id = req.into_inner().pod_sandbox_id;
-        call(
+    ) -> Reply<cri::RemovePodSandboxResponse> {
+        call_on(
             "RemovePodSandbox",
-            id.clone(),
-            dl,
             Verbosity::Normal,
-            async {
-                require_id("pod_sandbox_id", &id)?;
-                self.daemon.pods.remove_pod_sandbox(id).await?;
+            req,
+            ("pod_sandbox_id", |r| r.pod_sandbox_id.clone()),
+            |r| async move {
+                self.daemon
+                    .pods
+                    .remove_pod_sandbox(r.pod_sandbox_id)
+                    .await?;
                 Ok(cri::RemovePodSandboxResponse {})
             },
         )
@@ -254,24 +263,22 @@ impl RuntimeService for RuntimeHandler {
     async fn pod_sandbox_status(
         &self,
         req: Request<cri::PodSandboxStatusRequest>,
-    ) -> Result<Response<cri::PodSandboxStatusResponse>, Status> {
-        let dl = deadline(&req);
-        let r = req.into_inner();
-        let id = r.pod_sandbox_id;
-        call("PodSandboxStatus", id.clone(), dl, Verbosity::Poll, async {
-            require_id("pod_sandbox_id", &id)?;
-            let status = self.daemon.pods.pod_sandbox_status(&id)?;
-            let mut info = HashMap::new();
-            if r.verbose {
-                info.insert(INFO_KEY.to_string(), self.daemon.pods.sandbox_info(&id)?);
-            }
-            Ok(cri::PodSandboxStatusResponse {
-                status: Some(status),
-                info,
-                containers_statuses: vec![],
-                timestamp: crate::pods::now_ns(),
-            })
-        })
+    ) -> Reply<cri::PodSandboxStatusResponse> {
+        call_on(
+            "PodSandboxStatus",
+            Verbosity::Poll,
+            req,
+            ("pod_sandbox_id", |r| r.pod_sandbox_id.clone()),
+            |r| async move {
+                let (pods, id) = (&self.daemon.pods, &r.pod_sandbox_id);
+                Ok(cri::PodSandboxStatusResponse {
+                    status: Some(pods.pod_sandbox_status(id)?),
+                    info: info(r.verbose, || pods.sandbox_info(id))?,
+                    containers_statuses: vec![],
+                    timestamp: crate::pods::now_ns(),
+                })
+            },
+        )
         .await
     }
 
@@ -303,7 +310,9 @@ impl RuntimeService for RuntimeHandler {
             .unwrap_or_default();
         let object = format!("{}/{name}", r.pod_sandbox_id);
         call("CreateContainer", object, dl, Verbosity::Normal, async {
-            require_id("pod_sandbox_id", &r.pod_sandbox_id)?;
+            if r.pod_sandbox_id.is_empty() {
+                return Err(Error::InvalidArgument("pod_sandbox_id is required".into()));
+            }
             let config = r
                 .config
                 .ok_or_else(|| Error::InvalidArgument("config is required".into()))?;
@@ -320,34 +329,32 @@ impl RuntimeService for RuntimeHandler {
     async fn start_container(
         &self,
         req: Request<cri::StartContainerRequest>,
-    ) -> Result<Response<cri::StartContainerResponse>, Status> {
-        let dl = deadline(&req);
-        let id = req.into_inner().container_id;
-        call("StartContainer", id.clone(), dl, Verbosity::Normal, async {
-            require_id("container_id", &id)?;
-            self.daemon.pods.start_container(id).await?;
-            Ok(cri::StartContainerResponse {})
-        })
+    ) -> Reply<cri::StartContainerResponse> {
+        call_on(
+            "StartContainer",
+            Verbosity::Normal,
+            req,
+            ("container_id", |r| r.container_id.clone()),
+            |r| async move {
+                self.daemon.pods.start_container(r.container_id).await?;
+                Ok(cri::StartContainerResponse {})
+            },
+        )
         .await
     }
 
     async fn stop_container(
         &self,
         req: Request<cri::StopContainerRequest>,
-    ) -> Result<Response<cri::StopContainerResponse>, Status> {
-        let dl = deadline(&req);
-        let r = req.into_inner();
-        call(
+    ) -> Reply<cri::StopContainerResponse> {
+        call_on(
             "StopContainer",
-            r.container_id.clone(),
-            dl,
             Verbosity::Normal,
-            async {
-                require_id("container_id", &r.container_id)?;
-                self.daemon
-                    .pods
-                    .stop_container(r.container_id, r.timeout)
-                    .await?;
+            req,
+            ("container_id", |r| r.container_id.clone()),
+            |r| async move {
+                let pods = &self.daemon.pods;
+                pods.stop_container(r.container_id, r.timeout).await?;
                 Ok(cri::StopContainerResponse {})
             },
         )
@@ -357,17 +364,14 @@ impl RuntimeService for RuntimeHandler {
     async fn remove_container(
         &self,
         req: Request<cri::RemoveContainerRequest>,
-    ) -> Result<Response<cri::RemoveContainerResponse>, Status> {
-        let dl = deadline(&req);
-        let id = req.into_inner().container_id;
-        call(
+    ) -> Reply<cri::RemoveContainerResponse> {
+        call_on(
             "RemoveContainer",
-            id.clone(),
-            dl,
             Verbosity::Normal,
-            async {
-                require_id("container_id", &id)?;
-                self.daemon.pods.remove_container(id).await?;
+            req,
+            ("container_id", |r| r.container_id.clone()),
+            |r| async move {
+                self.daemon.pods.remove_container(r.container_id).await?;
                 Ok(cri::RemoveContainerResponse {})
             },
         )
@@ -391,41 +395,35 @@ impl RuntimeService for RuntimeHandler {
     async fn container_status(
         &self,
         req: Request<cri::ContainerStatusRequest>,
-    ) -> Result<Response<cri::ContainerStatusResponse>, Status> {
-        let dl = deadline(&req);
-        let r = req.into_inner();
-        let id = r.container_id;
-        call("ContainerStatus", id.clone(), dl, Verbosity::Poll, async {
-            require_id("container_id", &id)?;
-            let status = self.daemon.pods.container_status(&id)?;
-            let mut info = HashMap::new();
-            if r.verbose {
-                info.insert(INFO_KEY.to_string(), self.daemon.pods.container_info(&id)?);
-            }
-            Ok(cri::ContainerStatusResponse {
-                status: Some(status),
-                info,
-            })
-        })
+    ) -> Reply<cri::ContainerStatusResponse> {
+        call_on(
+            "ContainerStatus",
+            Verbosity::Poll,
+            req,
+            ("container_id", |r| r.container_id.clone()),
+            |r| async move {
+                let (pods, id) = (&self.daemon.pods, &r.container_id);
+                Ok(cri::ContainerStatusResponse {
+                    status: Some(pods.container_status(id)?),
+                    info: info(r.verbose, || pods.container_info(id))?,
+                })
+            },
+        )
         .await
     }
 
     async fn update_container_resources(
         &self,
         req: Request<cri::UpdateContainerResourcesRequest>,
-    ) -> Result<Response<cri::UpdateContainerResourcesResponse>, Status> {
-        let dl = deadline(&req);
-        let r = req.into_inner();
-        call(
+    ) -> Reply<cri::UpdateContainerResourcesResponse> {
+        call_on(
             "UpdateContainerResources",
-            r.container_id.clone(),
-            dl,
             Verbosity::Normal,
-            async {
-                require_id("container_id", &r.container_id)?;
-                self.daemon
-                    .pods
-                    .update_container_resources(&r.container_id, r.linux)
+            req,
+            ("container_id", |r| r.container_id.clone()),
+            |r| async move {
+                let pods = &self.daemon.pods;
+                pods.update_container_resources(&r.container_id, r.linux)
                     .await?;
                 Ok(cri::UpdateContainerResourcesResponse {})
             },
@@ -436,17 +434,17 @@ impl RuntimeService for RuntimeHandler {
     async fn reopen_container_log(
         &self,
         req: Request<cri::ReopenContainerLogRequest>,
-    ) -> Result<Response<cri::ReopenContainerLogResponse>, Status> {
-        let dl = deadline(&req);
-        let id = req.into_inner().container_id;
-        call(
+    ) -> Reply<cri::ReopenContainerLogResponse> {
+        call_on(
             "ReopenContainerLog",
-            id.clone(),
-            dl,
             Verbosity::Normal,
-            async {
-                require_id("container_id", &id)?;
-                self.daemon.pods.reopen_container_log(&id).await?;
+            req,
+            ("container_id", |r| r.container_id.clone()),
+            |r| async move {
+                self.daemon
+                    .pods
+                    .reopen_container_log(&r.container_id)
+                    .await?;
                 Ok(cri::ReopenContainerLogResponse {})
             },
         )
@@ -460,41 +458,27 @@ impl RuntimeService for RuntimeHandler {
         super::events::get_container_events(&self.daemon)
     }
 
-    async fn exec_sync(
-        &self,
-        req: Request<cri::ExecSyncRequest>,
-    ) -> Result<Response<cri::ExecSyncResponse>, Status> {
-        let dl = deadline(&req);
-        let r = req.into_inner();
-        call(
+    async fn exec_sync(&self, req: Request<cri::ExecSyncRequest>) -> Reply<cri::ExecSyncResponse> {
+        call_on(
             "ExecSync",
-            r.container_id.clone(),
-            dl,
             Verbosity::Normal,
-            async {
-                require_id("container_id", &r.container_id)?;
-                self.daemon
-                    .pods
-                    .exec_sync(&r.container_id, r.cmd, r.timeout)
-                    .await
+            req,
+            ("container_id", |r| r.container_id.clone()),
+            |r| async move {
+                let pods = &self.daemon.pods;
+                pods.exec_sync(&r.container_id, r.cmd, r.timeout).await
             },
         )
         .await
     }
 
-    async fn exec(
-        &self,
-        req: Request<cri::ExecRequest>,
-    ) -> Result<Response<cri::ExecResponse>, Status> {
-        let dl = deadline(&req);
-        let r = req.into_inner();
-        call(
+    async fn exec(&self, req: Request<cri::ExecRequest>) -> Reply<cri::ExecResponse> {
+        call_on(
             "Exec",
-            r.container_id.clone(),
-            dl,
             Verbosity::Normal,
-            async {
-                require_id("container_id", &r.container_id)?;
+            req,
+            ("container_id", |r| r.container_id.clone()),
+            |r| async move {
                 if r.cmd.is_empty() {
                     return Err(Error::InvalidArgument("cmd is required".into()));
                 }
@@ -511,8 +495,8 @@ impl RuntimeService for RuntimeHandler {
                 }
                 self.daemon.pods.exec_target(&r.container_id)?;
                 let url = self.daemon.streaming.register_exec(ExecRequest {
-                    container_id: r.container_id.clone(),
-                    cmd: r.cmd.clone(),
+                    container_id: r.container_id,
+                    cmd: r.cmd,
                     tty: r.tty,
                     stdin: r.stdin,
                     stdout: r.stdout,
@@ -528,21 +512,15 @@ impl RuntimeService for RuntimeHandler {
     /// least, `tty` as the container was created, and `stdin` only for a container created with
     /// `stdin` (INVALID_ARGUMENT). The session attaches to the container's shim when the client
     /// connects ([`crate::stream::attach`]).
-    async fn attach(
-        &self,
-        req: Request<cri::AttachRequest>,
-    ) -> Result<Response<cri::AttachResponse>, Status> {
-        let dl = deadline(&req);
-        let r = req.into_inner();
-        call(
+    async fn attach(&self, req: Request<cri::AttachRequest>) -> Reply<cri::AttachResponse> {
+        call_on(
             "Attach",
-            r.container_id.clone(),
-            dl,
             Verbosity::Normal,
-            async {
-                require_id("container_id", &r.container_id)?;
-                let id = &r.container_id;
-                let config = self.daemon.pods.exec_target(id)?.config();
+            req,
+            ("container_id", |r| r.container_id.clone()),
+            |r| async move {
+                let id = r.container_id;
+                let config = self.daemon.pods.exec_target(&id)?.config();
                 if !(r.stdin || r.stdout || r.stderr) {
                     return Err(Error::InvalidArgument(
                         "one of stdin, stdout or stderr must be set".into(),
@@ -560,7 +538,7 @@ impl RuntimeService for RuntimeHandler {
                     )));
                 }
                 let url = self.daemon.streaming.register_attach(AttachRequest {
-                    container_id: id.clone(),
+                    container_id: id,
                     tty: r.tty,
                     stdin: r.stdin,
                     stdout: r.stdout,
@@ -578,28 +556,24 @@ impl RuntimeService for RuntimeHandler {
     async fn port_forward(
         &self,
         req: Request<cri::PortForwardRequest>,
-    ) -> Result<Response<cri::PortForwardResponse>, Status> {
-        let dl = deadline(&req);
-        let r = req.into_inner();
-        call(
+    ) -> Reply<cri::PortForwardResponse> {
+        call_on(
             "PortForward",
-            r.pod_sandbox_id.clone(),
-            dl,
             Verbosity::Normal,
-            async {
-                require_id("pod_sandbox_id", &r.pod_sandbox_id)?;
+            req,
+            ("pod_sandbox_id", |r| r.pod_sandbox_id.clone()),
+            |r| async move {
                 if let Some(p) = r.port.iter().find(|p| !(1..=65535).contains(*p)) {
                     return Err(Error::InvalidArgument(format!(
                         "port {p} is out of range: ports are 1 to 65535"
                     )));
                 }
-                let id = &r.pod_sandbox_id;
-                let netns = self.daemon.pods.port_forward_netns(id)?;
+                let netns = self.daemon.pods.port_forward_netns(&r.pod_sandbox_id)?;
                 let url = self
                     .daemon
                     .streaming
                     .register_port_forward(PortForwardRequest {
-                        sandbox_id: id.clone(),
+                        sandbox_id: r.pod_sandbox_id,
                         netns,
                     })?;
                 Ok(cri::PortForwardResponse { url })
@@ -611,15 +585,17 @@ impl RuntimeService for RuntimeHandler {
     async fn container_stats(
         &self,
         req: Request<cri::ContainerStatsRequest>,
-    ) -> Result<Response<cri::ContainerStatsResponse>, Status> {
-        let dl = deadline(&req);
-        let id = req.into_inner().container_id;
-        call("ContainerStats", id.clone(), dl, Verbosity::Poll, async {
-            require_id("container_id", &id)?;
-            Ok(cri::ContainerStatsResponse {
-                stats: Some(self.daemon.pods.container_stats(&id).await?),
-            })
-        })
+    ) -> Reply<cri::ContainerStatsResponse> {
+        call_on(
+            "ContainerStats",
+            Verbosity::Poll,
+            req,
+            ("container_id", |r| r.container_id.clone()),
+            |r| async move {
+                let stats = self.daemon.pods.container_stats(&r.container_id).await?;
+                Ok(cri::ContainerStatsResponse { stats: Some(stats) })
+            },
+        )
         .await
     }
 
@@ -640,15 +616,21 @@ impl RuntimeService for RuntimeHandler {
     async fn pod_sandbox_stats(
         &self,
         req: Request<cri::PodSandboxStatsRequest>,
-    ) -> Result<Response<cri::PodSandboxStatsResponse>, Status> {
-        let dl = deadline(&req);
-        let id = req.into_inner().pod_sandbox_id;
-        call("PodSandboxStats", id.clone(), dl, Verbosity::Poll, async {
-            require_id("pod_sandbox_id", &id)?;
-            Ok(cri::PodSandboxStatsResponse {
-                stats: Some(self.daemon.pods.pod_sandbox_stats(&id).await?),
-            })
-        })
+    ) -> Reply<cri::PodSandboxStatsResponse> {
+        call_on(
+            "PodSandboxStats",
+            Verbosity::Poll,
+            req,
+            ("pod_sandbox_id", |r| r.pod_sandbox_id.clone()),
+            |r| async move {
+                let stats = self
+                    .daemon
+                    .pods
+                    .pod_sandbox_stats(&r.pod_sandbox_id)
+                    .await?;
+                Ok(cri::PodSandboxStatsResponse { stats: Some(stats) })
+            },
+        )
         .await
     }
 

@@ -16,7 +16,7 @@ use std::process::Stdio;
 use minicri_proto::runtime::v1 as cri;
 
 use super::PodService;
-use super::store::{ContainerRecord, ContainerState, SandboxState};
+use super::store::{ContainerRecord, ContainerState};
 use crate::error::{Error, Result};
 use crate::oci::{ExecOpts, ExecProcess, OciRuntime};
 
@@ -24,10 +24,7 @@ impl PodService {
     /// The container `id` if it exists and is running: NOT_FOUND or FAILED_PRECONDITION naming
     /// it otherwise.
     pub fn exec_target(&self, id: &str) -> Result<ContainerRecord> {
-        let r = self
-            .store
-            .container(id)
-            .ok_or_else(|| Error::NotFound(format!("container {id} not found")))?;
+        let r = self.container_record(id)?;
         if r.state != ContainerState::Running {
             return Err(Error::FailedPrecondition(format!(
                 "container {id} is not running (state {:?})",
@@ -41,15 +38,7 @@ impl PodService {
     /// else its infra process's; `None` for a host-network pod (the host's). NOT_FOUND or
     /// FAILED_PRECONDITION naming the sandbox when it is missing, not ready or has none.
     pub fn port_forward_netns(&self, id: &str) -> Result<Option<PathBuf>> {
-        let sb = self
-            .store
-            .sandbox(id)
-            .ok_or_else(|| Error::NotFound(format!("pod sandbox {id} not found")))?;
-        if sb.state != SandboxState::Ready {
-            return Err(Error::FailedPrecondition(format!(
-                "pod sandbox {id} is not ready"
-            )));
-        }
+        let sb = self.ready_sandbox(id)?;
         let host_network = crate::oci::namespaces::namespace_options(&sb.config())
             .is_some_and(|o| o.network == cri::NamespaceMode::Node as i32);
         match (&sb.netns, host_network) {

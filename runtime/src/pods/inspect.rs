@@ -32,11 +32,9 @@ fn cri_json<M: prost::Message>(full_name: &str, msg: &M) -> Result<Value> {
 impl PodService {
     /// The verbose info of container `id` (NOT_FOUND if unknown).
     pub fn container_info(&self, id: &str) -> Result<String> {
-        let r = self
-            .store
-            .container(id)
-            .ok_or_else(|| Error::NotFound(format!("container {id} not found")))?;
-        Ok(self.container_info_of(&r)?.to_string())
+        Ok(self
+            .container_info_of(&self.container_record(id)?)?
+            .to_string())
     }
 
     fn container_info_of(&self, r: &ContainerRecord) -> Result<Value> {
@@ -60,11 +58,7 @@ impl PodService {
 
     /// The verbose info of pod sandbox `id` (NOT_FOUND if unknown).
     pub fn sandbox_info(&self, id: &str) -> Result<String> {
-        let r = self
-            .store
-            .sandbox(id)
-            .ok_or_else(|| Error::NotFound(format!("pod sandbox {id} not found")))?;
-        Ok(self.sandbox_info_of(&r)?.to_string())
+        Ok(self.sandbox_info_of(&self.sandbox_record(id)?)?.to_string())
     }
 
     fn sandbox_info_of(&self, r: &SandboxRecord) -> Result<Value> {

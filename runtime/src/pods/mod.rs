@@ -316,13 +316,34 @@ impl PodService {
         Ok(&self.handlers.get(handler)?.runtime)
     }
 
+    /// The record of container `id`; NOT_FOUND naming it.
+    pub(crate) fn container_record(&self, id: &str) -> Result<store::ContainerRecord> {
+        self.store
+            .container(id)
+            .ok_or_else(|| Error::NotFound(format!("container {id} not found")))
+    }
+
+    /// The record of pod sandbox `id`; NOT_FOUND naming it.
+    pub(crate) fn sandbox_record(&self, id: &str) -> Result<store::SandboxRecord> {
+        self.store
+            .sandbox(id)
+            .ok_or_else(|| Error::NotFound(format!("pod sandbox {id} not found")))
+    }
+
+    /// The record of pod sandbox `id` if it is ready: NOT_FOUND or FAILED_PRECONDITION naming it.
+    pub(crate) fn ready_sandbox(&self, id: &str) -> Result<store::SandboxRecord> {
+        let sb = self.sandbox_record(id)?;
+        if sb.state != store::SandboxState::Ready {
+            return Err(Error::FailedPrecondition(format!(
+                "pod sandbox {id} is not ready"
+            )));
+        }
+        Ok(sb)
+    }
+
     /// The OCI runtime of the container `id`.
     pub(crate) fn container_runtime(&self, id: &str) -> Result<&Runc> {
-        let rec = self
-            .store
-            .container(id)
-            .ok_or_else(|| Error::NotFound(format!("container {id} not found")))?;
-        self.runtime(&rec.runtime_handler)
+        self.runtime(&self.container_record(id)?.runtime_handler)
     }
 
     /// The host facts as a pod under `handler` sees them (what its runtime supports).

@@ -334,11 +334,7 @@ impl PodService {
     }
 
     pub fn pod_sandbox_status(&self, id: &str) -> Result<cri::PodSandboxStatus> {
-        let rec = self
-            .store
-            .sandbox(id)
-            .ok_or_else(|| Error::NotFound(format!("pod sandbox {id} not found")))?;
-        Ok(sandbox_status(&rec))
+        Ok(sandbox_status(&self.sandbox_record(id)?))
     }
 
     pub fn list_pod_sandbox(&self, filter: Option<cri::PodSandboxFilter>) -> Vec<cri::PodSandbox> {
