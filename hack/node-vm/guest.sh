@@ -153,6 +153,19 @@ JSON
     check "$driver: a container over its memory limit exits OOMKilled with 137" \
         test "$state" = "CONTAINER_EXITED OOMKilled 137"
     crictl rm -f "$oom" > /dev/null 2>&1
+    if [ "$driver" = systemd ]; then
+        # What minicri asks systemd when the shim could not read the OOM count before systemd
+        # removed the scope's cgroup: a scope whose process the OOM killer ended stays loaded,
+        # failed with Result=oom-kill, until its failure is reset.
+        systemd-run --quiet --scope --unit node-vm-oom -p MemoryMax=16M -p MemorySwapMax=0 \
+            sh -c 'exec dd if=/dev/zero of=/dev/null bs=64M' > /dev/null 2>&1
+        local account
+        account=$(systemctl show -p Result -p LoadState node-vm-oom.scope | sort | tr '\n' ' ')
+        record "     systemd: a scope ended by the OOM killer: $account"
+        check "systemd: a scope ended by the OOM killer stays loaded with Result=oom-kill" \
+            test "$account" = "LoadState=loaded Result=oom-kill "
+        systemctl reset-failed node-vm-oom.scope > /dev/null 2>&1
+    fi
 
     say "$driver: restarting minicri.service with a container running"
     local main_before shims ctr_pid

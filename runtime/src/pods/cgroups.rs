@@ -348,9 +348,10 @@ pub fn oom_killed_after_exit(driver: CgroupDriver, parent: &str, id: &str, exit_
         return false;
     };
     match unit_result(Path::new("systemctl"), &unit, SYSTEMCTL_TIMEOUT) {
-        Ok(result) => {
-            tracing::debug!(container = %id, unit = %unit, result = %result, "systemd's account of a scope killed by SIGKILL");
-            result == "oom-kill"
+        Ok(UnitResult { result, load_state }) => {
+            // A unit systemd no longer has (`not-found`) reads as `success`: nothing is known.
+            tracing::debug!(container = %id, unit = %unit, %result, %load_state, "systemd's account of a scope killed by SIGKILL");
+            load_state == "loaded" && result == "oom-kill"
         }
         Err(e) => {
             tracing::debug!(container = %id, unit = %unit, error = %e, "asking systemd how the scope ended");
@@ -359,12 +360,21 @@ pub fn oom_killed_after_exit(driver: CgroupDriver, parent: &str, id: &str, exit_
     }
 }
 
-/// A unit's `Result` property (`success`, `oom-kill`, `signal`, ...) from `systemctl show`,
-/// waiting at most `timeout` for it.
-fn unit_result(systemctl: &Path, unit: &str, timeout: Duration) -> std::io::Result<String> {
+/// How a unit ended, as `systemctl show` tells.
+#[derive(Debug, PartialEq, Eq)]
+struct UnitResult {
+    /// `success`, `oom-kill`, `signal`, ...
+    result: String,
+    /// `loaded`, or `not-found` for a unit systemd has let go.
+    load_state: String,
+}
+
+/// A unit's `Result` and `LoadState` properties from `systemctl show`, waiting at most
+/// `timeout` for them.
+fn unit_result(systemctl: &Path, unit: &str, timeout: Duration) -> std::io::Result<UnitResult> {
     let failed = |what: String| std::io::Error::other(format!("systemctl show {unit}: {what}"));
     let mut child = Command::new(systemctl)
-        .args(["show", "--property=Result", "--value", "--", unit])
+        .args(["show", "--property=Result,LoadState", "--", unit])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -389,7 +399,16 @@ fn unit_result(systemctl: &Path, unit: &str, timeout: Duration) -> std::io::Resu
     if let Some(stdout) = child.stdout.take() {
         stdout.take(4096).read_to_string(&mut out)?;
     }
-    Ok(out.trim().to_string())
+    let property = |key: &str| {
+        out.lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+            .map(|v| v.trim().to_string())
+            .ok_or_else(|| failed(format!("no {key} in its answer {out:?}")))
+    };
+    Ok(UnitResult {
+        result: property("Result")?,
+        load_state: property("LoadState")?,
+    })
 }
 
 fn parse_u64(text: &str) -> Option<u64> {
@@ -484,20 +503,34 @@ mod tests {
         let args = dir.path().join("args");
         let systemctl = fake_systemctl(
             dir.path(),
-            &format!("echo \"$@\" > {}; echo oom-kill", args.display()),
+            &format!(
+                "echo \"$@\" > {}; echo Result=oom-kill; echo LoadState=loaded",
+                args.display()
+            ),
         );
         let got = unit_result(&systemctl, "minicri-c1.scope", Duration::from_secs(5)).unwrap();
-        assert_eq!(got, "oom-kill");
+        assert_eq!(
+            got,
+            UnitResult {
+                result: "oom-kill".into(),
+                load_state: "loaded".into()
+            }
+        );
         assert_eq!(
             std::fs::read_to_string(&args).unwrap().trim(),
-            "show --property=Result --value -- minicri-c1.scope"
+            "show --property=Result,LoadState -- minicri-c1.scope"
         );
+        let partial = fake_systemctl(dir.path(), "echo Result=success");
+        assert!(unit_result(&partial, "u.scope", Duration::from_secs(5)).is_err());
     }
 
     #[test]
     fn unit_result_fails_on_a_failing_or_hung_systemctl() {
         let dir = tempfile::tempdir().unwrap();
-        let failing = fake_systemctl(dir.path(), "echo oom-kill; exit 1");
+        let failing = fake_systemctl(
+            dir.path(),
+            "echo Result=oom-kill; echo LoadState=loaded; exit 1",
+        );
         assert!(unit_result(&failing, "u.scope", Duration::from_secs(5)).is_err());
         let hung = fake_systemctl(dir.path(), "exec sleep 30");
         let started = Instant::now();

@@ -77,15 +77,7 @@ impl PodService {
         _sandbox_config: Option<cri::PodSandboxConfig>,
         undo: &mut Journal,
     ) -> Result<String> {
-        let sb = self
-            .store
-            .sandbox(sandbox_id)
-            .ok_or_else(|| Error::NotFound(format!("pod sandbox {sandbox_id} not found")))?;
-        if sb.state != SandboxState::Ready {
-            return Err(Error::FailedPrecondition(format!(
-                "pod sandbox {sandbox_id} is not ready"
-            )));
-        }
+        let sb = self.ready_sandbox(sandbox_id)?;
         let sb_config = sb.config();
         // Containers run under their pod's runtime handler.
         let host = self.host_for(self.handlers.get(&sb.runtime_handler)?);
@@ -397,6 +389,14 @@ impl PodService {
     /// Marks a container exited with `exit` (once; later calls change nothing), finding out off
     /// the async workers whether the OOM killer ended it ([`Self::oom_ended`]).
     pub(crate) async fn record_exit(&self, id: &str, exit: &ExitRecord) {
+        // Recorded already (a stop and the exit watch both report it): nothing to ask.
+        if self
+            .store
+            .container(id)
+            .is_some_and(|c| c.state == ContainerState::Exited)
+        {
+            return;
+        }
         let oom = match self.oom_query(id, exit) {
             None => false,
             Some(query) => tokio::task::spawn_blocking(query).await.unwrap_or(false),
