@@ -348,9 +348,15 @@ impl PodService {
     pub(crate) fn watch_exit(self: &Arc<Self>, id: String, shim: ShimHandle) {
         let svc = self.clone();
         tokio::spawn(async move {
-            match shim.wait().await {
-                Ok(exit) => svc.record_exit(&id, &exit).await,
-                Err(e) => svc.record_lost(&id, &e.to_string()),
+            let exit = shim.wait().await;
+            {
+                // After a stop that is recording the same exit (it holds the lock while it
+                // waits), so the exit is judged once.
+                let _guard = svc.store.op_lock(&id).await;
+                match exit {
+                    Ok(exit) => svc.record_exit(&id, &exit).await,
+                    Err(e) => svc.record_lost(&id, &e.to_string()),
+                }
             }
             svc.delete_exited(&id).await;
         });
