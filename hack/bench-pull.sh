@@ -1,77 +1,250 @@
 #!/usr/bin/env bash
-# bench-pull.sh - cold-pull throughput of minicri (download, verify, unpack into overlay snapshots)
-# for a 1 GiB single-layer image and an 8 x 128 MiB image from a local registry, with the daemon's
-# peak RSS; when containerd is installed, the same images through containerd (`ctr images pull`,
-# which also unpacks) in the same run, and the ratio.
+# bench-pull.sh - cold image pulls through the CRI, as a kubelet pulls: minicri against containerd
+# 1.6 (Debian's) and, when given one, containerd 2.x, each with its CRI plugin set up as on a node
+# (overlayfs snapshotter, hosts.toml for the registry), in one run, runtimes alternating.
 #
-# Usage (root): hack/bench-pull.sh [WORKDIR]      (default /var/tmp/minicri-bench-pull)
-# Layers are random bytes, gzip-compressed by the test-image builder. Each pull starts from an
-# empty root (cold: nothing cached but the registry's files in the page cache).
+# Usage (root): hack/bench-pull.sh [--runs N] [--containerd2 PATH] [--images LIST] [--work DIR]
+#   --runs N           runs per image and runtime (default 3); medians are reported
+#   --containerd2 PATH a containerd 2.x binary (default: $CONTAINERD2, else skipped with a note)
+#   --images LIST      any of: one eight usr capped (default: all four)
+#   --work DIR         scratch space (default /var/tmp/minicri-bench-pull); the generated layers
+#                      of the realistic image are kept in DIR/layers between runs
+#
+# Images, pushed to the project's own registry (hack/start-registry.sh) on 127.0.0.1:5099:
+#   one     1 GiB single layer of random bytes (incompressible), gzip
+#   eight   8 x 128 MiB layers of random bytes, gzip
+#   usr     realistic: four gzip layers made with GNU tar from this machine's /usr (hard links and
+#           symlinks as they are) plus a fifth that deletes files of the others (whiteouts) and
+#           replaces a directory (opaque), on the busybox base
+#   capped  `one` through a proxy that caps each blob response at 25 MB/s (object stores and
+#           CDNs cap single streams)
+# Every pull is cold: a fresh root and state for the runtime (nothing of the image cached),
+# `sync` and the page cache dropped, the daemon started afresh. The pull is one CRI PullImage
+# (minicri-testimg pull, the project's CRI client), timed by the client; the daemon's CPU seconds
+# (user + system, its waited-for children included) and peak RSS (VmHWM) are read from /proc.
+# Containerd pulls in its own process through its CRI plugin, unpacking into overlayfs snapshots.
+# Output: one line per pull, then the medians; the load average before and after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-work=${1:-/var/tmp/minicri-bench-pull}
+repo=$(pwd)
+
+runs=3
+containerd2=${CONTAINERD2:-}
+images="one eight usr capped"
+work=/var/tmp/minicri-bench-pull
+while [ $# -gt 0 ]; do
+    case $1 in
+        --runs) runs=$2; shift 2;;
+        --containerd2) containerd2=$2; shift 2;;
+        --images) images=$2; shift 2;;
+        --work) work=$2; shift 2;;
+        -h|--help) sed -n '2,29p' "$0"; exit 0;;
+        *) echo "bench-pull: unknown argument $1" >&2; exit 2;;
+    esac
+done
+[ "$(id -u)" = 0 ] || { echo "bench-pull: needs root (drops the page cache, runs the daemons)" >&2; exit 1; }
+
 port=5099
 reg=127.0.0.1:$port
-
+bin=$repo/target/release
+if ! command -v containerd >/dev/null; then
+    echo "bench-pull: installing Debian's containerd (the baseline)" >&2
+    apt-get install -y -qq containerd >/dev/null
+fi
 cargo build -q --release -p minicri -p minicri-tests --bins
-bin=target/release
-rm -rf "$work" && mkdir -p "$work"
+
+mkdir -p "$work"
+rm -rf "$work/run" && mkdir -p "$work/run"
+run=$work/run
+log=$run/pulls.log
+proxy_pid=
+daemon_pid=
+cleanup() {
+    [ -n "$daemon_pid" ] && kill -9 "$daemon_pid" 2>/dev/null || true
+    [ -n "$proxy_pid" ] && kill "$proxy_pid" 2>/dev/null || true
+    hack/stop-registry.sh --dir "$work/registry" >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+
 hack/start-registry.sh --port "$port" --dir "$work/registry" >/dev/null
-trap 'hack/stop-registry.sh --dir "$work/registry" >/dev/null 2>&1 || true; pkill -f "minicri serve --root $work" || true; [ -n "${ctrd_pid:-}" ] && kill "$ctrd_pid" 2>/dev/null || true' EXIT
 
-"$bin/minicri-testimg" push-big --registry "$reg" --name bench/one:1g --layers 1 --layer-mib 1024 --seed 11 >/dev/null
-"$bin/minicri-testimg" push-big --registry "$reg" --name bench/eight:128m --layers 8 --layer-mib 128 --seed 21 >/dev/null
-
-size_of() { # compressed bytes of an image's layers, from the registry
-    local m; m=$(curl -fsS -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$reg/v2/$1/manifests/$2")
-    echo "$m" | jq '[.layers[].size] | add'
+# --- images -------------------------------------------------------------------------------------
+push_usr() {
+    local dir=$work/layers
+    mkdir -p "$dir"
+    local sets=("usr/bin usr/sbin usr/libexec" "usr/share" "usr/include usr/lib/python3 usr/lib/python3.11"
+        "usr/lib/x86_64-linux-gnu")
+    local files=()
+    for i in "${!sets[@]}"; do
+        local f=$dir/layer$i.tar.gz
+        if [ ! -s "$f" ]; then
+            # shellcheck disable=SC2086
+            tar -C / --numeric-owner -cf - ${sets[$i]} 2>/dev/null | gzip -6 > "$f.part" || true
+            mv "$f.part" "$f"
+        fi
+        files+=("$f")
+    done
+    # The fifth layer: whiteouts of a file and a directory of the layers below, and an opaque
+    # directory that replaces one of theirs with a single file.
+    local f=$dir/layer4.tar.gz
+    if [ ! -s "$f" ]; then
+        local stage=$dir/stage4
+        rm -rf "$stage" && mkdir -p "$stage/usr/bin" "$stage/usr/share/doc" "$stage/usr/include"
+        : > "$stage/usr/bin/.wh.$(ls /usr/bin | head -1)"
+        : > "$stage/usr/share/.wh.man"
+        : > "$stage/usr/include/.wh..wh..opq"
+        echo "the opaque layer's own header" > "$stage/usr/include/only.h"
+        tar -C "$stage" --numeric-owner -cf - usr | gzip -6 > "$f"
+        rm -rf "$stage"
+    fi
+    files+=("$f")
+    "$bin/minicri-testimg" push-files --registry "$reg" --name bench/usr:1 "${files[@]}" >/dev/null
 }
 
-minicri_pull() { # image -> "seconds peak_rss_kib"
-    local root="$work/minicri-root" sock="$work/minicri.sock"
-    rm -rf "$root"
-    "$bin/minicri" serve --root "$root" --state "$work/minicri-state" --socket "$sock" \
-        --registry-config-dir "$work/none" --log-level warn 2>>"$work/minicri.log" &
-    local pid=$!
-    for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
-    local secs; secs=$("$bin/minicri-testimg" pull --socket "$sock" "$1" | cut -f2)
-    local rss; rss=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status")
-    kill "$pid"; wait "$pid" 2>/dev/null || true
-    echo "$secs $rss"
+# Only what is not in the registry yet (a registry directory kept from an earlier run has them).
+have() { curl -fs -o /dev/null -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$reg/v2/$1/manifests/$2"; }
+have bench/one 1g || "$bin/minicri-testimg" push-big --registry "$reg" --name bench/one:1g --layers 1 --layer-mib 1024 --seed 11 >/dev/null
+have bench/eight 128m || "$bin/minicri-testimg" push-big --registry "$reg" --name bench/eight:128m --layers 8 --layer-mib 128 --seed 21 >/dev/null
+have bench/usr 1 || push_usr
+
+# The capped view of the registry: 25 MB/s per blob response.
+"$bin/minicri-testimg" proxy --upstream "$reg" --rate-mib 23.84 > "$run/proxy.addr" 2>"$run/proxy.log" &
+proxy_pid=$!
+for _ in $(seq 100); do [ -s "$run/proxy.addr" ] && break; sleep 0.05; done
+capped=$(head -1 "$run/proxy.addr")
+
+ref_of() { # image key -> reference
+    case $1 in
+        one) echo "$reg/bench/one:1g";;
+        eight) echo "$reg/bench/eight:128m";;
+        usr) echo "$reg/bench/usr:1";;
+        capped) echo "$capped/bench/one:1g";;
+    esac
+}
+bytes_of() { # image key -> compressed bytes of its layers
+    local ref; ref=$(ref_of "$1"); ref=${ref#*/}
+    curl -fsS -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$reg/v2/${ref%%:*}/manifests/${ref##*:}" |
+        jq '[.layers[].size] | add'
 }
 
-containerd_pull() { # image -> seconds, through a private containerd
-    local root="$work/ctrd"
-    rm -rf "$root"; mkdir -p "$root"
-    cat > "$root/config.toml" <<TOML
+# hosts.toml as a node has them: plain HTTP for the local registry and the proxy.
+certs=$run/certs.d
+for h in "$reg" "$capped"; do
+    mkdir -p "$certs/$h"
+    printf 'server = "http://%s"\n\n[host."http://%s"]\n  capabilities = ["pull", "resolve"]\n' "$h" "$h" > "$certs/$h/hosts.toml"
+done
+
+# --- runtimes -----------------------------------------------------------------------------------
+runtimes="minicri containerd"
+if [ -n "$containerd2" ]; then
+    runtimes="$runtimes containerd2"
+else
+    echo "note: no containerd 2.x given (--containerd2 PATH or \$CONTAINERD2): its column is skipped" | tee "$run/notes"
+fi
+
+start_daemon() { # runtime root -> sets daemon_pid and sock
+    local rt=$1 root=$2
+    rm -rf "$root" && mkdir -p "$root"
+    sock=$root/cri.sock
+    case $rt in
+        minicri)
+            "$bin/minicri" serve --root "$root/root" --state "$root/state" --socket "$sock" \
+                --registry-config-dir "$certs" --log-level warn >"$root/log" 2>&1 &
+            ;;
+        containerd|containerd2)
+            local exe=containerd
+            [ "$rt" = containerd2 ] && exe=$containerd2
+            cat > "$root/config.toml" <<TOML
 version = 2
 root = "$root/root"
 state = "$root/state"
 [grpc]
-  address = "$root/containerd.sock"
+  address = "$sock"
+[ttrpc]
+  address = "$sock.ttrpc"
+[plugins."io.containerd.grpc.v1.cri"]
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+[plugins."io.containerd.grpc.v1.cri".containerd]
+  snapshotter = "overlayfs"
+[plugins."io.containerd.grpc.v1.cri".cni]
+  conf_dir = "$root/net.d"
+[plugins."io.containerd.grpc.v1.cri".registry]
+  config_path = "$certs"
 TOML
-    containerd --config "$root/config.toml" >"$root/log" 2>&1 &
-    ctrd_pid=$!
-    for _ in $(seq 100); do [ -S "$root/containerd.sock" ] && break; sleep 0.05; done
-    local start end
-    start=$(date +%s.%N)
-    ctr -a "$root/containerd.sock" images pull --plain-http "$1" >/dev/null
-    end=$(date +%s.%N)
-    kill "$ctrd_pid"; wait "$ctrd_pid" 2>/dev/null || true; ctrd_pid=
-    printf '%.3f\n' "$(echo "$end - $start" | bc)"
+            "$exe" --config "$root/config.toml" >"$root/log" 2>&1 &
+            ;;
+    esac
+    daemon_pid=$!
+    for _ in $(seq 400); do [ -S "$sock" ] && return 0; sleep 0.05; done
+    echo "bench-pull: $rt did not open $sock; its log:" >&2; tail -20 "$root/log" >&2; exit 1
 }
 
-printf '%-22s %10s %10s %9s %12s %12s %8s\n' image MB minicri_s MB/s peak_rss_MiB containerd_s ratio
-for img in bench/one:1g bench/eight:128m; do
-    repo=${img%%:*}; tag=${img##*:}
-    bytes=$(size_of "$repo" "$tag")
-    read -r secs rss < <(minicri_pull "$reg/$img")
-    mbs=$(echo "scale=1; $bytes / 1000000 / $secs" | bc)
-    ctrd="-"; ratio="-"
-    if command -v containerd >/dev/null && command -v ctr >/dev/null; then
-        ctrd=$(containerd_pull "$reg/$img")
-        ratio=$(echo "scale=2; $ctrd / $secs" | bc)
+cpu_ticks() { # pid -> utime + stime + cutime + cstime, in clock ticks
+    awk '{print $14 + $15 + $16 + $17}' "/proc/$1/stat"
+}
+
+stop_daemon() {
+    kill "$daemon_pid" 2>/dev/null || true
+    for _ in $(seq 100); do kill -0 "$daemon_pid" 2>/dev/null || break; sleep 0.05; done
+    kill -9 "$daemon_pid" 2>/dev/null || true
+    wait "$daemon_pid" 2>/dev/null || true
+    daemon_pid=
+    # Snapshotters leave no mounts after a pull; anything under the root still mounted is a bug.
+    if grep -q " $1/" /proc/self/mounts; then
+        echo "bench-pull: mounts left under $1" >&2; grep " $1/" /proc/self/mounts >&2
+        awk -v r="$1/" '$2 ~ "^"r {print $2}' /proc/self/mounts | sort -r | xargs -r -n1 umount -l
     fi
-    printf '%-22s %10.0f %10s %9s %12d %12s %8s\n' "$img" "$(echo "$bytes / 1000000" | bc)" "$secs" "$mbs" $((rss / 1024)) "$ctrd" "$ratio"
+    rm -rf "$1"
+}
+
+pull_once() { # runtime image -> "seconds cpu_seconds peak_rss_mib"
+    local rt=$1 img=$2 root=$work/daemon-$1
+    start_daemon "$rt" "$root"
+    sync; echo 3 > /proc/sys/vm/drop_caches
+    local hz; hz=$(getconf CLK_TCK)
+    local before; before=$(cpu_ticks "$daemon_pid")
+    local out
+    if ! out=$("$bin/minicri-testimg" pull --socket "$sock" "$(ref_of "$img")" 2>"$root/pull.err"); then
+        echo "bench-pull: $rt failed to pull $img: $(cat "$root/pull.err")" >&2
+        tail -20 "$root/log" >&2
+        stop_daemon "$root"; exit 1
+    fi
+    local after; after=$(cpu_ticks "$daemon_pid")
+    local rss; rss=$(awk '/VmHWM/ {print $2}' "/proc/$daemon_pid/status")
+    stop_daemon "$root"
+    printf '%s %.2f %.1f\n' "$(echo "$out" | cut -f2)" "$(echo "($after - $before) / $hz" | bc -l)" "$(echo "$rss / 1024" | bc -l)"
+}
+
+median() { sort -g | awk '{a[NR]=$1} END {if (NR % 2) print a[(NR+1)/2]; else printf "%.3f\n", (a[NR/2]+a[NR/2+1])/2}'; }
+
+# --- the run ------------------------------------------------------------------------------------
+echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$run/load"
+echo "containerd: $(containerd --version)"
+[ -n "$containerd2" ] && echo "containerd2: $("$containerd2" --version)"
+printf '%-7s %-12s %3s %9s %8s %9s\n' image runtime run seconds cpu_s rss_MiB | tee "$log"
+for img in $images; do
+    for r in $(seq "$runs"); do
+        # Alternate who goes first: run 1 minicri first, run 2 the others first, ...
+        order=$runtimes
+        [ $((r % 2)) = 0 ] && order=$(echo "$runtimes" | tr ' ' '\n' | tac | tr '\n' ' ')
+        for rt in $order; do
+            read -r secs cpu rss < <(pull_once "$rt" "$img")
+            printf '%-7s %-12s %3d %9s %8s %9s\n' "$img" "$rt" "$r" "$secs" "$cpu" "$rss" | tee -a "$log"
+        done
+    done
 done
-echo "load average during the run: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$run/load"
+
+echo
+echo "medians of $runs cold pulls (MB/s: compressed bytes / seconds)"
+printf '%-7s %8s %-12s %9s %8s %8s %9s\n' image MB runtime seconds MB/s cpu_s rss_MiB
+for img in $images; do
+    bytes=$(bytes_of "$img")
+    for rt in $runtimes; do
+        sel() { awk -v i="$img" -v r="$rt" -v c="$1" '$1 == i && $2 == r {print $c}' "$log"; }
+        s=$(sel 4 | median); c=$(sel 5 | median); m=$(sel 6 | median)
+        printf '%-7s %8.0f %-12s %9.2f %8.1f %8.1f %9.1f\n' "$img" "$(echo "$bytes / 1000000" | bc)" "$rt" "$s" \
+            "$(echo "$bytes / 1000000 / $s" | bc -l)" "$c" "$m"
+    done
+done

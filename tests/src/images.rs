@@ -210,12 +210,13 @@ impl fmt::Display for Platform {
 // ---------------------------------------------------------------------------------------------
 // Layers
 
-/// The bytes of a blob: in memory, or in a temporary file (big layers) removed when the last
-/// clone is dropped.
+/// The bytes of a blob: in memory, in a temporary file (big layers) removed when the last
+/// clone is dropped, or in a file of the caller's, left alone.
 #[derive(Clone)]
 enum Blob {
     Memory(Bytes),
     File(Arc<tempfile::TempPath>),
+    Kept(Arc<Path>),
 }
 
 /// A built layer blob with its digests.
@@ -266,14 +267,16 @@ impl Layer {
         match &self.blob {
             Blob::Memory(b) => Ok(b.clone()),
             Blob::File(path) => std::fs::read(&***path).map(Bytes::from),
+            Blob::Kept(path) => std::fs::read(path).map(Bytes::from),
         }
     }
 
-    /// The temporary file holding the blob, for file-backed layers.
+    /// The file holding the blob, for file-backed layers.
     pub fn path(&self) -> Option<&Path> {
         match &self.blob {
             Blob::Memory(_) => None,
             Blob::File(path) => Some(&***path),
+            Blob::Kept(path) => Some(path),
         }
     }
 
@@ -789,6 +792,48 @@ pub fn random_layer(mib: u64, compression: Compression, seed: u64) -> io::Result
         compression,
         &format!("minicri-tests: {mib} MiB of random bytes (seed {seed})"),
     ))
+}
+
+/// A layer from a gzip-compressed tar file made elsewhere (GNU tar keeps hard links, which the
+/// benchmark's realistic image needs), pushed as it is: its digest and size are the file's, its
+/// diff_id the decompressed stream's.
+pub fn gzip_file_layer(path: &Path) -> io::Result<Layer> {
+    let mut compressed = HashWriter::new(io::sink());
+    let mut tar = HashWriter::new(io::sink());
+    let mut tee = TeeReader {
+        inner: io::BufReader::with_capacity(1 << 20, File::open(path)?),
+        copy: &mut compressed,
+    };
+    io::copy(&mut flate2::read::MultiGzDecoder::new(&mut tee), &mut tar)?;
+    // Bytes after the last gzip member (none from gzip itself) still belong to the blob.
+    io::copy(&mut tee, &mut io::sink())?;
+    let (_, digest, size) = compressed.finish();
+    let (_, diff_id, tar_size) = tar.finish();
+    Ok(LayerSums {
+        digest,
+        size,
+        diff_id,
+        tar_size,
+    }
+    .into_layer(
+        Blob::Kept(Arc::from(path)),
+        Compression::Gzip,
+        &format!("minicri-tests: {}", path.display()),
+    ))
+}
+
+/// Reads `inner` and writes what it read to `copy`.
+struct TeeReader<'a, R, W> {
+    inner: R,
+    copy: &'a mut W,
+}
+
+impl<R: Read, W: Write> Read for TeeReader<'_, R, W> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.copy.write_all(&buf[..n])?;
+        Ok(n)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1433,6 +1478,7 @@ impl RegistryClient {
                     .await
             }
             Blob::File(path) => self.push_blob_file(repository, &layer.digest, path).await,
+            Blob::Kept(path) => self.push_blob_file(repository, &layer.digest, path).await,
         }
     }
 
@@ -1872,6 +1918,27 @@ pub async fn push_standard_set_with(client: &RegistryClient) -> Result<StandardS
         shared_a,
         shared_b,
     })
+}
+
+/// Pushes `reference`: the busybox base plus the gzip tar files `files` as they are (see
+/// [`gzip_file_layer`]), for the benchmark's realistic image.
+pub async fn push_gzip_files_image(
+    client: &RegistryClient,
+    reference: &str,
+    files: &[std::path::PathBuf],
+) -> Result<PushedImage> {
+    let (repository, _) = client.split_reference(reference)?;
+    let mut image = ImageBuilder::busybox().label("org.minicri.test.image", "files");
+    for file in files {
+        let path = file.clone();
+        let layer = tokio::task::spawn_blocking(move || gzip_file_layer(&path))
+            .await
+            .context("layer thread")?
+            .with_context(|| format!("reading {}", file.display()))?;
+        client.push_layer(&repository, &layer).await?;
+        image = image.layer(layer);
+    }
+    image.push(client, reference).await
 }
 
 /// Pushes `name:tag` made of the gzip busybox base plus `layers` layers of `layer_mib` MiB of

@@ -1,9 +1,11 @@
 //! Owns the `minicri-testimg` command: pushes minicri's test images to a registry, either the
 //! documented standard set (`push-standard`) or one big image of random layers for benchmarks
 //! (`push-big`). It prints what it pushed: reference, manifest digest, config digest.
-//! `pull` asks a running minicri to pull an image over the CRI and prints how long it took
-//! (used by hack/bench-pull.sh, so the benchmark needs no crictl). `proxy` serves a rate-limited
-//! view of a registry, to watch a pull go by.
+//! `push-files` pushes gzip tar files made elsewhere as an image's layers (the benchmark's
+//! realistic image). `pull` asks a CRI runtime (minicri, or containerd's CRI plugin) to pull an
+//! image and prints how long it took (used by hack/bench-pull.sh, so the benchmark needs no
+//! crictl). `proxy` serves a view of a registry whose blob responses are rate-limited each on
+//! its own, to watch a pull go by or to cap single streams.
 //! Build it with `--release` for big layers: making random gzip layers is ~25x slower in a
 //! debug build.
 
@@ -74,7 +76,19 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
-    /// Ask the minicri at SOCKET to pull IMAGE (CRI PullImage); print the image id and seconds.
+    /// Push NAME: the busybox base plus the given gzip-compressed tar files as layers, as they
+    /// are (for images made with GNU tar, which keeps hard links).
+    PushFiles {
+        #[command(flatten)]
+        registry: RegistryArgs,
+        /// Repository and tag, e.g. bench/usr:1 ("latest" if no tag).
+        #[arg(long)]
+        name: String,
+        /// The layers, bottom first.
+        #[arg(required = true)]
+        layers: Vec<std::path::PathBuf>,
+    },
+    /// Ask the CRI runtime at SOCKET to pull IMAGE (PullImage); print the image id and seconds.
     Pull {
         #[arg(long)]
         socket: std::path::PathBuf,
@@ -86,9 +100,10 @@ enum Command {
         /// Registry host:port (plain HTTP).
         #[arg(long, default_value = "127.0.0.1:5000")]
         upstream: String,
-        /// Bytes per second across all connections, MiB.
-        #[arg(long, default_value_t = 10)]
-        rate_mib: u64,
+        /// MiB per second of each blob response (each connection on its own, as object stores
+        /// and CDNs cap single streams).
+        #[arg(long, default_value_t = 10.0)]
+        rate_mib: f64,
     },
 }
 
@@ -148,7 +163,9 @@ async fn main() -> Result<()> {
         }
         Command::Proxy { upstream, rate_mib } => {
             let proxy = minicri_tests::proxy::Proxy::start(&upstream)?;
-            proxy.faults().set_rate_limit(Some(rate_mib * 1024 * 1024));
+            proxy
+                .faults()
+                .set_rate_limit(Some((rate_mib * 1024.0 * 1024.0) as u64));
             println!("{}", proxy.addr());
             tokio::signal::ctrl_c().await?;
         }
@@ -160,6 +177,16 @@ async fn main() -> Result<()> {
             for index in set.indexes() {
                 print_index(index);
             }
+        }
+        Command::PushFiles {
+            registry,
+            name,
+            layers,
+        } => {
+            let image =
+                minicri_tests::images::push_gzip_files_image(&registry.client(), &name, &layers)
+                    .await?;
+            print_image(&image);
         }
         Command::PushBig {
             registry,
