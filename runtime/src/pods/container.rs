@@ -395,11 +395,12 @@ impl PodService {
     /// Marks a container exited with `exit` (once; later calls change nothing), finding out off
     /// the async workers whether the OOM killer ended it ([`Self::oom_ended`]).
     pub(crate) async fn record_exit(&self, id: &str, exit: &ExitRecord) {
-        // Recorded already (a stop and the exit watch both report it): nothing to ask.
-        if self
+        // Recorded already (a stop and the exit watch both report it), or removed since:
+        // nothing to ask.
+        if !self
             .store
             .container(id)
-            .is_some_and(|c| c.state == ContainerState::Exited)
+            .is_some_and(|c| c.state != ContainerState::Exited)
         {
             return;
         }
