@@ -64,6 +64,14 @@ pub fn closed_ancestor(dir: &Path) -> Option<std::path::PathBuf> {
         .map(Path::to_path_buf)
 }
 
+/// Writes `text` to `path` as an executable (mode 0755): the fake runtimes and tools unit tests
+/// put in the daemon's way.
+#[cfg(test)]
+pub fn write_executable(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -427,19 +427,16 @@ mod tests {
 
     #[tokio::test]
     async fn a_hung_runtime_is_killed_at_the_probe_timeout() {
-        use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let pid_file = dir.path().join("hung.pid");
         let bin = dir.path().join("hung-runtime");
-        std::fs::write(
+        crate::fsutil::write_executable(
             &bin,
-            format!(
+            &format!(
                 "#!/bin/sh\necho $$ > {}\nexec sleep 1000\n",
                 pid_file.display()
             ),
-        )
-        .unwrap();
-        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        );
         let h = handlers(&[("hung", bin.to_str().unwrap())], "runc").unwrap();
         let env = probe_env(dir.path(), Duration::from_millis(500));
         let e = h.for_new_pod("hung", &env).await.unwrap_err().to_string();

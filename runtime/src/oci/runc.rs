@@ -698,15 +698,12 @@ mod tests {
 
     #[test]
     fn mount_options_from_features() {
-        use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let fake = dir.path().join("fake-runc");
-        std::fs::write(
+        crate::fsutil::write_executable(
             &fake,
             "#!/bin/sh\n[ \"$1\" = features ] || exit 1\necho '{\"mountOptions\": [\"ro\", \"rro\"]}'\n",
-        )
-        .unwrap();
-        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        );
         let r = Runc::new(&fake, dir.path().join("root"));
         assert!(r.supports_mount_option("rro"));
         assert!(!r.supports_mount_option("ridmap"));

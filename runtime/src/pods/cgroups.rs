@@ -490,10 +490,8 @@ mod tests {
     use super::*;
 
     fn fake_systemctl(dir: &Path, body: &str) -> PathBuf {
-        use std::os::unix::fs::PermissionsExt;
         let path = dir.join("systemctl");
-        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        crate::fsutil::write_executable(&path, &format!("#!/bin/sh\n{body}\n"));
         path
     }
 
