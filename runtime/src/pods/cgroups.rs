@@ -330,16 +330,32 @@ pub fn oom_killed(driver: CgroupDriver, parent: &str, id: &str) -> bool {
 /// How long systemd is given to say how a scope ended.
 const SYSTEMCTL_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Whether the OOM killer ended container `id` under `parent`, asked once its init has exited
-/// with `exit_code` (blocking: reads cgroup files, and may run `systemctl`): its cgroup's count
-/// (cgroup v1, where runc removes cgroups only at delete), else, under the systemd driver for a
-/// container killed by SIGKILL, its scope's `Result`. Call before the runtime deletes the
-/// container: the delete removes the cgroup and resets a failed scope.
-pub fn oom_killed_after_exit(driver: CgroupDriver, parent: &str, id: &str, exit_code: i32) -> bool {
-    if oom_killed(driver, parent, id) {
+/// Whether the OOM killer ended container `id` under `parent`, once its init has ended as `exit`
+/// says (blocking: reads cgroup files, and may run `systemctl`): the shim's count (cgroup v2,
+/// read while the cgroup existed), else the cgroup's (v1 cgroups stay until the runtime deletes
+/// the container), else, under the systemd driver for a container killed by SIGKILL, its
+/// scope's `Result`. Call before the runtime deletes the container: the delete removes the
+/// cgroup and resets a failed scope.
+pub fn oom_killed_after_exit(
+    driver: CgroupDriver,
+    parent: &str,
+    id: &str,
+    exit: &crate::shim::ExitRecord,
+) -> bool {
+    oom_after_exit(Path::new("systemctl"), driver, parent, id, exit)
+}
+
+fn oom_after_exit(
+    systemctl: &Path,
+    driver: CgroupDriver,
+    parent: &str,
+    id: &str,
+    exit: &crate::shim::ExitRecord,
+) -> bool {
+    if exit.oom_killed || oom_killed(driver, parent, id) {
         return true;
     }
-    if driver != CgroupDriver::Systemd || exit_code != 128 + libc::SIGKILL {
+    if driver != CgroupDriver::Systemd || exit.exit_code != 128 + libc::SIGKILL {
         return false;
     }
     let Some(unit) = container_cgroup(driver, parent, id)
@@ -347,7 +363,7 @@ pub fn oom_killed_after_exit(driver: CgroupDriver, parent: &str, id: &str, exit_
     else {
         return false;
     };
-    match unit_result(Path::new("systemctl"), &unit, SYSTEMCTL_TIMEOUT) {
+    match unit_result(systemctl, &unit, SYSTEMCTL_TIMEOUT) {
         Ok(UnitResult { result, load_state }) => {
             // A unit systemd no longer has (`not-found`) reads as `success`: nothing is known.
             tracing::debug!(container = %id, unit = %unit, %result, %load_state, "systemd's account of a scope killed by SIGKILL");
@@ -520,6 +536,52 @@ mod tests {
         );
         let partial = fake_systemctl(dir.path(), "echo Result=success");
         assert!(unit_result(&partial, "u.scope", Duration::from_secs(5)).is_err());
+    }
+
+    /// systemd is asked only under the systemd driver, only for a SIGKILL with no count read, and
+    /// only a loaded unit failed by an OOM kill counts.
+    #[test]
+    fn oom_after_exit_asks_systemd_only_for_an_unexplained_sigkill() {
+        let dir = tempfile::tempdir().unwrap();
+        let asked = dir.path().join("asked");
+        let answer = dir.path().join("answer");
+        let systemctl = fake_systemctl(
+            dir.path(),
+            &format!(
+                "echo \"$@\" >> {}; cat {}",
+                asked.display(),
+                answer.display()
+            ),
+        );
+        let exit = |code, oom_killed| crate::shim::ExitRecord {
+            pid: 1,
+            exit_code: code,
+            signal: None,
+            exited_at: String::new(),
+            exited_at_ns: 0,
+            oom_killed,
+        };
+        let id = "minicri-unit-test-no-such-container";
+        let decide =
+            |driver, e: &crate::shim::ExitRecord| oom_after_exit(&systemctl, driver, "", id, e);
+        std::fs::write(&answer, "Result=oom-kill\nLoadState=loaded\n").unwrap();
+        // The shim's count answers without asking.
+        assert!(decide(CgroupDriver::Systemd, &exit(137, true)));
+        // Not SIGKILL, or not the systemd driver: nothing to ask.
+        assert!(!decide(CgroupDriver::Systemd, &exit(1, false)));
+        assert!(!decide(CgroupDriver::Cgroupfs, &exit(137, false)));
+        assert!(!asked.exists(), "systemd was asked");
+        // A SIGKILL with no count under the systemd driver: systemd decides.
+        assert!(decide(CgroupDriver::Systemd, &exit(137, false)));
+        assert_eq!(
+            std::fs::read_to_string(&asked).unwrap().trim(),
+            format!("show --property=Result,LoadState -- minicri-{id}.scope")
+        );
+        std::fs::write(&answer, "Result=success\nLoadState=loaded\n").unwrap();
+        assert!(!decide(CgroupDriver::Systemd, &exit(137, false)));
+        // A unit systemd let go reads as success by default, whatever it was.
+        std::fs::write(&answer, "Result=oom-kill\nLoadState=not-found\n").unwrap();
+        assert!(!decide(CgroupDriver::Systemd, &exit(137, false)));
     }
 
     #[test]

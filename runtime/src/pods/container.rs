@@ -393,49 +393,34 @@ impl PodService {
     }
 
     /// Marks a container exited with `exit` (once; later calls change nothing), finding out off
-    /// the async workers whether the OOM killer ended it ([`Self::oom_ended`]).
+    /// the async workers whether the OOM killer ended it
+    /// ([`super::cgroups::oom_killed_after_exit`]).
     pub(crate) async fn record_exit(&self, id: &str, exit: &ExitRecord) {
         // Recorded already (a stop and the exit watch both report it), or removed since:
         // nothing to ask.
-        if !self
+        let Some(c) = self
             .store
             .container(id)
-            .is_some_and(|c| c.state != ContainerState::Exited)
-        {
+            .filter(|c| c.state != ContainerState::Exited)
+        else {
             return;
-        }
-        let oom = match self.oom_query(id, exit) {
-            None => false,
-            Some(query) => tokio::task::spawn_blocking(query).await.unwrap_or(false),
         };
+        let (driver, parent, e) = (self.cgroup_driver, self.cgroup_parent(&c), exit.clone());
+        let oom = tokio::task::spawn_blocking(move || {
+            super::cgroups::oom_killed_after_exit(driver, &parent, &c.id, &e)
+        })
+        .await
+        .unwrap_or(false);
         self.record_exit_as(id, exit, oom);
     }
 
-    /// Whether the OOM killer ended container `id` (blocking; for the daemon's start, before it
-    /// serves).
-    pub(crate) fn oom_ended(&self, id: &str, exit: &ExitRecord) -> bool {
-        self.oom_query(id, exit).is_some_and(|query| query())
-    }
-
-    /// The shim's count (cgroup v2, read while the cgroup existed) answers at once; else a query
-    /// of the cgroup (v1 cgroups stay until the runtime deletes the container) or of systemd
-    /// ([`super::cgroups::oom_killed_after_exit`]) to run.
-    fn oom_query(&self, id: &str, exit: &ExitRecord) -> Option<Box<dyn FnOnce() -> bool + Send>> {
-        if exit.oom_killed {
-            return Some(Box::new(|| true));
-        }
-        let c = self.store.container(id)?;
-        let parent = self
-            .store
-            .sandbox(&c.sandbox_id)?
-            .config()
-            .linux
+    /// The cgroup parent of the container's sandbox ("" when the sandbox names none or is gone).
+    pub(crate) fn cgroup_parent(&self, c: &ContainerRecord) -> String {
+        self.store
+            .sandbox(&c.sandbox_id)
+            .and_then(|s| s.config().linux)
             .map(|l| l.cgroup_parent)
-            .unwrap_or_default();
-        let (driver, id, code) = (self.cgroup_driver, id.to_string(), exit.exit_code);
-        Some(Box::new(move || {
-            super::cgroups::oom_killed_after_exit(driver, &parent, &id, code)
-        }))
+            .unwrap_or_default()
     }
 
     pub(crate) fn record_exit_as(&self, id: &str, exit: &ExitRecord, oom: bool) {

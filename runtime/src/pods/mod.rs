@@ -194,7 +194,10 @@ impl PodService {
             match shim.exit_record() {
                 Ok(Some(exit)) => {
                     exited += 1;
-                    let oom = self.oom_ended(&c.id, &exit);
+                    // Before serving: the blocking query is fine here.
+                    let parent = self.cgroup_parent(&c);
+                    let oom =
+                        cgroups::oom_killed_after_exit(self.cgroup_driver, &parent, &c.id, &exit);
                     self.record_exit_as(&c.id, &exit, oom);
                 }
                 _ if shim.is_alive() => {
