@@ -183,4 +183,28 @@ mod tests {
         .await;
         assert_eq!(r.unwrap_err().code(), Code::DeadlineExceeded);
     }
+
+    /// An empty id is refused by the field's name before the body runs; a present one reaches it.
+    #[tokio::test]
+    async fn call_on_requires_the_id() {
+        let ran = std::sync::atomic::AtomicBool::new(false);
+        let req = |id: &str| tonic::Request::new(id.to_string());
+        let body = |r: String| {
+            ran.store(true, std::sync::atomic::Ordering::SeqCst);
+            async move { Ok(r.len()) }
+        };
+        let field = (
+            "container_id",
+            (|r: &String| r.clone()) as fn(&String) -> String,
+        );
+        let err = call_on("Op", Verbosity::Normal, req(""), field, body)
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        assert_eq!(err.message(), "container_id is required");
+        assert!(!ran.load(std::sync::atomic::Ordering::SeqCst));
+        let ok = call_on("Op", Verbosity::Normal, req("abc"), field, body).await;
+        assert_eq!(ok.unwrap().into_inner(), 3);
+        assert!(ran.load(std::sync::atomic::Ordering::SeqCst));
+    }
 }
