@@ -9,6 +9,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 hack/install-deps.sh
+# The suite pushes and pulls GiB-sized images while the build's artefacts sit in target/: with too
+# little free space, pushes fail mid-test with ENOSPC (seen in CI when a disk held 9.5 GiB). Say so
+# up front instead.
+need_gib="${MINICRI_TEST_MIN_FREE_GIB:-20}"
+for dir in "${TMPDIR:-/tmp}" "${CARGO_TARGET_DIR:-target}"; do
+    mkdir -p "$dir"
+    free_gib=$(( $(df --output=avail -k "$dir" | tail -1) / 1024 / 1024 ))
+    if (( free_gib < need_gib )); then
+        echo "test.sh: $dir has ${free_gib} GiB free; the suite needs ${need_gib} GiB (MINICRI_TEST_MIN_FREE_GIB)" >&2
+        exit 1
+    fi
+done
 FEATURES=(--features minicri/kube-watch)
 # Tests that need root, runc or the CNI plugins fail instead of skipping: a green run means
 # they ran (tests/src/prereq.rs).
