@@ -146,6 +146,9 @@ impl<T> Rule<T> {
 #[derive(Debug, Default)]
 struct FaultState {
     rate_limit: Option<u64>,
+    /// Bytes/s shared by every blob body (a slow link), and when the link is next free.
+    link_rate: Option<u64>,
+    link_free_at: Option<Instant>,
     ignore_range: bool,
     cuts: Vec<Rule<u64>>,
     corrupts: Vec<Rule<u64>>,
@@ -175,6 +178,8 @@ enum Step {
         len: usize,
         flips: Vec<usize>,
         rate: Option<u64>,
+        /// When the shared link has sent this piece (with a link rate).
+        link_due: Option<Instant>,
     },
 }
 
@@ -187,6 +192,15 @@ impl Faults {
     /// Takes effect on running transfers too.
     pub fn set_rate_limit(&self, bytes_per_sec: Option<u64>) {
         self.state().rate_limit = bytes_per_sec.filter(|r| *r > 0);
+    }
+
+    /// Limits all blob GET bodies together to `bytes_per_sec`, however many connections carry
+    /// them (a node's slow link, where [`Faults::set_rate_limit`] is a cap per connection);
+    /// `None` lifts it. Takes effect on running transfers too.
+    pub fn set_link_rate(&self, bytes_per_sec: Option<u64>) {
+        let mut st = self.state();
+        st.link_rate = bytes_per_sec.filter(|r| *r > 0);
+        st.link_free_at = None;
     }
 
     /// Drops `Range` (and `If-Range`) from blob GETs, so the upstream answers 200 with the
@@ -275,6 +289,7 @@ impl Faults {
         {
             let mut st = self.state();
             st.rate_limit = None;
+            st.link_rate = None;
             st.ignore_range = false;
             st.cuts.clear();
             st.corrupts.clear();
@@ -335,11 +350,20 @@ impl Faults {
         } else {
             None
         };
-        if let Some(rate) = rate {
+        let link = info.blob_get().and(st.link_rate);
+        for r in rate.iter().chain(link.iter()) {
             // Small pieces keep a limited transfer smooth.
-            len = len.min((rate / 20).clamp(1, 64 * 1024));
+            len = len.min((r / 20).clamp(1, 64 * 1024));
         }
         let len = len.max(1) as usize;
+        // The shared link sends pieces one after the other, in the order they were asked for.
+        let link_due = link.map(|r| {
+            let now = Instant::now();
+            let start = st.link_free_at.filter(|t| *t > now).unwrap_or(now);
+            let due = start + Duration::from_secs_f64(len as f64 / r as f64);
+            st.link_free_at = Some(due);
+            due
+        });
         let mut flips = Vec::new();
         for rule in st.corrupts.iter_mut() {
             if rule.live()
@@ -351,7 +375,12 @@ impl Faults {
                 flips.push((rule.value - sent) as usize);
             }
         }
-        Step::Send { len, flips, rate }
+        Step::Send {
+            len,
+            flips,
+            rate,
+            link_due,
+        }
     }
 
     fn stall_begins(&self) {
@@ -384,7 +413,7 @@ pub struct RequestRecord {
     /// Whether the whole body went out.
     pub completed: bool,
     /// Faults that hit this request: "fail", "range-ignored", "stall", "corrupt", "cut",
-    /// "rate-limit", "upstream-error".
+    /// "rate-limit", "link-rate", "upstream-error".
     pub faults: Vec<String>,
 }
 
@@ -392,6 +421,8 @@ pub struct RequestRecord {
 struct Stats {
     records: Vec<RequestRecord>,
     blob_bytes: HashMap<String, u64>,
+    /// Per blob (and under "" for all blobs): bodies being sent now, and the most at once.
+    open_bodies: HashMap<String, (usize, usize)>,
 }
 
 #[derive(Clone, Default)]
@@ -420,6 +451,22 @@ impl SharedStats {
             && !r.faults.iter().any(|f| f == fault)
         {
             r.faults.push(fault.to_string());
+        }
+    }
+    fn body_opened(&self, blob: &str) {
+        let mut st = self.lock();
+        for key in [blob, ""] {
+            let (now, peak) = st.open_bodies.entry(key.to_string()).or_default();
+            *now += 1;
+            *peak = (*peak).max(*now);
+        }
+    }
+    fn body_closed(&self, blob: &str) {
+        let mut st = self.lock();
+        for key in [blob, ""] {
+            if let Some((now, _)) = st.open_bodies.get_mut(key) {
+                *now = now.saturating_sub(1);
+            }
         }
     }
     fn complete(&self, idx: usize) {
@@ -551,11 +598,28 @@ impl Proxy {
         self.stats.lock().blob_bytes.values().sum()
     }
 
+    /// The most bodies of one blob that were being sent at once (since the last reset).
+    pub fn peak_concurrent_bodies(&self, digest: &str) -> usize {
+        self.stats
+            .lock()
+            .open_bodies
+            .get(digest)
+            .map_or(0, |(_, peak)| *peak)
+    }
+
+    /// The most blob bodies, of any blob, that were being sent at once (since the last reset).
+    pub fn peak_concurrent_blob_bodies(&self) -> usize {
+        self.peak_concurrent_bodies("")
+    }
+
     /// Forgets the recorded requests and byte counts.
     pub fn reset_stats(&self) {
         let mut st = self.stats.lock();
         st.records.clear();
         st.blob_bytes.clear();
+        for (now, peak) in st.open_bodies.values_mut() {
+            *peak = *now;
+        }
     }
 }
 
@@ -745,6 +809,9 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBo
     if expected_len == Some(0) {
         shared.stats.complete(idx);
     }
+    if let Some(b) = &blob {
+        shared.stats.body_opened(b);
+    }
 
     let state = BodyState {
         body,
@@ -765,6 +832,14 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBo
         Some((item, st))
     });
     Response::from_parts(parts, StreamBody::new(stream).boxed_unsync())
+}
+
+impl Drop for BodyState {
+    fn drop(&mut self) {
+        if let Some(b) = &self.blob {
+            self.stats.body_closed(b);
+        }
+    }
 }
 
 /// A response body on its way to the client.
@@ -839,13 +914,22 @@ impl BodyState {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     return Some(Err("minicri test proxy: injected connection cut".into()));
                 }
-                Step::Send { len, flips, rate } => {
+                Step::Send {
+                    len,
+                    flips,
+                    rate,
+                    link_due,
+                } => {
                     let mut piece = self.pending.split_to(len.min(self.pending.len()));
                     if let Some(rate) = rate {
                         self.stats.note(self.idx, "rate-limit");
                         self.throttle(rate, piece.len() as u64).await;
                     } else {
                         self.rate_window = None;
+                    }
+                    if let Some(due) = link_due {
+                        self.stats.note(self.idx, "link-rate");
+                        tokio::time::sleep_until(due.into()).await;
                     }
                     if !flips.is_empty() {
                         self.stats.note(self.idx, "corrupt");

@@ -245,6 +245,39 @@ async fn proxy_rate_limits_blob_bodies() {
     assert!(start.elapsed() < expected);
 }
 
+/// A link rate is shared: three bodies at once take three times as long as one would at that
+/// rate (a per-response limit would let them finish together in the time of one).
+#[tokio::test(flavor = "multi_thread")]
+async fn proxy_link_rate_is_shared_by_every_blob_body() {
+    let s = Setup::new().await;
+    let layer = s.layer().clone();
+    let rate = 4 * 1024 * 1024;
+    s.proxy.faults().set_link_rate(Some(rate));
+    let start = Instant::now();
+    let (a, b, c) = tokio::join!(
+        s.get(&layer.digest, None),
+        s.get(&layer.digest, None),
+        s.get(&layer.digest, None)
+    );
+    let elapsed = start.elapsed();
+    for r in [a, b, c] {
+        assert_eq!(sha256_digest(&r.unwrap().1), layer.digest);
+    }
+    let one = Duration::from_secs_f64(layer.size as f64 / rate as f64);
+    assert!(
+        elapsed >= (one * 3).mul_f64(0.9),
+        "3 x {} bytes in {elapsed:?} at {rate} B/s shared",
+        layer.size
+    );
+    let reqs = s.proxy.requests();
+    assert!(
+        reqs.iter()
+            .filter(|r| r.digest.is_some())
+            .all(|r| r.faults.iter().any(|f| f == "link-rate")),
+        "{reqs:?}"
+    );
+}
+
 #[tokio::test]
 async fn pushing_through_the_proxy_rewrites_locations_and_forwards_auth() {
     let registry = Registry::start_with_auth("u", "pw");
