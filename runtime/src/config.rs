@@ -61,9 +61,19 @@ pub struct ServeArgs {
     #[arg(long, value_name = "BACKEND")]
     pub snapshotter: Option<String>,
 
-    /// Blobs downloaded concurrently on the whole node. [default: 6]
+    /// Requests downloading blob bytes at once on the whole node; a blob fetched over several
+    /// ranged requests holds one per request. [default: 8]
     #[arg(long, value_name = "N")]
     pub max_concurrent_transfers: Option<usize>,
+
+    /// Ranged requests one large blob is fetched over at once (1: one stream per blob). [default: 4]
+    #[arg(long, value_name = "N")]
+    pub blob_connections: Option<usize>,
+
+    /// Bytes one ranged request of a large blob asks for; blobs smaller than two of these are
+    /// fetched as one stream. [default: 33554432]
+    #[arg(long, value_name = "BYTES")]
+    pub blob_chunk_size: Option<u64>,
 
     /// Seconds without a downloaded byte after which a pull's requesters are dropped (0: never).
     /// [default: 60]
@@ -213,6 +223,8 @@ pub struct Config {
     pub platform: String,
     pub max_concurrent_downloads: usize,
     pub max_concurrent_transfers: usize,
+    /// How a large blob is fetched over several ranged requests.
+    pub ranged_fetch: minicri_store::blobs::RangedFetch,
     pub snapshotter: String,
     pub pull_progress_timeout: Option<std::time::Duration>,
     /// Bytes/s a pull must receive per progress window (`None`: no minimum).
@@ -275,6 +287,8 @@ impl ServeArgs {
             max_concurrent_transfers: self
                 .max_concurrent_transfers
                 .or(base.max_concurrent_transfers),
+            blob_connections: self.blob_connections.or(base.blob_connections),
+            blob_chunk_size: self.blob_chunk_size.or(base.blob_chunk_size),
             snapshotter: self.snapshotter.or(base.snapshotter),
             pull_progress_timeout: self.pull_progress_timeout.or(base.pull_progress_timeout),
             pull_detach_after: self.pull_detach_after.or(base.pull_detach_after),
@@ -334,9 +348,17 @@ impl ServeArgs {
         if !matches!(snapshotter.as_str(), "overlay" | "copy") {
             bail!("snapshotter {snapshotter:?} is not one of overlay, copy");
         }
-        let max_concurrent_transfers = self.max_concurrent_transfers.unwrap_or(6);
+        let max_concurrent_transfers = self.max_concurrent_transfers.unwrap_or(8);
         if max_concurrent_transfers == 0 {
             bail!("max_concurrent_transfers must be at least 1");
+        }
+        let ranged_default = minicri_store::blobs::RangedFetch::default();
+        let ranged_fetch = minicri_store::blobs::RangedFetch {
+            connections: self.blob_connections.unwrap_or(ranged_default.connections),
+            chunk_size: self.blob_chunk_size.unwrap_or(ranged_default.chunk_size),
+        };
+        if ranged_fetch.connections == 0 || ranged_fetch.chunk_size == 0 {
+            bail!("blob_connections and blob_chunk_size must be at least 1");
         }
         let pull_progress_timeout =
             seconds_or_off("pull_progress_timeout", self.pull_progress_timeout, 60.0)?;
@@ -480,6 +502,7 @@ impl ServeArgs {
             platform,
             max_concurrent_downloads,
             max_concurrent_transfers,
+            ranged_fetch,
             snapshotter,
             pull_progress_timeout,
             pull_min_speed,

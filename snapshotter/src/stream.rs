@@ -76,22 +76,26 @@ where
 /// What the writer of a followed file says about it.
 #[derive(Debug)]
 pub enum WriterStatus {
-    /// More bytes may come.
-    Writing,
+    /// More bytes may come; this many from the file's start are written and may be read (the
+    /// rest of the file, if any, may still have holes).
+    Writing(u64),
     /// The file is complete.
     Done,
     /// The download failed; the read fails with this error.
     Failed(io::Error),
 }
 
-/// A [`Read`] over a file another task is still writing: at the current end of the file it calls
-/// `status` with the bytes read so far, which blocks until the writer has written past them
-/// (or a while has passed) and says whether more may come. No polling: the writer's
-/// notification wakes the reader.
+/// A [`Read`] over a file another task is still writing, not necessarily in order: it reads only
+/// the bytes the writer says are written; at their end it calls `status` with the bytes read so
+/// far, which blocks until the writer has written past them (or a while has passed) and says how
+/// far the file may be read now, or that it is complete. No polling: the writer's notification
+/// wakes the reader.
 pub struct FollowReader<F> {
     file: File,
     status: F,
     read: u64,
+    /// Bytes from the file's start that may be read (`u64::MAX` once the file is complete).
+    readable: u64,
 }
 
 impl<F: FnMut(u64) -> WriterStatus> FollowReader<F> {
@@ -100,22 +104,37 @@ impl<F: FnMut(u64) -> WriterStatus> FollowReader<F> {
             file,
             status,
             read: 0,
+            readable: 0,
         }
     }
 }
 
 impl<F: FnMut(u64) -> WriterStatus> Read for FollowReader<F> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
         loop {
-            let n = self.file.read(buf)?;
-            self.read += n as u64;
-            if n > 0 || buf.is_empty() {
+            if self.read < self.readable {
+                let want = buf
+                    .len()
+                    .min((self.readable - self.read).min(1 << 30) as usize);
+                let n = self.file.read(&mut buf[..want])?;
+                if n == 0 && self.readable != u64::MAX {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!(
+                            "followed file ends at {} bytes; its writer said {} were written",
+                            self.read, self.readable
+                        ),
+                    ));
+                }
+                self.read += n as u64;
                 return Ok(n);
             }
             match (self.status)(self.read) {
-                WriterStatus::Writing => {}
-                // The last bytes may have landed between the read above and the status.
-                WriterStatus::Done => return self.file.read(buf),
+                WriterStatus::Writing(n) => self.readable = n,
+                WriterStatus::Done => self.readable = u64::MAX,
                 WriterStatus::Failed(e) => return Err(e),
             }
         }
@@ -166,7 +185,7 @@ mod tests {
             if done.load(Ordering::SeqCst) {
                 WriterStatus::Done
             } else {
-                WriterStatus::Writing
+                WriterStatus::Writing(written.load(Ordering::SeqCst))
             }
         });
         let mut out = Vec::new();
@@ -179,5 +198,46 @@ mod tests {
         assert!(!positions.is_empty());
         assert!(positions.windows(2).all(|w| w[0] <= w[1]), "{positions:?}");
         assert!(positions.iter().all(|&p| p <= 50_000));
+    }
+
+    #[test]
+    fn follow_reader_reads_only_what_the_writer_says_is_written() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("blob");
+        let f = File::create(&path).unwrap();
+        // The second half lands first (a ranged piece); the first half's end is a hole yet.
+        f.write_all_at(&[2u8; 1000], 2000).unwrap();
+        f.write_all_at(&[1u8; 1000], 0).unwrap();
+        let mut calls = Vec::new();
+        let mut r = FollowReader::new(File::open(&path).unwrap(), |read| {
+            calls.push(read);
+            match read {
+                0 => WriterStatus::Writing(1000),
+                1000 => {
+                    f.write_all_at(&[3u8; 1000], 1000).unwrap();
+                    WriterStatus::Writing(3000)
+                }
+                _ => WriterStatus::Done,
+            }
+        });
+        let mut out = Vec::new();
+        r.read_to_end(&mut out).unwrap();
+        drop(r);
+        let mut want = vec![1u8; 1000];
+        want.extend([3u8; 1000]);
+        want.extend([2u8; 1000]);
+        assert_eq!(out, want, "no byte of the hole was read");
+        assert_eq!(calls, vec![0, 1000, 3000]);
+    }
+
+    #[test]
+    fn follow_reader_fails_when_the_file_is_shorter_than_said() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("blob");
+        std::fs::write(&path, [0u8; 10]).unwrap();
+        let mut r = FollowReader::new(File::open(&path).unwrap(), |_| WriterStatus::Writing(20));
+        let err = r.read_to_end(&mut Vec::new()).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof, "{err}");
     }
 }

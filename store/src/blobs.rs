@@ -4,9 +4,13 @@
 //! [`BlobDownloads::acquire`] returns a [`BlobHandle`]; handles of one blob share one download task.
 //! Dropping the last handle of an unfinished download cancels it: its HTTP transfer stops at once
 //! and the bytes already received stay in the ingest area, from where the next download of the
-//! blob continues with an HTTP Range request. Transient failures (connection errors, 5xx, a body
-//! cut short) are retried with back-off inside the download, resuming each time; the count of
-//! failures resets whenever bytes arrive. A node-wide semaphore bounds concurrent transfers.
+//! blob continues with HTTP Range requests for what is missing. A large blob is fetched as
+//! chunk-sized pieces over several requests at once ([`RangedFetch`]), once the first answer shows
+//! the registry honours ranges (one that sends the whole blob instead gets one stream); the
+//! ingest hashes the contiguous prefix as it grows, and a reader following the download reads
+//! only that prefix. Transient failures (connection errors, 5xx, a body cut short) are retried
+//! with back-off inside the download, resuming each piece where it stopped; the count of failures
+//! resets whenever bytes arrive. A node-wide semaphore bounds the requests transferring at once.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
@@ -21,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use crate::content::{ContentStore, Ingest};
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
-use crate::registry::Session;
+use crate::registry::{BlobBody, Session};
 
 /// Consecutive failures without progress after which a blob download gives up.
 const BLOB_RETRIES: u32 = 5;
@@ -210,6 +214,7 @@ pub struct BlobDownloads {
     content: Arc<ContentStore>,
     inflight: Mutex<HashMap<Digest, Arc<BlobDownload>>>,
     transfers: Arc<Semaphore>,
+    ranged: RangedFetch,
 }
 
 /// A claim on a blob download. The download runs while at least one handle is alive.
@@ -219,12 +224,17 @@ pub struct BlobHandle {
 }
 
 impl BlobDownloads {
-    /// `max_transfers`: blobs transferred at once on this node.
-    pub fn new(content: Arc<ContentStore>, max_transfers: usize) -> Arc<BlobDownloads> {
+    /// `max_transfers`: requests transferring blob bytes at once on this node.
+    pub fn new(
+        content: Arc<ContentStore>,
+        max_transfers: usize,
+        ranged: RangedFetch,
+    ) -> Arc<BlobDownloads> {
         Arc::new(BlobDownloads {
             content,
             inflight: Mutex::new(HashMap::new()),
             transfers: Arc::new(Semaphore::new(max_transfers.max(1))),
+            ranged,
         })
     }
 
@@ -273,7 +283,7 @@ impl BlobDownloads {
             let result = loop {
                 let session = me.sessions.lock().unwrap()[used].clone();
                 let result = tokio::select! {
-                    r = fetch(&this.content, &session, &progress, &this.transfers) => r,
+                    r = fetch(&this.content, &session, &progress, &this.transfers, this.ranged) => r,
                     _ = cancel.cancelled() => Err(StoreError::Cancelled(format!("download of {} stopped: no pull wants it", progress.digest))),
                 };
                 let next = me.sessions.lock().unwrap().len() > used + 1;
@@ -358,8 +368,62 @@ impl Drop for BlobHandle {
     }
 }
 
+/// How one blob is fetched: a large one over several ranged requests at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RangedFetch {
+    /// Bytes asked for by one ranged request.
+    pub chunk_size: u64,
+    /// Requests one blob may have open at once; each holds a node-wide transfer slot
+    /// (1: one stream per blob).
+    pub connections: usize,
+}
+
+impl Default for RangedFetch {
+    fn default() -> Self {
+        RangedFetch {
+            chunk_size: 32 * 1024 * 1024,
+            connections: 4,
+        }
+    }
+}
+
+impl RangedFetch {
+    /// The pieces, in blob order, that fetch the `missing` ranges: chunk-sized when there are
+    /// at least two chunks' worth and more than one connection, else one per range.
+    fn pieces(&self, missing: &[(u64, u64)]) -> Vec<Piece> {
+        let total: u64 = missing.iter().map(|(s, e)| e - s).sum();
+        let step = if self.connections > 1 && total >= 2 * self.chunk_size.max(1) {
+            self.chunk_size.max(1)
+        } else {
+            u64::MAX
+        };
+        let mut out = Vec::new();
+        for &(s, e) in missing {
+            let mut at = s;
+            while at < e {
+                let end = at.saturating_add(step).min(e);
+                out.push(Piece {
+                    pos: at,
+                    end,
+                    busy: false,
+                });
+                at = end;
+            }
+        }
+        out
+    }
+}
+
+/// A range of the blob that one request at a time fetches; `pos` is how far it got.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    pos: u64,
+    end: u64,
+    busy: bool,
+}
+
 enum WriterMsg {
-    Data(Bytes),
+    Data { at: u64, bytes: Bytes },
     Restart,
 }
 
@@ -370,16 +434,208 @@ fn writer_gone() -> StoreError {
     )
 }
 
+/// One download of one blob: its pieces and the requests fetching them.
+struct Transfer<'a> {
+    session: &'a Session,
+    progress: &'a BlobProgress,
+    transfers: &'a Arc<Semaphore>,
+    tx: tokio::sync::mpsc::Sender<WriterMsg>,
+    pieces: Mutex<Vec<Piece>>,
+    /// Failures in a row without a byte arriving, and the back-off before the next request.
+    failures: Mutex<(u32, Duration)>,
+    /// The endpoint whose body broke off last: the next request tries the others first (a
+    /// mirror failing mid-blob hands the rest of it to the next host, from the bytes on disk).
+    broke_off: Mutex<Option<String>>,
+    /// Whether the registry answers ranged requests with the range (known after the first
+    /// answer; requests beyond the first wait for it).
+    ranged: watch::Sender<Option<bool>>,
+    /// Cancelled once every piece is claimed: connections still waiting for a transfer slot
+    /// give up then. (They must not wait on: this blob's first connection holds a slot until
+    /// the blob is done, so blobs whose extra connections waited for slots that only other
+    /// such blobs hold would never finish.)
+    drained: CancellationToken,
+}
+
+impl Transfer<'_> {
+    fn claim(&self) -> Option<usize> {
+        let mut pieces = self.pieces.lock().unwrap();
+        let Some(i) = pieces.iter().position(|p| !p.busy && p.pos < p.end) else {
+            self.drained.cancel();
+            return None;
+        };
+        pieces[i].busy = true;
+        Some(i)
+    }
+
+    fn piece(&self, i: usize) -> Piece {
+        self.pieces.lock().unwrap()[i]
+    }
+
+    /// Fetches pieces until none is left; `first` is the request that learns whether the
+    /// registry honours ranges.
+    async fn worker(&self, first: bool) -> Result<()> {
+        if first {
+            return self.fetch_pieces().await;
+        }
+        // A further connection only once ranges are known to work, and only with a transfer slot
+        // of its own (the node-wide limit counts connections); it gives up waiting once every
+        // piece is claimed.
+        let mut ranged = self.ranged.subscribe();
+        let works = tokio::select! {
+            known = ranged.wait_for(Option::is_some) => matches!(known.as_deref(), Ok(Some(true))),
+            _ = self.drained.cancelled() => false,
+        };
+        if !works {
+            return Ok(());
+        }
+        let _slot = tokio::select! {
+            slot = self.transfers.acquire() => slot.expect("semaphore never closed"),
+            _ = self.drained.cancelled() => return Ok(()),
+        };
+        self.fetch_pieces().await
+    }
+
+    async fn fetch_pieces(&self) -> Result<()> {
+        while let Some(i) = self.claim() {
+            let before = self.piece(i).pos;
+            let outcome = self.fetch_piece(i).await;
+            let piece = {
+                let mut pieces = self.pieces.lock().unwrap();
+                pieces[i].busy = false;
+                pieces[i]
+            };
+            let backoff = {
+                let mut f = self.failures.lock().unwrap();
+                if piece.pos > before {
+                    *f = (0, FIRST_BACKOFF);
+                }
+                match outcome {
+                    Ok(()) if piece.pos >= piece.end => continue,
+                    Ok(()) => {
+                        tracing::warn!(blob = %self.progress.digest, offset = piece.pos, end = piece.end, "blob body ended early; resuming");
+                    }
+                    Err(e @ StoreError::Unavailable { .. }) if f.0 < BLOB_RETRIES => {
+                        tracing::info!(blob = %self.progress.digest, offset = piece.pos, error = %e, "transient failure");
+                    }
+                    Err(e) => return Err(e),
+                }
+                f.0 += 1;
+                if f.0 > BLOB_RETRIES {
+                    return Err(StoreError::Unavailable {
+                        reference: self.session.reference().to_string(),
+                        reason: format!(
+                            "blob {}: gave up after {BLOB_RETRIES} failures at byte {} of {}",
+                            self.progress.digest, piece.pos, self.progress.total
+                        ),
+                    });
+                }
+                let backoff = f.1;
+                f.1 = (f.1 * 2).min(MAX_BACKOFF);
+                tracing::info!(blob = %self.progress.digest, offset = piece.pos, failures = f.0, "retrying blob download");
+                backoff
+            };
+            tokio::time::sleep(backoff).await;
+        }
+        Ok(())
+    }
+
+    /// One request for what is left of piece `i`, its body written as it arrives.
+    async fn fetch_piece(&self, i: usize) -> Result<()> {
+        let digest = &self.progress.digest;
+        let Piece { pos, end, .. } = self.piece(i);
+        let avoid = self.broke_off.lock().unwrap().clone();
+        let mut body = self
+            .session
+            .blob(digest, pos, end - pos, avoid.as_deref())
+            .await
+            .map_err(|e| self.session.fold_errors("blob", e))?;
+        if avoid.is_some() || pos > 0 {
+            tracing::info!(blob = %digest, offset = pos, end, endpoint = %body.endpoint, "blob continues");
+        }
+        self.progress.set_source(&body.endpoint);
+        let result = self.stream_body(i, &mut body).await;
+        if result.is_err() || self.piece(i).pos < self.piece(i).end {
+            *self.broke_off.lock().unwrap() = Some(body.endpoint.clone());
+        }
+        result
+    }
+
+    async fn stream_body(&self, i: usize, body: &mut BlobBody) -> Result<()> {
+        let digest = &self.progress.digest;
+        if body.resumed {
+            self.ranged.send_if_modified(|r| r.replace(true).is_none());
+        } else {
+            // The whole blob, whatever was asked for.
+            let sole = self.ranged.send_if_modified(|r| r.replace(false).is_none());
+            if !sole && *self.ranged.borrow() == Some(true) {
+                return Err(StoreError::Unavailable {
+                    reference: self.session.reference().to_string(),
+                    reason: format!(
+                        "{} answered a range request for {digest} with the whole blob",
+                        body.endpoint
+                    ),
+                });
+            }
+            // The only request so far: take the whole blob from it, from byte 0.
+            if self.progress.done() > 0 {
+                tracing::info!(blob = %digest, offset = self.piece(i).pos, endpoint = %body.endpoint, "registry ignored the range request; restarting blob");
+                self.tx
+                    .send(WriterMsg::Restart)
+                    .await
+                    .map_err(|_| writer_gone())?;
+            }
+            self.progress.done.store(0, Ordering::Relaxed);
+            self.progress.resumed_from.store(0, Ordering::Relaxed);
+            // No answer came before this one, so no piece moved: the request holds the first.
+            debug_assert_eq!(i, 0);
+            *self.pieces.lock().unwrap() = vec![Piece {
+                pos: 0,
+                end: self.progress.total,
+                busy: true,
+            }];
+        }
+        let sole = self.pieces.lock().unwrap().len() == 1;
+        while let Some(chunk) = body.stream.next().await {
+            let mut chunk = chunk.map_err(|e| StoreError::Unavailable {
+                reference: self.session.reference().to_string(),
+                reason: format!("downloading {digest} from {}: {e}", body.endpoint),
+            })?;
+            let Piece { pos, end, .. } = self.piece(i);
+            let n = chunk.len() as u64;
+            // A body longer than the range asked for stops at its end; past the blob's end
+            // (one piece), the ingest refuses the bytes and says so.
+            if pos + n > end && !(sole && end == self.progress.total) {
+                chunk.truncate((end - pos) as usize);
+            }
+            let n = chunk.len() as u64;
+            self.pieces.lock().unwrap()[i].pos = pos + n;
+            self.progress.done.fetch_add(n, Ordering::Relaxed);
+            self.progress.downloaded.fetch_add(n, Ordering::Relaxed);
+            self.tx
+                .send(WriterMsg::Data {
+                    at: pos,
+                    bytes: chunk,
+                })
+                .await
+                .map_err(|_| writer_gone())?;
+            if pos + n >= end {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Makes sure the blob is committed, downloading what is missing.
 async fn fetch(
     content: &Arc<ContentStore>,
     session: &Session,
     progress: &Arc<BlobProgress>,
-    transfers: &Semaphore,
+    transfers: &Arc<Semaphore>,
+    ranged: RangedFetch,
 ) -> Result<()> {
     let digest = progress.digest.clone();
     let size = progress.total;
-    let reference = session.reference().to_string();
     if content.size(&digest) == Some(size) {
         progress.done.store(size, Ordering::Relaxed);
         return Ok(());
@@ -395,14 +651,15 @@ async fn fetch(
     let ingest = tokio::task::spawn_blocking(move || c.open_ingest(&d, size))
         .await
         .expect("open_ingest does not panic")?;
-    let mut offset = ingest.offset();
-    progress.resumed_from.store(offset, Ordering::Relaxed);
-    progress.done.store(offset, Ordering::Relaxed);
-    progress.written.store(offset, Ordering::Relaxed);
+    let on_disk = ingest.on_disk();
+    let pieces = ranged.pieces(&ingest.missing());
+    progress.resumed_from.store(on_disk, Ordering::Relaxed);
+    progress.done.store(on_disk, Ordering::Relaxed);
+    progress.written.store(ingest.offset(), Ordering::Relaxed);
     // The ingest file exists from here on: a reader waiting to follow it may open it.
     progress.set_state(BlobState::Downloading);
-    if offset > 0 {
-        tracing::info!(blob = %digest, offset, size, "resuming download");
+    if on_disk > 0 {
+        tracing::info!(blob = %digest, on_disk, prefix = ingest.offset(), size, "resuming download");
     }
     // The writer thread owns the ingest and its lock, so the lock is released only after the last
     // queued chunk is on disk, even when this future is dropped (cancelled) mid-transfer.
@@ -413,103 +670,48 @@ async fn fetch(
         let mut ingest: Ingest = ingest;
         while let Some(msg) = rx.blocking_recv() {
             match msg {
-                WriterMsg::Data(b) => ingest.append(&b)?,
+                WriterMsg::Data { at, bytes } => ingest.write_at(at, &bytes)?,
                 WriterMsg::Restart => ingest.restart()?,
             }
-            on_disk.set_written(ingest.offset());
+            if ingest.offset() != on_disk.written() {
+                on_disk.set_written(ingest.offset());
+            }
         }
         Ok::<Ingest, StoreError>(ingest)
     });
 
-    let mut failures = 0u32;
-    let mut backoff = FIRST_BACKOFF;
-    // The endpoint whose body broke off last: the next request tries the others first (a mirror
-    // failing mid-blob hands the rest of it to the next host, from the bytes on disk).
-    let mut broke_off: Option<String> = None;
-    while offset < size {
-        let before = offset;
-        let mut opened_at: Option<String> = None;
-        let attempt = async {
-            let mut body = session
-                .blob(&digest, offset, broke_off.as_deref())
-                .await
-                .map_err(|e| session.fold_errors("blob", e))?;
-            if broke_off.is_some() || offset > 0 {
-                tracing::info!(blob = %digest, offset, endpoint = %body.endpoint, "blob continues");
-            }
-            progress.set_source(&body.endpoint);
-            opened_at = Some(body.endpoint.clone());
-            if offset > 0 && !body.resumed {
-                tracing::info!(blob = %digest, offset, endpoint = %body.endpoint, "registry ignored the range request; restarting blob");
-                offset = 0;
-                progress.done.store(0, Ordering::Relaxed);
-                progress.resumed_from.store(0, Ordering::Relaxed);
-                tx.send(WriterMsg::Restart)
-                    .await
-                    .map_err(|_| writer_gone())?;
-            }
-            while let Some(chunk) = body.stream.next().await {
-                let chunk = chunk.map_err(|e| StoreError::Unavailable {
-                    reference: reference.clone(),
-                    reason: format!("downloading {digest} from {}: {e}", body.endpoint),
-                })?;
-                offset += chunk.len() as u64;
-                progress.done.store(offset, Ordering::Relaxed);
-                progress
-                    .downloaded
-                    .fetch_add(chunk.len() as u64, Ordering::Relaxed);
-                tx.send(WriterMsg::Data(chunk))
-                    .await
-                    .map_err(|_| writer_gone())?;
-            }
-            Ok::<(), StoreError>(())
-        };
-        let outcome = attempt.await;
-        if offset > before {
-            failures = 0;
-            backoff = FIRST_BACKOFF;
-        }
-        broke_off = match &outcome {
-            Ok(()) if offset >= size => None,
-            _ => opened_at,
-        };
-        match outcome {
-            Ok(()) if offset < size => {
-                tracing::warn!(blob = %digest, offset, size, "blob body ended early; resuming");
-                failures += 1;
-            }
-            Ok(()) => {}
-            Err(e @ StoreError::Unavailable { .. }) if failures < BLOB_RETRIES => {
-                tracing::info!(blob = %digest, offset, error = %e, "transient failure");
-                failures += 1;
-            }
-            Err(e) => {
-                drop(tx);
-                // The writer's own error (too many bytes, disk full) explains more.
-                return match writer.await.expect("writer does not panic") {
-                    Err(we) => Err(discard_on_size_error(content, &digest, we)),
-                    Ok(_) => Err(e),
-                };
-            }
-        }
-        if offset < size {
-            if failures > BLOB_RETRIES {
-                drop(tx);
-                let _ = writer.await;
-                return Err(StoreError::Unavailable {
-                    reference,
-                    reason: format!(
-                        "blob {digest}: gave up after {BLOB_RETRIES} failures at byte {offset} of {size}"
-                    ),
-                });
-            }
-            tracing::info!(blob = %digest, offset, failures, "retrying blob download");
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(MAX_BACKOFF);
-        }
-    }
+    let connections = if pieces.len() > 1 {
+        ranged.connections.max(1)
+    } else {
+        1
+    };
+    let transfer = Transfer {
+        session,
+        progress,
+        transfers,
+        tx,
+        pieces: Mutex::new(pieces),
+        failures: Mutex::new((0, FIRST_BACKOFF)),
+        broke_off: Mutex::new(None),
+        ranged: watch::channel(None).0,
+        drained: CancellationToken::new(),
+    };
+    let outcome = {
+        let workers = (0..connections).map(|k| transfer.worker(k == 0));
+        futures::future::try_join_all(workers).await
+    };
+    let Transfer { tx, pieces, .. } = transfer;
     drop(tx);
-    let ingest = match writer.await.expect("writer does not panic") {
+    let written = writer.await.expect("writer does not panic");
+    if let Err(e) = outcome {
+        // The writer's own error (too many bytes, disk full) explains more.
+        return Err(match written {
+            Err(we) => discard_on_size_error(content, &digest, we),
+            Ok(_) => e,
+        });
+    }
+    debug_assert!(pieces.into_inner().unwrap().iter().all(|p| p.pos >= p.end));
+    let ingest = match written {
         Ok(i) => i,
         Err(e) => return Err(discard_on_size_error(content, &digest, e)),
     };
@@ -527,4 +729,38 @@ fn discard_on_size_error(content: &ContentStore, digest: &Digest, e: StoreError)
         let _ = content.remove_ingest(digest);
     }
     e
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ranges(pieces: &[Piece]) -> Vec<(u64, u64)> {
+        pieces.iter().map(|p| (p.pos, p.end)).collect()
+    }
+
+    #[test]
+    fn large_missing_ranges_split_into_chunks_small_ones_stay_whole() {
+        let r = RangedFetch {
+            chunk_size: 10,
+            connections: 4,
+        };
+        assert_eq!(
+            ranges(&r.pieces(&[(0, 25)])),
+            vec![(0, 10), (10, 20), (20, 25)]
+        );
+        // Gaps left by an earlier download, chunked within each gap.
+        assert_eq!(
+            ranges(&r.pieces(&[(5, 17), (30, 40)])),
+            vec![(5, 15), (15, 17), (30, 40)]
+        );
+        // Less than two chunks in all, or one connection: one piece per range.
+        assert_eq!(ranges(&r.pieces(&[(0, 19)])), vec![(0, 19)]);
+        let one = RangedFetch {
+            connections: 1,
+            ..r
+        };
+        assert_eq!(ranges(&one.pieces(&[(0, 100)])), vec![(0, 100)]);
+        assert!(r.pieces(&[]).is_empty());
+    }
 }

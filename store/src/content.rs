@@ -3,16 +3,22 @@
 //! Layout under the store root:
 //! - `blobs/sha256/<hex>`: committed blobs. A file exists here only after its bytes were verified
 //!   against its digest and size; it is written under a temporary name and renamed into place.
-//! - `ingest/<hex>/data`: a blob being downloaded. Its length is the resume offset: a later download of
-//!   the same blob continues from there (after re-hashing the bytes already on disk).
-//!   `ingest/<hex>/meta.json` records the expected size and when the download started.
+//! - `ingest/<hex>/data`: a blob being downloaded, each byte at its offset in the blob. A later
+//!   download of the same blob continues from what is there: it re-hashes the contiguous prefix and
+//!   fetches only the missing ranges. `ingest/<hex>/meta.json` records the expected size and when
+//!   the download started.
+//! - `ingest/<hex>/ranges.json`: written before the first byte lands beyond the contiguous prefix
+//!   (a blob fetched over several ranged requests at once), and then after every
+//!   [`CHECKPOINT_BYTES`] written and when the writer stops. While it exists it says what is on
+//!   disk (a lower bound: bytes written after the last checkpoint are fetched again after a crash);
+//!   without it the file is written only at its end, so its length is the prefix.
 //!
 //! One writer per ingest is enforced by [`ContentStore::lock_ingest`]; committed blobs are never
 //! modified, only deleted when no image uses them.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -23,6 +29,10 @@ use crate::error::{IoContext, Result, StoreError};
 
 /// Largest manifest or config minicri reads into memory (the distribution spec suggests 4 MiB).
 pub const MAX_METADATA_BLOB: u64 = 16 * 1024 * 1024;
+
+/// Bytes an ingest writes between two updates of its `ranges.json` (once it has one): at most
+/// this much is fetched again after a crash.
+pub const CHECKPOINT_BYTES: u64 = 1024 * 1024;
 
 /// Root of the content store.
 #[derive(Debug)]
@@ -37,10 +47,43 @@ struct IngestMeta {
     started_at: chrono::DateTime<chrono::Utc>,
 }
 
+/// What `ranges.json` records: the contiguous prefix and the ranges written beyond it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct IngestRanges {
+    prefix: u64,
+    /// `[start, end)` ranges beyond the prefix, sorted and disjoint.
+    beyond: Vec<(u64, u64)>,
+}
+
+impl IngestRanges {
+    fn read(dir: &Path) -> Option<IngestRanges> {
+        fs::read(dir.join("ranges.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+    }
+
+    /// Whether these ranges can describe a file of `len` bytes of a blob of `size`.
+    fn fits(&self, len: u64, size: u64) -> bool {
+        let limit = len.min(size);
+        let mut at = self.prefix;
+        self.prefix <= limit
+            && self.beyond.iter().all(|&(s, e)| {
+                let ok = s > at && s < e && e <= limit;
+                at = e;
+                ok
+            })
+    }
+
+    fn bytes(&self) -> u64 {
+        self.prefix + self.beyond.iter().map(|(s, e)| e - s).sum::<u64>()
+    }
+}
+
 /// A partial download found in the ingest area.
 #[derive(Debug, Clone)]
 pub struct IngestStatus {
     pub digest: Digest,
+    /// Bytes of the blob on disk.
     pub offset: u64,
     pub expected_size: u64,
     pub updated_at: std::time::SystemTime,
@@ -192,44 +235,46 @@ impl ContentStore {
             )?;
         }
         let data = dir.join("data");
-        let mut file = OpenOptions::new()
+        let file = OpenOptions::new()
             .read(true)
-            .append(true)
+            .write(true)
             .create(true)
+            .truncate(false)
             .open(&data)
             .ctx(|| format!("opening {}", data.display()))?;
-        let mut ingest = Ingest {
-            digest: d.clone(),
-            expected_size,
-            dir,
-            file: None,
-            offset: 0,
-            hasher: Sha256::new(),
-        };
         let len = file
             .metadata()
             .ctx(|| format!("stat {}", data.display()))?
             .len();
-        if len > expected_size {
-            // More bytes than the blob has: not a prefix of it.
-            file.set_len(0)
-                .ctx(|| format!("truncating {}", data.display()))?;
-        } else if len > 0 {
-            let mut buf = vec![0u8; 1 << 20];
-            let mut f = File::open(&data).ctx(|| format!("opening {}", data.display()))?;
-            loop {
-                let n = f
-                    .read(&mut buf)
-                    .ctx(|| format!("reading {}", data.display()))?;
-                if n == 0 {
-                    break;
-                }
-                ingest.hasher.update(&buf[..n]);
-                ingest.offset += n as u64;
+        let recorded = IngestRanges::read(&dir);
+        let valid = matches!(&recorded, Some(r) if r.fits(len, expected_size));
+        let ranges = match &recorded {
+            Some(r) if r.fits(len, expected_size) => r.clone(),
+            // Without a record the file was written only at its end; more bytes than the blob
+            // has (or a record that cannot be right) is not a part of it.
+            None if len <= expected_size => IngestRanges {
+                prefix: len,
+                beyond: Vec::new(),
+            },
+            _ => {
+                let _ = fs::remove_file(dir.join("ranges.json"));
+                file.set_len(0)
+                    .ctx(|| format!("truncating {}", data.display()))?;
+                IngestRanges::default()
             }
-        }
-        file.flush().ok();
-        ingest.file = Some(file);
+        };
+        let mut ingest = Ingest {
+            digest: d.clone(),
+            expected_size,
+            dir,
+            file: Some(file),
+            offset: 0,
+            hasher: Sha256::new(),
+            beyond: ranges.beyond,
+            recorded: valid,
+            unrecorded: 0,
+        };
+        ingest.hash_from_file(ranges.prefix)?;
         Ok(ingest)
     }
 
@@ -249,10 +294,11 @@ impl ContentStore {
             let meta: Option<IngestMeta> = fs::read(e.path().join("meta.json"))
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok());
-            let (offset, updated_at) = match fs::metadata(&data) {
+            let (len, updated_at) = match fs::metadata(&data) {
                 Ok(m) => (m.len(), m.modified().unwrap_or(std::time::UNIX_EPOCH)),
                 Err(_) => (0, std::time::UNIX_EPOCH),
             };
+            let offset = IngestRanges::read(&e.path()).map_or(len, |r| r.bytes().min(len));
             out.push(IngestStatus {
                 digest,
                 offset,
@@ -313,8 +359,15 @@ pub struct Ingest {
     expected_size: u64,
     dir: PathBuf,
     file: Option<File>,
+    /// The contiguous prefix on disk, all of it hashed.
     offset: u64,
     hasher: Sha256,
+    /// `[start, end)` ranges on disk beyond the prefix, sorted, disjoint, none touching it.
+    beyond: Vec<(u64, u64)>,
+    /// Whether `ranges.json` exists (then it says what is on disk).
+    recorded: bool,
+    /// Bytes written since `ranges.json` was last written.
+    unrecorded: u64,
 }
 
 impl Ingest {
@@ -322,38 +375,151 @@ impl Ingest {
         &self.digest
     }
 
-    /// Bytes already on disk: where the download resumes.
+    /// The contiguous prefix on disk: what a reader following the download may read.
     pub fn offset(&self) -> u64 {
         self.offset
+    }
+
+    /// Bytes of the blob on disk, the prefix and the ranges beyond it.
+    pub fn on_disk(&self) -> u64 {
+        self.offset + self.beyond.iter().map(|(s, e)| e - s).sum::<u64>()
+    }
+
+    /// The `[start, end)` ranges still to fetch, in order.
+    pub fn missing(&self) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let mut at = self.offset;
+        for &(s, e) in &self.beyond {
+            if s > at {
+                out.push((at, s));
+            }
+            at = e;
+        }
+        if at < self.expected_size {
+            out.push((at, self.expected_size));
+        }
+        out
     }
 
     pub fn expected_size(&self) -> u64 {
         self.expected_size
     }
 
-    /// Appends downloaded bytes. Fails if the blob would grow past its descriptor's size.
+    /// Appends downloaded bytes at the end of the prefix.
     pub fn append(&mut self, data: &[u8]) -> Result<()> {
-        if self.offset + data.len() as u64 > self.expected_size {
+        self.write_at(self.offset, data)
+    }
+
+    /// Writes downloaded bytes at `pos` of the blob. Fails if they reach past the descriptor's
+    /// size. Bytes that extend the prefix are hashed now, with any ranges beyond that it reaches
+    /// (read back from the file); bytes already in the prefix are skipped.
+    pub fn write_at(&mut self, pos: u64, data: &[u8]) -> Result<()> {
+        let end = pos + data.len() as u64;
+        if end > self.expected_size {
             return Err(StoreError::SizeMismatch {
                 digest: self.digest.to_string(),
                 expected: self.expected_size,
-                actual: self.offset + data.len() as u64,
+                actual: end,
             });
         }
-        let file = self.file.as_mut().expect("open ingest");
-        file.write_all(data)
+        let skip = self.offset.saturating_sub(pos).min(data.len() as u64) as usize;
+        let (pos, data) = (pos + skip as u64, &data[skip..]);
+        if data.is_empty() {
+            return Ok(());
+        }
+        if pos > self.offset && !self.recorded {
+            // From now on the file's length is no longer the prefix: record what is.
+            self.checkpoint()?;
+        }
+        self.file
+            .as_ref()
+            .expect("open ingest")
+            .write_all_at(data, pos)
             .ctx(|| format!("writing ingest of {}", self.digest))?;
-        self.hasher.update(data);
-        self.offset += data.len() as u64;
+        if pos == self.offset {
+            self.hasher.update(data);
+            self.offset = end;
+            let reached: Vec<(u64, u64)> = {
+                let n = self.beyond.iter().take_while(|(s, _)| *s <= end).count();
+                self.beyond.drain(..n).collect()
+            };
+            if let Some(last) = reached.iter().map(|&(_, e)| e).max().filter(|&e| e > end) {
+                self.hash_from_file(last)?;
+            }
+        } else {
+            self.add_beyond(pos, end);
+        }
+        if self.recorded {
+            self.unrecorded += data.len() as u64;
+            if self.unrecorded >= CHECKPOINT_BYTES {
+                self.checkpoint()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Merges `[start, end)` (beyond the prefix) into the recorded ranges.
+    fn add_beyond(&mut self, start: u64, end: u64) {
+        let (mut s, mut e) = (start, end);
+        self.beyond.retain(|&(rs, re)| {
+            let touches = rs <= e && re >= s;
+            if touches {
+                s = s.min(rs);
+                e = e.max(re);
+            }
+            !touches
+        });
+        let at = self.beyond.partition_point(|&(rs, _)| rs < s);
+        self.beyond.insert(at, (s, e));
+    }
+
+    /// Hashes the file from the prefix's end to `to`, extending the prefix.
+    fn hash_from_file(&mut self, to: u64) -> Result<()> {
+        let file = self.file.as_ref().expect("open ingest");
+        let mut buf = vec![0u8; (to - self.offset).min(1 << 20) as usize];
+        while self.offset < to {
+            let want = buf.len().min((to - self.offset) as usize);
+            file.read_exact_at(&mut buf[..want], self.offset)
+                .ctx(|| format!("reading ingest of {}", self.digest))?;
+            self.hasher.update(&buf[..want]);
+            self.offset += want as u64;
+        }
+        Ok(())
+    }
+
+    /// Writes `ranges.json` (under a temporary name, then renamed): what is on disk now.
+    pub fn checkpoint(&mut self) -> Result<()> {
+        let ranges = IngestRanges {
+            prefix: self.offset,
+            beyond: self.beyond.clone(),
+        };
+        let tmp = self.dir.join("ranges.json.tmp");
+        fs::write(&tmp, serde_json::to_vec(&ranges).expect("serialisable"))
+            .ctx(|| format!("writing {}", tmp.display()))?;
+        let dst = self.dir.join("ranges.json");
+        fs::rename(&tmp, &dst).ctx(|| format!("writing {}", dst.display()))?;
+        self.recorded = true;
+        self.unrecorded = 0;
         Ok(())
     }
 
     /// Forgets the bytes on disk (the registry sent the whole blob instead of the range asked for).
     pub fn restart(&mut self) -> Result<()> {
+        if self.recorded {
+            let ranges = self.dir.join("ranges.json");
+            match fs::remove_file(&ranges) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(StoreError::io(format!("removing {}", ranges.display()), e));
+                }
+                _ => self.recorded = false,
+            }
+        }
         let file = self.file.as_mut().expect("open ingest");
         file.set_len(0)
             .ctx(|| format!("truncating ingest of {}", self.digest))?;
         self.offset = 0;
+        self.beyond.clear();
+        self.unrecorded = 0;
         self.hasher = Sha256::new();
         Ok(())
     }
@@ -365,9 +531,11 @@ impl Ingest {
             return Err(StoreError::SizeMismatch {
                 digest: self.digest.to_string(),
                 expected: self.expected_size,
-                actual: self.offset,
+                actual: self.on_disk(),
             });
         }
+        // Whatever happens next, ranges.json has nothing more to record.
+        self.unrecorded = 0;
         let file = self.file.take().expect("open ingest");
         file.sync_all()
             .ctx(|| format!("syncing ingest of {}", self.digest))?;
@@ -385,6 +553,20 @@ impl Ingest {
         fs::rename(self.dir.join("data"), &dst).ctx(|| format!("committing {}", dst.display()))?;
         let _ = fs::remove_dir_all(&self.dir);
         Ok(())
+    }
+}
+
+impl Drop for Ingest {
+    /// A writer that stops (cancelled, failed, or the daemon shutting down) records what it wrote
+    /// since the last checkpoint, so a resumed download fetches none of it again.
+    fn drop(&mut self) {
+        if self.recorded
+            && self.unrecorded > 0
+            && self.file.is_some()
+            && let Err(e) = self.checkpoint()
+        {
+            tracing::warn!(blob = %self.digest, error = %e, "recording an ingest's ranges");
+        }
     }
 }
 
@@ -409,6 +591,96 @@ mod tests {
         ing.commit(&store).unwrap();
         assert_eq!(store.read(&d).unwrap(), data);
         assert!(store.list_ingests().unwrap().is_empty());
+    }
+
+    /// Pieces written out of order: the prefix grows (hashing what it reaches) only when the
+    /// bytes before it are there; a reopened ingest knows every range from its ranges.json and
+    /// asks only for the gaps; the committed blob is verified whole.
+    #[test]
+    fn ranged_pieces_resume_from_their_record_and_verify() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ContentStore::open(dir.path()).unwrap();
+        let data: Vec<u8> = (0..5_000_000u32).map(|i| (i * 31 + i / 7) as u8).collect();
+        let size = data.len() as u64;
+        let d = Digest::of(&data);
+        let mb = 1_000_000usize;
+
+        let mut ing = store.open_ingest(&d, size).unwrap();
+        assert_eq!(ing.missing(), vec![(0, size)]);
+        ing.write_at(2 * mb as u64, &data[2 * mb..3 * mb]).unwrap();
+        ing.write_at(4 * mb as u64, &data[4 * mb..4 * mb + 500])
+            .unwrap();
+        ing.append(&data[..mb / 2]).unwrap();
+        assert_eq!(ing.offset(), mb as u64 / 2, "a gap holds the prefix back");
+        assert_eq!(ing.on_disk(), mb as u64 / 2 + mb as u64 + 500);
+        drop(ing);
+
+        let mut ing = store.open_ingest(&d, size).unwrap();
+        assert_eq!(ing.offset(), mb as u64 / 2);
+        assert_eq!(
+            ing.missing(),
+            vec![
+                (mb as u64 / 2, 2 * mb as u64),
+                (3 * mb as u64, 4 * mb as u64),
+                (4 * mb as u64 + 500, size)
+            ]
+        );
+        // Bytes overlapping what is there are fine (a resent piece).
+        ing.write_at(mb as u64 / 4, &data[mb / 4..2 * mb]).unwrap();
+        assert_eq!(
+            ing.offset(),
+            3 * mb as u64,
+            "the prefix reached the piece beyond"
+        );
+        ing.write_at(4 * mb as u64 + 500, &data[4 * mb + 500..])
+            .unwrap();
+        ing.write_at(3 * mb as u64, &data[3 * mb..4 * mb]).unwrap();
+        assert_eq!(ing.offset(), size);
+        assert!(ing.missing().is_empty());
+        ing.commit(&store).unwrap();
+        assert_eq!(std::fs::read(store.blob_path(&d)).unwrap(), data);
+        assert!(store.list_ingests().unwrap().is_empty());
+    }
+
+    /// A ranges.json that cannot describe the file (say, from a file truncated by hand) is not
+    /// trusted: the ingest starts over rather than hashing holes.
+    #[test]
+    fn an_impossible_record_starts_the_ingest_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ContentStore::open(dir.path()).unwrap();
+        let data = vec![7u8; 10_000];
+        let d = Digest::of(&data);
+        let mut ing = store.open_ingest(&d, 10_000).unwrap();
+        ing.write_at(5_000, &data[5_000..]).unwrap();
+        drop(ing);
+        let path = store.ingest_data_path(&d);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(6_000)
+            .unwrap();
+        let ing = store.open_ingest(&d, 10_000).unwrap();
+        assert_eq!((ing.offset(), ing.on_disk()), (0, 0));
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
+    }
+
+    /// The registry ignored a range: restart forgets every piece and the record with them.
+    #[test]
+    fn restart_forgets_pieces_and_their_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ContentStore::open(dir.path()).unwrap();
+        let data = vec![9u8; 10_000];
+        let d = Digest::of(&data);
+        let mut ing = store.open_ingest(&d, 10_000).unwrap();
+        ing.write_at(5_000, &data[5_000..]).unwrap();
+        ing.restart().unwrap();
+        assert_eq!(ing.missing(), vec![(0, 10_000)]);
+        ing.append(&data[..3_000]).unwrap();
+        drop(ing);
+        let ing = store.open_ingest(&d, 10_000).unwrap();
+        assert_eq!((ing.offset(), ing.on_disk()), (3_000, 3_000));
+        assert_eq!(store.list_ingests().unwrap()[0].offset, 3_000);
     }
 
     #[test]

@@ -185,7 +185,7 @@ mod tests {
         let mut ing = content.open_ingest(&d, 100).unwrap();
         ing.append(b"old").unwrap();
         drop(ing);
-        let blobs = BlobDownloads::new(content.clone(), 1);
+        let blobs = BlobDownloads::new(content.clone(), 1, Default::default());
         let mut gc = IngestGc::new(content.clone(), blobs, Duration::from_secs(3600));
         // Whatever this machine's disk looks like, only the TTL is under test here.
         gc.min_free_ratio = 0.0;

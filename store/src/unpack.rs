@@ -120,7 +120,7 @@ async fn run_apply(
                     p.wait_until(FOLLOW_WAIT, |p| {
                         p.written() > read || !in_progress(p.state())
                     });
-                    follow_status(p.state())
+                    follow_status(p.state(), p.written())
                 };
                 let mut reader = BufReader::with_capacity(
                     1 << 20,
@@ -169,9 +169,9 @@ fn in_progress(s: BlobState) -> bool {
 }
 
 /// What a reader following the download's file is told about the writer.
-fn follow_status(s: BlobState) -> WriterStatus {
+fn follow_status(s: BlobState, written: u64) -> WriterStatus {
     match s {
-        BlobState::Queued | BlobState::Downloading => WriterStatus::Writing,
+        BlobState::Queued | BlobState::Downloading => WriterStatus::Writing(written),
         BlobState::Verifying | BlobState::Done => WriterStatus::Done,
         BlobState::Failed | BlobState::Cancelled => {
             WriterStatus::Failed(std::io::Error::other("download stopped"))

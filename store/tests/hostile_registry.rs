@@ -357,7 +357,7 @@ async fn a_blob_request_whose_answer_never_comes_hits_the_request_deadline() {
         .session(&reference(&server.addr), &Credentials::default())
         .unwrap();
     let digest = Digest::of(b"{}");
-    let err = within(Duration::from_secs(10), session.blob(&digest, 0, None))
+    let err = within(Duration::from_secs(10), session.blob(&digest, 0, 2, None))
         .await
         .err()
         .expect("the blob request fails");

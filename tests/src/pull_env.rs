@@ -111,13 +111,41 @@ pub async fn spawn_pull(
 pub fn ingest_bytes(root: &Path) -> u64 {
     let dir = root.join("content/ingest");
     std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.flatten()
-                .filter_map(|e| std::fs::metadata(e.path().join("data")).ok())
-                .map(|m| m.len())
-                .sum()
-        })
+        .map(|rd| rd.flatten().map(|e| ingest_dir_bytes(&e.path())).sum())
         .unwrap_or(0)
+}
+
+/// Bytes of the blob that one ingest directory keeps for a resume: what its `ranges.json`
+/// records when it has one (a blob fetched over several ranged requests: its file has holes, and
+/// bytes written after the last record are fetched again), else its file's length.
+fn ingest_dir_bytes(dir: &Path) -> u64 {
+    #[derive(serde::Deserialize)]
+    struct Ranges {
+        prefix: u64,
+        beyond: Vec<(u64, u64)>,
+    }
+    let len = std::fs::metadata(dir.join("data")).map_or(0, |m| m.len());
+    match std::fs::read(dir.join("ranges.json")) {
+        Ok(b) => {
+            let r: Ranges = serde_json::from_slice(&b).expect("ranges.json parses");
+            let recorded = r.prefix + r.beyond.iter().map(|(s, e)| e - s).sum::<u64>();
+            // What is recorded is on disk: never more than the file holds.
+            assert!(
+                r.beyond.last().map_or(r.prefix, |&(_, e)| e) <= len,
+                "{} records bytes past its file's end ({len})",
+                dir.display()
+            );
+            recorded
+        }
+        Err(_) => len,
+    }
+}
+
+/// The record of the pieces on disk of one blob's ingest (`sha256:<hex>`), or "" if none.
+pub fn ingest_ranges(root: &Path, digest: &str) -> String {
+    let hex = digest.trim_start_matches("sha256:");
+    std::fs::read_to_string(root.join("content/ingest").join(hex).join("ranges.json"))
+        .unwrap_or_default()
 }
 
 pub async fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {

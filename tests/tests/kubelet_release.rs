@@ -121,7 +121,7 @@ async fn pod_deleted_mid_pull_is_released_within_the_window_and_a_later_pod_resu
     let (img, r, layer) = big_image(&e, "huge", 1).await;
     let size = img.layers.last().unwrap().size;
     // 40 MiB/s: the whole layer would take about 26 s.
-    e.proxy.faults().set_rate_limit(Some(40 * MIB));
+    e.proxy.faults().set_link_rate(Some(40 * MIB));
     let sim = KubeletSim::for_daemon(&e.daemon, sim_config(Puller::Serial))
         .await
         .unwrap();
@@ -200,7 +200,7 @@ async fn pod_deleted_mid_pull_is_released_within_the_window_and_a_later_pod_resu
         b2 > 100 * MIB && b2 < size,
         "stopped mid-blob: {b2} of {size}"
     );
-    assert_partial_kept(&e, b2);
+    let kept = assert_partial_kept(&e, b2);
     assert!(list_pulls(&e).await.is_empty(), "no job left running");
     assert!(
         !e.daemon
@@ -218,7 +218,7 @@ async fn pod_deleted_mid_pull_is_released_within_the_window_and_a_later_pod_resu
 
     // A later pod for the image resumes the partial data: only the remainder moves.
     e.proxy.reset_stats();
-    e.proxy.faults().set_rate_limit(None);
+    e.proxy.faults().set_link_rate(None);
     let c = PodSpec::new("c", &[&r]);
     sim.create_pod(c.clone());
     sim.wait_running(&c.uid, Duration::from_secs(180))
@@ -226,8 +226,9 @@ async fn pod_deleted_mid_pull_is_released_within_the_window_and_a_later_pod_resu
         .unwrap();
     let second = e.proxy.bytes_served(&layer);
     assert!(
-        second >= size - b2 && second <= size - b2 + MIB,
-        "the later pod moved {second}; the remainder was {}",
+        second >= size - b2 && second <= size - kept + MIB,
+        "the later pod moved {second}; {} were missing on disk, {} never served",
+        size - kept,
         size - b2
     );
     sim.shutdown().await;
@@ -243,7 +244,7 @@ async fn a_second_pod_keeps_the_transfer_and_starts_once_the_download_completes(
     }
     let e = env_with(&daemon_args()).await;
     let (img, r, layer) = big_image(&e, "shared", 2).await;
-    e.proxy.faults().set_rate_limit(Some(40 * MIB));
+    e.proxy.faults().set_link_rate(Some(40 * MIB));
     let cfg = sim_config(Puller::Serial);
     let requeue = cfg.requeue;
     let sim = KubeletSim::for_daemon(&e.daemon, cfg).await.unwrap();
@@ -286,7 +287,7 @@ async fn a_second_pod_keeps_the_transfer_and_starts_once_the_download_completes(
     );
 
     // The rest at full speed; b starts at its next sync after the image is complete.
-    e.proxy.faults().set_rate_limit(None);
+    e.proxy.faults().set_link_rate(None);
     let start = Instant::now();
     while !image_present(&e, &r).await {
         assert!(start.elapsed() < Duration::from_secs(180), "never complete");
@@ -326,7 +327,7 @@ async fn serial_puller_delays_a_small_image_by_at_most_one_window() {
     let e = env_with(&daemon_args()).await;
     let (_, big_ref, _) = big_image(&e, "blocker", 3).await;
     let (_, small_ref) = e.busybox("small").await;
-    e.proxy.faults().set_rate_limit(Some(40 * MIB));
+    e.proxy.faults().set_link_rate(Some(40 * MIB));
     let sim = KubeletSim::for_daemon(&e.daemon, sim_config(Puller::Serial))
         .await
         .unwrap();
@@ -386,7 +387,7 @@ async fn a_held_download_resumes_after_sigkill_and_the_next_pull_finds_it() {
     let size = img.layers.last().unwrap().size;
     let mut sb = Sandboxes::new(&e.daemon);
     let id = sb.run(&e.daemon, 1).await;
-    e.proxy.faults().set_rate_limit(Some(40 * MIB));
+    e.proxy.faults().set_link_rate(Some(40 * MIB));
     let start = Instant::now();
     let err = pull_for_pod_1(e.daemon.channel().await.unwrap(), r.clone())
         .await
@@ -455,7 +456,7 @@ async fn a_held_download_resumes_after_sigkill_and_the_next_pull_finds_it() {
     let jobs = list_pulls(&e).await;
     assert_eq!(jobs.len(), 1);
     assert_eq!(jobs[0].id, job_id, "the same job");
-    e.proxy.faults().set_rate_limit(None);
+    e.proxy.faults().set_link_rate(None);
     match next.await.unwrap() {
         Ok(resp) => assert_eq!(resp.into_inner().image_ref, img.config_digest),
         Err(s) => assert_eq!(s.code(), Code::Unknown, "{s:?}"),
@@ -492,7 +493,7 @@ async fn a_pod_with_several_large_images_is_held_one_window_per_sync() {
         refs.push(e.big(name, 32, 10 + i as u64).await.1);
     }
     // Each image alone would hold a call for 16 s.
-    e.proxy.faults().set_rate_limit(Some(2 * MIB));
+    e.proxy.faults().set_link_rate(Some(2 * MIB));
     let sim = KubeletSim::for_daemon(&e.daemon, sim_config(Puller::Serial))
         .await
         .unwrap();
@@ -630,13 +631,15 @@ fn released(sim: &KubeletSim, uid: &str) -> (Instant, Instant) {
 /// The partial download stayed on disk after its transfer stopped: all of what the proxy sent
 /// (`sent` bytes) but what was still in flight. Bytes the proxy wrote that the daemon never read
 /// sit in the socket buffers on both sides of loopback, which autotune to several MiB at these
-/// rates, and are not on disk.
-fn assert_partial_kept(e: &Env, sent: u64) {
+/// rates, and are not on disk: up to 8 MiB for each of the blob's connections (the daemon's
+/// default, 4).
+fn assert_partial_kept(e: &Env, sent: u64) -> u64 {
     let kept = ingest_bytes(&e.daemon.root());
     assert!(
-        kept > 0 && kept <= sent && kept + 8 * MIB >= sent,
+        kept > 0 && kept <= sent && kept + 4 * 8 * MIB >= sent,
         "partial kept: {kept} of {sent} bytes sent"
     );
+    kept
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -652,7 +655,7 @@ async fn with_the_watch_a_pod_deleted_mid_pull_is_released_within_a_second() {
     let e = env_with(&args).await;
     let (img, r, layer) = big_image(&e, "watched", 5).await;
     let size = img.layers.last().unwrap().size;
-    e.proxy.faults().set_rate_limit(Some(40 * MIB));
+    e.proxy.faults().set_link_rate(Some(40 * MIB));
     let sim = KubeletSim::for_daemon(&e.daemon, w.sim_config(Puller::Serial))
         .await
         .unwrap();
@@ -705,7 +708,7 @@ async fn the_watch_survives_outages_and_410_and_ignores_other_nodes() {
     // Never detach: only the watch can release these calls.
     let e = env_with(&w.args("0")).await;
     let (img, r) = e.big("watch-faults", 64, 6).await;
-    e.proxy.faults().set_rate_limit(Some(MIB / 2));
+    e.proxy.faults().set_link_rate(Some(MIB / 2));
     let sim = KubeletSim::for_daemon(&e.daemon, w.sim_config(Puller::Parallel(5)))
         .await
         .unwrap();
@@ -784,7 +787,7 @@ async fn the_watch_survives_outages_and_410_and_ignores_other_nodes() {
     );
 
     // The other node's pod was never touched: its pull completes.
-    e.proxy.faults().set_rate_limit(None);
+    e.proxy.faults().set_link_rate(None);
     sim.wait_running(&other.uid, LONG).await.unwrap();
     let drops: Vec<String> = e
         .daemon

@@ -92,11 +92,13 @@ async fn one_requester_cancelling_does_not_disturb_another() {
 }
 
 /// Starts a rate-limited pull, stops it with `stop`, and checks that bytes stop within 100 ms, the
-/// partial data stays, and the next pull transfers only the remainder.
+/// partial data stays, and the next pull transfers only the remainder (give or take `slack`
+/// bytes: what was on its way when the pull stopped).
 async fn stop_then_resume<T>(
     e: &Env,
     img: &PushedImage,
     r: &str,
+    slack: u64,
     stop: impl std::future::Future<Output = T>,
 ) -> T {
     let layer = img.layers.last().unwrap();
@@ -118,7 +120,7 @@ async fn stop_then_resume<T>(
     );
     let kept = ingest_bytes(&e.daemon.root());
     assert!(
-        kept + MIB >= later && kept > 0,
+        kept + slack >= later && kept > 0,
         "partial data kept: {kept} on disk, {later} served"
     );
 
@@ -127,7 +129,7 @@ async fn stop_then_resume<T>(
     assert_eq!(pull(&e.daemon, r, None).await.unwrap(), img.config_digest);
     let second = e.proxy.bytes_served(&layer.digest);
     assert!(
-        second <= layer.size - later + MIB,
+        second <= layer.size - later + slack,
         "second pull transferred {second}; remainder was {}",
         layer.size - later
     );
@@ -151,7 +153,7 @@ async fn deadline_stops_the_download_and_the_next_pull_resumes() {
         let err = raw.pull_image(req).await.unwrap_err();
         assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
     };
-    stop_then_resume(&e, &img, &r, stop).await;
+    stop_then_resume(&e, &img, &r, MIB, stop).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -209,7 +211,7 @@ async fn operator_abort_stops_the_download_and_the_next_pull_resumes() {
             err.message()
         );
     };
-    stop_then_resume(&e, &img, &r, stop).await;
+    stop_then_resume(&e, &img, &r, MIB, stop).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -294,6 +296,175 @@ async fn registry_ignoring_range_restarts_the_blob_and_verifies_it() {
         "cut part, then the whole blob again"
     );
     assert!(e.daemon.log().contains("ignored the range request"));
+}
+
+/// A daemon that fetches blobs of two chunks or more over four ranged requests of 2 MiB at once.
+const RANGED: &[&str] = &["--blob-connections", "4", "--blob-chunk-size", "2097152"];
+const CHUNK: u64 = 2 * MIB;
+
+/// The `[start, end]` (inclusive) ranges the requests for one blob asked for, in order.
+fn requested_ranges(e: &Env, digest: &str) -> Vec<(u64, u64)> {
+    e.proxy
+        .blob_requests(digest)
+        .iter()
+        .map(|r| {
+            let range = r.range.as_deref().expect("every blob request is ranged");
+            let (a, b) = range
+                .strip_prefix("bytes=")
+                .and_then(|x| x.split_once('-'))
+                .unwrap_or_else(|| panic!("a bounded range: {range}"));
+            (a.parse().unwrap(), b.parse().unwrap())
+        })
+        .collect()
+}
+
+/// The chunk-sized pieces a blob of `size` bytes is fetched as, as inclusive ranges.
+fn chunks(size: u64) -> Vec<(u64, u64)> {
+    (0..size.div_ceil(CHUNK))
+        .map(|k| (k * CHUNK, ((k + 1) * CHUNK).min(size) - 1))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_large_blob_is_fetched_over_four_ranged_requests_at_once() {
+    let e = env(RANGED).await;
+    let (img, r) = big(&e, "big", 1, 24, 11).await;
+    let layer = img.layers.last().unwrap();
+    // Each response at 4 MiB/s: the pieces overlap in time however fast this machine is.
+    e.proxy.faults().set_rate_limit(Some(4 * MIB));
+    assert_eq!(pull(&e.daemon, &r, None).await.unwrap(), img.config_digest);
+    assert_each_blob_served_once(&e.proxy, &img);
+    let mut asked = requested_ranges(&e, &layer.digest);
+    asked.sort();
+    assert_eq!(
+        asked,
+        chunks(layer.size),
+        "one request per chunk, none twice"
+    );
+    assert_eq!(
+        e.proxy.peak_concurrent_bodies(&layer.digest),
+        4,
+        "four requests of the blob at once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_node_wide_transfer_limit_counts_each_ranged_request() {
+    let mut args = RANGED.to_vec();
+    args.extend(["--max-concurrent-transfers", "2"]);
+    let e = env(&args).await;
+    let (img, r) = big(&e, "big", 2, 12, 12).await;
+    e.proxy.faults().set_rate_limit(Some(4 * MIB));
+    assert_eq!(pull(&e.daemon, &r, None).await.unwrap(), img.config_digest);
+    assert_each_blob_served_once(&e.proxy, &img);
+    // Each layer's first request holds a slot until its layer is done, so neither layer's
+    // further requests ever get one: the layers finish over one request each (waiting for a
+    // slot that only such layers hold would never end).
+    assert_eq!(
+        e.proxy.peak_concurrent_blob_bodies(),
+        2,
+        "two layers of four requests each share two transfer slots"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_ranged_request_cut_mid_piece_resumes_that_piece_without_serving_a_byte_twice() {
+    let e = env(RANGED).await;
+    let (img, r) = big(&e, "big", 1, 16, 13).await;
+    let layer = img.layers.last().unwrap();
+    e.proxy
+        .faults()
+        .cut_after(Target::Blob(layer.digest.clone()), MIB, Times::Once);
+    assert_eq!(pull(&e.daemon, &r, None).await.unwrap(), img.config_digest);
+    let reqs = e.proxy.blob_requests(&layer.digest);
+    let cut = reqs
+        .iter()
+        .find(|r| r.faults.iter().any(|f| f == "cut"))
+        .expect("one request was cut");
+    let (cut_start, cut_end) = requested_ranges(&e, &layer.digest)
+        [reqs.iter().position(|r| std::ptr::eq(r, cut)).unwrap()];
+    assert!(
+        requested_ranges(&e, &layer.digest).contains(&(cut_start + MIB, cut_end)),
+        "the cut piece went on from where it stopped: {reqs:?}"
+    );
+    assert_eq!(
+        e.proxy.bytes_served(&layer.digest),
+        layer.size,
+        "no byte served twice"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deadline_mid_ranged_download_keeps_every_piece_and_the_next_pull_fetches_the_rest() {
+    let e = env(RANGED).await;
+    let (img, r) = big(&e, "big", 1, 48, 14).await;
+    let digest = img.layers.last().unwrap().digest.clone();
+    let stop = async {
+        let mut raw = e.daemon.raw_images().await.unwrap();
+        let mut req = tonic::Request::new(pull_req(&r, pod(1)));
+        req.metadata_mut()
+            .insert("grpc-timeout", "1500m".parse().unwrap());
+        let err = raw.pull_image(req).await.unwrap_err();
+        assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+        assert_eq!(e.proxy.peak_concurrent_bodies(&digest), 4);
+        let ranges = ingest_ranges(&e.daemon.root(), &digest);
+        assert!(
+            ranges.contains("\"prefix\""),
+            "bytes landed beyond the prefix, so the pieces are recorded: {ranges:?}"
+        );
+    };
+    // Four requests' worth of bytes may be on their way when the call ends.
+    stop_then_resume(&e, &img, &r, 2 * MIB, stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_mid_ranged_download_then_restart_fetches_only_the_missing_pieces() {
+    let mut e = env(RANGED).await;
+    let (img, r) = big(&e, "big", 1, 48, 15).await;
+    let layer = img.layers.last().unwrap().clone();
+    e.proxy.faults().set_rate_limit(Some(4 * MIB));
+    let call = spawn_pull(&e.daemon, &r, None).await;
+    wait_until("a third of the layer", Duration::from_secs(20), || {
+        e.proxy.bytes_served(&layer.digest) > layer.size / 3
+    })
+    .await;
+    assert_eq!(e.proxy.peak_concurrent_bodies(&layer.digest), 4);
+    e.daemon.kill();
+    assert!(call.await.unwrap().is_err());
+    let served = e.proxy.bytes_served(&layer.digest);
+    e.daemon.restart().await.unwrap();
+    e.proxy.faults().set_rate_limit(None);
+    e.proxy.reset_stats();
+    assert_eq!(pull(&e.daemon, &r, None).await.unwrap(), img.config_digest);
+    let second = e.proxy.bytes_served(&layer.digest);
+    // What was written since the last record of the pieces (at most 1 MiB) and what was on its
+    // way are fetched again; nothing else.
+    assert!(
+        second <= layer.size - served + 2 * MIB,
+        "after restart {second} bytes; remainder {}",
+        layer.size - served
+    );
+    let asked = requested_ranges(&e, &layer.digest);
+    assert!(
+        asked.iter().all(|&(a, _)| a > 0),
+        "no piece started over from byte 0: {asked:?}"
+    );
+    assert_eq!(ingest_bytes(&e.daemon.root()), 0, "ingest committed");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_registry_ignoring_ranges_gets_one_request_for_a_large_blob() {
+    let e = env(RANGED).await;
+    let (img, r) = big(&e, "big", 1, 16, 16).await;
+    let layer = img.layers.last().unwrap();
+    e.proxy.faults().set_ignore_range(true);
+    assert_eq!(pull(&e.daemon, &r, None).await.unwrap(), img.config_digest);
+    assert_eq!(
+        e.proxy.blob_requests(&layer.digest).len(),
+        1,
+        "its answer, the whole blob, was taken"
+    );
+    assert_eq!(e.proxy.bytes_served(&layer.digest), layer.size);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -467,7 +638,7 @@ async fn stopping_the_only_sandbox_stops_the_download_and_the_next_pull_resumes(
         // Bytes are measured from the moment the pod's PullImage returned, not StopPodSandbox.
         stop
     };
-    let stop = stop_then_resume(&e, &img, &r, stop).await;
+    let stop = stop_then_resume(&e, &img, &r, MIB, stop).await;
     stop.await.unwrap().expect("StopPodSandbox");
     sb.stop(&e.daemon, &id)
         .await
@@ -683,7 +854,7 @@ async fn a_mirror_breaking_off_mid_blob_hands_the_rest_to_the_next_host() {
     assert_eq!(reqs.len(), 1, "{reqs:?}");
     assert_eq!(
         reqs[0].range.as_deref(),
-        Some(format!("bytes={}-", 3 * MIB).as_str()),
+        Some(format!("bytes={}-{}", 3 * MIB, layer.size - 1).as_str()),
         "resumed from the bytes on disk"
     );
     assert_eq!(

@@ -63,8 +63,11 @@ pub struct PullConfig {
     pub platform: Platform,
     /// Layers of one image downloaded at once.
     pub max_concurrent_layers: usize,
-    /// Blobs transferred at once on the node.
+    /// Requests transferring blob bytes at once on the node (a blob fetched over several
+    /// ranged requests holds one per request).
     pub max_concurrent_transfers: usize,
+    /// How a large blob is split over several ranged requests.
+    pub ranged: crate::blobs::RangedFetch,
     /// A job that receives no byte for this long drops every reference (`None`: never).
     pub progress_timeout: Option<Duration>,
     /// Bytes per second a job with something left to download must receive, averaged over each
@@ -85,7 +88,8 @@ impl Default for PullConfig {
         PullConfig {
             platform: Platform::parse("linux/amd64").expect("valid"),
             max_concurrent_layers: 3,
-            max_concurrent_transfers: 6,
+            max_concurrent_transfers: 8,
+            ranged: Default::default(),
             progress_timeout: Some(Duration::from_secs(60)),
             min_speed: Some(DEFAULT_MIN_SPEED),
             detach_after: Some(Duration::from_secs(30)),
@@ -373,7 +377,11 @@ impl PullManager {
         config: PullConfig,
         snapshotter: Option<Arc<dyn Snapshotter>>,
     ) -> Arc<PullManager> {
-        let blobs = BlobDownloads::new(content.clone(), config.max_concurrent_transfers);
+        let blobs = BlobDownloads::new(
+            content.clone(),
+            config.max_concurrent_transfers,
+            config.ranged,
+        );
         let budgets = SyncBudgets::new(config.detach_after);
         Arc::new(PullManager {
             content,

@@ -689,13 +689,14 @@ impl Session {
         }
     }
 
-    /// Opens blob `digest` at byte `offset` (0 for the whole blob). The endpoint named
+    /// Opens `length` bytes of blob `digest` from byte `offset`. The endpoint named
     /// `last_resort` (`http(s)://host[:port]`, as [`BlobBody::endpoint`] says it), whose body
     /// broke off, is tried after every other.
     pub async fn blob(
         &self,
         digest: &Digest,
         offset: u64,
+        length: u64,
         last_resort: Option<&str>,
     ) -> std::result::Result<BlobBody, Vec<RemoteError>> {
         let mut order = self.order(false);
@@ -707,7 +708,7 @@ impl Session {
         // the preferred one (a fleet's cache stays first).
         self.first_success(order, last_resort.is_none(), |ep, authed| async move {
             let oref = ep.oci_ref(&self.reference, None);
-            // Always a range request (bytes=0- for a fresh download): the body is hashed once,
+            // Always a range request (bytes=0-... for a fresh download): the body is hashed once,
             // by the ingest, rather than also by the client's verifying stream. The deadline
             // covers the request until its headers (and an error body, which oci-client reads
             // whole).
@@ -715,7 +716,7 @@ impl Session {
                 .deadline("blob request", async {
                     authed
                         .client
-                        .pull_blob_stream_partial(&oref, digest.as_str(), offset, None)
+                        .pull_blob_stream_partial(&oref, digest.as_str(), offset, Some(length))
                         .await
                         .map_err(|e| ep.oci_err(e, Some(&authed)))
                 })
