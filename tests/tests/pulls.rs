@@ -214,30 +214,46 @@ async fn operator_abort_stops_the_download_and_the_next_pull_resumes() {
     stop_then_resume(&e, &img, &r, MIB, stop).await;
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn sigkill_mid_pull_then_restart_transfers_only_the_remainder() {
-    let mut e = env(&[]).await;
-    let (img, r) = big(&e, "big", 1, 16, 5).await;
+/// Pulls at 4 MiB/s per response, looks at the running pull with `while_running`, SIGKILLs the
+/// daemon once a third of the last layer was served, restarts it and pulls again at full speed:
+/// at most the remainder and `slack` bytes (what was on its way, or written but not yet recorded)
+/// move the second time.
+async fn sigkill_then_resume(
+    e: &mut Env,
+    img: &PushedImage,
+    r: &str,
+    slack: u64,
+    while_running: impl FnOnce(&Env),
+) {
     let layer = img.layers.last().unwrap().clone();
     e.proxy.faults().set_rate_limit(Some(4 * MIB));
-    let call = spawn_pull(&e.daemon, &r, None).await;
-    wait_until("half the layer", Duration::from_secs(10), || {
+    let call = spawn_pull(&e.daemon, r, None).await;
+    wait_until("a third of the layer", Duration::from_secs(20), || {
         e.proxy.bytes_served(&layer.digest) > layer.size / 3
     })
     .await;
+    while_running(e);
     e.daemon.kill();
     assert!(call.await.unwrap().is_err());
     let served = e.proxy.bytes_served(&layer.digest);
     e.daemon.restart().await.unwrap();
     e.proxy.faults().set_rate_limit(None);
     e.proxy.reset_stats();
-    assert_eq!(pull(&e.daemon, &r, None).await.unwrap(), img.config_digest);
+    assert_eq!(pull(&e.daemon, r, None).await.unwrap(), img.config_digest);
     let second = e.proxy.bytes_served(&layer.digest);
     assert!(
-        second <= layer.size - served + MIB,
+        second <= layer.size - served + slack,
         "after restart {second} bytes; remainder {}",
         layer.size - served
     );
+    assert_eq!(ingest_bytes(&e.daemon.root()), 0, "ingest committed");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_mid_pull_then_restart_transfers_only_the_remainder() {
+    let mut e = env(&[]).await;
+    let (img, r) = big(&e, "big", 1, 16, 5).await;
+    sigkill_then_resume(&mut e, &img, &r, MIB, |_| {}).await;
     let mut c = e.daemon.images().await.unwrap();
     let st = c
         .image_status(cri::ImageStatusRequest {
@@ -421,35 +437,18 @@ async fn a_deadline_mid_ranged_download_keeps_every_piece_and_the_next_pull_fetc
 async fn sigkill_mid_ranged_download_then_restart_fetches_only_the_missing_pieces() {
     let mut e = env(RANGED).await;
     let (img, r) = big(&e, "big", 1, 48, 15).await;
-    let layer = img.layers.last().unwrap().clone();
-    e.proxy.faults().set_rate_limit(Some(4 * MIB));
-    let call = spawn_pull(&e.daemon, &r, None).await;
-    wait_until("a third of the layer", Duration::from_secs(20), || {
-        e.proxy.bytes_served(&layer.digest) > layer.size / 3
+    let digest = img.layers.last().unwrap().digest.clone();
+    // What was written since the last record of the pieces (at most 1 MiB) and what was on its
+    // way over four connections are fetched again; nothing else.
+    sigkill_then_resume(&mut e, &img, &r, 2 * MIB, |e| {
+        assert_eq!(e.proxy.peak_concurrent_bodies(&digest), 4);
     })
     .await;
-    assert_eq!(e.proxy.peak_concurrent_bodies(&layer.digest), 4);
-    e.daemon.kill();
-    assert!(call.await.unwrap().is_err());
-    let served = e.proxy.bytes_served(&layer.digest);
-    e.daemon.restart().await.unwrap();
-    e.proxy.faults().set_rate_limit(None);
-    e.proxy.reset_stats();
-    assert_eq!(pull(&e.daemon, &r, None).await.unwrap(), img.config_digest);
-    let second = e.proxy.bytes_served(&layer.digest);
-    // What was written since the last record of the pieces (at most 1 MiB) and what was on its
-    // way are fetched again; nothing else.
-    assert!(
-        second <= layer.size - served + 2 * MIB,
-        "after restart {second} bytes; remainder {}",
-        layer.size - served
-    );
-    let asked = requested_ranges(&e, &layer.digest);
+    let asked = requested_ranges(&e, &digest);
     assert!(
         asked.iter().all(|&(a, _)| a > 0),
         "no piece started over from byte 0: {asked:?}"
     );
-    assert_eq!(ingest_bytes(&e.daemon.root()), 0, "ingest committed");
 }
 
 #[tokio::test(flavor = "multi_thread")]
