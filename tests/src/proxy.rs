@@ -623,15 +623,18 @@ impl Proxy {
     }
 }
 
+/// A dropped proxy goes away the way a registry host does: its connections are cut where they
+/// stand. Stalled transfers are not released first (released, one could finish the blob before the
+/// connections are aborted, and a test of a registry dying mid-blob would see it served whole).
 impl Drop for Proxy {
     fn drop(&mut self) {
-        self.faults.release_stall();
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+        self.faults.release_stall();
     }
 }
 

@@ -223,6 +223,30 @@ async fn proxy_stalls_until_released() {
     assert_eq!(faults.stall_hits(), 1);
 }
 
+/// A dropped proxy is a registry host going away: a stalled transfer is cut where it stands, never
+/// released to finish the blob first.
+#[tokio::test]
+async fn dropping_the_proxy_cuts_a_stalled_transfer() {
+    let s = Setup::new().await;
+    let url = s.blob_url(&s.layer().digest);
+    let Setup {
+        _registry,
+        proxy,
+        http,
+        ..
+    } = s;
+    let faults = proxy.faults().clone();
+    faults.stall_after(Target::AnyBlob, 4096);
+    let download = tokio::spawn(async move { http.get(url).send().await?.bytes().await });
+    assert!(faults.wait_stalled(1, Duration::from_secs(10)).await);
+    drop(proxy);
+    let outcome = tokio::time::timeout(Duration::from_secs(10), download)
+        .await
+        .expect("the cut ends the download")
+        .unwrap();
+    assert!(outcome.is_err(), "the blob was served whole after the drop");
+}
+
 #[tokio::test]
 async fn proxy_rate_limits_blob_bodies() {
     let s = Setup::new().await;
