@@ -1776,6 +1776,14 @@ impl StandardSet {
 }
 
 /// The base image every standard member starts from, labelled with its name.
+/// Busybox whose entrypoint sleeps for 2^31-1 seconds: a sandbox ("pause") image for a runtime
+/// that runs one (PID 1 of its namespace ignores SIGTERM; SIGKILL stops it).
+pub fn sleeper_image() -> Result<ImageBuilder> {
+    Ok(standard("sleeper", Format::Oci)?
+        .entrypoint(&["/bin/sleep", "2147483647"])
+        .cmd(&[]))
+}
+
 fn standard(name: &str, format: Format) -> Result<ImageBuilder> {
     Ok(ImageBuilder::new()
         .layer(busybox_layer(Compression::Gzip)?)

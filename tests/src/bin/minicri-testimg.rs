@@ -88,6 +88,15 @@ enum Command {
         #[arg(required = true)]
         layers: Vec<std::path::PathBuf>,
     },
+    /// Push NAME: busybox whose entrypoint sleeps (2^31-1 s): a sandbox image for runtimes that
+    /// need one (containerd's `sandbox_image` in hack/bench-cri.sh); SIGKILL stops it.
+    PushSleeper {
+        #[command(flatten)]
+        registry: RegistryArgs,
+        /// Repository and tag, e.g. minicri-test/sleeper:latest.
+        #[arg(long)]
+        name: String,
+    },
     /// Ask the CRI runtime at SOCKET to pull IMAGE (PullImage); print the image id and seconds.
     Pull {
         #[arg(long)]
@@ -177,6 +186,12 @@ async fn main() -> Result<()> {
             for index in set.indexes() {
                 print_index(index);
             }
+        }
+        Command::PushSleeper { registry, name } => {
+            let image = minicri_tests::images::sleeper_image()?
+                .push(&registry.client(), &name)
+                .await?;
+            print_image(&image);
         }
         Command::PushFiles {
             registry,
