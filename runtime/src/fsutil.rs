@@ -1,8 +1,8 @@
-//! Small filesystem helpers the daemon's modules share: replacing a file atomically (the store
-//! crate's one implementation, re-exported for the daemon's modules), and the modes of the
-//! daemon's directories ([`private_layout`]).
+//! Small filesystem helpers the daemon's modules share: replacing a file atomically and making a
+//! directory's entries durable (the store crate's one implementation of each, re-exported for
+//! the daemon's modules), and the modes of the daemon's directories ([`private_layout`]).
 
-pub use minicri_store::fsutil::{off_async, write_atomic};
+pub use minicri_store::fsutil::{off_async, sync_dir, write_atomic};
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;

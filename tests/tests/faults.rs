@@ -504,6 +504,89 @@ async fn sigkill_during_start_container_leaves_it_created() {
     assert!(stray.is_empty(), "left behind: {stray:?}");
 }
 
+/// RemoveContainer does not wait for the container's teardown: with `runc delete` hanging (the
+/// delete after the exit holds the container), it returns at once, and the container is gone
+/// from listings and status. A SIGKILL in the middle of the teardown leaves its record under
+/// `pods/removing/`; the next start finishes it (runtime state, rootfs mount, directories) and
+/// the container never comes back.
+#[tokio::test(flavor = "multi_thread")]
+async fn remove_container_returns_before_its_teardown_which_a_restart_finishes() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let inj = Injector::new();
+    let mut env = pod_env_with(&inj).await;
+    let (mut c, _, sb, cid) = pod_with_created_container(&env, "removed", "main").await;
+    c.start_container(cri::StartContainerRequest {
+        container_id: cid.clone(),
+    })
+    .await
+    .expect("StartContainer");
+    inj.set("hang-delete");
+    stop_container(&mut c, &cid, 0).await;
+    inj.wait_for("delete-started").await;
+
+    let t = Instant::now();
+    let remove = c.remove_container(cri::RemoveContainerRequest {
+        container_id: cid.clone(),
+    });
+    tokio::time::timeout(Duration::from_secs(5), remove)
+        .await
+        .expect("RemoveContainer waited for the hanging runtime")
+        .expect("RemoveContainer");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "RemoveContainer waited for the runtime: {:?}",
+        t.elapsed()
+    );
+    let listed = c
+        .list_containers(cri::ListContainersRequest { filter: None })
+        .await
+        .unwrap()
+        .into_inner()
+        .containers;
+    assert!(listed.iter().all(|x| x.id != cid), "still listed");
+    let gone = c
+        .container_status(cri::ContainerStatusRequest {
+            container_id: cid.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(gone.code(), tonic::Code::NotFound);
+    let pending = env
+        .state()
+        .join("pods/removing")
+        .join(format!("{cid}.json"));
+    assert!(pending.exists(), "the teardown is under way");
+    assert!(runc_ids(&env).contains(&cid), "runc delete hangs");
+
+    // The daemon dies half-way through the teardown; the next start finishes it.
+    env.daemon.kill();
+    inj.clear("hang-delete");
+    inj.set("release");
+    env.daemon.restart().await.unwrap();
+    let mut c = env.runtime().await;
+    eventually("the teardown to finish after the restart", || {
+        !pending.exists()
+    })
+    .await;
+    assert!(!runc_ids(&env).contains(&cid), "runc still has it");
+    assert!(mounts_under(&env.state()).iter().all(|m| !m.contains(&cid)));
+    assert!(!env.state().join("containers").join(&cid).exists());
+    let listed = c
+        .list_containers(cri::ListContainersRequest { filter: None })
+        .await
+        .unwrap()
+        .into_inner()
+        .containers;
+    assert!(listed.iter().all(|x| x.id != cid), "back after the restart");
+    stop_and_remove_pod(&mut c, &sb).await;
+    let stray = env.stray_state();
+    assert!(stray.is_empty(), "left behind: {stray:?}");
+}
+
 /// The OCI runtime failing in `create`: StartContainer fails with the runtime's own message, the
 /// container is recorded as exited (StartError), nothing of it is left running, and the pod
 /// goes on (another container starts).

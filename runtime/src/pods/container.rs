@@ -506,8 +506,11 @@ impl PodService {
         Ok(())
     }
 
-    /// RemoveContainer: stops it, deletes it from the runtime, unmounts and removes its
-    /// snapshot and files. Idempotent.
+    /// RemoveContainer: stops it, takes its record out (durably: it is gone from every listing
+    /// and status, and its name is free, when the call returns), then tears it down in the
+    /// background: deleted from the runtime, its rootfs unmounted, its snapshot and files
+    /// removed. A teardown that fails is retried by RemovePodSandbox and at the next start.
+    /// Idempotent.
     pub async fn remove_container(self: &Arc<Self>, id: String) -> Result<()> {
         let svc = self.clone();
         tokio::spawn(async move { svc.remove_container_inner(&id).await })
@@ -515,13 +518,44 @@ impl PodService {
             .map_err(|e| Error::Internal(format!("RemoveContainer task: {e}")))?
     }
 
-    pub(crate) async fn remove_container_inner(&self, id: &str) -> Result<()> {
-        if self.store.container(id).is_none() {
+    pub(crate) async fn remove_container_inner(self: &Arc<Self>, id: &str) -> Result<()> {
+        let Some(rec) = self.store.container(id) else {
+            return Ok(());
+        };
+        // An exited container needs no stop, and its runtime delete may be under way (holding
+        // its operation lock, see `delete_exited`): the teardown waits for that, not the call.
+        // Anything else is stopped, and its record taken out under the lock, so that no start
+        // or stop runs half-way meanwhile.
+        let _guard = if rec.state == ContainerState::Exited {
+            None
+        } else {
+            self.stop_container_inner(id, 0).await?;
+            Some(self.store.op_lock(id).await)
+        };
+        if self.store.begin_removal(id)?.is_none() {
             return Ok(());
         }
-        self.stop_container_inner(id, 0).await?;
-        let guard = self.store.op_lock(id).await;
-        let Some(rec) = self.store.container(id) else {
+        let svc = self.clone();
+        let id = id.to_string();
+        tokio::spawn(async move {
+            if let Err(e) = svc.teardown_container(&id).await {
+                tracing::warn!(
+                    container = %id,
+                    error = %e,
+                    "tearing down a removed container failed; RemovePodSandbox and the next start retry"
+                );
+            }
+        });
+        Ok(())
+    }
+
+    /// Tears down a removed container ([`Store::begin_removal`]): deletes it from its runtime,
+    /// lets its shim go, unmounts its rootfs, removes its snapshot and directories, then its
+    /// record. Every step is idempotent, so a teardown cut short is simply run again; one that
+    /// another caller finished meanwhile is nothing to do.
+    pub(crate) async fn teardown_container(&self, id: &str) -> Result<()> {
+        let _guard = self.store.op_lock(id).await;
+        let Some(rec) = self.store.removal(id) else {
             return Ok(());
         };
         if !rec.runtime_deleted {
@@ -533,19 +567,29 @@ impl PodService {
         let snap = self.snapshotter.clone();
         let (rootfs, key) = (rec.rootfs.clone(), id.to_string());
         let idmap = self.idmap_dir(id);
+        let (dir, bundle) = (self.container_dir(id), rec.bundle.clone());
         blocking(move || {
             super::unmount_all(&rootfs)?;
             oci::userns::remove_idmapped(&idmap)?;
             match snap.remove(&key) {
-                Ok(_) | Err(minicri_snapshotter::Error::NotFound { .. }) => Ok(()),
-                Err(e) => Err(e.into()),
+                Ok(_) | Err(minicri_snapshotter::Error::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
             }
+            super::remove_dir(&dir)?;
+            super::remove_dir(&bundle)
         })
         .await?;
-        super::remove_dir(&self.container_dir(id))?;
-        super::remove_dir(&rec.bundle)?;
-        self.store.delete_container(id)?;
-        drop(guard);
+        self.store.finish_removal(id)
+    }
+
+    /// Finishes the teardown of every removed container of sandbox `sandbox_id` (all of them
+    /// when `None`), in the background ones' stead if they are still running.
+    pub(crate) async fn finish_teardowns(&self, sandbox_id: Option<&str>) -> Result<()> {
+        for rec in self.store.removals() {
+            if sandbox_id.is_none_or(|s| s == rec.sandbox_id) {
+                self.teardown_container(&rec.id).await?;
+            }
+        }
         Ok(())
     }
 

@@ -233,6 +233,15 @@ impl PodService {
                 self.watch_infra(s.id.clone(), h);
             }
         }
+        // Containers removed before a crash, whose teardown did not finish.
+        if !self.store.removals().is_empty() && tokio::runtime::Handle::try_current().is_ok() {
+            let svc = self.clone();
+            tokio::spawn(async move {
+                if let Err(e) = svc.finish_teardowns(None).await {
+                    tracing::warn!(error = %e, "finishing the teardown of removed containers failed");
+                }
+            });
+        }
         // Stopped sandboxes refuse pulls across restarts too (the marks live in memory).
         for s in self.store.sandboxes() {
             if s.state == store::SandboxState::NotReady

@@ -317,6 +317,8 @@ impl PodService {
             for c in svc.store.containers_of(&id) {
                 svc.remove_container_inner(&c.id).await?;
             }
+            // Nothing of its containers outlives the pod.
+            svc.finish_teardowns(Some(&id)).await?;
             let _guard = svc.store.op_lock(&id).await;
             let files = svc.sandbox_dir(&id).join("files");
             SandboxFiles::cleanup(&files)?;

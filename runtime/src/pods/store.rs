@@ -10,7 +10,12 @@
 //!   [`Store::reserve`] until [`Store::release`] (CRI: a duplicate name is an error until the old
 //!   object is removed);
 //! - the CRI configs are kept as their protobuf encoding (hex in the JSON), so labels and
-//!   annotations round-trip exactly.
+//!   annotations round-trip exactly;
+//! - a removed container's record moves (one rename) to `<state>/pods/removing/` while its
+//!   files, mounts and runtime state are torn down in the background, and is deleted from there
+//!   once they are gone ([`Store::begin_removal`], [`Store::finish_removal`]); a teardown cut
+//!   short by a crash is found there at the next start. The record has left every listing and
+//!   its name is free from the rename on.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -21,7 +26,7 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::fsutil::{off_async, write_atomic};
+use crate::fsutil::{off_async, sync_dir, write_atomic};
 use crate::shim::ShimHandle;
 
 /// `SANDBOX_READY` / `SANDBOX_NOTREADY`.
@@ -153,6 +158,8 @@ struct Inner {
     containers: HashMap<String, ContainerRecord>,
     /// Reserved name → id.
     names: HashMap<String, String>,
+    /// Removed containers whose teardown has not finished, by id.
+    removing: HashMap<String, ContainerRecord>,
 }
 
 /// A container lifecycle change, as GetContainerEvents reports it.
@@ -189,6 +196,9 @@ pub struct Store {
     ops: minicri_store::keyed::KeyedLocks<String>,
 }
 
+/// The directory of records whose containers are being torn down.
+const REMOVING: &str = "removing";
+
 fn read_dir_json<T: for<'de> Deserialize<'de>>(dir: &Path) -> Vec<T> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
@@ -210,6 +220,7 @@ impl Store {
     pub fn open(dir: &Path) -> std::io::Result<Store> {
         std::fs::create_dir_all(dir.join("sandboxes"))?;
         std::fs::create_dir_all(dir.join("containers"))?;
+        std::fs::create_dir_all(dir.join(REMOVING))?;
         let mut inner = Inner::default();
         for s in read_dir_json::<SandboxRecord>(&dir.join("sandboxes")) {
             inner.names.insert(s.name.clone(), s.id.clone());
@@ -218,6 +229,14 @@ impl Store {
         for c in read_dir_json::<ContainerRecord>(&dir.join("containers")) {
             inner.names.insert(c.name.clone(), c.id.clone());
             inner.containers.insert(c.id.clone(), c);
+        }
+        for c in read_dir_json::<ContainerRecord>(&dir.join(REMOVING)) {
+            // Removed before the crash: a record of the same id left in `containers` is stale.
+            if let Some(stale) = inner.containers.remove(&c.id) {
+                inner.names.remove(&stale.name);
+                let _ = std::fs::remove_file(dir.join("containers").join(format!("{}.json", c.id)));
+            }
+            inner.removing.insert(c.id.clone(), c);
         }
         Ok(Store {
             dir: dir.to_path_buf(),
@@ -278,6 +297,7 @@ impl Store {
         let g = self.lock();
         g.sandboxes.contains_key(id)
             || g.containers.contains_key(id)
+            || g.removing.contains_key(id)
             || g.names.values().any(|v| v == id)
     }
 
@@ -390,7 +410,13 @@ impl Store {
         f: impl FnOnce(&mut ContainerRecord),
     ) -> Result<Option<ContainerRecord>> {
         let _w = self.writes();
-        let Some(mut new) = self.lock().containers.get(id).cloned() else {
+        let current = self.lock().containers.get(id).cloned();
+        let Some(mut new) = current else {
+            // Removed and being torn down: the teardown reads the change (a runtime delete
+            // that finished meanwhile), the file need not (every teardown step may be redone).
+            if let Some(r) = self.lock().removing.get_mut(id) {
+                f(r);
+            }
             return Ok(None);
         };
         let was = new.state;
@@ -409,17 +435,56 @@ impl Store {
         Ok(Some(new))
     }
 
-    pub fn delete_container(&self, id: &str) -> Result<()> {
+    /// Takes a container out of the records for its removal: its record file moves to
+    /// `removing/` (durably), it leaves every listing and its name is released. Returns the
+    /// record, which the caller tears down and then passes to [`Store::finish_removal`]; `None`
+    /// when there is no such container.
+    pub fn begin_removal(&self, id: &str) -> Result<Option<ContainerRecord>> {
         let _w = self.writes();
-        self.delete_file("containers", id)?;
-        let mut g = self.lock();
-        if let Some(r) = g.containers.remove(id) {
-            self.emit(&r, ContainerEventKind::Deleted);
-            if g.names.get(&r.name).is_some_and(|i| i == id) {
-                g.names.remove(&r.name);
-            }
+        if !self.lock().containers.contains_key(id) {
+            return Ok(None);
         }
+        let (from, to) = (self.path("containers", id), self.path(REMOVING, id));
+        off_async(|| {
+            std::fs::rename(&from, &to)?;
+            sync_dir(to.parent().unwrap_or(Path::new(".")))?;
+            sync_dir(from.parent().unwrap_or(Path::new(".")))
+        })
+        .map_err(|e| {
+            Error::Internal(format!(
+                "moving {} to {}: {e}",
+                from.display(),
+                to.display()
+            ))
+        })?;
+        let mut g = self.lock();
+        let Some(r) = g.containers.remove(id) else {
+            return Ok(None);
+        };
+        self.emit(&r, ContainerEventKind::Deleted);
+        if g.names.get(&r.name).is_some_and(|i| i == id) {
+            g.names.remove(&r.name);
+        }
+        g.removing.insert(id.to_string(), r.clone());
+        Ok(Some(r))
+    }
+
+    /// The container `id`'s teardown is done: its record goes for good.
+    pub fn finish_removal(&self, id: &str) -> Result<()> {
+        let _w = self.writes();
+        self.delete_file(REMOVING, id)?;
+        self.lock().removing.remove(id);
         Ok(())
+    }
+
+    /// The record of container `id` if its teardown has not finished.
+    pub fn removal(&self, id: &str) -> Option<ContainerRecord> {
+        self.lock().removing.get(id).cloned()
+    }
+
+    /// Containers removed whose teardown has not finished (this run's, or a crashed run's).
+    pub fn removals(&self) -> Vec<ContainerRecord> {
+        self.lock().removing.values().cloned().collect()
     }
 }
 
@@ -468,5 +533,85 @@ mod tests {
         again.delete_sandbox("id1").unwrap();
         again.reserve("n", "id2").unwrap();
         assert!(Store::open(d.path()).unwrap().sandbox("id1").is_none());
+    }
+
+    fn container(id: &str, name: &str) -> ContainerRecord {
+        ContainerRecord {
+            id: id.into(),
+            sandbox_id: "sb".into(),
+            name: name.into(),
+            config: Vec::new(),
+            image: String::new(),
+            image_id: String::new(),
+            created_at: 1,
+            started_at: 0,
+            finished_at: 0,
+            exit_code: 0,
+            reason: String::new(),
+            message: String::new(),
+            state: ContainerState::Exited,
+            log_path: None,
+            rootfs: PathBuf::new(),
+            bundle: PathBuf::new(),
+            stop_signal: 15,
+            shim: None,
+            pid: 0,
+            user: None,
+            runtime_handler: String::new(),
+            runtime_deleted: false,
+        }
+    }
+
+    #[test]
+    fn a_removal_hides_the_container_at_once_and_survives_a_restart_until_finished() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path()).unwrap();
+        s.reserve("c", "id1").unwrap();
+        s.put_container(container("id1", "c")).unwrap();
+        let mut events = s.subscribe();
+
+        let r = s.begin_removal("id1").unwrap().expect("the record");
+        assert_eq!(r.id, "id1");
+        assert!(s.container("id1").is_none() && s.containers().is_empty());
+        assert!(s.containers_of("sb").is_empty());
+        assert_eq!(events.try_recv().unwrap().kind, ContainerEventKind::Deleted);
+        s.reserve("c", "id2").expect("the name is free");
+        assert!(s.id_in_use("id1"), "the id is not reused while torn down");
+        assert!(s.begin_removal("id1").unwrap().is_none(), "once");
+        // A change the teardown must see (a runtime delete that finished meanwhile).
+        assert!(
+            s.update_container("id1", |r| r.runtime_deleted = true)
+                .unwrap()
+                .is_none()
+        );
+        assert!(s.removal("id1").unwrap().runtime_deleted);
+
+        // A crash now: the next start finds the removal, not the container.
+        let again = Store::open(d.path()).unwrap();
+        assert!(again.container("id1").is_none());
+        assert_eq!(again.removals().len(), 1);
+        again.finish_removal("id1").unwrap();
+        assert!(again.removals().is_empty() && !again.id_in_use("id1"));
+        let third = Store::open(d.path()).unwrap();
+        assert!(third.removals().is_empty() && third.container("id1").is_none());
+    }
+
+    #[test]
+    fn a_record_left_beside_its_removal_is_not_loaded() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path()).unwrap();
+        s.put_container(container("id1", "c")).unwrap();
+        s.begin_removal("id1").unwrap().unwrap();
+        // As if the rename had been a copy that a crash cut short.
+        std::fs::copy(
+            d.path().join("removing/id1.json"),
+            d.path().join("containers/id1.json"),
+        )
+        .unwrap();
+        let again = Store::open(d.path()).unwrap();
+        assert!(again.container("id1").is_none());
+        assert!(again.removal("id1").is_some());
+        again.reserve("c", "id2").expect("its name is free");
+        assert!(!d.path().join("containers/id1.json").exists());
     }
 }
