@@ -412,6 +412,65 @@ async fn sigkill_during_run_pod_sandbox_is_undone_at_the_next_start() {
     assert!(env.stray_state().is_empty());
 }
 
+/// RunPodSandbox attaches the network while the infra container is created and started (neither
+/// waits for the other): with the last CNI plugin hanging in ADD, the infra already runs. When
+/// the plugin then fails, the call fails with its message and both halves are undone: no infra
+/// container, veth, address or namespace is left, and nothing is listed.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_infra_starts_while_cni_adds_and_a_failed_add_undoes_both() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let inj = Injector::new();
+    let env = pod_env_with(&inj).await;
+    let (conf, good, bridge, ipam) = network_of(&env);
+    let mut chained = good.clone();
+    chained["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({ "type": "minicri-test-hang" }));
+    std::fs::write(&conf, serde_json::to_vec(&chained).unwrap()).unwrap();
+    let mut c = env.runtime().await;
+    inj.set("hang-add");
+    let run = {
+        let (pod, mut c) = (pod_config("overlap", env.logs.path()), c.clone());
+        tokio::spawn(async move {
+            c.run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(pod),
+                runtime_handler: String::new(),
+            })
+            .await
+        })
+    };
+    inj.wait_for("add-started").await;
+    eventually("the infra container to run while CNI ADD hangs", || {
+        output_lines(
+            std::process::Command::new("runc")
+                .arg("--root")
+                .arg(env.state().join("runc"))
+                .arg("list"),
+        )
+        .iter()
+        .skip(1)
+        .any(|l| l.split_whitespace().nth(2) == Some("running"))
+    })
+    .await;
+
+    inj.set("release");
+    let err = run
+        .await
+        .unwrap()
+        .expect_err("the failed ADD fails the call");
+    assert!(err.message().contains("released"), "{err:?}");
+    assert!(runc_ids(&env).is_empty(), "the infra container is deleted");
+    assert!(ports_of(&bridge).is_empty(), "the veth is gone (CNI DEL)");
+    assert!(leases(&ipam).is_empty(), "the address is released");
+    assert!(list_pod_sandboxes(&mut c).await.is_empty());
+    assert!(journals(&env).is_empty());
+    eventually("nothing of the pod left", || env.stray_state().is_empty()).await;
+}
+
 /// SIGKILL during StopPodSandbox, while `runc delete` of the infra container hangs (the infra is
 /// killed; the network, torn down at the same time, still recorded attached): after the restart the sandbox is not ready, a second
 /// StopPodSandbox (the kubelet's retry) finishes the teardown (CNI DEL, network namespace) and

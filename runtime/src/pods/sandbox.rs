@@ -103,70 +103,64 @@ impl PodService {
             id: id.clone(),
         })?;
 
-        // Network: a pinned namespace, attached through CNI.
+        // Network: a pinned namespace, attached through CNI while the infra container is being
+        // created (neither needs the other: runc joins the pinned namespace whatever CNI has
+        // done to it yet; CNI needs only the namespace). Both undo steps are journaled before
+        // either starts, and a failure of one is rolled back only once the other has finished.
         let mut netns = None;
-        let mut ips = Vec::new();
+        let mut cni_add = None;
         if !host_network(&config) && !own_userns {
             let dir = self.netns_dir();
             let nid = id.clone();
             undo.push(Undo::RemoveNetns(dir.join(&nid)))?;
             let path = blocking(move || Ok(crate::netns::create(&dir, &nid)?)).await?;
             netns = Some(path.clone());
-            ips = self.attach_network(&id, path, &config, undo).await?;
+            let pod = PodNetwork::from_sandbox_config(&id, path, &config);
+            // CNI DEL is defined for an ADD that never happened or failed half-way.
+            undo.push(Undo::CniTeardown(pod.clone()))?;
+            cni_add = Some(pod);
         }
-
-        // Shared files.
-        let dir = self.sandbox_dir(&id);
-        undo.push(Undo::RemoveDir(dir.clone()))?;
-        let files_dir = dir.join("files");
-        let cfg = config.clone();
-        let fd = files_dir.clone();
-        undo.push(Undo::SandboxFiles(files_dir.clone()))?;
-        blocking(move || Ok(SandboxFiles::prepare(&fd, &cfg)?)).await?;
-
-        // The infra process.
-        let svc = self.clone();
-        let infra = blocking(move || svc.infra_rootfs()).await?;
-        let spec = oci::sandbox_spec(&SandboxSpecParams {
-            id: &id,
-            config: &config,
-            infra: &infra,
-            netns: netns.as_deref(),
-            cgroup_driver: self.cgroup_driver,
-            host: &host,
-            annotations: &self.annotations,
-        })?;
-        let bundle = self.bundle_dir(&id);
-        undo.push(Undo::RemoveDir(bundle.clone()))?;
-        oci::write_bundle(&bundle, &spec)?;
-        // The shim creates the container; from here on, runc knows the id.
-        undo.push(Undo::DeleteContainer {
-            id: id.clone(),
-            shim: None,
-            handler: runtime_handler.clone(),
-        })?;
-        let shim = spawn_shim(ShimConfig::new(
-            &id,
-            &bundle,
-            handler.runtime.clone(),
-            &self.shim_binary,
-        ))
-        .await?;
-        undo.push(Undo::DeleteContainer {
-            id: id.clone(),
-            shim: Some(shim.clone()),
-            handler: runtime_handler.clone(),
-        })?;
+        let network = async {
+            match &cni_add {
+                Some(pod) => self.add_network(pod).await,
+                None => Ok(Vec::new()),
+            }
+        };
+        let infra = async {
+            let shim = self
+                .create_infra(
+                    &id,
+                    &config,
+                    handler,
+                    netns.as_deref(),
+                    &runtime_handler,
+                    undo,
+                )
+                .await?;
+            if !own_userns {
+                // The infra process needs no network: it starts while CNI may still work.
+                handler.runtime.start(&id).await?;
+            }
+            Ok::<_, Error>(shim)
+        };
+        let (network, infra) = tokio::join!(network, infra);
+        let shim = infra?;
+        let mut ips = network?;
         if !host_network(&config) && own_userns {
+            // A pod in its own user namespace: the infra process created the network namespace.
             let dir = self.netns_dir();
             let nid = id.clone();
             let ns = std::path::PathBuf::from(format!("/proc/{}/ns/net", shim.init_pid));
             undo.push(Undo::RemoveNetns(dir.join(&nid)))?;
             let path = blocking(move || Ok(crate::netns::pin(&dir, &nid, &ns)?)).await?;
             netns = Some(path.clone());
-            ips = self.attach_network(&id, path, &config, undo).await?;
+            let pod = PodNetwork::from_sandbox_config(&id, path, &config);
+            undo.push(Undo::CniTeardown(pod.clone()))?;
+            ips = self.add_network(&pod).await?;
         }
-        handler.runtime.start(&id).await?;
+        if own_userns {
+            handler.runtime.start(&id).await?;
+        }
 
         let rec = SandboxRecord {
             id: id.clone(),
@@ -187,19 +181,66 @@ impl PodService {
         Ok(id)
     }
 
-    /// CNI ADD for the sandbox's pinned network namespace `netns`; returns the pod's IPs.
-    async fn attach_network(
-        &self,
-        id: &str,
-        netns: std::path::PathBuf,
-        config: &cri::PodSandboxConfig,
-        undo: &mut Journal,
-    ) -> Result<Vec<String>> {
-        let pod = PodNetwork::from_sandbox_config(id, netns, config);
-        // CNI DEL is defined for an ADD that never happened or failed half-way.
-        undo.push(Undo::CniTeardown(pod.clone()))?;
-        let status = self.cni.setup(&pod).await?;
+    /// CNI ADD of the pod's network (its CNI DEL journaled already); returns the pod's IPs.
+    async fn add_network(&self, pod: &PodNetwork) -> Result<Vec<String>> {
+        let status = self.cni.setup(pod).await?;
         Ok(status.ips.iter().map(|ip| ip.to_string()).collect())
+    }
+
+    /// The infra container, created (not started) under its shim: the pod's shared files, the
+    /// infra rootfs, the bundle, then the shim, which runs the runtime's `create`.
+    async fn create_infra(
+        self: &Arc<Self>,
+        id: &str,
+        config: &cri::PodSandboxConfig,
+        handler: &oci::Handler,
+        netns: Option<&std::path::Path>,
+        runtime_handler: &str,
+        undo: &mut Journal,
+    ) -> Result<ShimHandle> {
+        // Shared files.
+        let dir = self.sandbox_dir(id);
+        undo.push(Undo::RemoveDir(dir.clone()))?;
+        let files_dir = dir.join("files");
+        let cfg = config.clone();
+        let fd = files_dir.clone();
+        undo.push(Undo::SandboxFiles(files_dir.clone()))?;
+        blocking(move || Ok(SandboxFiles::prepare(&fd, &cfg)?)).await?;
+
+        // The infra process.
+        let svc = self.clone();
+        let infra = blocking(move || svc.infra_rootfs()).await?;
+        let spec = oci::sandbox_spec(&SandboxSpecParams {
+            id,
+            config,
+            infra: &infra,
+            netns,
+            cgroup_driver: self.cgroup_driver,
+            host: &self.host_for(handler),
+            annotations: &self.annotations,
+        })?;
+        let bundle = self.bundle_dir(id);
+        undo.push(Undo::RemoveDir(bundle.clone()))?;
+        oci::write_bundle(&bundle, &spec)?;
+        // The shim creates the container; from here on, runc knows the id.
+        undo.push(Undo::DeleteContainer {
+            id: id.to_string(),
+            shim: None,
+            handler: runtime_handler.to_string(),
+        })?;
+        let shim = spawn_shim(ShimConfig::new(
+            id,
+            &bundle,
+            handler.runtime.clone(),
+            &self.shim_binary,
+        ))
+        .await?;
+        undo.push(Undo::DeleteContainer {
+            id: id.to_string(),
+            shim: Some(shim.clone()),
+            handler: runtime_handler.to_string(),
+        })?;
+        Ok(shim)
     }
 
     /// Marks the sandbox NotReady when its infra process exits.
