@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::StreamExt;
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::content::{ContentStore, Ingest};
@@ -422,8 +422,18 @@ struct Piece {
     busy: bool,
 }
 
+/// Bytes of one blob received and not yet written, at most: the writer's queue is bounded by
+/// bytes, not only by messages (one chunk can be as large as the HTTP client's read buffer, and
+/// a blob's connections all feed one writer).
+const QUEUED_BYTES: u32 = 2 * 1024 * 1024;
+
 enum WriterMsg {
-    Data { at: u64, bytes: Bytes },
+    /// `bytes` at `at`; `_queued` holds their share of [`QUEUED_BYTES`] until they are written.
+    Data {
+        at: u64,
+        bytes: Bytes,
+        _queued: OwnedSemaphorePermit,
+    },
     Restart,
 }
 
@@ -440,6 +450,8 @@ struct Transfer<'a> {
     progress: &'a BlobProgress,
     transfers: &'a Arc<Semaphore>,
     tx: tokio::sync::mpsc::Sender<WriterMsg>,
+    /// [`QUEUED_BYTES`] of permits: what the writer has yet to write.
+    queued: Arc<Semaphore>,
     pieces: Mutex<Vec<Piece>>,
     /// Failures in a row without a byte arriving, and the back-off before the next request.
     failures: Mutex<(u32, Duration)>,
@@ -611,10 +623,18 @@ impl Transfer<'_> {
             self.pieces.lock().unwrap()[i].pos = pos + n;
             self.progress.done.fetch_add(n, Ordering::Relaxed);
             self.progress.downloaded.fetch_add(n, Ordering::Relaxed);
+            let share = u32::try_from(chunk.len()).map_or(QUEUED_BYTES, |n| n.min(QUEUED_BYTES));
+            let queued = self
+                .queued
+                .clone()
+                .acquire_many_owned(share)
+                .await
+                .expect("the semaphore is never closed");
             self.tx
                 .send(WriterMsg::Data {
                     at: pos,
                     bytes: chunk,
+                    _queued: queued,
                 })
                 .await
                 .map_err(|_| writer_gone())?;
@@ -670,7 +690,7 @@ async fn fetch(
         let mut ingest: Ingest = ingest;
         while let Some(msg) = rx.blocking_recv() {
             match msg {
-                WriterMsg::Data { at, bytes } => ingest.write_at(at, &bytes)?,
+                WriterMsg::Data { at, bytes, .. } => ingest.write_at(at, &bytes)?,
                 WriterMsg::Restart => ingest.restart()?,
             }
             if ingest.offset() != on_disk.written() {
@@ -690,6 +710,7 @@ async fn fetch(
         progress,
         transfers,
         tx,
+        queued: Arc::new(Semaphore::new(QUEUED_BYTES as usize)),
         pieces: Mutex::new(pieces),
         failures: Mutex::new((0, FIRST_BACKOFF)),
         broke_off: Mutex::new(None),
