@@ -12,16 +12,20 @@
 #                      (default: $CONTAINERD2, else its column is skipped with a note)
 #   --pods N           pod and container lifecycles per run (default 20)
 #   --parallel N       of them at once (default 2)
-#   --images N         image pull/status/remove lifecycles per run (default 10)
+#   --images N         image pull/status/remove lifecycles per run (default 10), one at a time
+#                      (critest's samples pull and remove the same image: at once, one sample's
+#                      RemoveImage races another's PullImage, and containerd 1.6 fails the pull)
 #   --work DIR         scratch space (default /var/tmp/minicri-bench-cri)
 #
-# Each run starts the daemon afresh on an empty root. The images are the project's own (pushed to
-# the project's registry on 127.0.0.1:5098); containerd's sandbox image is busybox sleeping, as
-# it has no infra process of its own. Pods get a CNI bridge (bridge, host-local, portmap,
-# loopback) of their own per runtime. critest samples every operation of a lifecycle (pods:
-# RunPodSandbox, PodSandboxStatus, StopPodSandbox, RemovePodSandbox; containers: CreateContainer,
-# StartContainer, ContainerStatus, StopContainer, RemoveContainer; images: PullImage, ImageStatus,
-# RemoveImage; ListImages); the medians over all samples of all runs are printed in milliseconds.
+# Each run starts the daemon afresh on an empty root on disk and an empty state directory on a
+# tmpfs (a node's /run, where both keep their state by default, is one). The images are the
+# project's own (pushed to the project's registry on 127.0.0.1:5098); containerd's sandbox image
+# is busybox sleeping, as it has no infra process of its own. Pods get a CNI bridge (bridge,
+# host-local, portmap, loopback) of their own per runtime. critest samples every operation of a
+# lifecycle (pods: RunPodSandbox, PodSandboxStatus, StopPodSandbox, RemovePodSandbox; containers:
+# CreateContainer, StartContainer, ContainerStatus, StopContainer, RemoveContainer; images:
+# PullImage, ImageStatus, RemoveImage; ListImages); the medians (and 90th percentiles) over all
+# samples of all runs are printed in milliseconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -42,7 +46,7 @@ while [ $# -gt 0 ]; do
         --parallel) parallel=$2; shift 2;;
         --images) nimages=$2; shift 2;;
         --work) work=$2; shift 2;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0;;
         *) echo "bench-cri: unknown argument $1" >&2; exit 2;;
     esac
 done
@@ -59,14 +63,18 @@ port=5098
 reg=127.0.0.1:$port
 bin=$repo/target/release
 mkdir -p "$work"
+umount -l "$work/run/state" 2>/dev/null || true
 rm -rf "$work/run" && mkdir -p "$work/run"
 run=$work/run
 daemon_pid=
 cleanup() {
     [ -n "$daemon_pid" ] && kill -9 "$daemon_pid" 2>/dev/null || true
     hack/stop-registry.sh --dir "$work/registry" >/dev/null 2>&1 || true
+    umount -l "$run/state" 2>/dev/null || true
 }
 trap cleanup EXIT
+# The daemons' state directories, as a node's /run: a tmpfs.
+mkdir -p "$run/state" && mount -t tmpfs -o mode=0755 minicri-bench-state "$run/state"
 
 hack/start-registry.sh --port "$port" --dir "$work/registry" >/dev/null
 "$bin/minicri-testimg" push-standard --registry "$reg" >/dev/null
@@ -88,7 +96,7 @@ containersNumberParallel: $parallel
 podsNumber: $pods
 podsNumberParallel: $parallel
 imagesNumber: $nimages
-imagesNumberParallel: $parallel
+imagesNumberParallel: 1
 imagePullingBenchmarkImage: $reg/minicri-test/multi:latest
 imageListingBenchmarkImages:
   - $busybox
@@ -117,13 +125,13 @@ JSON
 }
 
 start_daemon() { # runtime root -> sets daemon_pid and sock
-    local rt=$1 root=$2
-    rm -rf "$root" && mkdir -p "$root"
+    local rt=$1 root=$2 state=$run/state/$1
+    rm -rf "$root" "$state" && mkdir -p "$root" "$state"
     sock=$root/cri.sock
     case $rt in
         minicri)
             cni_conf "$rt" "$root/net.d" 77
-            "$bin/minicri" serve --root "$root/root" --state "$root/state" --socket "$sock" \
+            "$bin/minicri" serve --root "$root/root" --state "$state" --socket "$sock" \
                 --registry-config-dir "$certs" --cni-conf-dir "$root/net.d" --log-level warn >"$root/log" 2>&1 &
             ;;
         containerd|containerd2)
@@ -133,7 +141,7 @@ start_daemon() { # runtime root -> sets daemon_pid and sock
             cat > "$root/config.toml" <<TOML
 version = 2
 root = "$root/root"
-state = "$root/state"
+state = "$state"
 [grpc]
   address = "$sock"
 [ttrpc]
@@ -165,16 +173,19 @@ TOML
     echo "bench-cri: $rt did not open $sock; its log:" >&2; tail -20 "$root/log" >&2; exit 1
 }
 
-stop_daemon() { # root
+stop_daemon() { # runtime root
+    local state=$run/state/$1 root=$2
     kill "$daemon_pid" 2>/dev/null || true
     for _ in $(seq 100); do kill -0 "$daemon_pid" 2>/dev/null || break; sleep 0.05; done
     kill -9 "$daemon_pid" 2>/dev/null || true
     wait "$daemon_pid" 2>/dev/null || true
     daemon_pid=
     # containerd leaves its shims (and their pods, if any survived) behind a stop.
-    pkill -9 -f "containerd-shim-runc-v2 -namespace k8s.io -address $1/" 2>/dev/null || true
-    awk -v r="$1/" '$2 ~ "^"r {print $2}' /proc/self/mounts | sort -r | xargs -r -n1 umount -l
-    rm -rf "$1"
+    pkill -9 -f "containerd-shim-runc-v2 -namespace k8s.io -address $root/" 2>/dev/null || true
+    for d in "$root" "$state"; do
+        awk -v r="$d/" '$2 ~ "^"r {print $2}' /proc/self/mounts | sort -r | xargs -r -n1 umount -l
+        rm -rf "$d"
+    done
 }
 
 bench_once() { # runtime run -> results in $run/$rt-$r/
@@ -188,9 +199,9 @@ bench_once() { # runtime run -> results in $run/$rt-$r/
         --benchmarking-output-dir "$out" >"$out/critest.log" 2>&1; then
         echo "bench-cri: critest failed against $rt (run $r); the end of its output:" >&2
         tail -30 "$out/critest.log" >&2
-        stop_daemon "$root"; exit 1
+        stop_daemon "$rt" "$root"; exit 1
     fi
-    stop_daemon "$root"
+    stop_daemon "$rt" "$root"
 }
 
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$run/load"
@@ -220,7 +231,7 @@ quantile() { sort -g | awk -v q="$1" '{a[NR]=$1} END {if (NR == 0) {print "-"; e
     i = q * (NR - 1) + 1; lo = int(i); hi = (lo < NR) ? lo + 1 : lo
     printf "%.1f\n", a[lo] + (i - lo) * (a[hi] - a[lo])}'; }
 echo
-echo "critest -benchmark: $pods pods / containers ($parallel at once), $nimages images, $runs runs per runtime"
+echo "critest -benchmark: $pods pods / containers ($parallel at once), $nimages images (one at a time), $runs runs per runtime"
 printf '%-18s' operation; for rt in $runtimes; do printf ' %13s %7s' "$rt p50" "p90"; done; echo
 for pair in pod_benchmark_data.json:RunPodSandbox=CreatePod pod_benchmark_data.json:PodSandboxStatus=StatusPod \
     pod_benchmark_data.json:StopPodSandbox=StopPod pod_benchmark_data.json:RemovePodSandbox=RemovePod \
