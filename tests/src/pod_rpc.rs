@@ -71,6 +71,27 @@ pub async fn list_pod_sandboxes(c: &mut RuntimeClient) -> Vec<cri::PodSandbox> {
         .items
 }
 
+/// Every container (ListContainers, no filter).
+pub async fn list_containers(c: &mut RuntimeClient) -> Vec<cri::Container> {
+    c.list_containers(cri::ListContainersRequest { filter: None })
+        .await
+        .expect("ListContainers")
+        .into_inner()
+        .containers
+}
+
+/// Asserts that ContainerStatus of `id` is NOT_FOUND.
+pub async fn assert_container_not_found(c: &mut RuntimeClient, id: &str) {
+    let err = c
+        .container_status(cri::ContainerStatusRequest {
+            container_id: id.to_string(),
+            verbose: false,
+        })
+        .await
+        .expect_err("ContainerStatus of a removed container");
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+}
+
 /// StopPodSandbox of sandbox `id`.
 pub async fn stop_pod_sandbox(c: &mut RuntimeClient, id: &str) {
     c.stop_pod_sandbox(cri::StopPodSandboxRequest {

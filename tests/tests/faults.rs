@@ -19,9 +19,9 @@ use minicri_tests::pod_env::{
     skip_reason, write_executable,
 };
 use minicri_tests::pod_rpc::{
-    RuntimeClient, container_config, container_status, create_container, list_pod_sandboxes,
-    pod_sandbox_status, remove_pod_sandbox, run_container, run_pod, stop_and_remove_pod,
-    stop_container, stop_pod_sandbox,
+    RuntimeClient, assert_container_not_found, container_config, container_status,
+    create_container, list_containers, list_pod_sandboxes, pod_sandbox_status, remove_pod_sandbox,
+    run_container, run_pod, stop_and_remove_pod, stop_container, stop_pod_sandbox,
 };
 use minicri_tests::registry::Registry;
 
@@ -285,6 +285,16 @@ fn network_of(env: &PodEnv) -> (PathBuf, serde_json::Value, String, PathBuf) {
     (conf, list, bridge, dir.join("ipam"))
 }
 
+/// Rewrites the conflist at `conf` as `good` with the injector's hanging plugin at its end.
+fn chain_the_hanging_plugin(conf: &Path, good: &serde_json::Value) {
+    let mut chained = good.clone();
+    chained["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({ "type": "minicri-test-hang" }));
+    std::fs::write(conf, serde_json::to_vec(&chained).unwrap()).unwrap();
+}
+
 /// Addresses host-local holds (files named as IPs under its data directory).
 fn leases(ipam: &Path) -> Vec<String> {
     let mut out = Vec::new();
@@ -371,12 +381,7 @@ async fn sigkill_during_run_pod_sandbox_is_undone_at_the_next_start() {
     let inj = Injector::new();
     let mut env = pod_env_with(&inj).await;
     let (conf, good, bridge, ipam) = network_of(&env);
-    let mut chained = good.clone();
-    chained["plugins"]
-        .as_array_mut()
-        .unwrap()
-        .push(serde_json::json!({ "type": "minicri-test-hang" }));
-    std::fs::write(&conf, serde_json::to_vec(&chained).unwrap()).unwrap();
+    chain_the_hanging_plugin(&conf, &good);
     let pod = pod_config("killed-in-run", env.logs.path());
     let c = env.runtime().await;
     let run = {
@@ -425,12 +430,7 @@ async fn the_infra_starts_while_cni_adds_and_a_failed_add_undoes_both() {
     let inj = Injector::new();
     let env = pod_env_with(&inj).await;
     let (conf, good, bridge, ipam) = network_of(&env);
-    let mut chained = good.clone();
-    chained["plugins"]
-        .as_array_mut()
-        .unwrap()
-        .push(serde_json::json!({ "type": "minicri-test-hang" }));
-    std::fs::write(&conf, serde_json::to_vec(&chained).unwrap()).unwrap();
+    chain_the_hanging_plugin(&conf, &good);
     let mut c = env.runtime().await;
     inj.set("hang-add");
     let run = {
@@ -599,21 +599,9 @@ async fn remove_container_returns_before_its_teardown_which_a_restart_finishes()
         "RemoveContainer waited for the runtime: {:?}",
         t.elapsed()
     );
-    let listed = c
-        .list_containers(cri::ListContainersRequest { filter: None })
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = list_containers(&mut c).await;
     assert!(listed.iter().all(|x| x.id != cid), "still listed");
-    let gone = c
-        .container_status(cri::ContainerStatusRequest {
-            container_id: cid.clone(),
-            verbose: false,
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(gone.code(), tonic::Code::NotFound);
+    assert_container_not_found(&mut c, &cid).await;
     let pending = env
         .state()
         .join("pods/removing")
@@ -634,12 +622,7 @@ async fn remove_container_returns_before_its_teardown_which_a_restart_finishes()
     assert!(!runc_ids(&env).contains(&cid), "runc still has it");
     assert!(mounts_under(&env.state()).iter().all(|m| !m.contains(&cid)));
     assert!(!env.state().join("containers").join(&cid).exists());
-    let listed = c
-        .list_containers(cri::ListContainersRequest { filter: None })
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = list_containers(&mut c).await;
     assert!(listed.iter().all(|x| x.id != cid), "back after the restart");
     stop_and_remove_pod(&mut c, &sb).await;
     let stray = env.stray_state();

@@ -13,9 +13,9 @@ use minicri_tests::pod_env::{
     PodEnv, eventually, mounts_under, pod_config, processes_mentioning, skip_reason,
 };
 use minicri_tests::pod_rpc::{
-    container_config, container_status, create_container, exec_sync, list_pod_sandboxes,
-    pod_sandbox_status, remove_pod_sandbox, run_container, run_pod, stop_container,
-    stop_pod_sandbox,
+    assert_container_not_found, container_config, container_status, create_container, exec_sync,
+    list_pod_sandboxes, pod_sandbox_status, remove_pod_sandbox, run_container, run_pod,
+    stop_container, stop_pod_sandbox,
 };
 use tonic::Code;
 
@@ -231,14 +231,7 @@ async fn pod_and_container_lifecycle() {
         .await
         .expect("remove (twice)");
     }
-    let gone = c
-        .container_status(cri::ContainerStatusRequest {
-            container_id: cid.clone(),
-            verbose: false,
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(gone.code(), Code::NotFound);
+    assert_container_not_found(&mut c, &cid).await;
 
     // Stop and remove the pod, twice each.
     for _ in 0..2 {
