@@ -3,9 +3,13 @@
 # 1.6 (Debian's) and, when given one, containerd 2.x, each with its CRI plugin set up as on a node
 # (overlayfs snapshotter, hosts.toml for the registry), in one run, runtimes alternating.
 #
-# Usage (root): hack/bench-pull.sh [--runs N] [--containerd2 PATH] [--images LIST] [--work DIR]
+# Usage (root): hack/bench-pull.sh [--runs N] [--containerd2 PATH] [--multipart BYTES]
+#                                  [--images LIST] [--work DIR]
 #   --runs N           runs per image and runtime (default 3); medians are reported
 #   --containerd2 PATH a containerd 2.x binary (default: $CONTAINERD2, else skipped with a note)
+#   --multipart BYTES  also run that containerd 2.x with its multipart fetch on (runtime
+#                      `containerd2mp`: transfer service `concurrent_layer_fetch_buffer = BYTES`
+#                      and `max_concurrent_downloads = 4`, the connections minicri uses per blob)
 #   --images LIST      any of: one eight usr capped (default: all four)
 #   --work DIR         scratch space (default /var/tmp/minicri-bench-pull); the generated layers
 #                      of the realistic image are kept in DIR/layers between runs
@@ -30,15 +34,17 @@ repo=$(pwd)
 
 runs=3
 containerd2=${CONTAINERD2:-}
+multipart=
 images="one eight usr capped"
 work=/var/tmp/minicri-bench-pull
 while [ $# -gt 0 ]; do
     case $1 in
         --runs) runs=$2; shift 2;;
         --containerd2) containerd2=$2; shift 2;;
+        --multipart) multipart=$2; shift 2;;
         --images) images=$2; shift 2;;
         --work) work=$2; shift 2;;
-        -h|--help) sed -n '2,29p' "$0"; exit 0;;
+        -h|--help) sed -n '2,30p' "$0"; exit 0;;
         *) echo "bench-pull: unknown argument $1" >&2; exit 2;;
     esac
 done
@@ -138,6 +144,7 @@ done
 runtimes="minicri containerd"
 if [ -n "$containerd2" ]; then
     runtimes="$runtimes containerd2"
+    [ -n "$multipart" ] && runtimes="$runtimes containerd2mp"
 else
     echo "note: no containerd 2.x given (--containerd2 PATH or \$CONTAINERD2): its column is skipped" | tee "$run/notes"
 fi
@@ -151,9 +158,9 @@ start_daemon() { # runtime root -> sets daemon_pid and sock
             "$bin/minicri" serve --root "$root/root" --state "$root/state" --socket "$sock" \
                 --registry-config-dir "$certs" --log-level warn >"$root/log" 2>&1 &
             ;;
-        containerd|containerd2)
+        containerd|containerd2|containerd2mp)
             local exe=containerd
-            [ "$rt" = containerd2 ] && exe=$containerd2
+            [ "$rt" != containerd ] && exe=$containerd2
             cat > "$root/config.toml" <<TOML
 version = 2
 root = "$root/root"
@@ -172,6 +179,10 @@ state = "$root/state"
 [plugins."io.containerd.grpc.v1.cri".registry]
   config_path = "$certs"
 TOML
+            if [ "$rt" = containerd2mp ]; then
+                printf '[plugins."io.containerd.transfer.v1.local"]\n  concurrent_layer_fetch_buffer = %s\n  max_concurrent_downloads = 4\n' \
+                    "$multipart" >> "$root/config.toml"
+            fi
             "$exe" --config "$root/config.toml" >"$root/log" 2>&1 &
             ;;
     esac
