@@ -226,17 +226,18 @@ impl Store {
             inner.names.insert(s.name.clone(), s.id.clone());
             inner.sandboxes.insert(s.id.clone(), s);
         }
+        for c in read_dir_json::<ContainerRecord>(&dir.join(REMOVING)) {
+            inner.removing.insert(c.id.clone(), c);
+        }
         for c in read_dir_json::<ContainerRecord>(&dir.join("containers")) {
+            if inner.removing.contains_key(&c.id) {
+                // Removed before the crash: a record of the same id left here is stale, and its
+                // name may belong to a container created since.
+                let _ = std::fs::remove_file(dir.join("containers").join(format!("{}.json", c.id)));
+                continue;
+            }
             inner.names.insert(c.name.clone(), c.id.clone());
             inner.containers.insert(c.id.clone(), c);
-        }
-        for c in read_dir_json::<ContainerRecord>(&dir.join(REMOVING)) {
-            // Removed before the crash: a record of the same id left in `containers` is stale.
-            if let Some(stale) = inner.containers.remove(&c.id) {
-                inner.names.remove(&stale.name);
-                let _ = std::fs::remove_file(dir.join("containers").join(format!("{}.json", c.id)));
-            }
-            inner.removing.insert(c.id.clone(), c);
         }
         Ok(Store {
             dir: dir.to_path_buf(),
@@ -613,5 +614,29 @@ mod tests {
         assert!(again.removal("id1").is_some());
         again.reserve("c", "id2").expect("its name is free");
         assert!(!d.path().join("containers/id1.json").exists());
+    }
+
+    #[test]
+    fn a_stale_record_does_not_take_its_name_from_the_container_created_since() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path()).unwrap();
+        s.reserve("c", "id1").unwrap();
+        s.put_container(container("id1", "c")).unwrap();
+        s.begin_removal("id1").unwrap().unwrap();
+        // The name went to a new container, then a crash left the old record beside its removal.
+        s.reserve("c", "id2").unwrap();
+        s.put_container(container("id2", "c")).unwrap();
+        std::fs::copy(
+            d.path().join("removing/id1.json"),
+            d.path().join("containers/id1.json"),
+        )
+        .unwrap();
+        let again = Store::open(d.path()).unwrap();
+        assert!(again.container("id2").is_some());
+        assert!(
+            matches!(again.reserve("c", "id3"), Err(Error::AlreadyExists(_))),
+            "the name still belongs to id2"
+        );
+        again.reserve("c", "id2").expect("id2 keeps its name");
     }
 }
