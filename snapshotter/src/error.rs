@@ -61,6 +61,12 @@ pub enum Error {
     #[error("layer diff_id mismatch: expected {expected}, computed {actual}")]
     DiffIdMismatch { expected: String, actual: String },
 
+    /// A layer applied before its parent ([`crate::Snapshotter::apply_layer_early`]) turned out to
+    /// depend on what the parent has; nothing is committed. Apply it again with
+    /// [`crate::Snapshotter::apply_layer`] once the parent is committed.
+    #[error("the layer must be applied on top of its parent: {reason}")]
+    NeedsParent { reason: String },
+
     /// overlayfs cannot be used on this host or root directory.
     #[error("overlayfs unavailable: {0}")]
     OverlayUnsupported(String),
@@ -96,6 +102,7 @@ impl Error {
             Error::LayerLimit { .. } => "FAILED_PRECONDITION",
             Error::LayerStream { .. } => "UNAVAILABLE",
             Error::OverlayUnsupported(_) => "FAILED_PRECONDITION",
+            Error::NeedsParent { .. } => "INTERNAL",
             Error::Record { .. } | Error::Io { .. } => "INTERNAL",
         }
     }

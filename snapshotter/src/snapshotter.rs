@@ -116,6 +116,24 @@ pub trait Snapshotter: Send + Sync {
         stream: &mut (dyn Read + Send),
     ) -> Result<LayerApplied>;
 
+    /// Applies a layer whose parent chain (`layer.parent`) another thread may still be applying,
+    /// so that the layers of an image unpack at once. `parent_ready` blocks until that apply has
+    /// ended and says whether the parent is committed.
+    ///
+    /// The overlay backend unpacks the layer into a directory of its own right away, then waits
+    /// for the parent and commits if nothing the layer did depended on the parent's content beyond
+    /// the metadata of directories it writes into (taken from the parent then, as a copy-up does).
+    /// Otherwise (whiteouts of the parent's files, hardlinks to them, paths through its symlinks)
+    /// it returns [`crate::Error::NeedsParent`], and the caller applies the layer again with
+    /// [`Snapshotter::apply_layer`]. The copy backend waits for the parent, then applies.
+    /// `parent_ready` returning false fails the apply with NOT_FOUND for the parent.
+    fn apply_layer_early(
+        &self,
+        layer: &LayerSpec<'_>,
+        stream: &mut (dyn Read + Send),
+        parent_ready: &dyn Fn() -> bool,
+    ) -> Result<LayerApplied>;
+
     /// Creates the writable snapshot `key` on top of the committed `parent` and returns its mount.
     fn prepare(&self, key: &str, parent: Option<&str>) -> Result<Mount>;
 

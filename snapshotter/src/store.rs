@@ -16,6 +16,8 @@
 //!   is written, so a layer half-applied when the daemon died is never used, only swept from `tmp/`;
 //! - at most one apply per chain id runs at a time in this process (single flight); later callers wait
 //!   and then find the chain committed, or apply it themselves if the first one failed;
+//! - a layer applied ahead of its parent ([`Snapshotter::apply_layer_early`]) is built in `tmp/`
+//!   without it and installed only after its parent is committed and the layer rebased onto it;
 //! - a snapshot that is the parent of an apply or prepare in progress is pinned and not collected;
 //! - the state lock is held for record changes and renames only, never while a layer is applied.
 
@@ -76,6 +78,16 @@ struct State {
 struct Flight {
     done: Mutex<bool>,
     cv: Condvar,
+}
+
+impl Flight {
+    /// Blocks until the flight has landed (committed or failed).
+    fn wait(&self) {
+        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        while !*done {
+            done = self.cv.wait(done).unwrap_or_else(|p| p.into_inner());
+        }
+    }
 }
 
 /// Snapshots on the local filesystem, with the overlayfs or the copy backend.
@@ -250,6 +262,28 @@ impl LocalSnapshotter {
         })
     }
 
+    fn limits(&self) -> crate::apply::Limits {
+        crate::apply::Limits {
+            max_bytes: self.options.max_layer_bytes,
+            max_entries: self.options.max_layer_entries,
+        }
+    }
+
+    /// Checks the diff_id the stream hashed to and flushes the new layer in `tmp` if configured.
+    fn check_and_sync(&self, layer: &LayerSpec<'_>, tmp: &Path, diff_id: String) -> Result<()> {
+        if diff_id != layer.diff_id {
+            return Err(Error::DiffIdMismatch {
+                expected: layer.diff_id.to_string(),
+                actual: diff_id,
+            });
+        }
+        if self.options.sync_on_commit {
+            let f = File::open(tmp).ctx(|| format!("opening {}", tmp.display()))?;
+            nix::unistd::syncfs(&f).ctx(|| "syncfs".into())?;
+        }
+        Ok(())
+    }
+
     fn unpack(
         &self,
         layer: &LayerSpec<'_>,
@@ -262,28 +296,84 @@ impl LocalSnapshotter {
         let result = (|| {
             backend::populate(self.backend, Kind::Committed, &tmp, &lowers)?;
             let (diff_id, size) = pipeline::decode_and_apply(codec, stream, |tar| {
-                let limits = crate::apply::Limits {
-                    max_bytes: self.options.max_layer_bytes,
-                    max_entries: self.options.max_layer_entries,
-                };
-                backend::apply(self.backend, &tmp, &lowers, tar, limits)
+                backend::apply(self.backend, &tmp, &lowers, tar, self.limits())
             })?;
+            self.check_and_sync(layer, &tmp, diff_id)?;
+            Ok(size)
+        })();
+        self.commit_layer(layer, chain, &tmp, result)
+    }
+
+    /// [`Snapshotter::apply_layer_early`] for the overlay backend, once this caller leads the
+    /// chain's flight: apply detached, wait for the parent, rebase onto it, commit.
+    fn unpack_early(
+        &self,
+        layer: &LayerSpec<'_>,
+        parent: &str,
+        chain: &str,
+        codec: Compression,
+        stream: &mut (dyn Read + Send),
+        parent_ready: &dyn Fn() -> bool,
+    ) -> Result<LayerApplied> {
+        let tmp = self.tmp_dir("apply")?;
+        let mut pin = None;
+        let result = (|| {
+            backend::populate(self.backend, Kind::Committed, &tmp, &[])?;
+            let mut detached = None;
+            let (diff_id, size) = pipeline::decode_and_apply(codec, stream, |tar| {
+                detached = Some(backend::apply_detached(&tmp, tar, self.limits())?);
+                Ok(())
+            })
+            .map_err(|e| match e {
+                // What the bytes are does not depend on the parent.
+                Error::DiffIdMismatch { .. }
+                | Error::LayerStream { .. }
+                | Error::LayerLimit { .. } => e,
+                // Whatever else failed, the apply on top of the parent has the last word.
+                other => Error::NeedsParent {
+                    reason: other.to_string(),
+                },
+            })?;
+            let detached = detached.expect("set by a successful apply");
             if diff_id != layer.diff_id {
                 return Err(Error::DiffIdMismatch {
                     expected: layer.diff_id.to_string(),
                     actual: diff_id,
                 });
             }
-            if self.options.sync_on_commit {
-                let f = File::open(&tmp).ctx(|| format!("opening {}", tmp.display()))?;
-                nix::unistd::syncfs(&f).ctx(|| "syncfs".into())?;
+            if !parent_ready() {
+                return Err(Error::NotFound { key: parent.into() });
             }
+            let (p, lowers) = self.pin_parent(Some(parent))?;
+            pin = Some(p);
+            let fs_dir = tmp.join("fs");
+            crate::apply::rebase(&fs_dir, &detached, &lowers)
+                .ctx(|| format!("rebasing {} onto {parent}", fs_dir.display()))?
+                .map_err(|reason| Error::NeedsParent { reason })?;
+            if !detached.lists_root() {
+                backend::copy_root_meta(&fs_dir, &lowers)?;
+            }
+            self.check_and_sync(layer, &tmp, diff_id)?;
             Ok(size)
         })();
+        let applied = self.commit_layer(layer, chain, &tmp, result);
+        drop(pin);
+        applied
+    }
+
+    /// Commits the layer applied into `tmp` (`result`: its uncompressed size) under `chain`, or
+    /// throws `tmp` away if the apply failed.
+    fn commit_layer(
+        &self,
+        layer: &LayerSpec<'_>,
+        chain: &str,
+        tmp: &Path,
+        result: Result<u64>,
+    ) -> Result<LayerApplied> {
         let size = match result {
             Ok(a) => a,
             Err(e) => {
-                let _ = fsutil::remove_all(&tmp);
+                let _ = fsutil::remove_all(tmp);
                 return Err(e);
             }
         };
@@ -296,7 +386,7 @@ impl LocalSnapshotter {
             created: now(),
             layer_size: Some(size),
         };
-        let unpacked = self.install(&tmp, rec)?;
+        let unpacked = self.install(tmp, rec)?;
         if !unpacked {
             return Ok(self
                 .existing_layer(chain, layer.user)?
@@ -448,12 +538,47 @@ impl Snapshotter for LocalSnapshotter {
                     }
                     return self.unpack(layer, &chain, codec, stream);
                 }
-                Err(flight) => {
-                    let mut done = flight.done.lock().unwrap_or_else(|p| p.into_inner());
-                    while !*done {
-                        done = flight.cv.wait(done).unwrap_or_else(|p| p.into_inner());
+                Err(flight) => flight.wait(),
+            }
+        }
+    }
+
+    fn apply_layer_early(
+        &self,
+        layer: &LayerSpec<'_>,
+        stream: &mut (dyn Read + Send),
+        parent_ready: &dyn Fn() -> bool,
+    ) -> Result<LayerApplied> {
+        let Some(parent) = layer.parent else {
+            return self.apply_layer(layer, stream);
+        };
+        let committed = self
+            .lock()
+            .records
+            .get(parent)
+            .is_some_and(|r| r.kind == Kind::Committed);
+        if committed || self.backend != Backend::Overlay {
+            if !committed && !parent_ready() {
+                return Err(Error::NotFound { key: parent.into() });
+            }
+            return self.apply_layer(layer, stream);
+        }
+        validate_digest(layer.diff_id)?;
+        validate_digest(parent)?;
+        let codec = Compression::from_media_type(layer.media_type)?;
+        let chain = chain_id(Some(parent), layer.diff_id);
+        loop {
+            if let Some(done) = self.existing_layer(&chain, layer.user)? {
+                return Ok(done);
+            }
+            match self.join_flight(&chain) {
+                Ok(_guard) => {
+                    if let Some(done) = self.existing_layer(&chain, layer.user)? {
+                        return Ok(done);
                     }
+                    return self.unpack_early(layer, parent, &chain, codec, stream, parent_ready);
                 }
+                Err(flight) => flight.wait(),
             }
         }
     }

@@ -1,6 +1,7 @@
 //! Property test: random layer sequences (files, directories, symlinks, hardlinks, whiteouts, opaque
 //! directories, with modes, owners, times and xattrs) applied by both backends give, after every layer,
-//! exactly the tree an in-memory model of OCI layer semantics predicts.
+//! exactly the tree an in-memory model of OCI layer semantics predicts, whether the layers are applied
+//! one after the other or all at once (each before its parent is committed).
 
 mod common;
 
@@ -363,6 +364,21 @@ fn check(layers: &[Vec<Op>]) -> Result<(), TestCaseError> {
             let got = with_view(&s as &dyn Snapshotter, c, actual);
             let want = expected(&models[i]);
             prop_assert_eq!(got, want, "backend {:?}, after layer {}", b, i);
+        }
+        // The same layers unpacked at once, each before its parent is committed.
+        let (_d, s) = open(b);
+        let (early, _) = apply_all_early(&s, &tars);
+        prop_assert_eq!(&early, &chain);
+        for (i, c) in early.iter().enumerate() {
+            let got = with_view(&s as &dyn Snapshotter, c, actual);
+            let want = expected(&models[i]);
+            prop_assert_eq!(
+                got,
+                want,
+                "backend {:?}, unpacked early, after layer {}",
+                b,
+                i
+            );
         }
     }
     Ok(())

@@ -410,3 +410,155 @@ fn commit_active_snapshot(b: Backend) {
     assert_eq!(keys, ["", "added", "base"]);
     assert!(s.mounts("committed").is_err());
 }
+
+/// A tree with directory times (which `describe` leaves out) for comparing two applies exactly.
+fn exact_tree(root: &std::path::Path) -> Vec<(String, Node, i64)> {
+    describe(root)
+        .into_iter()
+        .map(|(k, n)| {
+            let t = fs::symlink_metadata(root.join(&k)).unwrap().mtime();
+            (k, n, t)
+        })
+        .collect()
+}
+
+/// Applies `layers` one after the other and all at once (each before its parent is committed) on
+/// the overlay backend; asserts the two give the same trees, directory times included; returns how
+/// many layers the early apply had to redo on top of their parent.
+fn early_matches_sequential(layers: &[Vec<u8>]) -> usize {
+    let (_d, seq) = open(Backend::Overlay);
+    let chain = apply_all(&seq, layers);
+    let (_d, early) = open(Backend::Overlay);
+    let (early_chain, redone) = apply_all_early(&early, layers);
+    assert_eq!(early_chain, chain);
+    for c in &chain {
+        assert_eq!(
+            with_view(&early, c, exact_tree),
+            with_view(&seq, c, exact_tree)
+        );
+    }
+    redone
+}
+
+fn dir_with(name: &str, mode: u32, uid: u64, mtime: u64) -> (String, Attrs) {
+    (
+        name.to_string(),
+        Attrs {
+            uid,
+            gid: uid,
+            mtime,
+            ..Attrs::mode(mode)
+        },
+    )
+}
+
+#[test]
+fn a_layer_unpacked_before_its_parent_takes_the_parents_directory_metadata() {
+    let mut l0 = Layer::new();
+    for (name, a) in [
+        dir_with("./", 0o750, 0, 11),
+        dir_with("usr", 0o711, 7, 22),
+        dir_with("usr/lib", 0o700, 1000, 33),
+    ] {
+        l0.entry(EntryType::Directory, name.as_bytes(), None, b"", &a);
+    }
+    l0.file("usr/lib/a", b"a");
+    // Files under directories the layer does not list: the parent's directories, as copied up.
+    let mut l1 = Layer::new();
+    l1.file("usr/lib/b", b"b").file("usr/new/c", b"c");
+    let redone = early_matches_sequential(&[l0.finish(), l1.finish()]);
+    assert_eq!(
+        redone, 0,
+        "nothing in the layer depends on the parent's content"
+    );
+
+    let (_d, s) = open(Backend::Overlay);
+    let mut l0 = Layer::new();
+    l0.entry(
+        EntryType::Directory,
+        b"usr",
+        None,
+        b"",
+        &dir_with("usr", 0o711, 7, 22).1,
+    );
+    let mut l1 = Layer::new();
+    l1.file("usr/b", b"b");
+    let (chain, redone) = apply_all_early(&s, &[l0.finish(), l1.finish()]);
+    assert_eq!(redone, 0);
+    let t = view_tree(&s, &chain[1]);
+    assert_eq!((t["usr"].mode, t["usr"].uid), (0o711, 7));
+    with_view(&s, &chain[1], |root| {
+        assert_eq!(fs::symlink_metadata(root.join("usr")).unwrap().mtime(), 22);
+    });
+}
+
+#[test]
+fn a_layer_that_depends_on_its_parents_content_is_applied_again_on_top_of_it() {
+    let base = || {
+        let mut l0 = Layer::new();
+        l0.dir("bin", 0o755)
+            .file("bin/sh", b"sh")
+            .dir("usr", 0o755)
+            .dir("usr/lib", 0o755)
+            .symlink("lib", "usr/lib");
+        l0.finish()
+    };
+    let cases: Vec<(&str, Layer)> = vec![
+        ("a whiteout of the parent's file", {
+            let mut l = Layer::new();
+            l.whiteout("bin/sh");
+            l
+        }),
+        ("a hardlink to the parent's file", {
+            let mut l = Layer::new();
+            l.hardlink("bin/sh2", "bin/sh");
+            l
+        }),
+        ("a path through the parent's symlink", {
+            let mut l = Layer::new();
+            l.file("lib/x", b"x");
+            l
+        }),
+        ("a whiteout of the parent's directory", {
+            let mut l = Layer::new();
+            l.whiteout("usr/lib");
+            l
+        }),
+        ("an opaque marker on the parent's directory", {
+            let mut l = Layer::new();
+            l.opaque("bin").file("bin/new", b"n");
+            l
+        }),
+    ];
+    for (what, l) in cases {
+        let redone = early_matches_sequential(&[base(), l.finish()]);
+        assert_eq!(redone, 1, "{what}");
+    }
+}
+
+#[test]
+fn a_layer_waiting_for_a_parent_that_failed_commits_nothing() {
+    let (_d, s) = open(Backend::Overlay);
+    let mut l0 = Layer::new();
+    l0.file("a", b"a");
+    let parent = minicri_snapshotter::chain_id(None, &diff_id(&l0.finish()));
+    let mut l1 = Layer::new();
+    l1.file("b", b"b");
+    let tar = l1.finish();
+    let d1 = diff_id(&tar);
+    let spec = minicri_snapshotter::LayerSpec {
+        media_type: TAR,
+        diff_id: &d1,
+        parent: Some(&parent),
+        user: Some(IMAGE),
+    };
+    let err = s
+        .apply_layer_early(&spec, &mut &tar[..], &|| false)
+        .unwrap_err();
+    assert!(
+        matches!(&err, minicri_snapshotter::Error::NotFound { key } if *key == parent),
+        "{err}"
+    );
+    assert!(s.list().unwrap().is_empty());
+    assert_eq!(names(&s.root().join("tmp")), Vec::<String>::new());
+}

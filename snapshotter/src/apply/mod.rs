@@ -25,7 +25,7 @@ mod path;
 mod reader;
 mod target;
 
-pub(crate) use overlay_target::OverlayTarget;
+pub(crate) use overlay_target::{Detached, OverlayTarget, rebase};
 pub(crate) use reader::Limits;
 pub use reader::{MAX_LONG_NAME, MAX_PAX_BYTES, MAX_SPARSE_MAP_BYTES};
 pub(crate) use target::{CopyTarget, Target};

@@ -13,7 +13,17 @@
 //! - OCI whiteouts become 0/0 character devices, opaque markers become the opaque xattr, and a
 //!   directory created where a lower non-directory or whited-out path was is marked opaque;
 //! - a hardlink to a file of a lower layer copies that file up first, then links to the copy.
+//!
+//! A *detached* target ([`OverlayTarget::detached`]) applies a layer before its parent layers exist,
+//! for unpacking the layers of an image at once. It sees no lowers, and records every place where
+//! its result assumed "the parent has nothing here" ([`Detached`]). Once the parent is committed,
+//! [`rebase`] checks those assumptions against the real parent: where every one holds, the
+//! directory is what an apply on top of the parent would have written, after giving the
+//! directories the layer only wrote into (and the root) the parent's metadata, as a copy-up does;
+//! where one does not, the caller applies the layer again, on top of the parent.
 
+use std::cell::RefCell;
+use std::collections::BTreeSet;
 use std::ffi::OsStr;
 use std::fs::{self, Metadata};
 use std::io;
@@ -30,6 +40,37 @@ pub(crate) struct OverlayTarget {
     /// What the layer wrote, as opposed to what was copied up for it.
     created: Created,
     times: DirTimes,
+    /// Set when applying without the parent layers: what the result assumed about them.
+    detached: Option<RefCell<Detached>>,
+}
+
+/// Why a detached apply looked below its own directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Probe {
+    /// Resolving an entry's directory: a directory below would change nothing.
+    Resolve,
+    /// Creating a parent directory the layer does not list: a directory below lends its metadata.
+    ImplicitDir,
+    /// A whiteout's or a hardlink's target: anything below changes the result.
+    Exact,
+}
+
+/// What a detached apply assumed the parent layers do not have, in the order it asked.
+#[derive(Debug, Default)]
+pub(crate) struct Detached {
+    probes: Vec<(PathBuf, Probe)>,
+    /// Paths of whiteouts and opaque markers: their effect depends on which directories the layer
+    /// created, so a directory below at or under one of them cannot be patched in afterwards.
+    covered: Vec<PathBuf>,
+    /// Paths the layer has entries for (an implicit directory listed later is one).
+    listed: BTreeSet<PathBuf>,
+}
+
+impl Detached {
+    /// Whether the layer has an entry for its root; if not, the root takes the parent's metadata.
+    pub(crate) fn lists_root(&self) -> bool {
+        self.listed.contains(Path::new(""))
+    }
 }
 
 impl OverlayTarget {
@@ -40,12 +81,41 @@ impl OverlayTarget {
             lowers,
             created: Created::default(),
             times: DirTimes::default(),
+            detached: None,
         }
+    }
+
+    /// A target for applying into `upper` before the parent layers exist; see the module doc.
+    pub(crate) fn detached(upper: PathBuf) -> Self {
+        OverlayTarget {
+            detached: Some(RefCell::default()),
+            ..Self::new(upper, Vec::new())
+        }
+    }
+
+    /// What a detached apply assumed (None for a target with its lowers).
+    pub(crate) fn into_detached(self) -> Option<Detached> {
+        self.detached.map(RefCell::into_inner)
     }
 
     /// The merged view at `rel`: the layer directory path that provides it, and its metadata.
     fn lookup(&self, rel: &Path) -> io::Result<Option<(PathBuf, Metadata)>> {
-        lookup_in(std::iter::once(&self.upper).chain(self.lowers.iter()), rel)
+        self.lookup_for(rel, Probe::Resolve)
+    }
+
+    /// [`Self::lookup`]; a detached target records that its answer assumed nothing below `rel`.
+    fn lookup_for(&self, rel: &Path, why: Probe) -> io::Result<Option<(PathBuf, Metadata)>> {
+        let Some(d) = &self.detached else {
+            return lookup_in(std::iter::once(&self.upper).chain(self.lowers.iter()), rel);
+        };
+        match lookup_layer(&self.upper, rel)? {
+            Step::Found(p, m) => Ok(Some((p, m))),
+            Step::Hidden => Ok(None),
+            Step::Below => {
+                d.borrow_mut().probes.push((rel.to_path_buf(), why));
+                Ok(None)
+            }
+        }
     }
 
     fn note_parent(&mut self, rel: &Path) -> io::Result<()> {
@@ -54,43 +124,124 @@ impl OverlayTarget {
     }
 }
 
+/// What one layer says about a path in overlayfs's lookup.
+enum Step {
+    /// The layer has the path.
+    Found(PathBuf, Metadata),
+    /// The layer hides the path from the layers below (a whiteout, a non-directory or an opaque
+    /// directory on the way).
+    Hidden,
+    /// The layer leaves the path to the layers below.
+    Below,
+}
+
+fn lookup_layer(layer: &Path, rel: &Path) -> io::Result<Step> {
+    let comps: Vec<_> = rel.components().collect();
+    let mut p = layer.to_path_buf();
+    let mut hides_below = false;
+    for (i, c) in comps.iter().enumerate() {
+        p.push(c);
+        match fsutil::lstat(&p)? {
+            None => {
+                return Ok(if hides_below {
+                    Step::Hidden
+                } else {
+                    Step::Below
+                });
+            }
+            Some(m) if fsutil::is_whiteout(&m) => return Ok(Step::Hidden),
+            Some(m) if i + 1 == comps.len() => return Ok(Step::Found(p, m)),
+            Some(m) if m.is_dir() => {
+                if fsutil::is_opaque(&p)? {
+                    hides_below = true;
+                }
+            }
+            Some(_) => return Ok(Step::Hidden),
+        }
+    }
+    // Only reached for the root itself.
+    let m = fs::symlink_metadata(&p)?;
+    Ok(Step::Found(p, m))
+}
+
 /// overlayfs's lookup over `layers` (topmost first).
 pub(crate) fn lookup_in<'a>(
     layers: impl Iterator<Item = &'a PathBuf>,
     rel: &Path,
 ) -> io::Result<Option<(PathBuf, Metadata)>> {
-    let comps: Vec<_> = rel.components().collect();
     for layer in layers {
-        let mut p = layer.clone();
-        let mut hides_below = false;
-        let mut complete = true;
-        for (i, c) in comps.iter().enumerate() {
-            p.push(c);
-            match fsutil::lstat(&p)? {
-                None => {
-                    complete = false;
-                    break;
-                }
-                Some(m) if fsutil::is_whiteout(&m) => return Ok(None),
-                Some(m) if i + 1 == comps.len() => return Ok(Some((p, m))),
-                Some(m) if m.is_dir() => {
-                    if fsutil::is_opaque(&p)? {
-                        hides_below = true;
-                    }
-                }
-                Some(_) => return Ok(None),
-            }
-        }
-        if complete {
-            // Only reached for the root itself.
-            let m = fs::symlink_metadata(&p)?;
-            return Ok(Some((p, m)));
-        }
-        if hides_below {
-            return Ok(None);
+        match lookup_layer(layer, rel)? {
+            Step::Found(p, m) => return Ok(Some((p, m))),
+            Step::Hidden => return Ok(None),
+            Step::Below => {}
         }
     }
     Ok(None)
+}
+
+/// Checks a detached apply's assumptions (`d`) against the parent layers `lowers` (topmost first)
+/// and, where they hold, finishes the layer directory `upper` as an apply on top of them would
+/// have: directories the layer only wrote into take the parent's metadata (the root is the
+/// caller's: see [`Detached::lists_root`]). `Err(reason)` names the first assumption that fails;
+/// `upper` is then to be thrown away and the layer applied again on top of the parent.
+pub(crate) fn rebase(
+    upper: &Path,
+    d: &Detached,
+    lowers: &[PathBuf],
+) -> io::Result<Result<(), String>> {
+    let below = |rel: &Path| lookup_in(lowers.iter(), rel);
+    let mut patch = Vec::new();
+    for (rel, why) in &d.probes {
+        // Every directory on the way must resolve below as it did here: no symlink, no file.
+        let mut prefix = PathBuf::new();
+        for c in rel.parent().unwrap_or(Path::new("")).components() {
+            prefix.push(c);
+            if let Some((_, m)) = below(&prefix)?
+                && !m.is_dir()
+            {
+                return Ok(Err(format!(
+                    "{} is not a directory in the parent",
+                    prefix.display()
+                )));
+            }
+        }
+        match (below(rel)?, why) {
+            (None, _) => {}
+            (Some((_, m)), Probe::Resolve) if m.is_dir() => {}
+            (Some((lp, m)), Probe::ImplicitDir) if m.is_dir() => {
+                if d.listed.contains(rel) {
+                    return Ok(Err(format!(
+                        "{} is listed after entries under it",
+                        rel.display()
+                    )));
+                }
+                if let Some(c) = d.covered.iter().find(|c| rel.starts_with(c)) {
+                    return Ok(Err(format!(
+                        "the whiteout or opaque marker at {} covers {}, which the parent has",
+                        c.display(),
+                        rel.display()
+                    )));
+                }
+                patch.push((rel, lp, m));
+            }
+            (Some(_), _) => {
+                return Ok(Err(format!("the parent has {}", rel.display())));
+            }
+        }
+    }
+    for (rel, lower, m) in patch {
+        let up = upper.join(rel);
+        match fsutil::lstat(&up)? {
+            Some(now) if now.is_dir() => fsutil::copy_meta(&lower, &up, &m)?,
+            _ => {
+                return Ok(Err(format!(
+                    "{} was replaced after the layer wrote into it",
+                    rel.display()
+                )));
+            }
+        }
+    }
+    Ok(Ok(()))
 }
 
 impl Target for OverlayTarget {
@@ -130,7 +281,7 @@ impl Target for OverlayTarget {
                 }
                 Some(_) => return Err(not_a_dir(&prefix)),
                 None => {
-                    let lower = self.lookup(&prefix)?;
+                    let lower = self.lookup_for(&prefix, Probe::ImplicitDir)?;
                     self.note_parent(&prefix)?;
                     fs::create_dir(&up)?;
                     match lower {
@@ -173,6 +324,9 @@ impl Target for OverlayTarget {
     }
 
     fn whiteout(&mut self, rel: &Path) -> io::Result<()> {
+        if let Some(d) = &self.detached {
+            d.borrow_mut().covered.push(rel.to_path_buf());
+        }
         let up = self.upper.join(rel);
         let existing = fsutil::lstat(&up)?;
         if self.created.at_or_under(rel) {
@@ -190,7 +344,7 @@ impl Target for OverlayTarget {
             self.note_parent(rel)?;
             fsutil::remove_all(&up)?;
         }
-        if self.lookup(rel)?.is_none() {
+        if self.lookup_for(rel, Probe::Exact)?.is_none() {
             return Ok(());
         }
         let parent = rel.parent().unwrap_or(Path::new(""));
@@ -200,13 +354,16 @@ impl Target for OverlayTarget {
     }
 
     fn opaque(&mut self, dir: &Path) -> io::Result<()> {
+        if let Some(d) = &self.detached {
+            d.borrow_mut().covered.push(dir.to_path_buf());
+        }
         self.created.insert(dir);
         self.created.strip(&self.upper, dir, &mut self.times)?;
         fsutil::set_opaque(&self.upper.join(dir))
     }
 
     fn link_source(&mut self, rel: &Path) -> Result<PathBuf, PathError> {
-        let Some((path, m)) = self.lookup(rel)? else {
+        let Some((path, m)) = self.lookup_for(rel, Probe::Exact)? else {
             return Err(PathError::Invalid(format!(
                 "hardlink target {} does not exist",
                 rel.display()
@@ -230,6 +387,9 @@ impl Target for OverlayTarget {
     }
 
     fn created(&mut self, rel: &Path) {
+        if let Some(d) = &self.detached {
+            d.borrow_mut().listed.insert(rel.to_path_buf());
+        }
         self.created.insert(rel);
     }
 

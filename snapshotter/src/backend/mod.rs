@@ -50,6 +50,18 @@ pub(crate) fn apply(
     }
 }
 
+/// Applies the uncompressed layer `tar` into the new overlay snapshot directory `dir` before its
+/// parent layers exist; returns what the result assumed about them (see [`apply::rebase`]).
+pub(crate) fn apply_detached(
+    dir: &Path,
+    tar: impl Read,
+    limits: apply::Limits,
+) -> Result<apply::Detached> {
+    let mut t = OverlayTarget::detached(dir.join("fs"));
+    apply::apply_tar(&mut t, tar, limits)?;
+    Ok(t.into_detached().expect("a detached target"))
+}
+
 /// The mount of an active snapshot or view in `dir` with parent layers `lowers` (topmost first).
 pub(crate) fn mount(backend: Backend, kind: Kind, dir: &Path, lowers: &[PathBuf]) -> Result<Mount> {
     match (backend, kind) {

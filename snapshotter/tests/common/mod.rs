@@ -321,6 +321,81 @@ pub fn apply_all(s: &dyn Snapshotter, layers: &[Vec<u8>]) -> Vec<String> {
     out
 }
 
+/// Applies layers as a pull that unpacks an image's layers at once does: every layer but the bottom
+/// one starts with [`Snapshotter::apply_layer_early`] while its parent is not committed (the bottom
+/// layer starts only once all the others have unpacked or given up), and a layer that needs its
+/// parent ([`minicri_snapshotter::Error::NeedsParent`]) is applied again on top of it. Returns the
+/// chain ids and how many layers needed their parent.
+pub fn apply_all_early(s: &dyn Snapshotter, layers: &[Vec<u8>]) -> (Vec<String>, usize) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Condvar, Mutex};
+
+    let diff_ids: Vec<String> = layers.iter().map(|l| diff_id(l)).collect();
+    let chains = minicri_snapshotter::chain_ids(&diff_ids);
+    // done[i]: whether layer i is committed, once its apply has ended.
+    let done: Vec<Mutex<Option<bool>>> = layers.iter().map(|_| Mutex::new(None)).collect();
+    let changed = Condvar::new();
+    let arrived = Mutex::new(0usize);
+    let needed_parent = AtomicUsize::new(0);
+    let wait_done = |i: usize| -> bool {
+        let mut g = done[i].lock().unwrap();
+        while g.is_none() {
+            g = changed.wait(g).unwrap();
+        }
+        g.unwrap()
+    };
+    let arrive = || {
+        *arrived.lock().unwrap() += 1;
+        changed.notify_all();
+    };
+    std::thread::scope(|scope| {
+        for (i, tar) in layers.iter().enumerate() {
+            let (diff_ids, chains, done) = (&diff_ids, &chains, &done);
+            let (changed, arrived, needed_parent) = (&changed, &arrived, &needed_parent);
+            let (wait_done, arrive) = (&wait_done, &arrive);
+            scope.spawn(move || {
+                let spec = LayerSpec {
+                    media_type: TAR,
+                    diff_id: &diff_ids[i],
+                    parent: i.checked_sub(1).map(|p| chains[p].as_str()),
+                    user: Some(IMAGE),
+                };
+                let result = if i == 0 {
+                    let mut n = arrived.lock().unwrap();
+                    while *n + 1 < layers.len() {
+                        n = changed.wait(n).unwrap();
+                    }
+                    drop(n);
+                    s.apply_layer(&spec, &mut &tar[..])
+                } else {
+                    let asked = std::cell::Cell::new(false);
+                    let ready = || {
+                        asked.set(true);
+                        arrive();
+                        wait_done(i - 1)
+                    };
+                    match s.apply_layer_early(&spec, &mut &tar[..], &ready) {
+                        Err(minicri_snapshotter::Error::NeedsParent { .. }) => {
+                            needed_parent.fetch_add(1, Ordering::Relaxed);
+                            if !asked.get() {
+                                arrive();
+                            }
+                            wait_done(i - 1);
+                            s.apply_layer(&spec, &mut &tar[..])
+                        }
+                        other => other,
+                    }
+                };
+                *done[i].lock().unwrap() = Some(result.is_ok());
+                changed.notify_all();
+                let applied = result.unwrap();
+                assert_eq!(applied.chain_id, chains[i]);
+            });
+        }
+    });
+    (chains, needed_parent.into_inner())
+}
+
 /// A mount that is undone when dropped, even when the test fails.
 pub struct Mounted {
     pub path: PathBuf,
