@@ -56,6 +56,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N")]
     pub max_concurrent_downloads: Option<usize>,
 
+    /// Layers of one image unpacked concurrently (each committed after the one below it).
+    /// [default: 4]
+    #[arg(long, value_name = "N")]
+    pub max_concurrent_unpacks: Option<usize>,
+
     /// Layer snapshotter backend: overlay (falls back to copy where overlayfs is unusable) or copy.
     /// [default: overlay]
     #[arg(long, value_name = "BACKEND")]
@@ -222,6 +227,7 @@ pub struct Config {
     pub cgroup_driver: CgroupDriver,
     pub platform: String,
     pub max_concurrent_downloads: usize,
+    pub max_concurrent_unpacks: usize,
     pub max_concurrent_transfers: usize,
     /// How a large blob is fetched over several ranged requests.
     pub ranged_fetch: minicri_store::blobs::RangedFetch,
@@ -284,6 +290,7 @@ impl ServeArgs {
             max_concurrent_downloads: self
                 .max_concurrent_downloads
                 .or(base.max_concurrent_downloads),
+            max_concurrent_unpacks: self.max_concurrent_unpacks.or(base.max_concurrent_unpacks),
             max_concurrent_transfers: self
                 .max_concurrent_transfers
                 .or(base.max_concurrent_transfers),
@@ -347,6 +354,10 @@ impl ServeArgs {
         let snapshotter = self.snapshotter.unwrap_or_else(|| "overlay".into());
         if !matches!(snapshotter.as_str(), "overlay" | "copy") {
             bail!("snapshotter {snapshotter:?} is not one of overlay, copy");
+        }
+        let max_concurrent_unpacks = self.max_concurrent_unpacks.unwrap_or(4);
+        if max_concurrent_unpacks == 0 {
+            bail!("max_concurrent_unpacks must be at least 1");
         }
         let max_concurrent_transfers = self.max_concurrent_transfers.unwrap_or(8);
         if max_concurrent_transfers == 0 {
@@ -501,6 +512,7 @@ impl ServeArgs {
             cgroup_driver,
             platform,
             max_concurrent_downloads,
+            max_concurrent_unpacks,
             max_concurrent_transfers,
             ranged_fetch,
             snapshotter,

@@ -49,6 +49,7 @@ impl Daemon {
         let pull_config = PullConfig {
             platform: Platform::parse(&config.platform).context("platform")?,
             max_concurrent_layers: config.max_concurrent_downloads,
+            max_concurrent_unpacks: config.max_concurrent_unpacks,
             max_concurrent_transfers: config.max_concurrent_transfers,
             ranged: config.ranged_fetch,
             progress_timeout: config.pull_progress_timeout,
@@ -213,6 +214,7 @@ impl Daemon {
             "socket": c.socket, "root": c.root, "state": c.state,
             "registryConfigDir": c.registry_config_dir, "cgroupDriver": format!("{:?}", c.cgroup_driver).to_lowercase(),
             "platform": c.platform, "maxConcurrentDownloads": c.max_concurrent_downloads,
+            "maxConcurrentUnpacks": c.max_concurrent_unpacks,
             "maxConcurrentTransfers": c.max_concurrent_transfers,
             "blobConnections": c.ranged_fetch.connections, "blobChunkSize": c.ranged_fetch.chunk_size,
             "pullProgressTimeoutSeconds": c.pull_progress_timeout.map(|d| d.as_secs_f64()).unwrap_or(0.0),

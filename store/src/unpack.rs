@@ -1,16 +1,21 @@
 //! Unpacking a pulled image's layers into snapshots, pipelined with the download.
 //!
-//! Layers are applied bottom to top, each as soon as the one below it is committed. A layer whose
-//! blob is already committed is read from the content store; one still downloading is read from
-//! its ingest file as the bytes arrive ([`FollowReader`]), so decompression overlaps the transfer.
-//! Reading unverified bytes is safe because the snapshotter checks the uncompressed digest against
-//! the config's `diff_ids` before it commits anything. If a live read fails (the download restarted
-//! or failed), the layer is applied again from the committed blob once the download succeeds; if the
-//! download failed, its own error is the pull's error.
+//! Layers unpack at once, each as soon as its bytes start arriving: a layer whose parent is not
+//! committed yet is applied ahead of it ([`Snapshotter::apply_layer_early`]) and committed after
+//! it, so only the commits follow the chain. A [`Gate`] per layer tells the layer above when the
+//! layer is committed (or failed). A layer that turns out to depend on its parent's content is
+//! applied again on top of the committed parent.
+//!
+//! A layer whose blob is already committed is read from the content store; one still downloading
+//! is read from its ingest file as the bytes arrive ([`FollowReader`]), so decompression overlaps
+//! the transfer. Reading unverified bytes is safe because the snapshotter checks the uncompressed
+//! digest against the config's `diff_ids` before it commits anything. If a live read fails (the
+//! download restarted or failed), the layer is applied again from the committed blob once the
+//! download succeeds; if the download failed, its own error is the pull's error.
 
 use std::fs::File;
 use std::io::BufReader;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use minicri_snapshotter::{LayerSpec, Snapshotter, WriterStatus};
@@ -35,15 +40,58 @@ fn unpack_error(reference: &str, layer: &Digest, e: minicri_snapshotter::Error) 
     }
 }
 
-/// Applies `layer` on top of `parent` for image `image_id`; returns the new chain id.
-/// `progress` is the layer's download, `None` if its blob is already committed.
+/// Whether a layer is committed: opened once its apply has ended, waited for by the layer above.
+#[derive(Default)]
+pub struct Gate {
+    committed: Mutex<Option<bool>>,
+    opened: Condvar,
+}
+
+impl Gate {
+    /// Records how the layer's apply ended and wakes the waiters.
+    pub fn open(&self, committed: bool) {
+        let mut g = self.committed.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            *g = Some(committed);
+        }
+        self.opened.notify_all();
+    }
+
+    /// Blocks until the gate opens; true if the layer was committed.
+    pub fn wait(&self) -> bool {
+        let mut g = self.committed.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(c) = *g {
+                return c;
+            }
+            g = self.opened.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// Opens its gate as failed when dropped unless opened before: a cancelled or failed pull never
+/// leaves the layer above waiting.
+pub struct GateGuard(pub Arc<Gate>);
+
+impl Drop for GateGuard {
+    fn drop(&mut self) {
+        self.0.open(false);
+    }
+}
+
+/// The chain a layer goes on: the parent's chain id and its gate.
+pub type Parent = Option<(String, Arc<Gate>)>;
+
+/// Applies `layer` on top of `parent` for image `image_id`; returns the new chain id. The parent
+/// may still be unpacking: the layer is then applied ahead of it. `progress` is the layer's
+/// download, `None` if its blob is already committed.
 pub async fn apply_layer(
     snapshotter: &Arc<dyn Snapshotter>,
     content: &Arc<ContentStore>,
     reference: &str,
     image_id: &str,
     layer: &LayerToApply,
-    parent: Option<String>,
+    parent: Parent,
     progress: Option<Arc<BlobProgress>>,
 ) -> Result<String> {
     let live = progress.filter(|p| !matches!(p.state(), BlobState::Done));
@@ -58,15 +106,33 @@ pub async fn apply_layer(
     .await;
     match (first, live) {
         (Ok(chain), _) => Ok(chain),
+        (Err(minicri_snapshotter::Error::NeedsParent { reason }), live) => {
+            tracing::info!(blob = %layer.digest, %reason, "applying the layer again on top of its parent");
+            if let Some((chain, gate)) = &parent {
+                let gate = gate.clone();
+                let committed = tokio::task::spawn_blocking(move || gate.wait())
+                    .await
+                    .expect("a gate wait does not panic");
+                if !committed {
+                    let e = minicri_snapshotter::Error::NotFound { key: chain.clone() };
+                    return Err(unpack_error(reference, &layer.digest, e));
+                }
+            }
+            if let Some(p) = live {
+                wait_ended(&p).await;
+                if p.state() != BlobState::Done {
+                    // The download's failure fails the pull through its own path.
+                    return futures::future::pending().await;
+                }
+            }
+            run_apply(snapshotter, content, image_id, layer, parent, None)
+                .await
+                .map_err(|e| unpack_error(reference, &layer.digest, e))
+        }
         (Err(e), None) => Err(unpack_error(reference, &layer.digest, e)),
         (Err(e), Some(p)) => {
             // Read while downloading: find out how the download ended.
-            while !matches!(
-                p.state(),
-                BlobState::Done | BlobState::Failed | BlobState::Cancelled
-            ) {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
+            wait_ended(&p).await;
             if p.state() != BlobState::Done {
                 tracing::debug!(blob = %layer.digest, error = %e, "live unpack failed with its download; the download's error stands");
                 // The download's failure fails the pull through its own path.
@@ -80,12 +146,24 @@ pub async fn apply_layer(
     }
 }
 
+/// Waits until the download `p` has ended (committed, failed or cancelled).
+async fn wait_ended(p: &BlobProgress) {
+    while !matches!(
+        p.state(),
+        BlobState::Done | BlobState::Failed | BlobState::Cancelled
+    ) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// One apply of `layer` in a blocking thread: from the download as it arrives (`live`) or from
+/// the committed blob, ahead of the parent while the parent is not committed.
 async fn run_apply(
     snapshotter: &Arc<dyn Snapshotter>,
     content: &Arc<ContentStore>,
     image_id: &str,
     layer: &LayerToApply,
-    parent: Option<String>,
+    parent: Parent,
     live: Option<Arc<BlobProgress>>,
 ) -> Result<String, minicri_snapshotter::Error> {
     let snap = snapshotter.clone();
@@ -97,11 +175,16 @@ async fn run_apply(
         image_id.to_string(),
     );
     tokio::task::spawn_blocking(move || {
+        let (parent, gate) = parent.unzip();
         let spec = LayerSpec {
             media_type: &media_type,
             diff_id: &diff_id,
             parent: parent.as_deref(),
             user: Some(&user),
+        };
+        let parent_ready = || gate.as_ref().is_none_or(|g| g.wait());
+        let apply = |stream: &mut (dyn std::io::Read + Send)| {
+            snap.apply_layer_early(&spec, stream, &parent_ready)
         };
         let io = |context: String| {
             move |e: std::io::Error| minicri_snapshotter::Error::Io { context, source: e }
@@ -110,7 +193,7 @@ async fn run_apply(
             None => {
                 let f = File::open(content.blob_path(&digest))
                     .map_err(io(format!("opening blob {digest}")))?;
-                snap.apply_layer(&spec, &mut BufReader::with_capacity(1 << 20, f))?
+                apply(&mut BufReader::with_capacity(1 << 20, f))?
             }
             Some(p) => {
                 let file = open_growing(&content, &digest, &p)
@@ -126,7 +209,7 @@ async fn run_apply(
                     1 << 20,
                     minicri_snapshotter::FollowReader::new(file, status),
                 );
-                snap.apply_layer(&spec, &mut reader)?
+                apply(&mut reader)?
             }
         };
         Ok(applied.chain_id)

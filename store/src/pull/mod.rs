@@ -63,6 +63,8 @@ pub struct PullConfig {
     pub platform: Platform,
     /// Layers of one image downloaded at once.
     pub max_concurrent_layers: usize,
+    /// Layers of one image unpacked at once (each committed only after the one below it).
+    pub max_concurrent_unpacks: usize,
     /// Requests transferring blob bytes at once on the node (a blob fetched over several
     /// ranged requests holds one per request).
     pub max_concurrent_transfers: usize,
@@ -88,6 +90,7 @@ impl Default for PullConfig {
         PullConfig {
             platform: Platform::parse("linux/amd64").expect("valid"),
             max_concurrent_layers: 3,
+            max_concurrent_unpacks: 4,
             max_concurrent_transfers: 8,
             ranged: Default::default(),
             progress_timeout: Some(Duration::from_secs(60)),

@@ -1,10 +1,14 @@
 //! The pull procedure of one job: resolve the platform manifest, fetch the config, download the
-//! layers (a bounded number at once, shared node-wide) while unpacking them bottom to top, and
-//! record the image once every blob is committed and every layer unpacked.
+//! layers (a bounded number at once, shared node-wide) while unpacking them (a bounded number at
+//! once, committed bottom to top), and record the image once every blob is committed and every
+//! layer unpacked.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 
 use crate::blobs::BlobHandle;
 use crate::digest::Digest;
@@ -226,6 +230,9 @@ impl PullManager {
     }
 
     /// Applies the layers bottom to top as their bytes arrive; the top chain id, if unpacking.
+    /// Unpacks the image's layers, up to `max_concurrent_unpacks` at once in chain order (each
+    /// starts as its download does; a layer whose parent is still unpacking is applied ahead of
+    /// it); returns the top chain id.
     async fn unpack_layers(
         &self,
         job: &Job,
@@ -236,34 +243,70 @@ impl PullManager {
         let Some(snap) = &self.snapshotter else {
             return Ok(None);
         };
-        let mut parent = None;
-        for (i, layer) in layers.iter().enumerate() {
-            // Wait for the layer's download to be registered (or its blob to be present): woken
-            // when a part registers; the bound re-checks the content store, where another job
-            // may have committed the blob.
-            let progress = loop {
-                let registered = job.parts_changed.notified();
-                if let Some(p) = job.parts.lock().unwrap()[i + 1].progress.clone() {
-                    break Some(p);
-                }
-                if self.content.size(&layer.digest).is_some() {
-                    break None;
-                }
-                let _ = tokio::time::timeout(Duration::from_secs(1), registered).await;
-            };
-            let chain = unpack::apply_layer(
-                snap,
-                &self.content,
-                &reference.to_string(),
-                image_id.as_str(),
-                layer,
-                parent,
-                progress,
-            )
-            .await?;
-            parent = Some(chain);
+        let chains = minicri_snapshotter::chain_ids(
+            &layers
+                .iter()
+                .map(|l| l.diff_id.as_str())
+                .collect::<Vec<_>>(),
+        );
+        let gates: Vec<Arc<unpack::Gate>> = layers.iter().map(|_| Arc::default()).collect();
+        let window = self.config.max_concurrent_unpacks.max(1);
+        let mut running = FuturesUnordered::new();
+        let mut next = 0;
+        // Admitted in chain order, and a slot frees only when a layer ends: the lowest layer not
+        // yet committed is always running, so every waiting layer waits on one that runs.
+        while next < layers.len() || !running.is_empty() {
+            while next < layers.len() && running.len() < window {
+                let i = next;
+                let parent = i
+                    .checked_sub(1)
+                    .map(|p| (chains[p].clone(), gates[p].clone()));
+                let gate = unpack::GateGuard(gates[i].clone());
+                let expected = chains[i].clone();
+                running.push(async move {
+                    let progress = self.layer_progress(job, i, &layers[i]).await;
+                    let chain = unpack::apply_layer(
+                        snap,
+                        &self.content,
+                        &reference.to_string(),
+                        image_id.as_str(),
+                        &layers[i],
+                        parent,
+                        progress,
+                    )
+                    .await?;
+                    debug_assert_eq!(chain, expected);
+                    gate.0.open(true);
+                    Ok::<_, StoreError>(())
+                });
+                next += 1;
+            }
+            if let Some(done) = running.next().await {
+                done?;
+            }
         }
-        Ok(parent)
+        Ok(chains.last().cloned())
+    }
+
+    /// Waits until layer `i`'s download is registered (its progress) or its blob is present
+    /// (None): woken when a part registers; the bound re-checks the content store, where another
+    /// job may have committed the blob.
+    async fn layer_progress(
+        &self,
+        job: &Job,
+        i: usize,
+        layer: &LayerToApply,
+    ) -> Option<Arc<crate::blobs::BlobProgress>> {
+        loop {
+            let registered = job.parts_changed.notified();
+            if let Some(p) = job.parts.lock().unwrap()[i + 1].progress.clone() {
+                return Some(p);
+            }
+            if self.content.size(&layer.digest).is_some() {
+                return None;
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(1), registered).await;
+        }
     }
 
     fn acquire_part(&self, job: &Job, i: usize, session: &Arc<Session>) -> BlobHandle {
