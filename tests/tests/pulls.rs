@@ -960,3 +960,51 @@ async fn dial_timeout_bounds_connecting_to_a_mirror_that_never_answers() {
         hole.addr()
     );
 }
+
+/// Layers of one image unpack at once: with the download of one layer stalled, the layer above it
+/// is unpacked in full (ahead of its parent, in the snapshotter's scratch directory) before the one
+/// below has arrived; released, the pull finishes with every layer committed in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_layer_unpacks_while_the_layer_below_it_still_downloads() {
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "ahead", 2, 4, 31).await;
+    let below = &img.layers[img.layers.len() - 2];
+    e.proxy
+        .faults()
+        .stall_after(Target::Blob(below.digest.clone()), MIB);
+    let call = spawn_pull(&e.daemon, &r, None).await;
+    assert!(
+        e.proxy
+            .faults()
+            .wait_stalled(1, Duration::from_secs(20))
+            .await,
+        "the layer below stalls"
+    );
+    // The top layer holds data/random-32.bin (seed 31 + 1): 4 MiB once written in full.
+    let scratch = e.daemon.root().join("snapshots/tmp");
+    let unpacked_above = || {
+        std::fs::read_dir(&scratch)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|d| {
+                std::fs::metadata(d.path().join("fs/data/random-32.bin"))
+                    .is_ok_and(|m| m.len() == 4 * MIB)
+            })
+    };
+    wait_until(
+        "the layer above to be unpacked",
+        Duration::from_secs(20),
+        unpacked_above,
+    )
+    .await;
+    assert!(
+        e.proxy.faults().stalled() >= 1,
+        "the layer below is still stalled"
+    );
+    assert!(!call.is_finished());
+    e.proxy.faults().release_stall();
+    let pulled = call.await.unwrap().unwrap().into_inner().image_ref;
+    assert_eq!(pulled, img.config_digest);
+    assert_each_blob_served_once(&e.proxy, &img);
+}
