@@ -262,6 +262,37 @@ impl LocalSnapshotter {
         })
     }
 
+    /// Applies `layer` through `unpack` (given its chain id and codec) unless its chain is
+    /// committed already, as the only apply of that chain in this process: a caller finding
+    /// another one under way waits for it, then looks again.
+    fn in_flight(
+        &self,
+        layer: &LayerSpec<'_>,
+        mut unpack: impl FnMut(&str, Compression) -> Result<LayerApplied>,
+    ) -> Result<LayerApplied> {
+        validate_digest(layer.diff_id)?;
+        if let Some(p) = layer.parent {
+            validate_digest(p)?;
+        }
+        let codec = Compression::from_media_type(layer.media_type)?;
+        let chain = chain_id(layer.parent, layer.diff_id);
+        loop {
+            if let Some(done) = self.existing_layer(&chain, layer.user)? {
+                return Ok(done);
+            }
+            match self.join_flight(&chain) {
+                Ok(_guard) => {
+                    // Another flight may have committed between the check and the join.
+                    if let Some(done) = self.existing_layer(&chain, layer.user)? {
+                        return Ok(done);
+                    }
+                    return unpack(&chain, codec);
+                }
+                Err(flight) => flight.wait(),
+            }
+        }
+    }
+
     fn limits(&self) -> crate::apply::Limits {
         crate::apply::Limits {
             max_bytes: self.options.max_layer_bytes,
@@ -520,27 +551,9 @@ impl Snapshotter for LocalSnapshotter {
         layer: &LayerSpec<'_>,
         stream: &mut (dyn Read + Send),
     ) -> Result<LayerApplied> {
-        validate_digest(layer.diff_id)?;
-        if let Some(p) = layer.parent {
-            validate_digest(p)?;
-        }
-        let codec = Compression::from_media_type(layer.media_type)?;
-        let chain = chain_id(layer.parent, layer.diff_id);
-        loop {
-            if let Some(done) = self.existing_layer(&chain, layer.user)? {
-                return Ok(done);
-            }
-            match self.join_flight(&chain) {
-                Ok(_guard) => {
-                    // Another flight may have committed between the check and the join.
-                    if let Some(done) = self.existing_layer(&chain, layer.user)? {
-                        return Ok(done);
-                    }
-                    return self.unpack(layer, &chain, codec, stream);
-                }
-                Err(flight) => flight.wait(),
-            }
-        }
+        self.in_flight(layer, |chain, codec| {
+            self.unpack(layer, chain, codec, stream)
+        })
     }
 
     fn apply_layer_early(
@@ -563,24 +576,9 @@ impl Snapshotter for LocalSnapshotter {
             }
             return self.apply_layer(layer, stream);
         }
-        validate_digest(layer.diff_id)?;
-        validate_digest(parent)?;
-        let codec = Compression::from_media_type(layer.media_type)?;
-        let chain = chain_id(Some(parent), layer.diff_id);
-        loop {
-            if let Some(done) = self.existing_layer(&chain, layer.user)? {
-                return Ok(done);
-            }
-            match self.join_flight(&chain) {
-                Ok(_guard) => {
-                    if let Some(done) = self.existing_layer(&chain, layer.user)? {
-                        return Ok(done);
-                    }
-                    return self.unpack_early(layer, parent, &chain, codec, stream, parent_ready);
-                }
-                Err(flight) => flight.wait(),
-            }
-        }
+        self.in_flight(layer, |chain, codec| {
+            self.unpack_early(layer, parent, chain, codec, stream, parent_ready)
+        })
     }
 
     fn prepare(&self, key: &str, parent: Option<&str>) -> Result<Mount> {

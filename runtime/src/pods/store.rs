@@ -597,18 +597,23 @@ mod tests {
         assert!(third.removals().is_empty() && third.container("id1").is_none());
     }
 
+    /// Puts container `id`'s record back beside its removal record, as if the rename had been a
+    /// copy that a crash cut short.
+    fn leave_stale_record(dir: &Path, id: &str) {
+        std::fs::copy(
+            dir.join(REMOVING).join(format!("{id}.json")),
+            dir.join("containers").join(format!("{id}.json")),
+        )
+        .unwrap();
+    }
+
     #[test]
     fn a_record_left_beside_its_removal_is_not_loaded() {
         let d = tempfile::tempdir().unwrap();
         let s = Store::open(d.path()).unwrap();
         s.put_container(container("id1", "c")).unwrap();
         s.begin_removal("id1").unwrap().unwrap();
-        // As if the rename had been a copy that a crash cut short.
-        std::fs::copy(
-            d.path().join("removing/id1.json"),
-            d.path().join("containers/id1.json"),
-        )
-        .unwrap();
+        leave_stale_record(d.path(), "id1");
         let again = Store::open(d.path()).unwrap();
         assert!(again.container("id1").is_none());
         assert!(again.removal("id1").is_some());
@@ -626,11 +631,7 @@ mod tests {
         // The name went to a new container, then a crash left the old record beside its removal.
         s.reserve("c", "id2").unwrap();
         s.put_container(container("id2", "c")).unwrap();
-        std::fs::copy(
-            d.path().join("removing/id1.json"),
-            d.path().join("containers/id1.json"),
-        )
-        .unwrap();
+        leave_stale_record(d.path(), "id1");
         let again = Store::open(d.path()).unwrap();
         assert!(again.container("id2").is_some());
         assert!(
