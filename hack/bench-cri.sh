@@ -53,10 +53,9 @@ done
 [ "$(id -u)" = 0 ] || { echo "bench-cri: needs root (runs the daemons and pods)" >&2; exit 1; }
 [ -n "$critest" ] && [ -x "$critest" ] || {
     echo "bench-cri: no critest (--critest PATH): build it from cri-tools (make critest)" >&2; exit 1; }
-for pkg in containerd jq runc; do
-    command -v "$pkg" >/dev/null || { echo "bench-cri: installing $pkg" >&2; apt-get install -y -qq "$pkg" >/dev/null; }
-done
-[ -e /usr/lib/cni/bridge ] || apt-get install -y -qq containernetworking-plugins >/dev/null
+# runc, the CNI plugins, the registry and the tools the script uses (idempotent), and containerd.
+hack/install-deps.sh >/dev/null
+command -v containerd >/dev/null || { echo "bench-cri: installing containerd" >&2; apt-get install -y -qq containerd >/dev/null; }
 cargo build -q --release -p minicri -p minicri-tests --bins
 
 port=5098

@@ -53,6 +53,8 @@ done
 port=5099
 reg=127.0.0.1:$port
 bin=$repo/target/release
+# The registry, runc and the tools the script uses (idempotent; installs only what is missing).
+hack/install-deps.sh >/dev/null
 if ! command -v containerd >/dev/null; then
     echo "bench-pull: installing Debian's containerd (the baseline)" >&2
     apt-get install -y -qq containerd >/dev/null
