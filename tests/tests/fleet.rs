@@ -159,3 +159,89 @@ async fn nodes_pulling_at_once_through_a_cold_cache() {
     fleet.asked_each_blob(&img, nodes.len());
     assert!(served >= size, "{served} < {size}");
 }
+
+/// What one pull of a large blob through the cache asked and cost: the requests for the blob
+/// (range asked, status), the origin's blob bytes; then the same for a second node, warm cache.
+struct RangedRun {
+    cold: Vec<(Option<String>, u16)>,
+    cold_origin: u64,
+    warm: Vec<(Option<String>, u16)>,
+    warm_origin: u64,
+}
+
+async fn ranged_run(args: &[&str]) -> RangedRun {
+    let fleet = Fleet::new();
+    let (img, r) = fleet.push("fleet-ranged", 1, 48).await;
+    let big = img.layers.last().unwrap().digest.clone();
+    let asked = |fleet: &Fleet| -> Vec<(Option<String>, u16)> {
+        let mut v: Vec<_> = fleet
+            .edge
+            .blob_requests(&big)
+            .into_iter()
+            .map(|q| (q.range, q.status))
+            .collect();
+        v.sort();
+        v
+    };
+    let node = Daemon::start_with(fleet.hosts.path(), args).await.unwrap();
+    assert_eq!(pull(&node, &r, None).await.unwrap(), img.config_digest);
+    fleet.cached(&img).await;
+    let cold = asked(&fleet);
+    let cold_origin = fleet.counting.total_blob_bytes();
+    fleet.edge.reset_stats();
+    let second = Daemon::start_with(fleet.hosts.path(), args).await.unwrap();
+    assert_eq!(pull(&second, &r, None).await.unwrap(), img.config_digest);
+    let run = RangedRun {
+        cold,
+        cold_origin,
+        warm: asked(&fleet),
+        warm_origin: fleet.counting.total_blob_bytes() - cold_origin,
+    };
+    let size = blob_bytes(&img);
+    eprintln!(
+        "{args:?}: cold cache {:?}, the origin served {:.2}x the image ({} of {size} bytes); warm cache {:?}, the origin served {} more",
+        run.cold,
+        run.cold_origin as f64 / size as f64,
+        run.cold_origin,
+        run.warm,
+        run.warm_origin
+    );
+    run
+}
+
+/// A blob fetched over ranged requests (8 MiB pieces here, 4 at once) costs a fleet behind the
+/// cache no more than one stream: on a miss the cache answers the first range with the whole
+/// blob (200), and the node takes that one stream; once the cache holds the blob it answers
+/// ranges (206), and the next node fetches the pieces at once from the cache alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn ranged_requests_cost_a_cold_cache_no_more_than_one_stream_and_use_a_warm_one() {
+    let ranged = ranged_run(&["--blob-chunk-size", "8388608"]).await;
+    let single = ranged_run(&["--blob-connections", "1"]).await;
+    assert_eq!(
+        ranged.cold.len(),
+        1,
+        "one request on a miss: {:?}",
+        ranged.cold
+    );
+    assert_eq!(
+        ranged.cold[0].1, 200,
+        "the cache sent the whole blob on a miss"
+    );
+    assert_eq!(
+        ranged.cold_origin, single.cold_origin,
+        "ranged requests cost the origin what one stream does"
+    );
+    assert!(
+        ranged.warm.len() > 1,
+        "pieces from the warm cache: {:?}",
+        ranged.warm
+    );
+    assert!(
+        ranged
+            .warm
+            .iter()
+            .all(|(range, status)| range.is_some() && *status == 206)
+    );
+    assert_eq!(single.warm.len(), 1);
+    assert_eq!((ranged.warm_origin, single.warm_origin), (0, 0));
+}
