@@ -1,10 +1,13 @@
 //! Pulls leave unpacked layer snapshots: mounted, they equal the image's tree; removing the image
 //! frees them, and layers shared with another image stay.
 
+use std::time::{Duration, Instant};
+
 use minicri_proto::runtime::v1 as cri;
 use minicri_snapshotter::{Backend, LocalSnapshotter, Options, Snapshotter};
 use minicri_tests::daemon::{Daemon, HostsDir};
 use minicri_tests::images::{self, MULTI_FILES};
+use minicri_tests::proxy::{Proxy, Target};
 use minicri_tests::registry::Registry;
 
 fn spec(image: &str) -> Option<cri::ImageSpec> {
@@ -41,6 +44,36 @@ fn open_snapshots(d: &Daemon) -> LocalSnapshotter {
     .unwrap()
 }
 
+/// Mounts a view of `chain` (the multi image's top chain) from the stopped daemon's snapshots and
+/// asserts it holds [`MULTI_FILES`] and the base layer.
+fn assert_multi_tree(d: &Daemon, chain: &str) {
+    let snaps = open_snapshots(d);
+    let mnt = tempfile::tempdir().unwrap();
+    let view = snaps.view("test-view", Some(chain)).unwrap();
+    view.mount_at(mnt.path()).unwrap();
+    let check = || {
+        for (path, want) in MULTI_FILES {
+            let p = mnt.path().join(path.trim_start_matches('/'));
+            match want {
+                Some(text) => assert_eq!(
+                    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{path}: {e}")),
+                    *text,
+                    "{path}"
+                ),
+                None => assert!(!p.exists(), "{path} was deleted by a whiteout"),
+            }
+        }
+        assert!(
+            mnt.path().join("bin/busybox").is_file(),
+            "base layer present"
+        );
+    };
+    let r = std::panic::catch_unwind(check);
+    minicri_snapshotter::unmount(mnt.path()).unwrap();
+    snaps.remove("test-view").unwrap();
+    r.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn pulled_layers_mount_as_the_image_tree_and_go_with_the_image() {
     let registry = Registry::start();
@@ -64,33 +97,7 @@ async fn pulled_layers_mount_as_the_image_tree_and_go_with_the_image() {
     drop(c);
     d.stop().unwrap();
 
-    {
-        let snaps = open_snapshots(&d);
-        let mnt = tempfile::tempdir().unwrap();
-        let view = snaps.view("test-view", Some(&multi_chain)).unwrap();
-        view.mount_at(mnt.path()).unwrap();
-        let check = || {
-            for (path, want) in MULTI_FILES {
-                let p = mnt.path().join(path.trim_start_matches('/'));
-                match want {
-                    Some(text) => assert_eq!(
-                        std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{path}: {e}")),
-                        *text,
-                        "{path}"
-                    ),
-                    None => assert!(!p.exists(), "{path} was deleted by a whiteout"),
-                }
-            }
-            assert!(
-                mnt.path().join("bin/busybox").is_file(),
-                "base layer present"
-            );
-        };
-        let r = std::panic::catch_unwind(check);
-        minicri_snapshotter::unmount(mnt.path()).unwrap();
-        snaps.remove("test-view").unwrap();
-        r.unwrap();
-    }
+    assert_multi_tree(&d, &multi_chain);
 
     d.restart().await.unwrap();
     let mut c = d.images().await.unwrap();
@@ -133,4 +140,69 @@ async fn pulled_layers_mount_as_the_image_tree_and_go_with_the_image() {
         open_snapshots(&d).list().unwrap().is_empty(),
         "every snapshot freed"
     );
+}
+
+/// Layers unpack at once, and one that turns out to depend on the layer below is applied again
+/// on top of it: with the download of multi's middle layer stalled, its top layer (which whites
+/// out a file of the middle one) unpacks first; released, the pull applies the top layer again on
+/// the committed middle one, and the image's tree has the whiteout in force.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_layer_unpacked_ahead_that_depends_on_the_one_below_is_applied_again_on_it() {
+    let registry = Registry::start();
+    let set = images::push_standard_set(&registry.addr(), None)
+        .await
+        .unwrap();
+    let proxy = Proxy::start(&registry.addr()).unwrap();
+    let hosts = HostsDir::new();
+    let mut d = Daemon::start(hosts.path()).await.unwrap();
+    let middle = &set.multi.layers[set.multi.layers.len() - 2];
+    proxy
+        .faults()
+        .stall_after(Target::Blob(middle.digest.clone()), 0);
+    let reference = format!("{}/{}:latest", proxy.addr(), set.multi.repository);
+    let call = {
+        let mut c = d.images().await.unwrap();
+        let image = spec(&reference);
+        tokio::spawn(async move {
+            c.pull_image(cri::PullImageRequest {
+                image,
+                auth: None,
+                sandbox_config: None,
+            })
+            .await
+        })
+    };
+    assert!(
+        proxy
+            .faults()
+            .wait_stalled(1, Duration::from_secs(20))
+            .await,
+        "the middle layer stalls"
+    );
+    // The top layer's own file, written by its apply ahead of the middle layer.
+    let scratch = d.root().join("snapshots/tmp");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !std::fs::read_dir(&scratch)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| e.path().join("fs/data/b.txt").is_file())
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the top layer was not unpacked ahead"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proxy.faults().release_stall();
+    call.await.unwrap().unwrap();
+    let log = d.log();
+    let again = log
+        .lines()
+        .find(|l| l.contains("applying the layer again on top of its parent"))
+        .unwrap_or_else(|| panic!("no re-apply in the log:\n{log}"));
+    assert!(again.contains("data/removed.txt"), "{again}");
+    let chain = chain_id(&d, &reference).await;
+    d.stop().unwrap();
+    assert_multi_tree(&d, &chain);
 }
