@@ -91,6 +91,8 @@ pub struct BlobProgress {
     /// Taken, then notified, after every change of `written` or `state`
     /// ([`BlobProgress::wait_until`]).
     changes: (Mutex<()>, std::sync::Condvar),
+    /// Notified after every change of `state`, for async waiters ([`BlobProgress::ended`]).
+    state_changed: tokio::sync::Notify,
 }
 
 impl BlobProgress {
@@ -106,6 +108,7 @@ impl BlobProgress {
             started: Instant::now(),
             source: Mutex::new(None),
             changes: (Mutex::new(()), std::sync::Condvar::new()),
+            state_changed: tokio::sync::Notify::new(),
         }
     }
 
@@ -178,6 +181,24 @@ impl BlobProgress {
     fn set_state(&self, s: BlobState) {
         self.state.store(s as u8, Ordering::Relaxed);
         self.changed();
+        self.state_changed.notify_waiters();
+    }
+
+    /// Waits until the download has ended: committed, failed or cancelled.
+    pub async fn ended(&self) {
+        loop {
+            let notified = self.state_changed.notified();
+            tokio::pin!(notified);
+            // Registered before the state is read, so a change in between still wakes us.
+            notified.as_mut().enable();
+            if matches!(
+                self.state(),
+                BlobState::Done | BlobState::Failed | BlobState::Cancelled
+            ) {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// Network bytes per second since this download started.
@@ -755,6 +776,28 @@ fn discard_on_size_error(content: &ContentStore, digest: &Digest, e: StoreError)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn ended_wakes_its_waiter_when_the_download_ends_and_not_before() {
+        let p = Arc::new(BlobProgress::new(Digest::of(b"blob"), 4));
+        let waiter = tokio::spawn({
+            let p = p.clone();
+            async move { p.ended().await }
+        });
+        p.set_state(BlobState::Downloading);
+        p.set_written(2);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiter.is_finished(), "still downloading");
+        p.set_state(BlobState::Done);
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("woken by the end")
+            .unwrap();
+        // An ended download answers at once.
+        tokio::time::timeout(Duration::from_secs(5), p.ended())
+            .await
+            .unwrap();
+    }
 
     fn ranges(pieces: &[Piece]) -> Vec<(u64, u64)> {
         pieces.iter().map(|p| (p.pos, p.end)).collect()

@@ -119,7 +119,7 @@ pub async fn apply_layer(
                 }
             }
             if let Some(p) = live {
-                wait_ended(&p).await;
+                p.ended().await;
                 if p.state() != BlobState::Done {
                     // The download's failure fails the pull through its own path.
                     return futures::future::pending().await;
@@ -132,7 +132,7 @@ pub async fn apply_layer(
         (Err(e), None) => Err(unpack_error(reference, &layer.digest, e)),
         (Err(e), Some(p)) => {
             // Read while downloading: find out how the download ended.
-            wait_ended(&p).await;
+            p.ended().await;
             if p.state() != BlobState::Done {
                 tracing::debug!(blob = %layer.digest, error = %e, "live unpack failed with its download; the download's error stands");
                 // The download's failure fails the pull through its own path.
@@ -143,16 +143,6 @@ pub async fn apply_layer(
                 .await
                 .map_err(|e| unpack_error(reference, &layer.digest, e))
         }
-    }
-}
-
-/// Waits until the download `p` has ended (committed, failed or cancelled).
-async fn wait_ended(p: &BlobProgress) {
-    while !matches!(
-        p.state(),
-        BlobState::Done | BlobState::Failed | BlobState::Cancelled
-    ) {
-        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
