@@ -104,46 +104,42 @@ pub async fn apply_layer(
         live.clone(),
     )
     .await;
-    match (first, live) {
-        (Ok(chain), _) => Ok(chain),
-        (Err(minicri_snapshotter::Error::NeedsParent { reason }), live) => {
-            tracing::info!(blob = %layer.digest, %reason, "applying the layer again on top of its parent");
-            if let Some((chain, gate)) = &parent {
-                let gate = gate.clone();
-                let committed = tokio::task::spawn_blocking(move || gate.wait())
-                    .await
-                    .expect("a gate wait does not panic");
-                if !committed {
-                    let e = minicri_snapshotter::Error::NotFound { key: chain.clone() };
-                    return Err(unpack_error(reference, &layer.digest, e));
-                }
-            }
-            if let Some(p) = live {
-                p.ended().await;
-                if p.state() != BlobState::Done {
-                    // The download's failure fails the pull through its own path.
-                    return futures::future::pending().await;
-                }
-            }
-            run_apply(snapshotter, content, image_id, layer, parent, None)
-                .await
-                .map_err(|e| unpack_error(reference, &layer.digest, e))
-        }
-        (Err(e), None) => Err(unpack_error(reference, &layer.digest, e)),
-        (Err(e), Some(p)) => {
-            // Read while downloading: find out how the download ended.
-            p.ended().await;
-            if p.state() != BlobState::Done {
-                tracing::debug!(blob = %layer.digest, error = %e, "live unpack failed with its download; the download's error stands");
-                // The download's failure fails the pull through its own path.
-                return futures::future::pending().await;
-            }
-            tracing::info!(blob = %layer.digest, error = %e, "applying the layer again from the verified blob");
-            run_apply(snapshotter, content, image_id, layer, parent, None)
-                .await
-                .map_err(|e| unpack_error(reference, &layer.digest, e))
+    let e = match first {
+        Ok(chain) => return Ok(chain),
+        Err(e) => e,
+    };
+    let needs_parent = matches!(e, minicri_snapshotter::Error::NeedsParent { .. });
+    if !needs_parent && live.is_none() {
+        return Err(unpack_error(reference, &layer.digest, e));
+    }
+    // Applied again from the verified blob, on top of the committed parent.
+    if let Some(p) = live {
+        // Read while downloading: find out how the download ended.
+        p.ended().await;
+        if p.state() != BlobState::Done {
+            tracing::debug!(blob = %layer.digest, error = %e, "live unpack failed with its download; the download's error stands");
+            // The download's failure fails the pull through its own path.
+            return futures::future::pending().await;
         }
     }
+    if let Some((chain, gate)) = &parent {
+        let gate = gate.clone();
+        let committed = tokio::task::spawn_blocking(move || gate.wait())
+            .await
+            .expect("a gate wait does not panic");
+        if !committed {
+            let e = minicri_snapshotter::Error::NotFound { key: chain.clone() };
+            return Err(unpack_error(reference, &layer.digest, e));
+        }
+    }
+    if needs_parent {
+        tracing::info!(blob = %layer.digest, reason = %e, "applying the layer again on top of its parent");
+    } else {
+        tracing::info!(blob = %layer.digest, error = %e, "applying the layer again from the verified blob");
+    }
+    run_apply(snapshotter, content, image_id, layer, parent, None)
+        .await
+        .map_err(|e| unpack_error(reference, &layer.digest, e))
 }
 
 /// One apply of `layer` in a blocking thread: from the download as it arrives (`live`) or from
