@@ -300,14 +300,19 @@ impl LocalSnapshotter {
         }
     }
 
-    /// Checks the diff_id the stream hashed to and flushes the new layer in `tmp` if configured.
-    fn check_and_sync(&self, layer: &LayerSpec<'_>, tmp: &Path, diff_id: String) -> Result<()> {
+    /// Fails unless the stream hashed to the layer's diff_id.
+    fn check_diff_id(layer: &LayerSpec<'_>, diff_id: String) -> Result<()> {
         if diff_id != layer.diff_id {
             return Err(Error::DiffIdMismatch {
                 expected: layer.diff_id.to_string(),
                 actual: diff_id,
             });
         }
+        Ok(())
+    }
+
+    /// Flushes the new layer in `tmp` to disk, if configured.
+    fn sync(&self, tmp: &Path) -> Result<()> {
         if self.options.sync_on_commit {
             let f = File::open(tmp).ctx(|| format!("opening {}", tmp.display()))?;
             nix::unistd::syncfs(&f).ctx(|| "syncfs".into())?;
@@ -329,7 +334,8 @@ impl LocalSnapshotter {
             let (diff_id, size) = pipeline::decode_and_apply(codec, stream, |tar| {
                 backend::apply(self.backend, &tmp, &lowers, tar, self.limits())
             })?;
-            self.check_and_sync(layer, &tmp, diff_id)?;
+            Self::check_diff_id(layer, diff_id)?;
+            self.sync(&tmp)?;
             Ok(size)
         })();
         self.commit_layer(layer, chain, &tmp, result)
@@ -366,12 +372,8 @@ impl LocalSnapshotter {
                 },
             })?;
             let detached = detached.expect("set by a successful apply");
-            if diff_id != layer.diff_id {
-                return Err(Error::DiffIdMismatch {
-                    expected: layer.diff_id.to_string(),
-                    actual: diff_id,
-                });
-            }
+            // Before waiting for the parent: wrong bytes are wrong whatever it holds.
+            Self::check_diff_id(layer, diff_id)?;
             if !parent_ready() {
                 return Err(Error::NotFound { key: parent.into() });
             }
@@ -384,7 +386,7 @@ impl LocalSnapshotter {
             if !detached.lists_root() {
                 backend::copy_root_meta(&fs_dir, &lowers)?;
             }
-            self.check_and_sync(layer, &tmp, diff_id)?;
+            self.sync(&tmp)?;
             Ok(size)
         })();
         let applied = self.commit_layer(layer, chain, &tmp, result);

@@ -148,6 +148,16 @@ pub fn ingest_ranges(root: &Path, digest: &str) -> String {
         .unwrap_or_default()
 }
 
+/// The metadata of `rel` (a path inside a layer) in a layer the daemon rooted at `root` is
+/// unpacking ahead of its parent, in its snapshotter's scratch directory (`snapshots/tmp/*/fs`).
+pub fn unpacking_ahead(root: &Path, rel: &str) -> Option<std::fs::Metadata> {
+    std::fs::read_dir(root.join("snapshots/tmp"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .find_map(|d| std::fs::metadata(d.path().join("fs").join(rel)).ok())
+}
+
 pub async fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {

@@ -981,17 +981,9 @@ async fn a_layer_unpacks_while_the_layer_below_it_still_downloads() {
         "the layer below stalls"
     );
     // The top layer holds data/random-32.bin (seed 31 + 1): 4 MiB once written in full.
-    let scratch = e.daemon.root().join("snapshots/tmp");
-    let unpacked_above = || {
-        std::fs::read_dir(&scratch)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|d| {
-                std::fs::metadata(d.path().join("fs/data/random-32.bin"))
-                    .is_ok_and(|m| m.len() == 4 * MIB)
-            })
-    };
+    let root = e.daemon.root();
+    let unpacked_above =
+        || unpacking_ahead(&root, "data/random-32.bin").is_some_and(|m| m.len() == 4 * MIB);
     wait_until(
         "the layer above to be unpacked",
         Duration::from_secs(20),

@@ -1,13 +1,14 @@
 //! Pulls leave unpacked layer snapshots: mounted, they equal the image's tree; removing the image
 //! frees them, and layers shared with another image stay.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
 use minicri_snapshotter::{Backend, LocalSnapshotter, Options, Snapshotter};
 use minicri_tests::daemon::{Daemon, HostsDir};
 use minicri_tests::images::{self, MULTI_FILES};
 use minicri_tests::proxy::{Proxy, Target};
+use minicri_tests::pull_env::{spawn_pull, unpacking_ahead, wait_until};
 use minicri_tests::registry::Registry;
 
 fn spec(image: &str) -> Option<cri::ImageSpec> {
@@ -160,18 +161,7 @@ async fn a_layer_unpacked_ahead_that_depends_on_the_one_below_is_applied_again_o
         .faults()
         .stall_after(Target::Blob(middle.digest.clone()), 0);
     let reference = format!("{}/{}:latest", proxy.addr(), set.multi.repository);
-    let call = {
-        let mut c = d.images().await.unwrap();
-        let image = spec(&reference);
-        tokio::spawn(async move {
-            c.pull_image(cri::PullImageRequest {
-                image,
-                auth: None,
-                sandbox_config: None,
-            })
-            .await
-        })
-    };
+    let call = spawn_pull(&d, &reference, None).await;
     assert!(
         proxy
             .faults()
@@ -180,20 +170,13 @@ async fn a_layer_unpacked_ahead_that_depends_on_the_one_below_is_applied_again_o
         "the middle layer stalls"
     );
     // The top layer's own file, written by its apply ahead of the middle layer.
-    let scratch = d.root().join("snapshots/tmp");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !std::fs::read_dir(&scratch)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .any(|e| e.path().join("fs/data/b.txt").is_file())
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the top layer was not unpacked ahead"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let root = d.root();
+    wait_until(
+        "the top layer to be unpacked ahead",
+        Duration::from_secs(20),
+        || unpacking_ahead(&root, "data/b.txt").is_some(),
+    )
+    .await;
     proxy.faults().release_stall();
     call.await.unwrap().unwrap();
     let log = d.log();

@@ -229,10 +229,9 @@ impl PullManager {
         self.fetch_part(job, i, session).await
     }
 
-    /// Applies the layers bottom to top as their bytes arrive; the top chain id, if unpacking.
     /// Unpacks the image's layers, up to `max_concurrent_unpacks` at once in chain order (each
     /// starts as its download does; a layer whose parent is still unpacking is applied ahead of
-    /// it); returns the top chain id.
+    /// it); returns the top chain id, if unpacking.
     async fn unpack_layers(
         &self,
         job: &Job,
