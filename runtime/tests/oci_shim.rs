@@ -101,7 +101,7 @@ fn spawner_helper() {
     let v: serde_json::Value = serde_json::from_str(&args).unwrap();
     let s = |k: &str| v[k].as_str().unwrap().to_string();
     let runc = minicri::oci::Runc::new(s("runtime"), s("runtime_root"));
-    let mut cfg = minicri::shim::ShimConfig::new(s("id"), s("bundle"), runc, s("binary"));
+    let mut cfg = minicri::shim::ShimConfig::new(s("id"), s("bundle"), runc.command(), s("binary"));
     cfg.log_path = Some(s("log").into());
     let handle = spawn_shim_blocking(&cfg).unwrap();
     println!("{}", serde_json::to_string(&handle).unwrap());

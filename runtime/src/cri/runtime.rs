@@ -87,7 +87,7 @@ impl RuntimeService for RuntimeHandler {
                     .map(|(h, r)| {
                         serde_json::json!({
                             "name": h.name, "default": h.name == default,
-                            "binary": h.runtime.binary, "root": h.runtime.root,
+                            "binary": h.runtime.binary(), "root": h.runtime.command().root,
                             "available": r.is_ok(), "reason": r.as_ref().err(),
                         })
                     })
@@ -124,7 +124,7 @@ impl RuntimeService for RuntimeHandler {
                         runtime_ready.message = format!(
                             "the default runtime handler {:?} ({}) does not work here: {reason}",
                             h.name,
-                            h.runtime.binary.display()
+                            h.runtime.binary().display()
                         );
                     }
                     _ => {}

@@ -51,10 +51,9 @@ pub struct HandlerFeatures {
 }
 
 /// One runtime handler.
-#[derive(Debug)]
 pub struct Handler {
     pub name: String,
-    pub runtime: Runc,
+    pub runtime: Arc<dyn OciRuntime>,
     pub features: HandlerFeatures,
     /// `Err(reason)` once probed and found unusable.
     probed: OnceCell<std::result::Result<(), String>>,
@@ -69,7 +68,7 @@ impl Handler {
     /// Whether the handler works here (`Err` says why not); probes it on first use.
     pub async fn availability(&self, probe: &ProbeEnv) -> std::result::Result<(), String> {
         self.probed
-            .get_or_init(|| probe_handler(&self.name, &self.runtime, probe))
+            .get_or_init(|| self.runtime.check_available(&self.name, probe))
             .await
             .clone()
     }
@@ -84,6 +83,16 @@ pub struct ProbeEnv {
     pub cgroup_driver: CgroupDriver,
     /// How long one probe may take ([`PROBE_TIMEOUT`]); a runtime still running then is killed.
     pub timeout: Duration,
+}
+
+impl std::fmt::Debug for Handler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handler")
+            .field("name", &self.name)
+            .field("binary", &self.runtime.binary())
+            .field("features", &self.features)
+            .finish()
+    }
 }
 
 /// Every configured handler, by name.
@@ -158,8 +167,7 @@ impl Handlers {
             .collect();
         all.extend(configured.iter().map(|(k, v)| (k.clone(), v.clone())));
         check_config(configured, default)?;
-        let mut by_name = BTreeMap::new();
-        for (name, c) in all {
+        let runtimes = all.into_iter().map(|(name, c)| {
             let root = c.root.clone().unwrap_or_else(|| {
                 if name == DEFAULT_HANDLER {
                     state.join("runc")
@@ -170,18 +178,32 @@ impl Handlers {
             let mut runtime = Runc::new(c.binary, root);
             runtime.systemd_cgroup = systemd_cgroup;
             let features = features(&runtime);
-            let handler = Handler {
-                name: name.clone(),
-                runtime,
-                features,
-                probed: OnceCell::new(),
-            };
-            by_name.insert(name, Arc::new(handler));
-        }
-        Ok(Handlers {
+            (name, Arc::new(runtime) as Arc<dyn OciRuntime>, features)
+        });
+        Ok(Handlers::from_runtimes(default, runtimes))
+    }
+
+    /// Handlers over runtimes built already (`default` must be among them).
+    pub fn from_runtimes(
+        default: &str,
+        runtimes: impl IntoIterator<Item = (String, Arc<dyn OciRuntime>, HandlerFeatures)>,
+    ) -> Handlers {
+        let by_name = runtimes
+            .into_iter()
+            .map(|(name, runtime, features)| {
+                let handler = Handler {
+                    name: name.clone(),
+                    runtime,
+                    features,
+                    probed: OnceCell::new(),
+                };
+                (name, Arc::new(handler))
+            })
+            .collect();
+        Handlers {
             default: default.to_string(),
             by_name,
-        })
+        }
     }
 
     /// The name of the default handler.
@@ -220,7 +242,7 @@ impl Handlers {
 
 /// Creates and deletes a throwaway container with `runtime` (under a root of its own, so
 /// nothing of it is ever taken for a pod's container), bounded by [`PROBE_TIMEOUT`].
-async fn probe_handler(
+pub(super) async fn probe_handler(
     name: &str,
     runtime: &Runc,
     env: &ProbeEnv,
@@ -364,12 +386,12 @@ mod tests {
         );
         assert_eq!(h.get("").unwrap().name, "runc");
         assert_eq!(
-            h.get("runc").unwrap().runtime.root,
+            h.get("runc").unwrap().runtime.command().root,
             Path::new("/run/m/runc")
         );
-        let k = h.get("kata-like").unwrap();
-        assert_eq!(k.runtime.root, Path::new("/run/m/runtimes/kata-like"));
-        assert_eq!(k.runtime.binary, Path::new("/opt/k/bin/rt"));
+        let k = h.get("kata-like").unwrap().runtime.command();
+        assert_eq!(k.root, Path::new("/run/m/runtimes/kata-like"));
+        assert_eq!(k.binary, Path::new("/opt/k/bin/rt"));
     }
 
     #[test]

@@ -52,7 +52,9 @@ pub use handlers::{Handler, HandlerConfig, HandlerFeatures, Handlers, ProbeEnv};
 pub use host::{CgroupDriver, HostInfo, cgroups_path, systemd_slice};
 pub use image_config::ImageConfig;
 pub use runc::Runc;
-pub use runtime::{CreateIo, CreateOpts, ExecOpts, ExecOutput, ExecProcess, OciRuntime, OciState};
+pub use runtime::{
+    CreateIo, CreateOpts, ExecOpts, ExecOutput, ExecProcess, OciRuntime, OciState, RuntimeCommand,
+};
 pub use sandbox::{SandboxFiles, SandboxNamespaces, SandboxSpecParams, sandbox_spec};
 pub use spec::{ContainerSpecParams, container_spec};
 pub use user::{ResolvedUser, UserRequest, resolve_user};

@@ -24,7 +24,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 
 use super::error::{OciError, Result};
-use super::runtime::{CreateIo, CreateOpts, ExecOpts, ExecOutput, OciRuntime, OciState};
+use super::handlers::ProbeEnv;
+use super::runtime::{
+    CreateIo, CreateOpts, ExecOpts, ExecOutput, OciRuntime, OciState, RuntimeCommand,
+};
 
 /// A running exec with piped stdio (`runc exec` stays its parent and relays its status).
 pub struct ExecProcess {
@@ -255,31 +258,6 @@ impl Runc {
         }
         c.arg(id).kill_on_drop(self.kill_on_drop);
         Ok((c, vec![process_file, pid_file], log))
-    }
-
-    /// `exec` in the foreground with the given stdio instead of pipes. For a process with
-    /// `terminal: true`, pass the slave side of a pty as all three: the runtime then makes the
-    /// container's own pty, relays between the two and resizes the container's to the given
-    /// one's size on SIGWINCH.
-    pub fn exec_spawn_stdio(
-        &self,
-        opts: ExecOpts,
-        stdin: Stdio,
-        stdout: Stdio,
-        stderr: Stdio,
-    ) -> Result<ExecProcess> {
-        let (mut c, scratch, log) = self.exec_command(&opts.id, &opts.process, false)?;
-        c.stdin(stdin).stdout(stdout).stderr(stderr);
-        let child = c
-            .spawn()
-            .map_err(|e| OciError::io("run", &self.binary, e))?;
-        Ok(ExecProcess {
-            child,
-            scratch,
-            log,
-            binary: self.name(),
-            id: opts.id,
-        })
     }
 }
 
@@ -670,6 +648,51 @@ impl OciRuntime for Runc {
                 .map_err(|e| OciError::Other(format!("{} list: {e}", self.name())))?;
             Ok(list.unwrap_or_default())
         })
+    }
+
+    /// `exec` in the foreground with the given stdio instead of pipes. For a process with
+    /// `terminal: true`, pass the slave side of a pty as all three: the runtime then makes the
+    /// container's own pty, relays between the two and resizes the container's to the given
+    /// one's size on SIGWINCH.
+    fn exec_spawn_stdio(
+        &self,
+        opts: ExecOpts,
+        stdin: Stdio,
+        stdout: Stdio,
+        stderr: Stdio,
+    ) -> Result<ExecProcess> {
+        let (mut c, scratch, log) = self.exec_command(&opts.id, &opts.process, false)?;
+        c.stdin(stdin).stdout(stdout).stderr(stderr);
+        let child = c
+            .spawn()
+            .map_err(|e| OciError::io("run", &self.binary, e))?;
+        Ok(ExecProcess {
+            child,
+            scratch,
+            log,
+            binary: self.name(),
+            id: opts.id,
+        })
+    }
+
+    fn binary(&self) -> &Path {
+        &self.binary
+    }
+
+    fn command(&self) -> RuntimeCommand {
+        RuntimeCommand {
+            binary: self.binary.clone(),
+            root: self.root.clone(),
+            systemd_cgroup: self.systemd_cgroup,
+        }
+    }
+
+    fn check_available<'a>(
+        &'a self,
+        name: &'a str,
+        env: &'a ProbeEnv,
+    ) -> BoxFuture<'a, std::result::Result<(), String>> {
+        Box::pin(super::handlers::probe_handler(name, self, env))
     }
 }
 

@@ -9,8 +9,12 @@
 //! [`crate::shim`]), which owns the container's stdio and must be the process that reaps it; it
 //! uses [`super::runc::Runc::create_args`] so both paths build the same command line.
 //! [`OciRuntime::create`] is for callers that do not need a monitor.
+//!
+//! Pods hold their runtime as `Arc<dyn OciRuntime>` in their [`super::Handler`]; the pod
+//! service's unit tests put a recording fake there (`crate::pods::fake`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -19,6 +23,16 @@ use serde::{Deserialize, Serialize};
 
 use super::error::Result;
 pub use super::runc::ExecProcess;
+
+/// How another process (the shim) runs the runtime: the binary and its global flags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuntimeCommand {
+    pub binary: PathBuf,
+    /// `--root`: the runtime's state directory.
+    pub root: PathBuf,
+    /// `--systemd-cgroup`.
+    pub systemd_cgroup: bool,
+}
 
 /// What `runc state` / `runc list` report for one container.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -115,4 +129,23 @@ pub trait OciRuntime: Send + Sync {
     fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>>;
     /// `list --format json`: every container under the root.
     fn list(&self) -> BoxFuture<'_, Result<Vec<OciState>>>;
+    /// `exec` in the foreground with the given stdio (a pty's slave side for a terminal).
+    fn exec_spawn_stdio(
+        &self,
+        opts: ExecOpts,
+        stdin: Stdio,
+        stdout: Stdio,
+        stderr: Stdio,
+    ) -> Result<ExecProcess>;
+    /// The runtime's binary, for logs and inspection.
+    fn binary(&self) -> &Path;
+    /// How the shim runs this runtime to create a container under its monitor.
+    fn command(&self) -> RuntimeCommand;
+    /// Whether the runtime works on this host (`Err` says why not), found out by creating and
+    /// deleting a throwaway container as [`super::handlers`] describes.
+    fn check_available<'a>(
+        &'a self,
+        name: &'a str,
+        env: &'a super::ProbeEnv,
+    ) -> BoxFuture<'a, std::result::Result<(), String>>;
 }

@@ -17,9 +17,9 @@ use super::store::{ContainerRecord, ContainerState, SandboxState};
 use super::{Journal, Operation, PodService, Undo, blocking, now_ns};
 use crate::error::{Error, Result};
 use crate::oci::{
-    self, ContainerSpecParams, ExecOpts, ImageConfig, OciRuntime, SandboxFiles, SandboxNamespaces,
+    self, ContainerSpecParams, ExecOpts, ImageConfig, SandboxFiles, SandboxNamespaces,
 };
-use crate::shim::{ExitRecord, ShimConfig, ShimHandle, spawn_shim};
+use crate::shim::{ExitRecord, ShimConfig, ShimHandle};
 
 /// How long StopContainer waits for the exit after SIGKILL.
 const KILL_WAIT: Duration = Duration::from_secs(10);
@@ -300,7 +300,7 @@ impl PodService {
                 .map_err(|e| Error::Internal(format!("creating {}: {e}", parent.display())))?;
         }
         let runtime = self.runtime(&rec.runtime_handler)?;
-        let mut cfg = ShimConfig::new(id, &rec.bundle, runtime.clone(), &self.shim_binary);
+        let mut cfg = ShimConfig::new(id, &rec.bundle, runtime.command(), &self.shim_binary);
         cfg.log_path = rec.log_path.clone();
         let config = rec.config();
         cfg.stdin = config.stdin;
@@ -315,7 +315,7 @@ impl PodService {
             handler: rec.runtime_handler.clone(),
         })?;
         let started = async {
-            let shim = spawn_shim(cfg).await?;
+            let shim = self.monitors.spawn(cfg).await?;
             runtime.start(id).await?;
             Ok::<_, crate::oci::OciError>(shim)
         }
@@ -348,7 +348,7 @@ impl PodService {
     pub(crate) fn watch_exit(self: &Arc<Self>, id: String, shim: ShimHandle) {
         let svc = self.clone();
         tokio::spawn(async move {
-            let exit = shim.wait().await;
+            let exit = svc.monitors.wait(&shim).await;
             {
                 // After a stop that is recording the same exit (it holds the lock while it
                 // waits), so the exit is judged once.
@@ -483,8 +483,11 @@ impl PodService {
             if let Err(e) = runtime.kill(id, rec.stop_signal, false).await {
                 tracing::debug!(container = %id, error = %e, "stop signal");
             }
-            if let Ok(Ok(exit)) =
-                tokio::time::timeout(Duration::from_secs(timeout as u64), shim.wait()).await
+            if let Ok(Ok(exit)) = tokio::time::timeout(
+                Duration::from_secs(timeout as u64),
+                self.monitors.wait(&shim),
+            )
+            .await
             {
                 self.record_exit(id, &exit).await;
                 return Ok(());
@@ -494,7 +497,7 @@ impl PodService {
         if let Err(e) = runtime.kill(id, libc::SIGKILL, true).await {
             tracing::debug!(container = %id, error = %e, "SIGKILL");
         }
-        match tokio::time::timeout(KILL_WAIT, shim.wait()).await {
+        match tokio::time::timeout(KILL_WAIT, self.monitors.wait(&shim)).await {
             Ok(Ok(exit)) => self.record_exit(id, &exit).await,
             Ok(Err(e)) => self.record_lost(id, &e.to_string()),
             Err(_) => {
@@ -562,7 +565,7 @@ impl PodService {
             self.runtime(&rec.runtime_handler)?.delete(id, true).await?;
         }
         if let Some(shim) = &rec.shim {
-            super::reap_shim(shim).await;
+            self.reap_shim(shim).await;
         }
         let snap = self.snapshotter.clone();
         let (rootfs, key) = (rec.rootfs.clone(), id.to_string());
@@ -720,7 +723,7 @@ impl PodService {
         let shim = r
             .shim
             .ok_or_else(|| Error::FailedPrecondition(format!("container {id} is not running")))?;
-        Ok(shim.reopen_log().await?)
+        Ok(self.monitors.reopen_log(&shim).await?)
     }
 
     /// UpdateContainerResources: applied through the runtime to a running container, and to

@@ -18,7 +18,7 @@ use minicri_proto::runtime::v1 as cri;
 use super::PodService;
 use super::store::{ContainerRecord, ContainerState};
 use crate::error::{Error, Result};
-use crate::oci::{ExecOpts, ExecProcess, OciRuntime};
+use crate::oci::{ExecOpts, ExecProcess};
 
 impl PodService {
     /// The container `id` if it exists and is running: NOT_FOUND or FAILED_PRECONDITION naming

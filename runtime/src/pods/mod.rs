@@ -13,6 +13,10 @@
 //! - [`streaming`]: exec and attach for the streaming server (its `ExecBackend`);
 //! - [`undo`]: multi-step operations, their undo steps and the on-disk journal of them.
 //!
+//! The service reaches processes through two seams: each runtime handler's
+//! [`crate::oci::OciRuntime`] and the container monitors ([`crate::shim::Monitors`]). Its unit
+//! tests (`tests.rs`) put a recording fake behind both (`fake.rs`) and run without root.
+//!
 //! Layout under the state directory: `pods/` (records; `pods/inflight/` the undo journals), `sandboxes/<id>/` (hostname, resolv.conf,
 //! hosts, shm), `containers/<id>/rootfs` (the mounted writable snapshot), `b/<id[..32]>/` (OCI
 //! bundles with the shim's files: the full id would make the shim's socket path too long),
@@ -39,6 +43,11 @@ pub mod store;
 pub mod streaming;
 pub mod undo;
 
+#[cfg(test)]
+mod fake;
+#[cfg(test)]
+mod tests;
+
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -48,8 +57,10 @@ use minicri_store::{ContentStore, ImageStore, PullManager};
 use crate::cni::{CniManager, CniOptions};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::oci::{CgroupDriver, Handler, HandlerFeatures, Handlers, HostInfo, ProbeEnv, Runc};
-use crate::shim::ShimHandle;
+use crate::oci::{
+    CgroupDriver, Handler, HandlerFeatures, Handlers, HostInfo, OciRuntime, ProbeEnv,
+};
+use crate::shim::{Monitors, ShimHandle, Shims};
 use store::{ContainerState, Store};
 pub(crate) use undo::{Journal, Operation, Undo};
 
@@ -59,6 +70,8 @@ pub struct PodService {
     pub cni: Arc<CniManager>,
     /// The OCI runtimes pods run under, by handler name.
     pub handlers: Handlers,
+    /// The containers' monitors (shims).
+    pub monitors: Arc<dyn Monitors>,
     /// Host facts; what a runtime supports is in its handler's features.
     pub host: HostInfo,
     pub cgroup_driver: CgroupDriver,
@@ -73,6 +86,28 @@ pub struct PodService {
     /// Samples the stats RPCs keep between calls.
     pub stats: stats::StatsState,
     infra: Mutex<Option<crate::pause::InfraRootfs>>,
+}
+
+/// What a [`PodService`] is built from besides its records: [`PodService::open`] makes the
+/// real ones from the configuration; the unit tests put fakes behind the seams (`handlers`'
+/// runtimes, `monitors`).
+pub struct Parts {
+    /// The state directory (records, bundles, sandbox files).
+    pub state: PathBuf,
+    pub cni: Arc<CniManager>,
+    pub handlers: Handlers,
+    pub monitors: Arc<dyn Monitors>,
+    pub host: HostInfo,
+    pub cgroup_driver: CgroupDriver,
+    pub annotations: crate::oci::annotations::AnnotationPolicy,
+    /// The minicri executable (the shims and the infra process run it).
+    pub shim_binary: PathBuf,
+    pub images: Arc<ImageStore>,
+    pub content: Arc<ContentStore>,
+    pub snapshotter: Arc<dyn Snapshotter>,
+    pub pulls: Arc<PullManager>,
+    /// The image root, whose filesystem the stats report.
+    pub stats_root: PathBuf,
 }
 
 /// Nanoseconds since the epoch.
@@ -104,8 +139,6 @@ impl PodService {
         pulls: Arc<PullManager>,
     ) -> anyhow::Result<Arc<PodService>> {
         let state = config.state.clone();
-        let store = Store::open(&state.join("pods"))?;
-        std::fs::create_dir_all(state.join("pods/inflight"))?;
         let cni = CniManager::new(CniOptions::new(
             config.cni_conf_dirs.clone(),
             config.cni_bin_dirs.clone(),
@@ -148,20 +181,44 @@ impl PodService {
                 user_namespaces: host.user_namespaces,
             },
         )?;
-        let svc = Arc::new(PodService {
-            store,
+        let parts = Parts {
+            state,
             cni: Arc::new(cni),
             handlers,
+            monitors: Arc::new(Shims),
             host,
             cgroup_driver: config.cgroup_driver,
             annotations: config.pod_annotations.clone(),
             shim_binary: std::env::current_exe()?,
-            state_dir: state,
             images,
             content,
             snapshotter,
             pulls,
-            stats: stats::StatsState::new(config.root.clone()),
+            stats_root: config.root.clone(),
+        };
+        PodService::with_parts(parts)
+    }
+
+    /// A pod service over `parts`: opens the records under `<state>/pods` and re-attaches to
+    /// the monitors of running containers, as [`PodService::open`] describes.
+    pub fn with_parts(parts: Parts) -> anyhow::Result<Arc<PodService>> {
+        let store = Store::open(&parts.state.join("pods"))?;
+        std::fs::create_dir_all(parts.state.join("pods/inflight"))?;
+        let svc = Arc::new(PodService {
+            store,
+            cni: parts.cni,
+            handlers: parts.handlers,
+            monitors: parts.monitors,
+            host: parts.host,
+            cgroup_driver: parts.cgroup_driver,
+            annotations: parts.annotations,
+            shim_binary: parts.shim_binary,
+            state_dir: parts.state,
+            images: parts.images,
+            content: parts.content,
+            snapshotter: parts.snapshotter,
+            pulls: parts.pulls,
+            stats: stats::StatsState::new(parts.stats_root),
             infra: Mutex::new(None),
         });
         svc.recover();
@@ -191,7 +248,7 @@ impl PodService {
                 continue;
             }
             let Some(shim) = c.shim.clone() else { continue };
-            match shim.exit_record() {
+            match self.monitors.exit_record(&shim) {
                 Ok(Some(exit)) => {
                     exited += 1;
                     // Before serving: the blocking query is fine here.
@@ -200,7 +257,7 @@ impl PodService {
                         cgroups::oom_killed_after_exit(self.cgroup_driver, &parent, &c.id, &exit);
                     self.record_exit_as(&c.id, &exit, oom);
                 }
-                _ if shim.is_alive() => {
+                _ if self.monitors.is_alive(&shim) => {
                     running += 1;
                     if tokio::runtime::Handle::try_current().is_ok() {
                         self.watch_exit(c.id.clone(), shim);
@@ -221,7 +278,7 @@ impl PodService {
         }
         for s in self.store.sandboxes() {
             if s.state == store::SandboxState::Ready
-                && !s.shim.as_ref().is_some_and(|h| h.is_alive())
+                && !s.shim.as_ref().is_some_and(|h| self.monitors.is_alive(h))
             {
                 let _ = self
                     .store
@@ -312,11 +369,11 @@ impl PodService {
             let default = h.name == self.handlers.default_name();
             match result {
                 Ok(()) => tracing::info!(
-                    handler = %h.name, binary = %h.runtime.binary.display(), default,
+                    handler = %h.name, binary = %h.runtime.binary().display(), default,
                     "runtime handler available"
                 ),
                 Err(reason) => tracing::warn!(
-                    handler = %h.name, binary = %h.runtime.binary.display(), default, %reason,
+                    handler = %h.name, binary = %h.runtime.binary().display(), default, %reason,
                     "runtime handler unavailable: pods naming it are refused"
                 ),
             }
@@ -324,8 +381,8 @@ impl PodService {
     }
 
     /// The OCI runtime of a sandbox or container recorded with `handler`.
-    pub(crate) fn runtime(&self, handler: &str) -> Result<&Runc> {
-        Ok(&self.handlers.get(handler)?.runtime)
+    pub(crate) fn runtime(&self, handler: &str) -> Result<&dyn OciRuntime> {
+        Ok(self.handlers.get(handler)?.runtime.as_ref())
     }
 
     /// The record of container `id`; NOT_FOUND naming it.
@@ -354,7 +411,7 @@ impl PodService {
     }
 
     /// The OCI runtime of the container `id`.
-    pub(crate) fn container_runtime(&self, id: &str) -> Result<&Runc> {
+    pub(crate) fn container_runtime(&self, id: &str) -> Result<&dyn OciRuntime> {
         self.runtime(&self.container_record(id)?.runtime_handler)
     }
 
@@ -413,13 +470,15 @@ pub(crate) fn unmount_all(p: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Gives a shim whose container is gone a moment to exit by itself, then kills it.
-pub(crate) async fn reap_shim(s: &ShimHandle) {
-    for _ in 0..50 {
-        if !s.is_alive() {
-            return;
+impl PodService {
+    /// Gives a shim whose container is gone a moment to exit by itself, then kills it.
+    pub(crate) async fn reap_shim(&self, s: &ShimHandle) {
+        for _ in 0..50 {
+            if !self.monitors.is_alive(s) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        self.monitors.kill_shim(s);
     }
-    s.kill_shim();
 }

@@ -14,8 +14,8 @@ use super::store::{SandboxRecord, SandboxState};
 use super::{Journal, Operation, PodService, Undo, blocking, now_ns};
 use crate::cni::PodNetwork;
 use crate::error::{Error, Result};
-use crate::oci::{self, OciRuntime, SandboxFiles, SandboxSpecParams};
-use crate::shim::{ShimConfig, ShimHandle, spawn_shim};
+use crate::oci::{self, SandboxFiles, SandboxSpecParams};
+use crate::shim::{ShimConfig, ShimHandle};
 
 /// How long the infra process gets to exit after SIGKILL.
 const INFRA_EXIT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -228,13 +228,15 @@ impl PodService {
             shim: None,
             handler: runtime_handler.to_string(),
         })?;
-        let shim = spawn_shim(ShimConfig::new(
-            id,
-            &bundle,
-            handler.runtime.clone(),
-            &self.shim_binary,
-        ))
-        .await?;
+        let shim = self
+            .monitors
+            .spawn(ShimConfig::new(
+                id,
+                &bundle,
+                handler.runtime.command(),
+                &self.shim_binary,
+            ))
+            .await?;
         undo.push(Undo::DeleteContainer {
             id: id.to_string(),
             shim: Some(shim.clone()),
@@ -247,7 +249,7 @@ impl PodService {
     pub(crate) fn watch_infra(self: &Arc<Self>, id: String, shim: ShimHandle) {
         let svc = self.clone();
         tokio::spawn(async move {
-            let _ = shim.wait().await;
+            let _ = svc.monitors.wait(&shim).await;
             let _ = svc
                 .store
                 .update_sandbox(&id, |r| r.state = SandboxState::NotReady);
@@ -338,11 +340,11 @@ impl PodService {
             // Already stopped: runc refuses to signal it.
             Err(e) => tracing::debug!(sandbox = %id, error = %e, "kill infra"),
         }
-        if shim.is_alive() {
-            let _ = tokio::time::timeout(INFRA_EXIT_TIMEOUT, shim.wait()).await;
+        if self.monitors.is_alive(shim) {
+            let _ = tokio::time::timeout(INFRA_EXIT_TIMEOUT, self.monitors.wait(shim)).await;
         }
         runtime.delete(id, true).await?;
-        super::reap_shim(shim).await;
+        self.reap_shim(shim).await;
         Ok(())
     }
 

@@ -108,8 +108,9 @@ impl ExecBackend for PodService {
             let shim = rec
                 .shim
                 .ok_or_else(|| format!("container {container_id} has no monitor to attach to"))?;
-            let conn = shim
-                .attach(stdin, stdout, stderr)
+            let conn = self
+                .monitors
+                .attach(&shim, stdin, stdout, stderr)
                 .await
                 .map_err(|e| format!("attaching to container {container_id}: {e}"))?;
             Ok(from_shim(conn, stdin, stdout, stderr))

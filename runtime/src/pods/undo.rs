@@ -15,10 +15,9 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::{PodService, blocking, reap_shim, remove_dir, unmount_all};
+use super::{PodService, blocking, remove_dir, unmount_all};
 use crate::cni::PodNetwork;
 use crate::error::{Error, Result};
-use crate::oci::OciRuntime;
 use crate::shim::ShimHandle;
 
 /// One step of a multi-step operation, undone in reverse order when a later step fails or the
@@ -185,14 +184,14 @@ impl PodService {
             Undo::SandboxFiles(dir) => crate::oci::SandboxFiles::cleanup(&dir)?,
             Undo::RemoveDir(d) => remove_dir(&d)?,
             Undo::DeleteContainer { id, shim, handler } => {
-                let shim = shim.or_else(|| ShimHandle::load(&id, self.bundle_dir(&id)).ok());
+                let shim = shim.or_else(|| self.monitors.load(&id, &self.bundle_dir(&id)).ok());
                 if let Some(s) = &shim {
                     // A shim whose `create` has not returned takes the runtime process with it.
-                    s.kill_group();
+                    self.monitors.kill_group(s);
                 }
                 self.runtime(&handler)?.delete(&id, true).await?;
                 if let Some(s) = shim {
-                    reap_shim(&s).await;
+                    self.reap_shim(&s).await;
                 }
             }
             Undo::Unmount(p) => unmount_all(&p)?,

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use futures::future::BoxFuture;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
@@ -22,8 +23,8 @@ pub struct ShimAttach {
     pub reader: BufReader<tokio::net::unix::OwnedReadHalf>,
     pub writer: tokio::net::unix::OwnedWriteHalf,
 }
+use crate::oci::RuntimeCommand;
 use crate::oci::error::{OciError, Result};
-use crate::oci::runc::Runc;
 
 /// The descriptor number the readiness pipe gets in the shim.
 const READY_FD: i32 = 3;
@@ -37,7 +38,8 @@ pub struct ShimConfig {
     pub id: String,
     /// The bundle directory holding `config.json`; the shim's files go there too.
     pub bundle: PathBuf,
-    pub runtime: Runc,
+    /// How the shim runs the container's OCI runtime ([`crate::oci::OciRuntime::command`]).
+    pub runtime: RuntimeCommand,
     /// The CRI log path; `None` discards the output (the sandbox infra process).
     pub log_path: Option<PathBuf>,
     /// The minicri executable (normally `std::env::current_exe()`).
@@ -56,7 +58,7 @@ impl ShimConfig {
     pub fn new(
         id: impl Into<String>,
         bundle: impl Into<PathBuf>,
-        runtime: Runc,
+        runtime: RuntimeCommand,
         shim_binary: impl Into<PathBuf>,
     ) -> Self {
         ShimConfig {
@@ -222,6 +224,54 @@ pub async fn spawn_shim(cfg: ShimConfig) -> Result<ShimHandle> {
     tokio::task::spawn_blocking(move || spawn_shim_blocking(&cfg))
         .await
         .map_err(|e| OciError::Other(format!("spawn shim task: {e}")))?
+}
+
+/// The real monitors: `minicri shim` processes ([`super::Monitors`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Shims;
+
+impl super::Monitors for Shims {
+    fn spawn(&self, cfg: ShimConfig) -> BoxFuture<'_, Result<ShimHandle>> {
+        Box::pin(spawn_shim(cfg))
+    }
+
+    fn load(&self, id: &str, bundle: &Path) -> Result<ShimHandle> {
+        ShimHandle::load(id, bundle)
+    }
+
+    fn is_alive(&self, shim: &ShimHandle) -> bool {
+        shim.is_alive()
+    }
+
+    fn exit_record(&self, shim: &ShimHandle) -> Result<Option<ExitRecord>> {
+        shim.exit_record()
+    }
+
+    fn wait<'a>(&'a self, shim: &'a ShimHandle) -> BoxFuture<'a, Result<ExitRecord>> {
+        Box::pin(shim.wait())
+    }
+
+    fn reopen_log<'a>(&'a self, shim: &'a ShimHandle) -> BoxFuture<'a, Result<()>> {
+        Box::pin(shim.reopen_log())
+    }
+
+    fn attach<'a>(
+        &'a self,
+        shim: &'a ShimHandle,
+        stdin: bool,
+        stdout: bool,
+        stderr: bool,
+    ) -> BoxFuture<'a, Result<ShimAttach>> {
+        Box::pin(shim.attach(stdin, stdout, stderr))
+    }
+
+    fn kill_group(&self, shim: &ShimHandle) {
+        shim.kill_group()
+    }
+
+    fn kill_shim(&self, shim: &ShimHandle) {
+        shim.kill_shim()
+    }
 }
 
 fn read_pid(path: &Path) -> Option<i32> {

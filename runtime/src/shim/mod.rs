@@ -60,6 +60,38 @@ mod oom;
 mod output;
 pub mod protocol;
 
-pub use client::{ShimAttach, ShimConfig, ShimHandle, spawn_shim, spawn_shim_blocking};
+pub use client::{ShimAttach, ShimConfig, ShimHandle, Shims, spawn_shim, spawn_shim_blocking};
 pub use monitor::{ShimArgs, main};
 pub use protocol::{ExitRecord, Request, Response, ShimPaths, read_exit_file};
+
+use futures::future::BoxFuture;
+
+use crate::oci::Result;
+
+/// The container monitors, as the pod service uses them: one is started for each container
+/// (it runs the runtime's `create`), then waited on, asked to reopen the log or attach, and
+/// killed once its container is gone. A [`ShimHandle`] is the monitor's persistent address.
+/// [`Shims`] runs `minicri shim` processes; the pod service's unit tests put a fake here.
+pub trait Monitors: Send + Sync {
+    /// Starts a monitor that creates the container of a written bundle.
+    fn spawn(&self, cfg: ShimConfig) -> BoxFuture<'_, Result<ShimHandle>>;
+    /// Finds the monitor of a bundle again (an undo step after a crash).
+    fn load(&self, id: &str, bundle: &std::path::Path) -> Result<ShimHandle>;
+    fn is_alive(&self, shim: &ShimHandle) -> bool;
+    /// The container's exit status, once the monitor has recorded it.
+    fn exit_record(&self, shim: &ShimHandle) -> Result<Option<ExitRecord>>;
+    /// Waits for the container's exit (its output logged).
+    fn wait<'a>(&'a self, shim: &'a ShimHandle) -> BoxFuture<'a, Result<ExitRecord>>;
+    fn reopen_log<'a>(&'a self, shim: &'a ShimHandle) -> BoxFuture<'a, Result<()>>;
+    fn attach<'a>(
+        &'a self,
+        shim: &'a ShimHandle,
+        stdin: bool,
+        stdout: bool,
+        stderr: bool,
+    ) -> BoxFuture<'a, Result<ShimAttach>>;
+    /// Kills the monitor and a `create` it still runs.
+    fn kill_group(&self, shim: &ShimHandle);
+    /// Kills the monitor (not the container).
+    fn kill_shim(&self, shim: &ShimHandle);
+}

@@ -119,7 +119,7 @@ impl TestEnv {
     }
 
     pub fn shim_config(&self, id: &str, bundle: &Path, log: Option<PathBuf>) -> ShimConfig {
-        let mut c = ShimConfig::new(id, bundle, self.runc.clone(), minicri_binary());
+        let mut c = ShimConfig::new(id, bundle, self.runc.command(), minicri_binary());
         c.log_path = log;
         c.ready_timeout = Duration::from_secs(60);
         c

@@ -1,0 +1,379 @@
+//! The pod service's logic through the fake runtime and monitors ([`super::fake`]), without
+//! root: rollback of RunPodSandbox at each failing step, idempotent stop and remove, the
+//! sandbox's state transitions, recovery after a restart, and handler selection. Host-network,
+//! host-IPC pods need no namespace, mount or CNI plugin; what the kernel does is tested end to
+//! end in `runtime/tests/pod*.rs` with runc.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use minicri_proto::runtime::v1 as cri;
+use minicri_snapshotter::{Backend, LocalSnapshotter, Options};
+use minicri_store::{ContentStore, ImageStore, PullConfig, PullManager, Registry, RegistryHosts};
+
+use super::fake::Fake;
+use super::store::SandboxState;
+use super::{Parts, PodService};
+use crate::cni::{CniManager, CniOptions};
+use crate::error::Error;
+use crate::oci::{CgroupDriver, HandlerFeatures, Handlers, HostInfo, OciRuntime};
+
+/// One node's state directory, its fake runtime and its image side. A second
+/// [`Node::service`] is a restart of the pod service: the fake outlives it, as the runtime and
+/// the shims outlive a daemon, and so does the image side, which holds the snapshotter's lock.
+struct Node {
+    dir: tempfile::TempDir,
+    fake: Arc<Fake>,
+    content: Arc<ContentStore>,
+    images: Arc<ImageStore>,
+    snapshotter: Arc<LocalSnapshotter>,
+    pulls: Arc<PullManager>,
+}
+
+impl Node {
+    fn new() -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        let content = Arc::new(ContentStore::open(&root.join("content")).unwrap());
+        let images = Arc::new(ImageStore::open(&root, &content).unwrap());
+        let snapshots = root.join("snapshots");
+        std::fs::create_dir_all(&snapshots).unwrap();
+        let snapshotter = Arc::new(
+            LocalSnapshotter::open(&snapshots, Backend::Copy, Options::default()).unwrap(),
+        );
+        let pulls = PullManager::new(
+            content.clone(),
+            images.clone(),
+            Registry::new(RegistryHosts::new(None)),
+            PullConfig::default(),
+            Some(snapshotter.clone()),
+        );
+        Node {
+            dir,
+            fake: Fake::new(),
+            content,
+            images,
+            snapshotter,
+            pulls,
+        }
+    }
+
+    /// A pod service over this node's state directory.
+    fn service(&self) -> Arc<PodService> {
+        let state = self.state();
+        let none = self.dir.path().join("no-cni");
+        let cni = CniManager::new(CniOptions::new(vec![none.clone()], vec![none], &state));
+        let runtime: Arc<dyn OciRuntime> = self.fake.clone();
+        let features = HandlerFeatures::default();
+        let handlers = Handlers::from_runtimes("fake", [("fake".into(), runtime, features)]);
+        PodService::with_parts(Parts {
+            state,
+            cni: Arc::new(cni),
+            handlers,
+            monitors: self.fake.clone(),
+            host: HostInfo::default(),
+            cgroup_driver: CgroupDriver::Cgroupfs,
+            annotations: Default::default(),
+            shim_binary: std::env::current_exe().unwrap(),
+            images: self.images.clone(),
+            content: self.content.clone(),
+            snapshotter: self.snapshotter.clone(),
+            pulls: self.pulls.clone(),
+            stats_root: self.dir.path().join("root"),
+        })
+        .unwrap()
+    }
+
+    fn state(&self) -> std::path::PathBuf {
+        self.dir.path().join("state")
+    }
+}
+
+/// A pod on the host's network and IPC namespaces: nothing of it needs root.
+fn host_pod(name: &str) -> cri::PodSandboxConfig {
+    cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata {
+            name: name.into(),
+            namespace: "default".into(),
+            uid: format!("uid-{name}"),
+            attempt: 0,
+        }),
+        hostname: name.into(),
+        linux: Some(cri::LinuxPodSandboxConfig {
+            security_context: Some(cri::LinuxSandboxSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    network: cri::NamespaceMode::Node as i32,
+                    ipc: cri::NamespaceMode::Node as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Entries of `dir` (none when it does not exist).
+fn entries(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// What a sandbox leaves on disk and in the records: nothing once it is undone or removed.
+fn assert_nothing_left(node: &Node, svc: &PodService) {
+    let state = node.state();
+    assert!(svc.store.sandboxes().is_empty(), "sandbox records remain");
+    for d in ["b", "sandboxes", "pods/inflight"] {
+        assert_eq!(entries(&state.join(d)), Vec::<String>::new(), "{d}");
+    }
+}
+
+async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_pod_runs_through_its_handler_and_is_ready() {
+    let node = Node::new();
+    let svc = node.service();
+    let id = svc
+        .run_pod_sandbox(host_pod("web"), String::new())
+        .await
+        .unwrap();
+    let calls = node.fake.calls();
+    let (spawn, start) = (format!("spawn {id}"), format!("start {id}"));
+    let pos = |c: &str| calls.iter().position(|x| x == c);
+    assert!(pos("probe fake") < pos(&spawn), "{calls:?}");
+    assert!(pos(&spawn) < pos(&start), "{calls:?}");
+    assert!(pos(&start).is_some(), "{calls:?}");
+    assert_eq!(node.fake.status(&id).as_deref(), Some("running"));
+    let status = svc.pod_sandbox_status(&id).unwrap();
+    assert_eq!(status.state, cri::PodSandboxState::SandboxReady as i32);
+    assert_eq!(svc.list_pod_sandbox(None).len(), 1);
+    assert!(
+        node.state()
+            .join("b")
+            .join(&id[..32])
+            .join("config.json")
+            .is_file()
+    );
+    // Its journal is gone once the operation is done.
+    assert_eq!(
+        entries(&node.state().join("pods/inflight")),
+        Vec::<String>::new()
+    );
+}
+
+/// RunPodSandbox fails at each step of the runtime in turn; every time, every step before it
+/// is undone: the runtime's container deleted, the monitor killed, the bundle and the sandbox
+/// files removed, the journal gone, and the name free for the kubelet's retry.
+#[tokio::test]
+async fn a_run_that_fails_at_any_runtime_step_is_undone() {
+    for op in ["spawn", "start"] {
+        let node = Node::new();
+        let svc = node.service();
+        node.fake.fail(op, "boom");
+        let e = svc
+            .run_pod_sandbox(host_pod("web"), String::new())
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("boom"), "{op}: {e}");
+        let calls = node.fake.calls();
+        let id = calls
+            .iter()
+            .find_map(|c| c.strip_prefix("spawn "))
+            .unwrap()
+            .to_string();
+        assert!(node.fake.called(&format!("delete {id}")), "{op}: {calls:?}");
+        assert_eq!(node.fake.status(&id), None, "{op}: the container remains");
+        assert!(
+            !node.fake.monitor_alive(&id),
+            "{op}: the monitor still runs"
+        );
+        assert_nothing_left(&node, &svc);
+        // The name is free again.
+        node.fake.release(op);
+        node.fake.with_no_failures();
+        svc.run_pod_sandbox(host_pod("web"), String::new())
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn stop_and_remove_are_idempotent() {
+    let node = Node::new();
+    let svc = node.service();
+    let id = svc
+        .run_pod_sandbox(host_pod("web"), String::new())
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        svc.stop_pod_sandbox(id.clone()).await.unwrap();
+        let status = svc.pod_sandbox_status(&id).unwrap();
+        assert_eq!(status.state, cri::PodSandboxState::SandboxNotready as i32);
+        assert_eq!(
+            node.fake.status(&id),
+            None,
+            "the infra is deleted from the runtime"
+        );
+        assert!(!node.fake.monitor_alive(&id));
+    }
+    // Killed and deleted once: the second stop found nothing to do.
+    let count = |c: &str| node.fake.calls().iter().filter(|x| *x == c).count();
+    assert_eq!(count(&format!("kill {id}")), 1);
+    assert_eq!(count(&format!("delete {id}")), 1);
+    for _ in 0..2 {
+        svc.remove_pod_sandbox(id.clone()).await.unwrap();
+        assert!(matches!(
+            svc.pod_sandbox_status(&id),
+            Err(Error::NotFound(_))
+        ));
+    }
+    assert_nothing_left(&node, &svc);
+    // Unknown ids are success for both (CRI).
+    svc.stop_pod_sandbox("0".repeat(64)).await.unwrap();
+    svc.remove_pod_sandbox("0".repeat(64)).await.unwrap();
+    // A removed pod's name can be used again.
+    svc.run_pod_sandbox(host_pod("web"), String::new())
+        .await
+        .unwrap();
+}
+
+/// A stop whose runtime `delete` fails keeps the sandbox's monitor reference, so the kubelet's
+/// retry finishes it.
+#[tokio::test]
+async fn a_failed_stop_is_finished_by_the_retry() {
+    let node = Node::new();
+    let svc = node.service();
+    let id = svc
+        .run_pod_sandbox(host_pod("web"), String::new())
+        .await
+        .unwrap();
+    node.fake.fail("delete", "device busy");
+    let e = svc.stop_pod_sandbox(id.clone()).await.unwrap_err();
+    assert!(e.to_string().contains("device busy"), "{e}");
+    assert!(svc.store.sandbox(&id).unwrap().shim.is_some());
+    node.fake.with_no_failures();
+    svc.stop_pod_sandbox(id.clone()).await.unwrap();
+    assert_eq!(node.fake.status(&id), None);
+    assert!(svc.store.sandbox(&id).unwrap().shim.is_none());
+}
+
+#[tokio::test]
+async fn a_pod_whose_infra_exits_becomes_not_ready() {
+    let node = Node::new();
+    let svc = node.service();
+    let id = svc
+        .run_pod_sandbox(host_pod("web"), String::new())
+        .await
+        .unwrap();
+    node.fake.exit(&id, 2);
+    wait_for("the sandbox is not ready", || {
+        svc.pod_sandbox_status(&id).unwrap().state == cri::PodSandboxState::SandboxNotready as i32
+    })
+    .await;
+}
+
+/// After a restart: a pod whose monitor died meanwhile is NotReady; one whose monitor runs is
+/// Ready and watched again (its infra's later exit is noticed).
+#[tokio::test]
+async fn a_restart_reattaches_to_live_monitors_and_marks_lost_ones() {
+    let node = Node::new();
+    let (live, lost) = {
+        let svc = node.service();
+        let live = svc
+            .run_pod_sandbox(host_pod("live"), String::new())
+            .await
+            .unwrap();
+        let lost = svc
+            .run_pod_sandbox(host_pod("lost"), String::new())
+            .await
+            .unwrap();
+        (live, lost)
+    };
+    node.fake.lose_monitor(&lost);
+    let svc = node.service();
+    let state = |id: &str| svc.store.sandbox(id).unwrap().state;
+    assert_eq!(state(&lost), SandboxState::NotReady);
+    assert_eq!(state(&live), SandboxState::Ready);
+    node.fake.exit(&live, 0);
+    wait_for("the live sandbox's exit is noticed", || {
+        state(&live) == SandboxState::NotReady
+    })
+    .await;
+}
+
+/// A daemon killed in the middle of RunPodSandbox (here: while its monitor creates the
+/// container) leaves a journal; the next start undoes its steps.
+#[tokio::test]
+async fn a_run_interrupted_by_a_crash_is_undone_at_the_next_start() {
+    let node = Node::new();
+    let first = node.service();
+    node.fake.hang("spawn");
+    let run = tokio::spawn({
+        let first = first.clone();
+        async move { first.run_pod_sandbox(host_pod("web"), String::new()).await }
+    });
+    wait_for("the monitor is being spawned", || {
+        node.fake.calls().iter().any(|c| c.starts_with("spawn "))
+    })
+    .await;
+    let id = node
+        .fake
+        .calls()
+        .iter()
+        .find_map(|c| c.strip_prefix("spawn "))
+        .unwrap()
+        .to_string();
+    assert_eq!(entries(&node.state().join("pods/inflight")).len(), 1);
+    // The crash: the first daemon's operation never goes on (its monitor call stays hung).
+    run.abort();
+    drop(first);
+    let svc = node.service();
+    svc.finish_interrupted().await;
+    assert!(
+        node.fake.called(&format!("delete {id}")),
+        "{:?}",
+        node.fake.calls()
+    );
+    assert_nothing_left(&node, &svc);
+}
+
+#[tokio::test]
+async fn handlers_are_chosen_by_name_and_refused_with_their_reason() {
+    let node = Node::new();
+    let svc = node.service();
+    let e = svc
+        .run_pod_sandbox(host_pod("web"), "gvisor".into())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument(_) | Error::NotFound(_)),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("\"gvisor\""), "{e}");
+    let node = Node::new();
+    node.fake
+        .unavailable("cgroup v2 is mounted beside v1 controllers");
+    let svc = node.service();
+    let e = svc
+        .run_pod_sandbox(host_pod("web"), "fake".into())
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("beside v1 controllers"), "{e}");
+    assert!(!node.fake.calls().iter().any(|c| c.starts_with("spawn ")));
+    assert_nothing_left(&node, &svc);
+}
