@@ -8,6 +8,7 @@ use futures::future::BoxFuture;
 use super::PodService;
 use crate::stream::attach::{Attached, from_shim};
 use crate::stream::exec::{BoxRead, BoxWrite, ExecBackend, Resize, Spawned};
+use crate::stream::remotecommand::{Failure, FailureKind};
 
 /// How often (every 20 ms) a kill looks for the pid file of an exec's process.
 const KILL_PID_POLLS: usize = 250;
@@ -18,17 +19,14 @@ impl ExecBackend for PodService {
         container_id: &'a str,
         cmd: Vec<String>,
         tty: bool,
-    ) -> BoxFuture<'a, Result<Spawned, String>> {
+    ) -> BoxFuture<'a, Result<Spawned, Failure>> {
         Box::pin(async move {
             let (p, stdin, stdout, stderr, resize) = if tty {
-                let (p, master) = self
-                    .exec_streaming_tty(container_id, cmd)
-                    .await
-                    .map_err(|e| e.to_string())?;
+                let (p, master) = self.exec_streaming_tty(container_id, cmd).await?;
                 let io = |fd: &std::os::fd::OwnedFd| {
                     fd.try_clone()
                         .and_then(crate::stream::pty::PtyIo::new)
-                        .map_err(|e| format!("pty: {e}"))
+                        .map_err(|e| Failure::internal(format!("pty: {e}")))
                 };
                 let (w, r) = (io(&master)?, io(&master)?);
                 // runc resizes the container's terminal to its own on SIGWINCH.
@@ -51,10 +49,7 @@ impl ExecBackend for PodService {
                     Some(resize),
                 )
             } else {
-                let mut p = self
-                    .exec_streaming(container_id, cmd)
-                    .await
-                    .map_err(|e| e.to_string())?;
+                let mut p = self.exec_streaming(container_id, cmd).await?;
                 let stdin = p.child.stdin.take().map(|s| Box::pin(s) as BoxWrite);
                 let stdout = p.child.stdout.take().map(|s| Box::pin(s) as BoxRead);
                 let stderr = p.child.stderr.take().map(|s| Box::pin(s) as BoxRead);
@@ -84,7 +79,7 @@ impl ExecBackend for PodService {
                     }
                 });
             });
-            let exit = Box::pin(async move { p.wait().await.map_err(|e| e.to_string()) });
+            let exit = Box::pin(async move { Ok(p.wait().await?) });
             Ok(Spawned {
                 stdin,
                 stdout,
@@ -102,17 +97,20 @@ impl ExecBackend for PodService {
         stdin: bool,
         stdout: bool,
         stderr: bool,
-    ) -> BoxFuture<'a, Result<Attached, String>> {
+    ) -> BoxFuture<'a, Result<Attached, Failure>> {
         Box::pin(async move {
-            let rec = self.exec_target(container_id).map_err(|e| e.to_string())?;
-            let shim = rec
-                .shim
-                .ok_or_else(|| format!("container {container_id} has no monitor to attach to"))?;
+            let rec = self.exec_target(container_id)?;
+            let shim = rec.shim.ok_or_else(|| Failure {
+                kind: FailureKind::BadRequest,
+                message: format!("container {container_id} has no monitor to attach to"),
+            })?;
             let conn = self
                 .monitors
                 .attach(&shim, stdin, stdout, stderr)
                 .await
-                .map_err(|e| format!("attaching to container {container_id}: {e}"))?;
+                .map_err(|e| {
+                    Failure::internal(format!("attaching to container {container_id}: {e}"))
+                })?;
             Ok(from_shim(conn, stdin, stdout, stderr))
         })
     }

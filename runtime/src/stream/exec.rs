@@ -27,7 +27,7 @@ use std::time::Instant;
 use futures::future::BoxFuture;
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::remotecommand::{self, Outcome, Protocol, StreamType};
+use super::remotecommand::{self, Failure, FailureKind, Outcome, Protocol, StreamType};
 use super::session::{self, Channels, Link, Pumps};
 
 /// What the Exec RPC accepted, kept under its token until the client connects.
@@ -53,7 +53,7 @@ pub struct Spawned {
     pub stdout: Option<BoxRead>,
     pub stderr: Option<BoxRead>,
     /// Resolves to the exit code (128 + signal when killed), or why the process could not run.
-    pub exit: BoxFuture<'static, Result<i32, String>>,
+    pub exit: BoxFuture<'static, Result<i32, Failure>>,
     /// SIGKILLs the process (best effort).
     pub kill: Box<dyn Fn() + Send + Sync>,
     /// With a terminal: resizes it.
@@ -68,7 +68,7 @@ pub trait ExecBackend: Send + Sync + 'static {
         container_id: &'a str,
         cmd: Vec<String>,
         tty: bool,
-    ) -> BoxFuture<'a, Result<Spawned, String>>;
+    ) -> BoxFuture<'a, Result<Spawned, Failure>>;
 
     /// Attaches to the running container's own stdio (CRI `Attach`, [`super::attach`]), for
     /// the streams asked for. The default refuses.
@@ -78,8 +78,13 @@ pub trait ExecBackend: Send + Sync + 'static {
         _stdin: bool,
         _stdout: bool,
         _stderr: bool,
-    ) -> BoxFuture<'a, Result<super::attach::Attached, String>> {
-        Box::pin(async move { Err(format!("cannot attach to {container_id} here")) })
+    ) -> BoxFuture<'a, Result<super::attach::Attached, Failure>> {
+        Box::pin(async move {
+            Err(Failure {
+                kind: FailureKind::BadRequest,
+                message: format!("cannot attach to {container_id} here"),
+            })
+        })
     }
 }
 

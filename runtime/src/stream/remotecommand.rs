@@ -162,7 +162,76 @@ pub enum Outcome {
     /// The command ran and exited non-zero (or was killed: 128 + signal).
     ExitCode(i32),
     /// The command could not be run (runtime error, container gone, …).
-    Error(String),
+    Error(Failure),
+}
+
+/// Why a session's command could not run: the backend's error, kept by kind, which becomes
+/// the Kubernetes Status reason and code on the error stream (kubectl words them apart).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The container is not there (`NotFound`, 404).
+    NotFound,
+    /// The request cannot be served as asked: the container is not running, attach to a
+    /// stdin it was created without (`BadRequest`, 400).
+    BadRequest,
+    /// Anything else: the runtime failed (`InternalError`, 500).
+    Internal,
+}
+
+impl FailureKind {
+    /// The Status `reason` and `code`.
+    fn status(self) -> (&'static str, u16) {
+        match self {
+            FailureKind::NotFound => ("NotFound", 404),
+            FailureKind::BadRequest => ("BadRequest", 400),
+            FailureKind::Internal => ("InternalError", 500),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl Failure {
+    pub fn internal(message: impl Into<String>) -> Failure {
+        Failure {
+            kind: FailureKind::Internal,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<crate::error::Error> for Failure {
+    fn from(e: crate::error::Error) -> Failure {
+        use crate::error::Error as E;
+        let kind = match &e {
+            E::NotFound(_) => FailureKind::NotFound,
+            E::InvalidArgument(_) | E::FailedPrecondition(_) => FailureKind::BadRequest,
+            _ => match e.code() {
+                tonic::Code::NotFound => FailureKind::NotFound,
+                _ => FailureKind::Internal,
+            },
+        };
+        Failure {
+            kind,
+            message: e.to_string(),
+        }
+    }
+}
+
+impl From<crate::oci::OciError> for Failure {
+    fn from(e: crate::oci::OciError) -> Failure {
+        crate::error::Error::from(e).into()
+    }
 }
 
 /// The bytes written on the error stream for `outcome` under protocol `p` (empty: nothing).
@@ -183,17 +252,20 @@ pub fn error_stream_payload(p: Protocol, outcome: &Outcome, cmd: &[String]) -> V
             "reason": "NonZeroExitCode",
             "details": {"causes": [{"reason": "ExitCode", "message": code.to_string()}]},
         }),
-        (Protocol::V4 | Protocol::V5, Outcome::Error(m)) => json!({
-            "metadata": {},
-            "status": "Failure",
-            "message": m,
-            "reason": "InternalError",
-            "details": {"causes": [{"message": m}]},
-            "code": 500,
-        }),
+        (Protocol::V4 | Protocol::V5, Outcome::Error(f)) => {
+            let (reason, code) = f.kind.status();
+            json!({
+                "metadata": {},
+                "status": "Failure",
+                "message": f.message,
+                "reason": reason,
+                "details": {"causes": [{"message": f.message}]},
+                "code": code,
+            })
+        }
         (_, Outcome::Success) => return Vec::new(),
         (_, Outcome::ExitCode(code)) => return exit_message(*code).into_bytes(),
-        (_, Outcome::Error(m)) => return m.clone().into_bytes(),
+        (_, Outcome::Error(f)) => return f.message.clone().into_bytes(),
     }
     .to_string()
     .into_bytes()
@@ -266,13 +338,45 @@ mod tests {
         assert_eq!(v["details"]["causes"][0]["message"], "3");
         let v: serde_json::Value = serde_json::from_slice(&error_stream_payload(
             Protocol::V4,
-            &Outcome::Error("no such file".into()),
+            &Outcome::Error(Failure::internal("no such file")),
             &cmd,
         ))
         .unwrap();
         assert_eq!(v["status"], "Failure");
         assert_eq!(v["message"], "no such file");
-        assert_ne!(v["reason"], "NonZeroExitCode");
+        assert_eq!(v["reason"], "InternalError");
+        assert_eq!(v["code"], 500);
+    }
+
+    /// The backend's error kinds reach the Status: a missing container is NotFound, one that
+    /// is not running a BadRequest, a runtime failure an InternalError.
+    #[test]
+    fn failures_keep_their_kind_in_the_status() {
+        use crate::error::Error;
+        for (e, reason, code) in [
+            (
+                Error::NotFound("container c not found".into()),
+                "NotFound",
+                404,
+            ),
+            (
+                Error::FailedPrecondition("container c is not running".into()),
+                "BadRequest",
+                400,
+            ),
+            (
+                Error::Internal("runc exec: boom".into()),
+                "InternalError",
+                500,
+            ),
+        ] {
+            let message = e.to_string();
+            let payload = error_stream_payload(Protocol::V5, &Outcome::Error(e.into()), &[]);
+            let v: serde_json::Value = serde_json::from_slice(&payload).unwrap();
+            assert_eq!(v["reason"], reason);
+            assert_eq!(v["code"], code);
+            assert_eq!(v["message"], message.as_str());
+        }
     }
 
     #[test]
@@ -302,7 +406,11 @@ mod tests {
         let m = error_stream_payload(Protocol::V3, &Outcome::ExitCode(2), &["false".into()]);
         assert!(String::from_utf8(m).unwrap().contains("exit code 2"));
         assert_eq!(
-            error_stream_payload(Protocol::V1, &Outcome::Error("boom".into()), &[]),
+            error_stream_payload(
+                Protocol::V1,
+                &Outcome::Error(Failure::internal("boom")),
+                &[]
+            ),
             b"boom"
         );
     }

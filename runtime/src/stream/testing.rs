@@ -9,6 +9,7 @@ use futures::future::BoxFuture;
 
 use super::exec::{BoxRead, BoxWrite, ExecBackend, Resize, Spawned};
 use super::pty::{PtyIo, resize};
+use super::remotecommand::Failure;
 
 /// Runs `cmd` on the host; refuses the command `missing`.
 pub struct LocalBackend {
@@ -21,16 +22,19 @@ impl ExecBackend for LocalBackend {
         _container_id: &'a str,
         cmd: Vec<String>,
         tty: bool,
-    ) -> BoxFuture<'a, Result<Spawned, String>> {
+    ) -> BoxFuture<'a, Result<Spawned, Failure>> {
         Box::pin(async move {
             if cmd[0] == "missing" {
-                return Err("exec failed: \"missing\": executable file not found".into());
+                return Err(Failure::internal(
+                    "exec failed: \"missing\": executable file not found",
+                ));
             }
             let mut c = tokio::process::Command::new(&cmd[0]);
             c.args(&cmd[1..]);
             let mut master: Option<OwnedFd> = None;
             if tty {
-                let pty = nix::pty::openpty(None, None).map_err(|e| e.to_string())?;
+                let pty =
+                    nix::pty::openpty(None, None).map_err(|e| Failure::internal(e.to_string()))?;
                 let dup = |f: &OwnedFd| f.try_clone().unwrap();
                 c.stdin(Stdio::from(dup(&pty.slave)))
                     .stdout(Stdio::from(dup(&pty.slave)))
@@ -41,7 +45,7 @@ impl ExecBackend for LocalBackend {
                     .stdout(Stdio::piped())
                     .stderr(Stdio::piped());
             }
-            let mut child = c.spawn().map_err(|e| e.to_string())?;
+            let mut child = c.spawn().map_err(|e| Failure::internal(e.to_string()))?;
             // The command holds the slave copies; they must close for the master to see EOF.
             drop(c);
             let pid = child.id().unwrap() as i32;
@@ -73,7 +77,10 @@ impl ExecBackend for LocalBackend {
                 stderr,
                 exit: Box::pin(async move {
                     use std::os::unix::process::ExitStatusExt;
-                    let s = child.wait().await.map_err(|e| e.to_string())?;
+                    let s = child
+                        .wait()
+                        .await
+                        .map_err(|e| Failure::internal(e.to_string()))?;
                     Ok(s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0)))
                 }),
                 kill: Box::new(move || {

@@ -11,6 +11,7 @@ use tokio::net::UnixStream;
 use super::*;
 use crate::shim::ShimAttach;
 use crate::stream::exec::Spawned;
+use crate::stream::remotecommand::{Failure, FailureKind};
 use crate::stream::spdy::test_peer::Peer;
 use crate::stream::spdy::{FLAG_FIN, Frame as SpdyFrame};
 
@@ -23,8 +24,8 @@ impl ExecBackend for FakeShim {
         _: &'a str,
         _: Vec<String>,
         _: bool,
-    ) -> BoxFuture<'a, Result<Spawned, String>> {
-        Box::pin(async { Err("no exec here".into()) })
+    ) -> BoxFuture<'a, Result<Spawned, Failure>> {
+        Box::pin(async { Err(Failure::internal("no exec here")) })
     }
 
     fn attach<'a>(
@@ -33,10 +34,13 @@ impl ExecBackend for FakeShim {
         stdin: bool,
         stdout: bool,
         stderr: bool,
-    ) -> BoxFuture<'a, Result<Attached, String>> {
+    ) -> BoxFuture<'a, Result<Attached, Failure>> {
         let conn = self.0.lock().unwrap().take();
         Box::pin(async move {
-            let conn = conn.ok_or("container c1 is not running")?;
+            let conn = conn.ok_or_else(|| Failure {
+                kind: FailureKind::BadRequest,
+                message: "container c1 is not running".into(),
+            })?;
             Ok(from_shim(conn, stdin, stdout, stderr))
         })
     }
@@ -291,4 +295,7 @@ async fn a_failed_attach_is_reported_on_the_error_stream() {
         v["message"].as_str().unwrap().contains("not running"),
         "{v}"
     );
+    // The backend's kind reaches the client: not a server fault.
+    assert_eq!(v["reason"], "BadRequest", "{v}");
+    assert_eq!(v["code"], 400, "{v}");
 }
