@@ -545,20 +545,7 @@ impl OciRuntime for Runc {
 
     fn exec_spawn<'a>(&'a self, opts: ExecOpts) -> BoxFuture<'a, Result<ExecProcess>> {
         Box::pin(async move {
-            let (mut c, scratch, log) = self.exec_command(&opts.id, &opts.process, false)?;
-            c.stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            let child = c
-                .spawn()
-                .map_err(|e| OciError::io("run", &self.binary, e))?;
-            Ok(ExecProcess {
-                child,
-                scratch,
-                log,
-                binary: self.name(),
-                id: opts.id,
-            })
+            self.exec_spawn_stdio(opts, Stdio::piped(), Stdio::piped(), Stdio::piped())
         })
     }
 

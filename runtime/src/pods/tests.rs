@@ -136,6 +136,13 @@ fn assert_nothing_left(node: &Node, svc: &PodService) {
     }
 }
 
+/// Runs a host pod named `name` through the default handler; its sandbox id.
+async fn run(svc: &Arc<PodService>, name: &str) -> String {
+    svc.run_pod_sandbox(host_pod(name), String::new())
+        .await
+        .unwrap()
+}
+
 async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while !cond() {
@@ -148,10 +155,7 @@ async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
 async fn a_pod_runs_through_its_handler_and_is_ready() {
     let node = Node::new();
     let svc = node.service();
-    let id = svc
-        .run_pod_sandbox(host_pod("web"), String::new())
-        .await
-        .unwrap();
+    let id = run(&svc, "web").await;
     let calls = node.fake.calls();
     let (spawn, start) = (format!("spawn {id}"), format!("start {id}"));
     let pos = |c: &str| calls.iter().position(|x| x == c);
@@ -206,9 +210,7 @@ async fn a_run_that_fails_at_any_runtime_step_is_undone() {
         // The name is free again.
         node.fake.release(op);
         node.fake.with_no_failures();
-        svc.run_pod_sandbox(host_pod("web"), String::new())
-            .await
-            .unwrap();
+        run(&svc, "web").await;
     }
 }
 
@@ -216,10 +218,7 @@ async fn a_run_that_fails_at_any_runtime_step_is_undone() {
 async fn stop_and_remove_are_idempotent() {
     let node = Node::new();
     let svc = node.service();
-    let id = svc
-        .run_pod_sandbox(host_pod("web"), String::new())
-        .await
-        .unwrap();
+    let id = run(&svc, "web").await;
     for _ in 0..2 {
         svc.stop_pod_sandbox(id.clone()).await.unwrap();
         let status = svc.pod_sandbox_status(&id).unwrap();
@@ -247,9 +246,7 @@ async fn stop_and_remove_are_idempotent() {
     svc.stop_pod_sandbox("0".repeat(64)).await.unwrap();
     svc.remove_pod_sandbox("0".repeat(64)).await.unwrap();
     // A removed pod's name can be used again.
-    svc.run_pod_sandbox(host_pod("web"), String::new())
-        .await
-        .unwrap();
+    run(&svc, "web").await;
 }
 
 /// A stop whose runtime `delete` fails keeps the sandbox's monitor reference, so the kubelet's
@@ -258,10 +255,7 @@ async fn stop_and_remove_are_idempotent() {
 async fn a_failed_stop_is_finished_by_the_retry() {
     let node = Node::new();
     let svc = node.service();
-    let id = svc
-        .run_pod_sandbox(host_pod("web"), String::new())
-        .await
-        .unwrap();
+    let id = run(&svc, "web").await;
     node.fake.fail("delete", "device busy");
     let e = svc.stop_pod_sandbox(id.clone()).await.unwrap_err();
     assert!(e.to_string().contains("device busy"), "{e}");
@@ -276,10 +270,7 @@ async fn a_failed_stop_is_finished_by_the_retry() {
 async fn a_pod_whose_infra_exits_becomes_not_ready() {
     let node = Node::new();
     let svc = node.service();
-    let id = svc
-        .run_pod_sandbox(host_pod("web"), String::new())
-        .await
-        .unwrap();
+    let id = run(&svc, "web").await;
     node.fake.exit(&id, 2);
     wait_for("the sandbox is not ready", || {
         svc.pod_sandbox_status(&id).unwrap().state == cri::PodSandboxState::SandboxNotready as i32
@@ -294,14 +285,8 @@ async fn a_restart_reattaches_to_live_monitors_and_marks_lost_ones() {
     let node = Node::new();
     let (live, lost) = {
         let svc = node.service();
-        let live = svc
-            .run_pod_sandbox(host_pod("live"), String::new())
-            .await
-            .unwrap();
-        let lost = svc
-            .run_pod_sandbox(host_pod("lost"), String::new())
-            .await
-            .unwrap();
+        let live = run(&svc, "live").await;
+        let lost = run(&svc, "lost").await;
         (live, lost)
     };
     node.fake.lose_monitor(&lost);
