@@ -337,7 +337,8 @@ impl ServeArgs {
         }
     }
 
-    fn finish(self) -> anyhow::Result<Config> {
+    /// The configuration these settings give over the embedded defaults (no file is read).
+    pub(crate) fn finish(self) -> anyhow::Result<Config> {
         let cgroup_driver = match self.cgroup_driver.as_deref().unwrap_or("cgroupfs") {
             "cgroupfs" => CgroupDriver::Cgroupfs,
             "systemd" => CgroupDriver::Systemd,

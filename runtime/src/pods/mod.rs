@@ -88,26 +88,12 @@ pub struct PodService {
     infra: Mutex<Option<crate::pause::InfraRootfs>>,
 }
 
-/// What a [`PodService`] is built from besides its records: [`PodService::open`] makes the
-/// real ones from the configuration; the unit tests put fakes behind the seams (`handlers`'
-/// runtimes, `monitors`).
-pub struct Parts {
-    /// The state directory (records, bundles, sandbox files).
-    pub state: PathBuf,
-    pub cni: Arc<CniManager>,
+/// The service's process seams: each runtime handler's OCI runtime and the containers'
+/// monitors. [`PodService::open`] makes the real ones (runc-compatible binaries, shims); the
+/// unit tests put a fake behind both ([`PodService::open_with`]).
+pub struct Seams {
     pub handlers: Handlers,
     pub monitors: Arc<dyn Monitors>,
-    pub host: HostInfo,
-    pub cgroup_driver: CgroupDriver,
-    pub annotations: crate::oci::annotations::AnnotationPolicy,
-    /// The minicri executable (the shims and the infra process run it).
-    pub shim_binary: PathBuf,
-    pub images: Arc<ImageStore>,
-    pub content: Arc<ContentStore>,
-    pub snapshotter: Arc<dyn Snapshotter>,
-    pub pulls: Arc<PullManager>,
-    /// The image root, whose filesystem the stats report.
-    pub stats_root: PathBuf,
 }
 
 /// Nanoseconds since the epoch.
@@ -137,6 +123,33 @@ impl PodService {
         content: Arc<ContentStore>,
         snapshotter: Arc<dyn Snapshotter>,
         pulls: Arc<PullManager>,
+    ) -> anyhow::Result<Arc<PodService>> {
+        let seams = |host: &HostInfo| {
+            let handlers = Handlers::new(
+                &config.runtimes,
+                &config.default_runtime,
+                &config.state,
+                config.cgroup_driver == CgroupDriver::Systemd,
+                |runtime| HandlerFeatures {
+                    recursive_read_only_mounts: host.recursive_read_only
+                        && runtime.supports_mount_option("rro"),
+                    user_namespaces: host.user_namespaces,
+                },
+            )?;
+            let monitors: Arc<dyn Monitors> = Arc::new(Shims);
+            Ok(Seams { handlers, monitors })
+        };
+        Self::open_with(config, images, content, snapshotter, pulls, seams)
+    }
+
+    /// [`PodService::open`] with the process seams `seams` makes for the detected host.
+    pub fn open_with(
+        config: &Config,
+        images: Arc<ImageStore>,
+        content: Arc<ContentStore>,
+        snapshotter: Arc<dyn Snapshotter>,
+        pulls: Arc<PullManager>,
+        seams: impl FnOnce(&HostInfo) -> anyhow::Result<Seams>,
     ) -> anyhow::Result<Arc<PodService>> {
         let state = config.state.clone();
         let cni = CniManager::new(CniOptions::new(
@@ -170,55 +183,24 @@ impl PodService {
                 ),
             }
         }
-        let handlers = Handlers::new(
-            &config.runtimes,
-            &config.default_runtime,
-            &state,
-            config.cgroup_driver == CgroupDriver::Systemd,
-            |runtime| HandlerFeatures {
-                recursive_read_only_mounts: host.recursive_read_only
-                    && runtime.supports_mount_option("rro"),
-                user_namespaces: host.user_namespaces,
-            },
-        )?;
-        let parts = Parts {
-            state,
+        let Seams { handlers, monitors } = seams(&host)?;
+        let store = Store::open(&state.join("pods"))?;
+        std::fs::create_dir_all(state.join("pods/inflight"))?;
+        let svc = Arc::new(PodService {
+            store,
             cni: Arc::new(cni),
             handlers,
-            monitors: Arc::new(Shims),
+            monitors,
             host,
             cgroup_driver: config.cgroup_driver,
             annotations: config.pod_annotations.clone(),
             shim_binary: std::env::current_exe()?,
+            state_dir: state,
             images,
             content,
             snapshotter,
             pulls,
-            stats_root: config.root.clone(),
-        };
-        PodService::with_parts(parts)
-    }
-
-    /// A pod service over `parts`: opens the records under `<state>/pods` and re-attaches to
-    /// the monitors of running containers, as [`PodService::open`] describes.
-    pub fn with_parts(parts: Parts) -> anyhow::Result<Arc<PodService>> {
-        let store = Store::open(&parts.state.join("pods"))?;
-        std::fs::create_dir_all(parts.state.join("pods/inflight"))?;
-        let svc = Arc::new(PodService {
-            store,
-            cni: parts.cni,
-            handlers: parts.handlers,
-            monitors: parts.monitors,
-            host: parts.host,
-            cgroup_driver: parts.cgroup_driver,
-            annotations: parts.annotations,
-            shim_binary: parts.shim_binary,
-            state_dir: parts.state,
-            images: parts.images,
-            content: parts.content,
-            snapshotter: parts.snapshotter,
-            pulls: parts.pulls,
-            stats: stats::StatsState::new(parts.stats_root),
+            stats: stats::StatsState::new(config.root.clone()),
             infra: Mutex::new(None),
         });
         svc.recover();

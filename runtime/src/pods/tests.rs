@@ -14,10 +14,11 @@ use minicri_store::{ContentStore, ImageStore, PullConfig, PullManager, Registry,
 
 use super::fake::Fake;
 use super::store::SandboxState;
-use super::{Parts, PodService};
-use crate::cni::{CniManager, CniOptions};
+use super::{PodService, Seams};
+use crate::config::ServeArgs;
 use crate::error::Error;
-use crate::oci::{CgroupDriver, HandlerFeatures, Handlers, HostInfo, OciRuntime};
+use crate::oci::{HandlerFeatures, Handlers, HostInfo, OciRuntime};
+use crate::shim::Monitors;
 
 /// One node's state directory, its fake runtime and its image side. A second
 /// [`Node::service`] is a restart of the pod service: the fake outlives it, as the runtime and
@@ -61,27 +62,27 @@ impl Node {
 
     /// A pod service over this node's state directory.
     fn service(&self) -> Arc<PodService> {
-        let state = self.state();
         let none = self.dir.path().join("no-cni");
-        let cni = CniManager::new(CniOptions::new(vec![none.clone()], vec![none], &state));
-        let runtime: Arc<dyn OciRuntime> = self.fake.clone();
-        let features = HandlerFeatures::default();
-        let handlers = Handlers::from_runtimes("fake", [("fake".into(), runtime, features)]);
-        PodService::with_parts(Parts {
-            state,
-            cni: Arc::new(cni),
-            handlers,
-            monitors: self.fake.clone(),
-            host: HostInfo::default(),
-            cgroup_driver: CgroupDriver::Cgroupfs,
-            annotations: Default::default(),
-            shim_binary: std::env::current_exe().unwrap(),
-            images: self.images.clone(),
-            content: self.content.clone(),
-            snapshotter: self.snapshotter.clone(),
-            pulls: self.pulls.clone(),
-            stats_root: self.dir.path().join("root"),
-        })
+        let mut config = ServeArgs::default().finish().unwrap();
+        config.root = self.dir.path().join("root");
+        config.state = self.state();
+        config.cni_conf_dirs = vec![none.clone()];
+        config.cni_bin_dirs = vec![none];
+        let seams = |_: &HostInfo| {
+            let runtime: Arc<dyn OciRuntime> = self.fake.clone();
+            let features = HandlerFeatures::default();
+            let handlers = Handlers::from_runtimes("fake", [("fake".into(), runtime, features)]);
+            let monitors: Arc<dyn Monitors> = self.fake.clone();
+            Ok(Seams { handlers, monitors })
+        };
+        PodService::open_with(
+            &config,
+            self.images.clone(),
+            self.content.clone(),
+            self.snapshotter.clone(),
+            self.pulls.clone(),
+            seams,
+        )
         .unwrap()
     }
 
