@@ -56,8 +56,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N")]
     pub max_concurrent_downloads: Option<usize>,
 
-    /// Layers of one image unpacked concurrently (each committed after the one below it).
-    /// [default: 4]
+    /// Layers of one image unpacked concurrently (each committed after the one below it);
+    /// node-wide, at most this less one are applied ahead of their parent. [default: 4]
     #[arg(long, value_name = "N")]
     pub max_concurrent_unpacks: Option<usize>,
 

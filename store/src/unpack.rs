@@ -44,7 +44,10 @@ fn unpack_error(reference: &str, layer: &Digest, e: minicri_snapshotter::Error) 
 #[derive(Default)]
 pub struct Gate {
     committed: Mutex<Option<bool>>,
+    /// Wakes blocking waiters ([`Gate::wait`]).
     opened: Condvar,
+    /// Wakes async waiters ([`Gate::opened`]).
+    notify: tokio::sync::Notify,
 }
 
 impl Gate {
@@ -55,6 +58,27 @@ impl Gate {
             *g = Some(committed);
         }
         self.opened.notify_all();
+        self.notify.notify_waiters();
+    }
+
+    /// How the layer's apply ended, if it has.
+    pub fn state(&self) -> Option<bool> {
+        *self.committed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.state().is_some()
+    }
+
+    /// Waits (async) until the gate opens; true if the layer was committed.
+    pub async fn opened(&self) -> bool {
+        loop {
+            let notified = self.notify.notified();
+            if let Some(c) = self.state() {
+                return c;
+            }
+            notified.await;
+        }
     }
 
     /// Blocks until the gate opens; true if the layer was committed.
@@ -123,11 +147,7 @@ pub async fn apply_layer(
         }
     }
     if let Some((chain, gate)) = &parent {
-        let gate = gate.clone();
-        let committed = tokio::task::spawn_blocking(move || gate.wait())
-            .await
-            .expect("a gate wait does not panic");
-        if !committed {
+        if !gate.opened().await {
             let e = minicri_snapshotter::Error::NotFound { key: chain.clone() };
             return Err(unpack_error(reference, &layer.digest, e));
         }

@@ -46,6 +46,8 @@ pub enum Target {
     AnyBlob,
     /// GETs of this one blob (`sha256:<hex>`).
     Blob(String),
+    /// GETs of any of these blobs.
+    Blobs(Vec<String>),
     /// GET and HEAD of manifests (`/v2/<name>/manifests/<reference>`).
     Manifests,
     /// Every request.
@@ -117,6 +119,7 @@ impl ReqInfo {
             Target::Any => true,
             Target::AnyBlob => self.blob_get().is_some(),
             Target::Blob(d) => self.blob_get() == Some(d.as_str()),
+            Target::Blobs(ds) => self.blob_get().is_some_and(|g| ds.iter().any(|d| d == g)),
             Target::Manifests => {
                 self.kind == Kind::Manifest
                     && (self.method == Method::GET || self.method == Method::HEAD)

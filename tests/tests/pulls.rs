@@ -1000,3 +1000,56 @@ async fn a_layer_unpacks_while_the_layer_below_it_still_downloads() {
     assert_eq!(pulled, img.config_digest);
     assert_each_blob_served_once(&e.proxy, &img);
 }
+
+/// Layers applied ahead of their parent are bounded node-wide (`max_concurrent_unpacks` less
+/// one), however many pulls want it: with 2, two pulls whose lower layers stall get one top
+/// layer unpacked ahead between them; the other waits for its parent, and both then finish.
+#[tokio::test]
+async fn layers_applied_ahead_are_bounded_node_wide() {
+    let e = env(&["--max-concurrent-unpacks", "2"]).await;
+    let (a, ra) = big(&e, "ahead-a", 2, 4, 31).await;
+    let (b, rb) = big(&e, "ahead-b", 2, 4, 41).await;
+    // The layer below each top layer (under both: a shared base layer).
+    let lower = [&a, &b].map(|img| img.layers[img.layers.len() - 2].digest.clone());
+    e.proxy
+        .faults()
+        .stall_after(Target::Blobs(lower.to_vec()), MIB);
+    let calls = [
+        spawn_pull(&e.daemon, &ra, None).await,
+        spawn_pull(&e.daemon, &rb, None).await,
+    ];
+    assert!(
+        e.proxy
+            .faults()
+            .wait_stalled(2, Duration::from_secs(20))
+            .await,
+        "both lower layers stall"
+    );
+    // The top layers hold data/random-32.bin and data/random-42.bin (seed + 1), 4 MiB each.
+    let root = e.daemon.root();
+    let ahead = || {
+        ["data/random-32.bin", "data/random-42.bin"]
+            .map(|f| unpacking_ahead(&root, f).is_some_and(|m| m.len() == 4 * MIB))
+    };
+    wait_until(
+        "a top layer unpacked ahead",
+        Duration::from_secs(20),
+        || ahead().contains(&true),
+    )
+    .await;
+    // Time for the other one to go ahead too, if it could.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let started =
+        ["data/random-32.bin", "data/random-42.bin"].map(|f| unpacking_ahead(&root, f).is_some());
+    assert_eq!(
+        started.iter().filter(|s| **s).count(),
+        1,
+        "one top layer in the node's one slot ahead: {started:?}"
+    );
+    assert!(calls.iter().all(|c| !c.is_finished()));
+    e.proxy.faults().release_stall();
+    for (call, img) in calls.into_iter().zip([&a, &b]) {
+        let pulled = call.await.unwrap().unwrap().into_inner().image_ref;
+        assert_eq!(pulled, img.config_digest);
+    }
+}

@@ -63,7 +63,10 @@ pub struct PullConfig {
     pub platform: Platform,
     /// Layers of one image downloaded at once.
     pub max_concurrent_layers: usize,
-    /// Layers of one image unpacked at once (each committed only after the one below it).
+    /// Layers of one image unpacked at once (each committed only after the one below it). Of
+    /// all the layers being unpacked on the node, at most this number less one are applied
+    /// ahead of their parent: one pull keeps its whole window, and many pulls at once add no
+    /// more than that to their layers applied in order.
     pub max_concurrent_unpacks: usize,
     /// Requests transferring blob bytes at once on the node (a blob fetched over several
     /// ranged requests holds one per request).
@@ -340,6 +343,9 @@ pub struct PullManager {
     config: PullConfig,
     blobs: Arc<BlobDownloads>,
     snapshotter: Option<Arc<dyn Snapshotter>>,
+    /// The node's slots for layers applied ahead of their parent
+    /// ([`PullConfig::max_concurrent_unpacks`] less one).
+    unpack_ahead: Arc<tokio::sync::Semaphore>,
     jobs: Mutex<HashMap<String, Arc<Job>>>,
     next_job: AtomicU64,
     /// Requester keys of stopped sandboxes (and uid keys of deleted pods), with the reason:
@@ -386,7 +392,9 @@ impl PullManager {
             config.ranged,
         );
         let budgets = SyncBudgets::new(config.detach_after);
+        let ahead = config.max_concurrent_unpacks.saturating_sub(1);
         Arc::new(PullManager {
+            unpack_ahead: Arc::new(tokio::sync::Semaphore::new(ahead)),
             content,
             images,
             registry,

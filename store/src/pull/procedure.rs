@@ -263,6 +263,24 @@ impl PullManager {
                 let gate = unpack::GateGuard(gates[i].clone());
                 let expected = chains[i].clone();
                 running.push(async move {
+                    // Ahead of an uncommitted parent only in one of the node's slots for that,
+                    // held until the parent's apply ends; or after the parent, whichever comes
+                    // first. The lowest uncommitted layer of a pull never waits for a slot, and a
+                    // slot frees when its holder's parent ends: no deadlock.
+                    if let Some((_, below)) = parent.as_ref().filter(|(_, g)| !g.is_open()) {
+                        tokio::select! {
+                            biased;
+                            _ = below.opened() => {}
+                            slot = self.unpack_ahead.clone().acquire_owned() => {
+                                let below = below.clone();
+                                let slot = slot.expect("never closed");
+                                drop(tokio::spawn(async move {
+                                    below.opened().await;
+                                    drop(slot);
+                                }));
+                            }
+                        }
+                    }
                     let progress = self.layer_progress(job, i, &layers[i]).await;
                     let chain = unpack::apply_layer(
                         snap,
