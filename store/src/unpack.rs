@@ -146,11 +146,11 @@ pub async fn apply_layer(
             return futures::future::pending().await;
         }
     }
-    if let Some((chain, gate)) = &parent {
-        if !gate.opened().await {
-            let e = minicri_snapshotter::Error::NotFound { key: chain.clone() };
-            return Err(unpack_error(reference, &layer.digest, e));
-        }
+    if let Some((chain, gate)) = &parent
+        && !gate.opened().await
+    {
+        let e = minicri_snapshotter::Error::NotFound { key: chain.clone() };
+        return Err(unpack_error(reference, &layer.digest, e));
     }
     if needs_parent {
         tracing::info!(blob = %layer.digest, reason = %e, "applying the layer again on top of its parent");
