@@ -81,6 +81,7 @@ impl PodService {
         runtime_handler: String,
         undo: &mut Journal,
     ) -> Result<String> {
+        let started = std::time::Instant::now();
         let meta = validate_metadata(&config)?.clone();
         let handler = self.handler_for_new_pod(&runtime_handler).await?;
         let host = self.host_for(handler);
@@ -121,12 +122,15 @@ impl PodService {
             cni_add = Some(pod);
         }
         let network = async {
-            match &cni_add {
+            let t = std::time::Instant::now();
+            let ips = match &cni_add {
                 Some(pod) => self.add_network(pod).await,
                 None => Ok(Vec::new()),
-            }
+            };
+            (ips, t.elapsed())
         };
         let infra = async {
+            let t = std::time::Instant::now();
             let shim = self
                 .create_infra(
                     &id,
@@ -141,10 +145,10 @@ impl PodService {
                 // The infra process needs no network: it starts while CNI may still work.
                 handler.runtime.start(&id).await?;
             }
-            Ok::<_, Error>(shim)
+            Ok::<_, Error>((shim, t.elapsed()))
         };
-        let (network, infra) = tokio::join!(network, infra);
-        let shim = infra?;
+        let ((network, network_time), infra) = tokio::join!(network, infra);
+        let (shim, infra_time) = infra?;
         let mut ips = network?;
         if !host_network(&config) && own_userns {
             // A pod in its own user namespace: the infra process created the network namespace.
@@ -177,7 +181,12 @@ impl PodService {
         };
         self.store.put_sandbox(rec)?;
         self.watch_infra(id.clone(), shim);
-        tracing::info!(sandbox = %id, pod = %format!("{}/{}", meta.namespace, meta.name), "pod sandbox running");
+        let ms = |d: Duration| format!("{:.1}", d.as_secs_f64() * 1e3);
+        tracing::info!(
+            sandbox = %id, pod = %format!("{}/{}", meta.namespace, meta.name),
+            duration_ms = ms(started.elapsed()), network_ms = ms(network_time),
+            infra_ms = ms(infra_time), "pod sandbox running"
+        );
         Ok(id)
     }
 
