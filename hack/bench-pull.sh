@@ -9,8 +9,10 @@
 #   --containerd2 PATH a containerd 2.x binary (default: $CONTAINERD2, else skipped with a note)
 #   --multipart BYTES  also run that containerd 2.x with its multipart fetch on (runtime
 #                      `containerd2mp`: transfer service `concurrent_layer_fetch_buffer = BYTES`
-#                      and `max_concurrent_downloads = 4`, the connections minicri uses per blob)
+#                      and `max_concurrent_downloads = 6`, the connections minicri uses per blob)
 #   --images LIST      any of: one eight usr capped (default: all four)
+#   --minicri-args ARGS  extra flags for `minicri serve` (word-split), to measure a setting, e.g.
+#                      "--blob-connections 6"; printed with the results
 #   --work DIR         scratch space (default /var/tmp/minicri-bench-pull); the generated layers
 #                      of the realistic image are kept in DIR/layers between runs
 #
@@ -35,6 +37,7 @@ repo=$(pwd)
 runs=3
 containerd2=${CONTAINERD2:-}
 multipart=
+minicri_args=
 images="one eight usr capped"
 work=/var/tmp/minicri-bench-pull
 while [ $# -gt 0 ]; do
@@ -43,6 +46,7 @@ while [ $# -gt 0 ]; do
         --containerd2) containerd2=$2; shift 2;;
         --multipart) multipart=$2; shift 2;;
         --images) images=$2; shift 2;;
+        --minicri-args) minicri_args=$2; shift 2;;
         --work) work=$2; shift 2;;
         -h|--help) sed -n '2,30p' "$0"; exit 0;;
         *) echo "bench-pull: unknown argument $1" >&2; exit 2;;
@@ -158,7 +162,7 @@ start_daemon() { # runtime root -> sets daemon_pid and sock
     case $rt in
         minicri)
             "$bin/minicri" serve --root "$root/root" --state "$root/state" --socket "$sock" \
-                --registry-config-dir "$certs" --log-level warn >"$root/log" 2>&1 &
+                --registry-config-dir "$certs" --log-level warn $minicri_args >"$root/log" 2>&1 &
             ;;
         containerd|containerd2|containerd2mp)
             local exe=containerd
@@ -182,7 +186,7 @@ state = "$root/state"
   config_path = "$certs"
 TOML
             if [ "$rt" = containerd2mp ]; then
-                printf '[plugins."io.containerd.transfer.v1.local"]\n  concurrent_layer_fetch_buffer = %s\n  max_concurrent_downloads = 4\n' \
+                printf '[plugins."io.containerd.transfer.v1.local"]\n  concurrent_layer_fetch_buffer = %s\n  max_concurrent_downloads = 6\n' \
                     "$multipart" >> "$root/config.toml"
             fi
             "$exe" --config "$root/config.toml" >"$root/log" 2>&1 &
@@ -233,6 +237,7 @@ median() { sort -g | awk '{a[NR]=$1} END {if (NR % 2) print a[(NR+1)/2]; else pr
 
 # --- the run ------------------------------------------------------------------------------------
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$run/load"
+if [ -n "$minicri_args" ]; then echo "minicri serve flags added: $minicri_args" | tee -a "$run/load"; fi
 echo "containerd: $(containerd --version)"
 [ -n "$containerd2" ] && echo "containerd2: $("$containerd2" --version)"
 printf '%-7s %-12s %3s %9s %8s %9s\n' image runtime run seconds cpu_s rss_MiB | tee "$log"
