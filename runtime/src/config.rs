@@ -71,7 +71,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N")]
     pub max_concurrent_transfers: Option<usize>,
 
-    /// Ranged requests one large blob is fetched over at once (1: one stream per blob). [default: 4]
+    /// Ranged requests one large blob is fetched over at once (1: one stream per blob). [default: 6]
     #[arg(long, value_name = "N")]
     pub blob_connections: Option<usize>,
 

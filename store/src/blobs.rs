@@ -403,7 +403,7 @@ impl Default for RangedFetch {
     fn default() -> Self {
         RangedFetch {
             chunk_size: 32 * 1024 * 1024,
-            connections: 4,
+            connections: 6,
         }
     }
 }
