@@ -187,10 +187,8 @@ impl BlobProgress {
     /// Waits until the download has ended: committed, failed or cancelled.
     pub async fn ended(&self) {
         loop {
+            // Created before the state is read: a notify_waiters in between still wakes it.
             let notified = self.state_changed.notified();
-            tokio::pin!(notified);
-            // Registered before the state is read, so a change in between still wakes us.
-            notified.as_mut().enable();
             if matches!(
                 self.state(),
                 BlobState::Done | BlobState::Failed | BlobState::Cancelled

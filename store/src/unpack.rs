@@ -73,6 +73,7 @@ impl Gate {
     /// Waits (async) until the gate opens; true if the layer was committed.
     pub async fn opened(&self) -> bool {
         loop {
+            // Created before the state is read: a notify_waiters in between still wakes it.
             let notified = self.notify.notified();
             if let Some(c) = self.state() {
                 return c;

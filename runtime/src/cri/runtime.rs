@@ -85,9 +85,10 @@ impl RuntimeService for RuntimeHandler {
                 let list: Vec<_> = handlers
                     .iter()
                     .map(|(h, r)| {
+                        let command = h.runtime.command();
                         serde_json::json!({
                             "name": h.name, "default": h.name == default,
-                            "binary": h.runtime.binary(), "root": h.runtime.command().root,
+                            "binary": command.binary, "root": command.root,
                             "available": r.is_ok(), "reason": r.as_ref().err(),
                         })
                     })
@@ -124,7 +125,7 @@ impl RuntimeService for RuntimeHandler {
                         runtime_ready.message = format!(
                             "the default runtime handler {:?} ({}) does not work here: {reason}",
                             h.name,
-                            h.runtime.binary().display()
+                            h.runtime.command().binary.display()
                         );
                     }
                     _ => {}

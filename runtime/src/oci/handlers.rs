@@ -89,7 +89,7 @@ impl std::fmt::Debug for Handler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Handler")
             .field("name", &self.name)
-            .field("binary", &self.runtime.binary())
+            .field("binary", &self.runtime.command().binary)
             .field("features", &self.features)
             .finish()
     }

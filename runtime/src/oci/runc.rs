@@ -662,10 +662,6 @@ impl OciRuntime for Runc {
         })
     }
 
-    fn binary(&self) -> &Path {
-        &self.binary
-    }
-
     fn command(&self) -> RuntimeCommand {
         RuntimeCommand {
             binary: self.binary.clone(),

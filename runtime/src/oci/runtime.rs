@@ -13,7 +13,7 @@
 //! Pods hold their runtime as `Arc<dyn OciRuntime>` in their [`super::Handler`]; the pod
 //! service's unit tests put a recording fake there (`crate::pods::fake`).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -137,9 +137,8 @@ pub trait OciRuntime: Send + Sync {
         stdout: Stdio,
         stderr: Stdio,
     ) -> Result<ExecProcess>;
-    /// The runtime's binary, for logs and inspection.
-    fn binary(&self) -> &Path;
-    /// How the shim runs this runtime to create a container under its monitor.
+    /// How the shim runs this runtime to create a container under its monitor (also what logs
+    /// and inspection name it by).
     fn command(&self) -> RuntimeCommand;
     /// Whether the runtime works on this host (`Err` says why not), found out by creating and
     /// deleting a throwaway container as [`super::handlers`] describes.

@@ -309,10 +309,6 @@ impl OciRuntime for Fake {
         ))
     }
 
-    fn binary(&self) -> &Path {
-        Path::new("/fake/runtime")
-    }
-
     fn command(&self) -> RuntimeCommand {
         RuntimeCommand {
             binary: "/fake/runtime".into(),

@@ -351,11 +351,11 @@ impl PodService {
             let default = h.name == self.handlers.default_name();
             match result {
                 Ok(()) => tracing::info!(
-                    handler = %h.name, binary = %h.runtime.binary().display(), default,
+                    handler = %h.name, binary = %h.runtime.command().binary.display(), default,
                     "runtime handler available"
                 ),
                 Err(reason) => tracing::warn!(
-                    handler = %h.name, binary = %h.runtime.binary().display(), default, %reason,
+                    handler = %h.name, binary = %h.runtime.command().binary.display(), default, %reason,
                     "runtime handler unavailable: pods naming it are refused"
                 ),
             }
@@ -395,6 +395,17 @@ impl PodService {
     /// The OCI runtime of the container `id`.
     pub(crate) fn container_runtime(&self, id: &str) -> Result<&dyn OciRuntime> {
         self.runtime(&self.container_record(id)?.runtime_handler)
+    }
+
+    /// Gives a shim whose container is gone a moment to exit by itself, then kills it.
+    pub(crate) async fn reap_shim(&self, s: &ShimHandle) {
+        for _ in 0..50 {
+            if !self.monitors.is_alive(s) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        self.monitors.kill_shim(s);
     }
 
     /// The host facts as a pod under `handler` sees them (what its runtime supports).
@@ -450,17 +461,4 @@ pub(crate) fn unmount_all(p: &Path) -> Result<()> {
             .map_err(|e| Error::Internal(format!("unmounting {}: {e}", p.display())))?;
     }
     Ok(())
-}
-
-impl PodService {
-    /// Gives a shim whose container is gone a moment to exit by itself, then kills it.
-    pub(crate) async fn reap_shim(&self, s: &ShimHandle) {
-        for _ in 0..50 {
-            if !self.monitors.is_alive(s) {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-        self.monitors.kill_shim(s);
-    }
 }
