@@ -31,15 +31,27 @@ fuzz_target!(|data: &[u8]| {
                     e.host
                 );
             }
-            // A path prefix goes into request URLs: whole, plain repository components only.
+            // The API root goes into request URLs: whole, plain path components only.
             assert!(
-                e.path_prefix.is_empty()
-                    || e.path_prefix
-                        .split('/')
-                        .all(|c| !c.is_empty() && c != "." && c != ".."),
-                "{text:?}: path prefix {:?}",
-                e.path_prefix
+                e.api_root.starts_with('/')
+                    && e.api_root[1..].split('/').all(|c| !c.is_empty()
+                        && c != "."
+                        && c != ".."
+                        && c.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-~".contains(&b))),
+                "{text:?}: API root {:?}",
+                e.api_root
             );
+            // Headers were checked when the file was read (RFC 9110 field names and values:
+            // no line breaks or other control characters to split a request with).
+            for (name, value) in &e.headers {
+                let tchar = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+                assert!(
+                    !name.is_empty()
+                        && name.bytes().all(tchar)
+                        && value.bytes().all(|b| b == b'\t' || (b >= 0x20 && b != 0x7f)),
+                    "{text:?}: header {name:?}: {value:?}"
+                );
+            }
             let _ = e.to_string();
         }
     }

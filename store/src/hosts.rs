@@ -8,14 +8,16 @@
 //! are loopback IP literals: `registry::auth`); without a file, only a registry named by a
 //! loopback IP literal is. The files are read at every pull, so edits apply without a restart.
 //!
-//! Keys read: `server`, `capabilities` (`pull`, `resolve`), `skip_verify`, `ca`, `dial_timeout`
-//! (a Go duration: `5s`, `500ms`, `1m30s`) and `override_path`. A host URL's path follows
-//! containerd: without `override_path` a path gets `/v2` appended; with it, the path is the API
-//! root. The registry client speaks to API roots `/v2` and `/v2/<prefix>` (a path-based mirror
-//! such as a Harbor proxy-cache project: the prefix goes before the repository); a host whose
-//! URL needs another root is skipped with a warning. `client` (mTLS) and `header` are not sent:
-//! the host is still tried, with a warning. Keys containerd does not know are warned about, not
-//! fatal. Each warning is logged once per file and key.
+//! Every key containerd documents for a host is read, with containerd's meaning: `server`,
+//! `capabilities` (`pull`, `resolve`), `skip_verify`, `ca`, `client` (a certificate and key for
+//! mutual TLS: one PEM file holding both, or `[cert, key]` pairs), `header` (extra request
+//! headers: a string or a list of strings per name), `dial_timeout` (a Go duration: `5s`,
+//! `500ms`, `1m30s`) and `override_path`. The top level describes `server`; each `[host]` table
+//! describes that host alone (nothing is inherited). Relative `ca` and `client` paths are taken
+//! from the hosts.toml's directory. A host URL's path follows containerd: without
+//! `override_path` a path gets `/v2` appended (unless it ends in `/v2`); with it, the path is the
+//! API root as given (a path-based mirror such as a Harbor proxy-cache project). Keys containerd
+//! does not know are warned about, not fatal. Each warning is logged once per file and key.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -39,10 +41,31 @@ pub struct Endpoint {
     pub ca: Vec<PathBuf>,
     /// Whether this endpoint is a mirror (a `[host]` entry) rather than the registry's server.
     pub mirror: bool,
-    /// Put before the repository (`<prefix>/<repository>`): the API root is `/v2/<prefix>`.
-    pub path_prefix: String,
+    /// The API root: `/v2`, or the path a mirror serves the API under (`/v2/<project>`, or
+    /// anything with `override_path`). Request paths are `<api_root>/<repository>/...`.
+    pub api_root: String,
     /// Time limit of connecting to it (`dial_timeout`; `None`: the daemon's).
     pub dial_timeout: Option<std::time::Duration>,
+    /// Client certificates for mutual TLS (`client`): `(certificate, key)` PEM files; no key
+    /// file when the certificate's file holds the key too.
+    pub client: Vec<(PathBuf, Option<PathBuf>)>,
+    /// Extra headers sent with every request to this host (`header`), names lower-case, values
+    /// checked when the file is read.
+    pub headers: Vec<(String, String)>,
+}
+
+/// The API root of a registry that is not a path-based mirror.
+pub const DEFAULT_API_ROOT: &str = "/v2";
+
+impl Endpoint {
+    /// The repository name the endpoint serves `repository` under: a `/v2/<project>` root puts
+    /// the project before it (what token scopes name); any other root names it as is.
+    pub fn repository(&self, repository: &str) -> String {
+        match self.api_root.strip_prefix("/v2/") {
+            Some(project) => format!("{project}/{repository}"),
+            None => repository.to_string(),
+        }
+    }
 }
 
 impl std::fmt::Display for Endpoint {
@@ -53,8 +76,8 @@ impl std::fmt::Display for Endpoint {
             if self.plain_http { "http" } else { "https" },
             self.host
         )?;
-        if !self.path_prefix.is_empty() {
-            write!(f, "/v2/{}", self.path_prefix)?;
+        if self.api_root != DEFAULT_API_ROOT {
+            f.write_str(&self.api_root)?;
         }
         Ok(())
     }
@@ -83,8 +106,24 @@ struct HostEntry {
     ca: Option<StringOrList>,
     override_path: Option<bool>,
     dial_timeout: Option<String>,
-    client: Option<toml::Value>,
+    client: Option<ClientSetting>,
     header: Option<toml::Table>,
+}
+
+/// `client`: one PEM file with certificate and key, or a list of such files and
+/// `[certificate, key]` pairs (an empty key: the certificate's file holds it).
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(untagged)]
+enum ClientSetting {
+    One(String),
+    Many(Vec<ClientPair>),
+}
+
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(untagged)]
+enum ClientPair {
+    File(String),
+    Pair(Vec<String>),
 }
 
 /// Keys containerd reads in a `[host]` table (and at the top level, beside `server`).
@@ -161,11 +200,21 @@ enum StringOrList {
 }
 
 impl StringOrList {
-    fn paths(self) -> Vec<PathBuf> {
+    fn strings(self) -> Vec<String> {
         match self {
-            StringOrList::One(s) => vec![s.into()],
-            StringOrList::Many(v) => v.into_iter().map(Into::into).collect(),
+            StringOrList::One(s) => vec![s],
+            StringOrList::Many(v) => v,
         }
+    }
+}
+
+/// `p` as containerd resolves `ca` and `client` paths: relative ones from the hosts.toml's
+/// directory.
+fn config_path(p: &str, hosts_toml: &Path) -> PathBuf {
+    let p = Path::new(p);
+    match hosts_toml.parent() {
+        Some(dir) if p.is_relative() => dir.join(p),
+        _ => p.to_path_buf(),
     }
 }
 
@@ -237,8 +286,10 @@ pub fn default_endpoint(registry: &str) -> Endpoint {
         skip_verify: false,
         ca: Vec::new(),
         mirror: false,
-        path_prefix: String::new(),
+        api_root: DEFAULT_API_ROOT.to_string(),
         dial_timeout: None,
+        client: Vec::new(),
+        headers: Vec::new(),
     }
 }
 
@@ -345,13 +396,13 @@ pub fn parse_hosts_toml(text: &str, registry: &str, path: &Path) -> Result<Vec<E
             .try_into()
             .map_err(|e: toml::de::Error| bad(format!("{at}: {e}")))?;
         let (host, plain_http, url_path) = parse_url(&url, path)?;
-        let Some(path_prefix) = api_prefix(&url_path, entry.override_path == Some(true)) else {
+        let Some(api_root) = api_root(&url_path, entry.override_path == Some(true)) else {
             warn_once(
                 path,
                 "override_path",
                 &format!(
-                    "{at}: skipping mirror: its API root {url_path:?} is not /v2 or \
-                     /v2/<prefix>, the only roots the registry client can reach"
+                    "{at}: skipping mirror: its API root {url_path:?} is not a plain path \
+                     (components of letters, digits, '.', '_', '-' and '~')"
                 ),
             );
             continue;
@@ -360,7 +411,7 @@ pub fn parse_hosts_toml(text: &str, registry: &str, path: &Path) -> Result<Vec<E
         ep.host = host;
         ep.plain_http = plain_http;
         ep.mirror = true;
-        ep.path_prefix = path_prefix;
+        ep.api_root = api_root;
         out.push(ep);
     }
     let mut server = endpoint_with(&file.settings, "top level", path)?;
@@ -370,58 +421,50 @@ pub fn parse_hosts_toml(text: &str, registry: &str, path: &Path) -> Result<Vec<E
         let (host, plain_http, url_path) = parse_url(url, path)?;
         server.host = host;
         server.plain_http = plain_http;
-        match api_prefix(&url_path, file.settings.override_path == Some(true)) {
-            Some(prefix) => server.path_prefix = prefix,
+        match api_root(&url_path, file.settings.override_path == Some(true)) {
+            Some(root) => server.api_root = root,
             None => {
                 return Err(bad(format!(
-                    "server {url:?}: its API root {url_path:?} is not /v2 or /v2/<prefix>, the \
-                     only roots the registry client can reach"
+                    "server {url:?}: its API root {url_path:?} is not a plain path (components \
+                     of letters, digits, '.', '_', '-' and '~')"
                 )));
             }
         }
     }
     // A server that repeats the last mirror adds nothing.
     if !out.iter().any(|e| {
-        e.host == server.host
-            && e.plain_http == server.plain_http
-            && e.path_prefix == server.path_prefix
+        e.host == server.host && e.plain_http == server.plain_http && e.api_root == server.api_root
     }) {
         out.push(server);
     }
     Ok(out)
 }
 
-/// The repository prefix of a host URL's path, as containerd reads it: without `override_path`
-/// the URL's path gets `/v2` appended (unless it ends in it); with it, the path is the API root.
-/// `None` when that root is not `/v2` or `/v2/<prefix>`.
-fn api_prefix(url_path: &str, override_path: bool) -> Option<String> {
+/// The API root of a host URL's path, as containerd reads it: without `override_path` the
+/// URL's path gets `/v2` appended (unless it ends in it); with it, the path is the root as given.
+/// `None` when the root is not a plain path: components of ASCII letters, digits, `.`, `_`, `-`
+/// and `~`, none empty, `.` or `..` (it goes into every request URL as is).
+fn api_root(url_path: &str, override_path: bool) -> Option<String> {
     let trimmed = url_path.trim_end_matches('/');
-    let root = if override_path || trimmed.is_empty() || trimmed.ends_with("/v2") {
-        if trimmed.is_empty() {
-            "/v2".to_string()
-        } else {
-            trimmed.to_string()
-        }
+    let root = if trimmed.is_empty() {
+        DEFAULT_API_ROOT.to_string()
+    } else if override_path || trimmed.ends_with("/v2") {
+        trimmed.to_string()
     } else {
         format!("{trimmed}/v2")
     };
-    if root == "/v2" {
-        return Some(String::new());
-    }
-    let prefix = root.strip_prefix("/v2/")?;
-    let valid = prefix.split('/').all(|c| {
+    let valid = root.strip_prefix('/')?.split('/').all(|c| {
         !c.is_empty()
             && c != "."
             && c != ".."
-            && c.bytes().all(|b| {
-                b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
-            })
+            && c.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'~'))
     });
-    valid.then(|| prefix.to_string())
+    valid.then_some(root)
 }
 
-/// An endpoint with the settings of `entry` (capabilities, TLS, dial timeout); its host is
-/// filled in by the caller. `client` and `header` are warned about: they are not sent.
+/// An endpoint with the settings of `entry` (capabilities, TLS, client certificates, headers,
+/// dial timeout); its host is filled in by the caller.
 fn endpoint_with(entry: &HostEntry, at: &str, path: &Path) -> Result<Endpoint> {
     let (pull, resolve) = caps(&entry.capabilities);
     let dial_timeout = match &entry.dial_timeout {
@@ -434,19 +477,76 @@ fn endpoint_with(entry: &HostEntry, at: &str, path: &Path) -> Result<Endpoint> {
             ),
         })?),
     };
-    for (key, set) in [
-        ("client", entry.client.is_some()),
-        ("header", entry.header.is_some()),
-    ] {
-        if set {
-            warn_once(
-                path,
-                key,
-                &format!(
-                    "{at}: {key:?} is not supported (the registry client cannot send client \
-                     certificates or extra headers); requests to this host go without it"
-                ),
-            );
+    let bad = |reason: String| StoreError::HostsConfig {
+        path: path.to_path_buf(),
+        reason: format!("{at}: {reason}"),
+    };
+    let mut client = Vec::new();
+    match &entry.client {
+        None => {}
+        Some(ClientSetting::One(file)) => client.push((config_path(file, path), None)),
+        Some(ClientSetting::Many(list)) => {
+            for pair in list {
+                client.push(match pair {
+                    ClientPair::File(file) => (config_path(file, path), None),
+                    ClientPair::Pair(v) => match v.as_slice() {
+                        [cert] => (config_path(cert, path), None),
+                        [cert, key] if key.is_empty() => (config_path(cert, path), None),
+                        [cert, key] => (config_path(cert, path), Some(config_path(key, path))),
+                        _ => {
+                            return Err(bad(format!(
+                                "client {v:?}: a pair is [certificate, key] (key may be empty)"
+                            )));
+                        }
+                    },
+                });
+            }
+        }
+    }
+    if client.len() > 1 {
+        warn_once(
+            path,
+            "client",
+            &format!(
+                "{at}: {} client certificates given; the first one is presented",
+                client.len()
+            ),
+        );
+    }
+    let mut headers = Vec::new();
+    for (name, value) in entry.header.iter().flatten() {
+        let values = match value {
+            toml::Value::String(v) => vec![v.clone()],
+            toml::Value::Array(a) => a
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| bad(format!("header {name:?}: values must be strings")))?,
+            _ => {
+                return Err(bad(format!(
+                    "header {name:?}: a string or a list of strings"
+                )));
+            }
+        };
+        let lower = name.to_ascii_lowercase();
+        if reqwest::header::HeaderName::from_bytes(lower.as_bytes()).is_err() {
+            return Err(bad(format!("header {name:?} is not a valid header name")));
+        }
+        if matches!(
+            lower.as_str(),
+            "host" | "content-length" | "range" | "transfer-encoding"
+        ) {
+            return Err(bad(format!(
+                "header {name:?} is set by the registry client itself"
+            )));
+        }
+        for v in values {
+            if reqwest::header::HeaderValue::from_str(&v).is_err() {
+                return Err(bad(format!(
+                    "header {name:?}: value is not a valid header value"
+                )));
+            }
+            headers.push((lower.clone(), v));
         }
     }
     Ok(Endpoint {
@@ -458,11 +558,16 @@ fn endpoint_with(entry: &HostEntry, at: &str, path: &Path) -> Result<Endpoint> {
         ca: entry
             .ca
             .clone()
-            .map(StringOrList::paths)
-            .unwrap_or_default(),
+            .map(StringOrList::strings)
+            .unwrap_or_default()
+            .iter()
+            .map(|p| config_path(p, path))
+            .collect(),
         mirror: false,
-        path_prefix: String::new(),
+        api_root: DEFAULT_API_ROOT.to_string(),
         dial_timeout,
+        client,
+        headers,
     })
 }
 
@@ -606,29 +711,41 @@ server = "https://registry-1.docker.io"
         );
         let e = h.endpoints("docker.io").unwrap();
         let names: Vec<String> = e.iter().map(ToString::to_string).collect();
-        // /mirror gets /v2 appended (/mirror/v2) and /api/docker is the root as given: neither
-        // is /v2[/<prefix>]. /v2/proj without override_path is /v2/proj/v2, which is.
+        // /mirror gets /v2 appended; /api/docker is the root as given (override_path); /v2/proj
+        // without override_path is /v2/proj/v2.
         assert_eq!(
             names,
             [
                 "https://harbor.example/v2/proxy-hub",
                 "https://plain.example",
                 "https://root.example",
+                "https://prefixed.example/mirror/v2",
+                "https://nonstd.example/api/docker",
                 "https://twice.example/v2/proj/v2",
                 "https://registry-1.docker.io"
             ]
         );
-        assert_eq!(e[0].path_prefix, "proxy-hub");
-        assert!(e[1].path_prefix.is_empty() && e[4].path_prefix.is_empty());
-        assert_eq!(e[3].path_prefix, "proj/v2");
-        assert_eq!(api_prefix("/v2/a/b/", true).as_deref(), Some("a/b"));
-        for bad in ["/v2/../x", "/v2/A", "/v2//x", "/v2/x y"] {
-            assert_eq!(api_prefix(bad, true), None, "{bad}");
+        assert_eq!(e[0].api_root, "/v2/proxy-hub");
+        assert_eq!(e[0].repository("library/a"), "proxy-hub/library/a");
+        assert_eq!(e[1].api_root, "/v2");
+        assert_eq!(e[1].repository("library/a"), "library/a");
+        assert_eq!(e[4].repository("library/a"), "library/a");
+        assert_eq!(e[5].repository("x"), "proj/v2/x");
+        assert_eq!(api_root("/v2/a/b/", true).as_deref(), Some("/v2/a/b"));
+        assert_eq!(api_root("/", true).as_deref(), Some("/v2"));
+        for bad in ["/v2/../x", "/v2//x", "/v2/x y", "/a?b", "/a#b", "/a%2f"] {
+            assert_eq!(api_root(bad, true), None, "{bad}");
         }
-        let (_d, h) = hosts_with("r.example", "server = \"https://r.example/other\"\n");
+        let (_d, h) = hosts_with(
+            "docker.io",
+            "[host.\"https://m.example/v2/a%2e%2e\"]\n  override_path = true\n",
+        );
+        let e = h.endpoints("docker.io").unwrap();
+        assert_eq!(e.len(), 1, "the mirror with a bad root is skipped: {e:?}");
+        let (_d, h) = hosts_with("r.example", "server = \"https://r.example/o?ther\"\n");
         let err = h.endpoints("r.example").unwrap_err().to_string();
         assert!(
-            err.contains("/other") && err.contains("hosts.toml"),
+            err.contains("/o?ther") && err.contains("hosts.toml"),
             "{err}"
         );
     }
@@ -663,7 +780,7 @@ server = "https://registry-1.docker.io"
     #[test]
     fn every_containerd_key_and_unknown_keys_are_accepted() {
         // A containerd certs.d file using every host key, plus keys containerd does not know:
-        // all of it parses; client and header are warned about, the unknown keys too.
+        // all of it parses, with containerd's meaning; the unknown keys are warned about.
         let (_d, h) = hosts_with(
             "r.example",
             r#"
@@ -671,7 +788,7 @@ server = "https://r.example"
 capabilities = ["pull", "resolve"]
 skip_verify = false
 ca = "/etc/certs/r.pem"
-client = [["/etc/certs/client.cert", "/etc/certs/client.key"]]
+client = [["/etc/certs/client.cert", "/etc/certs/client.key"], ["both.pem", ""]]
 dial_timeout = "3s"
 future_key = 1
 [header]
@@ -679,21 +796,84 @@ future_key = 1
 [host."https://m.example:5000/v2"]
   capabilities = ["pull"]
   skip_verify = true
-  ca = ["/etc/certs/m.pem"]
-  client = "/etc/certs/m-client.pem"
+  ca = ["/etc/certs/m.pem", "rel.pem"]
+  client = "m-client.pem"
   override_path = false
   dial_timeout = "2s"
   typo_key = "x"
   [host."https://m.example:5000/v2".header]
     Authorization = "Basic Zm9vOmJhcg=="
+    X-Multi = ["a", "b"]
 "#,
         );
+        let dir = _d.path().join("r.example");
         let e = h.endpoints("r.example").unwrap();
         assert_eq!(e.len(), 2);
         assert_eq!(e[0].to_string(), "https://m.example:5000");
         assert!(e[0].skip_verify && e[0].pull && !e[0].resolve);
-        assert_eq!(e[0].ca, [PathBuf::from("/etc/certs/m.pem")]);
+        assert_eq!(
+            e[0].ca,
+            [PathBuf::from("/etc/certs/m.pem"), dir.join("rel.pem")]
+        );
+        assert_eq!(e[0].client, [(dir.join("m-client.pem"), None)]);
+        let strs = |v: &[(&str, &str)]| -> Vec<(String, String)> {
+            v.iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect()
+        };
+        assert_eq!(
+            e[0].headers,
+            strs(&[
+                ("authorization", "Basic Zm9vOmJhcg=="),
+                ("x-multi", "a"),
+                ("x-multi", "b")
+            ])
+        );
         assert_eq!(e[1].ca, [PathBuf::from("/etc/certs/r.pem")]);
+        assert_eq!(
+            e[1].client,
+            [
+                (
+                    PathBuf::from("/etc/certs/client.cert"),
+                    Some(PathBuf::from("/etc/certs/client.key"))
+                ),
+                (dir.join("both.pem"), None)
+            ]
+        );
+        // Top-level settings are the server's alone.
+        assert_eq!(e[1].headers, strs(&[("x-custom", "1")]));
         assert_eq!(e[1].dial_timeout, Some(std::time::Duration::from_secs(3)));
+        assert_eq!(e[0].dial_timeout, Some(std::time::Duration::from_secs(2)));
+    }
+
+    #[test]
+    fn bad_headers_and_client_pairs_are_refused() {
+        for (text, want) in [
+            (
+                "[header]\n  \"bad name\" = \"x\"\n",
+                "not a valid header name",
+            ),
+            (
+                "[header]\n  x-a = \"line\\nbreak\"\n",
+                "not a valid header value",
+            ),
+            ("[header]\n  x-a = 1\n", "a string or a list of strings"),
+            ("[header]\n  x-a = [1]\n", "values must be strings"),
+            (
+                "[header]\n  Host = \"other\"\n",
+                "set by the registry client",
+            ),
+            (
+                "client = [[\"a\", \"b\", \"c\"]]\n",
+                "a pair is [certificate, key]",
+            ),
+        ] {
+            let (_d, h) = hosts_with("r.example", text);
+            let err = h.endpoints("r.example").unwrap_err().to_string();
+            assert!(
+                err.contains(want) && err.contains("hosts.toml"),
+                "{text}: {err}"
+            );
+        }
     }
 }

@@ -1,8 +1,9 @@
 //! A registry (and token service) that misbehaves on purpose, served from this test on loopback
-//! (real TCP servers, the real `oci-client` based client): oversized manifests, token responses
-//! and error bodies, bytes trickled under the read timeout, answers that never come, token realms
-//! on hosts the credentials were not given for, and a plain-http registry reached by name.
-//! docs/hardening.md says what each bound is and what `oci-client` leaves unbounded.
+//! (real TCP servers, minicri's real registry client): oversized manifests, token responses and
+//! error bodies, bytes trickled under the read timeout, answers that never come, token realms on
+//! hosts the credentials were not given for, redirects to other hosts, partial answers that do
+//! not start where asked, and a plain-http registry reached by name. docs/hardening.md says what
+//! each bound is.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -21,7 +22,18 @@ use tokio::net::{TcpListener, TcpStream};
 struct Seen {
     path: String,
     authorization: Option<String>,
+    /// Every header, names lower-case.
+    headers: Vec<(String, String)>,
     body: String,
+}
+
+impl Seen {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 /// What to answer: status, extra headers, body, a pause before anything is sent, and a pause
@@ -131,8 +143,10 @@ async fn serve(
         .to_string();
     let mut authorization = None;
     let mut length = 0usize;
+    let mut headers = Vec::new();
     for l in lines {
         if let Some((k, v)) = l.split_once(':') {
+            headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
             match k.trim().to_ascii_lowercase().as_str() {
                 "authorization" => authorization = Some(v.trim().to_string()),
                 "content-length" => length = v.trim().parse().unwrap_or(0),
@@ -151,6 +165,7 @@ async fn serve(
     let req = Seen {
         path,
         authorization,
+        headers,
         body: String::from_utf8_lossy(&body).into_owned(),
     };
     seen.lock().unwrap().push(req.clone());
@@ -332,13 +347,14 @@ fn good_token() -> Reply {
 
 #[tokio::test]
 async fn a_trickled_token_response_hits_the_request_deadline() {
-    // The anonymous token request is oci-client's; the deadline around it is minicri's.
+    // The token request is part of the manifest request that met the challenge, and within
+    // its deadline.
     let (server, _token) = token_setup("127.0.0.1", || {
         Reply::ok(format!(r#"{{"token":"tok","pad":"{}"}}"#, "x".repeat(500)))
             .trickled(Duration::from_millis(200))
     })
     .await;
-    fetch_past_the_deadline(&server.addr, "authentication").await;
+    fetch_past_the_deadline(&server.addr, "manifest request").await;
 }
 
 #[tokio::test]
@@ -370,8 +386,9 @@ async fn a_blob_request_whose_answer_never_comes_hits_the_request_deadline() {
 }
 
 #[tokio::test]
-async fn a_huge_identity_token_response_is_refused() {
-    // minicri exchanges identity tokens itself and reads the answer within MAX_TOKEN_BYTES.
+async fn a_huge_token_response_is_refused() {
+    // Every token response (an identity-token exchange, a token bought with basic credentials,
+    // an anonymous one) is read within MAX_TOKEN_BYTES, with or without a Content-Length.
     for length in [true, false] {
         let (server, token) = token_setup("127.0.0.1", move || {
             let mut r = Reply::ok(vec![b'x'; (MAX_TOKEN_BYTES * 2) as usize]);
@@ -379,11 +396,12 @@ async fn a_huge_identity_token_response_is_refused() {
             r
         })
         .await;
-        let err = fetch(&registry(), &server.addr, &identity(&server.addr))
-            .await
-            .unwrap_err();
-        assert!(err.to_string().contains("exceeds the limit"), "{err}");
-        assert_eq!(token.seen().len(), 1);
+        let addr = server.addr.clone();
+        for c in [identity(&addr), creds(&addr), Credentials::default()] {
+            let err = fetch(&registry(), &server.addr, &c).await.unwrap_err();
+            assert!(err.to_string().contains("exceeds the limit"), "{err}");
+        }
+        assert_eq!(token.seen().len(), 3);
     }
 }
 
@@ -491,6 +509,139 @@ async fn an_error_body_does_not_flood_the_error_message() {
     let msg = err.to_string();
     assert!(msg.contains("eeee"), "{msg}");
     assert!(msg.len() < MAX_MESSAGE_CHARS + 1024, "{} bytes", msg.len());
+}
+
+/// A hosts directory sending `registry` to `server_url` with the top-level `extra` lines (the
+/// server's own settings).
+fn hosts_dir_with(dir: &Path, registry: &str, server_url: &str, extra: &str) -> RegistryHosts {
+    let d = dir.join(registry);
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(
+        d.join("hosts.toml"),
+        format!("server = \"{server_url}\"\n{extra}"),
+    )
+    .unwrap();
+    RegistryHosts::new(Some(dir.to_path_buf()))
+}
+
+#[tokio::test]
+async fn hosts_toml_headers_go_to_the_host_and_nowhere_else() {
+    // The registry wants its header on every request and a bearer token from a realm on its own
+    // origin; blobs are redirected to a store on another host (127.0.0.2).
+    let store = Server::start("127.0.0.2", |_| Reply::ok("{}")).await;
+    let store_url = format!("http://{}/signed/blob", store.addr);
+    let realm_host = Arc::new(Mutex::new(String::new()));
+    let realm = realm_host.clone();
+    let server = Server::start("127.0.0.1", move |req| {
+        if req.header("x-mirror-key") != Some("s3cret") {
+            return Reply::ok("").status(403);
+        }
+        if req.path.starts_with("/token") {
+            return good_token();
+        }
+        if req.authorization.as_deref() != Some("Bearer tok") {
+            let realm = format!("http://{}/token", realm.lock().unwrap());
+            return Reply::ok("").status(401).header(
+                "WWW-Authenticate",
+                format!(r#"Bearer realm="{realm}",service="reg""#),
+            );
+        }
+        if req.path.contains("/blobs/") {
+            return Reply::ok("")
+                .status(307)
+                .header("Location", store_url.clone());
+        }
+        manifest_reply()
+    })
+    .await;
+    *realm_host.lock().unwrap() = server.addr.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = hosts_dir_with(
+        dir.path(),
+        &server.addr,
+        &format!("http://{}", server.addr),
+        "[header]\n  X-Mirror-Key = \"s3cret\"\n  x-two = [\"a\", \"b\"]\n",
+    );
+    let reg = Registry::new(hosts);
+    let session = reg
+        .session(&reference(&server.addr), &Credentials::default())
+        .unwrap();
+    session.manifest(None).await.unwrap();
+    let digest = Digest::of(b"{}");
+    let Ok(body) = session.blob(&digest, 0, 2, None).await else {
+        panic!("the blob request failed");
+    };
+    assert!(!body.resumed);
+    let seen = server.seen();
+    // Manifest (401), token, manifest, blob (redirected): each with the header, both values of
+    // the list.
+    assert_eq!(seen.len(), 4, "{seen:?}");
+    for s in &seen {
+        assert_eq!(s.header("x-mirror-key"), Some("s3cret"), "{s:?}");
+        let twos: Vec<&str> = s
+            .headers
+            .iter()
+            .filter(|(k, _)| k == "x-two")
+            .map(|(_, v)| v.as_str())
+            .collect();
+        assert!(twos == ["a", "b"] || twos == ["a, b"], "{s:?}");
+    }
+    // The store got neither the header nor the token, but kept the Range.
+    let at_store = store.seen();
+    assert_eq!(at_store.len(), 1, "{at_store:?}");
+    assert_eq!(at_store[0].header("x-mirror-key"), None, "{at_store:?}");
+    assert_eq!(at_store[0].authorization, None, "{at_store:?}");
+    assert_eq!(
+        at_store[0].header("range"),
+        Some("bytes=0-1"),
+        "{at_store:?}"
+    );
+
+    // A realm on another origin gets no header.
+    let (other, token) = token_setup("127.0.0.2", good_token).await;
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = hosts_dir_with(
+        dir.path(),
+        &other.addr,
+        &format!("http://{}", other.addr),
+        "[header]\n  x-mirror-key = \"s3cret\"\n",
+    );
+    fetch(&Registry::new(hosts), &other.addr, &Credentials::default())
+        .await
+        .unwrap();
+    assert!(
+        other
+            .seen()
+            .iter()
+            .all(|s| s.header("x-mirror-key") == Some("s3cret"))
+    );
+    let t = token.seen();
+    assert_eq!(t.len(), 1, "{t:?}");
+    assert_eq!(t[0].header("x-mirror-key"), None, "{t:?}");
+}
+
+#[tokio::test]
+async fn a_partial_answer_that_starts_elsewhere_is_refused() {
+    let server = Server::start("127.0.0.1", |req| {
+        if req.path.contains("/blobs/") {
+            Reply::ok("}")
+                .status(206)
+                .header("Content-Range", "bytes 0-1/2")
+        } else {
+            Reply::ok("{}")
+        }
+    })
+    .await;
+    let session = registry()
+        .session(&reference(&server.addr), &Credentials::default())
+        .unwrap();
+    let err = session
+        .blob(&Digest::of(b"{}"), 1, 1, None)
+        .await
+        .err()
+        .expect("refused");
+    let err = session.fold_errors("blob", err);
+    assert!(err.to_string().contains("starting at Some(0)"), "{err}");
 }
 
 #[test]

@@ -1,41 +1,32 @@
 //! Registry credentials: the CRI's forms of them ([`Credentials`]), which hosts they may reach,
-//! and the part of authentication minicri does itself before `oci-client` takes over.
+//! and the answer to a registry's `401` challenge ([`EndpointCreds::answer`]).
 //!
-//! `oci-client` performs the distribution auth handshake (ping, challenge, token request) and
-//! sends whatever `RegistryAuth` it is given to whatever token realm the registry's challenge
-//! names, over whatever scheme the realm says. So what it is given is decided here, once per
-//! session and endpoint ([`EndpointCreds::decide`]):
+//! Authentication is driven by the registry: a request goes out with whatever authorization the
+//! endpoint session holds (none at first, or the CRI's registry token); a `401` names a scheme,
+//! and for bearer tokens a realm, which this module answers:
 //! - credentials apply only to the endpoints they were given for (the CRI's `server_address`,
 //!   or any endpoint of the image's registry when it is empty);
 //! - no credential (basic, identity token, registry token) is used over plain http unless the
 //!   endpoint is a loopback IP literal ([`is_loopback_ip`]); such an endpoint is asked
 //!   anonymously;
-//! - before basic credentials or an identity token are used, the endpoint is pinged with this
-//!   module's own HTTP client and a bearer challenge's realm is checked with
-//!   [`realm_may_get_credentials`]: a realm on another site, or over plain http (except to a
-//!   loopback IP literal), gets an anonymous token request instead;
-//! - an identity token (an OAuth2 refresh token, which `oci-client` does not support) is
-//!   exchanged for an access token here, the response read within [`MAX_TOKEN_BYTES`].
-//!
-//! This module's HTTP client (pings and the identity-token exchange) refuses redirects from https
-//! down to plain http. What stays out of reach (`oci-client`'s own second ping, its token
-//! requests and redirects) is written down in docs/hardening.md.
-
-use std::time::Duration;
+//! - a bearer realm gets basic credentials or the identity token only if
+//!   [`realm_may_get_credentials`] allows it (https, and a host of the same site); any other
+//!   realm is asked for an anonymous token;
+//! - an identity token (an OAuth2 refresh token) is exchanged for an access token with a POST
+//!   (never followed through a redirect); basic credentials buy a token with a GET;
+//! - token responses are read within [`MAX_TOKEN_BYTES`], and the endpoint's hosts.toml headers
+//!   go with a token request only when the realm is on the endpoint's own origin.
 
 use base64::Engine as _;
-use oci_client::secrets::RegistryAuth;
-use reqwest::header;
+use reqwest::Url;
+use reqwest::header::{self, HeaderMap, HeaderValue};
 
 use super::RemoteKind;
+use super::http::{self, Request};
 use crate::hosts::{Endpoint, is_loopback_ip};
 
-/// Largest token response read by minicri's own identity-token exchange: 1 MiB (tokens are JWTs
-/// of a few KiB). `oci-client`'s own token requests are not bounded this way
-/// (docs/hardening.md).
+/// Largest token response read: 1 MiB (tokens are JWTs of a few KiB).
 pub const MAX_TOKEN_BYTES: u64 = 1 << 20;
-/// Redirects followed per request by minicri's own client.
-const MAX_REDIRECTS: usize = 10;
 
 /// Credentials as the CRI's AuthConfig carries them.
 #[derive(Clone, Default, serde::Serialize, serde::Deserialize)]
@@ -140,79 +131,81 @@ fn bare_host(h: &str) -> String {
     h.to_ascii_lowercase()
 }
 
-/// `(realm, service)` of a `Bearer realm="…",service="…"` challenge.
-pub(super) fn parse_bearer_challenge(h: &str) -> Option<(String, Option<String>)> {
-    let rest = h
-        .trim()
-        .strip_prefix("Bearer ")
-        .or_else(|| h.trim().strip_prefix("bearer "))?;
-    let mut realm = None;
-    let mut service = None;
-    for part in rest.split(',') {
-        let (k, v) = part.trim().split_once('=')?;
-        let v = v.trim().trim_matches('"').to_string();
-        match k.trim() {
-            "realm" => realm = Some(v),
-            "service" => service = Some(v),
-            _ => {}
-        }
-    }
-    Some((realm?, service))
+/// One challenge of a `WWW-Authenticate` header: its scheme (lower-case) and parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Challenge {
+    pub scheme: String,
+    pub params: Vec<(String, String)>,
 }
 
-/// Follows redirects, but never from https down to plain http (except to a loopback IP literal):
-/// that would hand the request, and a refresh token in its body, to whoever is on the path.
-pub(super) fn redirect_policy() -> reqwest::redirect::Policy {
-    reqwest::redirect::Policy::custom(|attempt| {
-        if attempt.previous().len() >= MAX_REDIRECTS {
-            return attempt.error("too many redirects");
-        }
-        let downgrade = attempt.url().scheme() == "http"
-            && attempt.previous().iter().any(|u| u.scheme() == "https")
-            && !attempt.url().host_str().is_some_and(is_loopback_ip);
-        if downgrade {
-            let to = attempt.url().to_string();
-            return attempt.error(format!("refusing a redirect from https to {to}"));
-        }
-        attempt.follow()
-    })
+impl Challenge {
+    fn param(&self, name: &str) -> Option<&str> {
+        self.params
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
-/// Reads a response body up to `max` bytes, failing as soon as it goes past: never buffered
-/// beyond the limit, whatever Content-Length says (or whether it says anything).
-pub(super) async fn read_capped(
-    mut resp: reqwest::Response,
-    max: u64,
-) -> Result<Vec<u8>, (RemoteKind, String)> {
-    let too_large = |n: u64| {
-        (
-            RemoteKind::TooLarge,
-            format!("{n} bytes or more exceeds the limit of {max} bytes"),
-        )
-    };
-    if let Some(len) = resp.content_length()
-        && len > max
-    {
-        return Err(too_large(len));
-    }
-    let mut out = Vec::new();
-    while let Some(chunk) = resp
-        .chunk()
-        .await
-        .map_err(|e| (RemoteKind::Unavailable, super::describe(&e)))?
-    {
-        let n = out.len() as u64 + chunk.len() as u64;
-        if n > max {
-            return Err(too_large(n));
+/// The challenges of `WWW-Authenticate` header values (RFC 7235: `scheme k=v, k="quoted, v"`,
+/// several challenges in one value or in several values). Anything unparseable is skipped.
+pub(super) fn parse_challenges<'a>(values: impl IntoIterator<Item = &'a str>) -> Vec<Challenge> {
+    let mut out: Vec<Challenge> = Vec::new();
+    for value in values {
+        let mut rest = value.trim();
+        while !rest.is_empty() {
+            rest = rest.trim_start_matches([',', ' ', '\t']);
+            let token_end = rest.find([' ', '=', ',', '\t']).unwrap_or(rest.len());
+            let token = &rest[..token_end];
+            let after = rest[token_end..].trim_start_matches([' ', '\t']);
+            if token.is_empty() {
+                break;
+            }
+            if let Some(v) = after.strip_prefix('=') {
+                // A parameter of the current challenge.
+                let (val, tail) = parse_value(v.trim_start());
+                if let Some(c) = out.last_mut() {
+                    c.params.push((token.to_ascii_lowercase(), val));
+                }
+                rest = tail;
+            } else {
+                out.push(Challenge {
+                    scheme: token.to_ascii_lowercase(),
+                    params: Vec::new(),
+                });
+                rest = after;
+            }
         }
-        out.extend_from_slice(&chunk);
     }
-    Ok(out)
+    out
+}
+
+/// A parameter value (token or quoted string) and what follows it.
+fn parse_value(s: &str) -> (String, &str) {
+    if let Some(q) = s.strip_prefix('"') {
+        let mut val = String::new();
+        let mut chars = q.char_indices();
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '\\' => {
+                    if let Some((_, n)) = chars.next() {
+                        val.push(n);
+                    }
+                }
+                '"' => return (val, &q[i + 1..]),
+                c => val.push(c),
+            }
+        }
+        (val, "")
+    } else {
+        let end = s.find([',', ' ', '\t']).unwrap_or(s.len());
+        (s[..end].to_string(), &s[end..])
+    }
 }
 
 /// What the requester's credentials offer at one endpoint, strongest first.
 enum Offered {
-    /// An OAuth2 refresh token, exchanged here for an access token.
+    /// An OAuth2 refresh token, exchanged for an access token at the token realm.
     IdentityToken(String),
     /// A registry token sent to the endpoint as is.
     RegistryToken(String),
@@ -220,7 +213,7 @@ enum Offered {
     None,
 }
 
-/// The credentials of one session at one endpoint, before the endpoint has been asked anything.
+/// The credentials of one session at one endpoint.
 pub(super) struct EndpointCreds {
     offered: Offered,
     /// The hosts the credentials were given for: the registry and its configured endpoints.
@@ -230,16 +223,28 @@ pub(super) struct EndpointCreds {
     withheld: Option<String>,
 }
 
-/// What one endpoint session hands `oci-client`.
-pub(super) struct Decision {
-    pub auth: RegistryAuth,
-    /// sha256 of what an `oci-client` client holding this decision may send: clients are cached
-    /// under it, so a client that was given credentials is never reused by a session whose
-    /// decision was to withhold them (the client would re-authenticate with them on its own when
-    /// its token expires).
-    pub fingerprint: [u8; 32],
+/// The authorization answering a challenge.
+pub(super) struct Answer {
+    pub header: HeaderValue,
     /// Why the credentials were not used, for the error if the endpoint then refuses.
     pub withheld: Option<String>,
+}
+
+type AuthResult<T> = Result<T, (RemoteKind, String)>;
+
+fn unauthenticated(message: impl Into<String>) -> (RemoteKind, String) {
+    (RemoteKind::Unauthenticated, message.into())
+}
+
+fn header_value(v: String) -> AuthResult<HeaderValue> {
+    HeaderValue::from_str(&v).map_err(|_| unauthenticated("the token is not a valid header value"))
+}
+
+fn basic_header(user: &str, password: &str) -> AuthResult<HeaderValue> {
+    let raw = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+    let mut v = header_value(format!("Basic {raw}"))?;
+    v.set_sensitive(true);
+    Ok(v)
 }
 
 impl EndpointCreds {
@@ -273,6 +278,11 @@ impl EndpointCreds {
                 endpoint.host
             )
         });
+        let offered = if withheld.is_some() {
+            Offered::None
+        } else {
+            offered
+        };
         EndpointCreds {
             offered,
             cred_hosts,
@@ -280,142 +290,157 @@ impl EndpointCreds {
         }
     }
 
-    /// Whether [`EndpointCreds::decide`] will talk to the endpoint itself (and so needs a client).
-    pub(super) fn needs_probe(&self) -> bool {
-        self.withheld.is_none()
-            && matches!(self.offered, Offered::IdentityToken(_) | Offered::Basic(..))
+    /// Why the credentials are not used at this endpoint at all, if they are not.
+    pub(super) fn withheld(&self) -> Option<&str> {
+        self.withheld.as_deref()
     }
 
-    /// Decides what `oci-client` gets for pulling `repository` from `endpoint`: pings the
-    /// endpoint with `probe` when the credentials could go to a token realm, checks the realm,
-    /// and exchanges an identity token. The caller bounds the time this takes.
-    pub(super) async fn decide(
-        &self,
-        probe: Option<&reqwest::Client>,
-        endpoint: &Endpoint,
-        repository: &str,
-    ) -> Result<Decision, (RemoteKind, String)> {
-        let anonymous = |withheld: Option<String>| Decision {
-            auth: RegistryAuth::Anonymous,
-            fingerprint: fingerprint(&[b"anonymous"]),
-            withheld,
-        };
-        if let Some(why) = &self.withheld {
-            return Ok(anonymous(Some(why.clone())));
-        }
-        let probe = match (&self.offered, probe) {
-            (Offered::None, _) => return Ok(anonymous(None)),
-            (Offered::RegistryToken(t), _) => {
-                return Ok(Decision {
-                    auth: RegistryAuth::Bearer(t.clone()),
-                    fingerprint: fingerprint(&[b"bearer", t.as_bytes()]),
-                    withheld: None,
-                });
-            }
-            (_, Some(p)) => p,
-            (_, None) => unreachable!("sessions with basic or identity credentials have a probe"),
-        };
-        let challenge = bearer_challenge(probe, endpoint).await?;
-        if let Some((realm, _)) = &challenge
-            && !realm_may_get_credentials(realm, &self.cred_hosts)
-        {
-            tracing::warn!(%endpoint, realm, "token realm is not a host the credentials were given for (or is plain http); asking it for an anonymous token");
-            return Ok(anonymous(Some(format!(
-                "credentials withheld: the token realm {realm} is not a host they were given for, \
-                 or not https"
-            ))));
-        }
-        match (&self.offered, challenge) {
-            (Offered::Basic(u, p), _) => Ok(Decision {
-                auth: RegistryAuth::Basic(u.clone(), p.clone()),
-                fingerprint: fingerprint(&[b"basic", u.as_bytes(), p.as_bytes()]),
-                withheld: None,
+    /// The authorization sent before any challenge: a registry token, as the CRI gave it.
+    pub(super) fn initial(&self) -> Option<HeaderValue> {
+        match &self.offered {
+            Offered::RegistryToken(t) => header_value(format!("Bearer {t}")).ok().map(|mut v| {
+                v.set_sensitive(true);
+                v
             }),
-            (Offered::IdentityToken(t), Some((realm, service))) => {
-                let scope = format!("repository:{repository}:pull");
-                let access =
-                    exchange_identity_token(probe, &realm, service.as_deref(), t, &scope).await?;
-                Ok(Decision {
-                    auth: RegistryAuth::Bearer(access),
-                    // The refresh token, not the access token: one client per identity, reused.
-                    fingerprint: fingerprint(&[b"identity", t.as_bytes()]),
-                    withheld: None,
-                })
-            }
-            (Offered::IdentityToken(_), None) => Err((
-                RemoteKind::Unauthenticated,
-                "identity token given but the registry does not offer bearer-token auth".into(),
-            )),
-            (Offered::RegistryToken(_) | Offered::None, _) => unreachable!("returned above"),
+            _ => None,
         }
     }
-}
 
-fn fingerprint(parts: &[&[u8]]) -> [u8; 32] {
-    use sha2::Digest as _;
-    let mut h = sha2::Sha256::new();
-    for p in parts {
-        h.update((p.len() as u64).to_le_bytes());
-        h.update(p);
+    /// Answers the challenges of a `401` from `endpoint` for `repository` (the name the
+    /// endpoint serves it under): the `Authorization` to retry with. `headers` are the
+    /// endpoint's hosts.toml headers, sent to a realm on the endpoint's own origin. The caller
+    /// bounds the time this takes.
+    pub(super) async fn answer(
+        &self,
+        client: &reqwest::Client,
+        endpoint_url: &Url,
+        headers: &HeaderMap,
+        challenges: &[Challenge],
+        repository: &str,
+    ) -> AuthResult<Answer> {
+        let withheld = self.withheld.clone();
+        if let Offered::RegistryToken(_) = self.offered {
+            return Err(unauthenticated("the registry token was refused"));
+        }
+        if let Some(bearer) = challenges.iter().find(|c| c.scheme == "bearer") {
+            let realm = bearer
+                .param("realm")
+                .ok_or_else(|| unauthenticated("bearer challenge without a realm"))?;
+            let realm_url = Url::parse(realm)
+                .ok()
+                .filter(|u| matches!(u.scheme(), "http" | "https"))
+                .ok_or_else(|| unauthenticated(format!("bad token realm {realm:?}")))?;
+            let realm_ok = realm_may_get_credentials(realm, &self.cred_hosts);
+            let offered = if realm_ok || matches!(self.offered, Offered::None) {
+                &self.offered
+            } else {
+                tracing::warn!(endpoint = %endpoint_url, realm, "token realm is not a host the credentials were given for (or is plain http); asking it for an anonymous token");
+                &Offered::None
+            };
+            let withheld = if std::ptr::eq(offered, &self.offered) {
+                withheld
+            } else {
+                Some(format!(
+                    "credentials withheld: the token realm {realm} is not a host they were \
+                     given for, or not https"
+                ))
+            };
+            let scope = bearer
+                .param("scope")
+                .map(str::to_string)
+                .unwrap_or_else(|| format!("repository:{repository}:pull"));
+            let token = fetch_token(
+                client,
+                realm_url,
+                headers,
+                endpoint_url,
+                bearer.param("service"),
+                &scope,
+                offered,
+            )
+            .await?;
+            let mut header = header_value(format!("Bearer {token}"))?;
+            header.set_sensitive(true);
+            return Ok(Answer { header, withheld });
+        }
+        if challenges.iter().any(|c| c.scheme == "basic") {
+            return match &self.offered {
+                Offered::Basic(u, p) => Ok(Answer {
+                    header: basic_header(u, p)?,
+                    withheld,
+                }),
+                Offered::IdentityToken(_) => Err(unauthenticated(
+                    "identity token given but the registry asks for basic auth",
+                )),
+                _ => Err(unauthenticated(match withheld {
+                    Some(why) => format!("the registry asks for basic auth ({why})"),
+                    None => "the registry asks for basic auth and no credentials were given".into(),
+                })),
+            };
+        }
+        Err(unauthenticated(
+            "unauthorized, with no bearer or basic challenge to answer",
+        ))
     }
-    h.finalize().into()
 }
 
-/// Pings `endpoint`'s `/v2/` and returns its bearer challenge, if it answers with one. The body
-/// is not read.
-async fn bearer_challenge(
-    probe: &reqwest::Client,
-    endpoint: &Endpoint,
-) -> Result<Option<(String, Option<String>)>, (RemoteKind, String)> {
-    let scheme = if endpoint.plain_http { "http" } else { "https" };
-    let ping = probe
-        .get(format!("{scheme}://{}/v2/", endpoint.host))
-        .send()
-        .await
-        .map_err(|e| (RemoteKind::Unavailable, super::describe(&e)))?;
-    if ping.status() != reqwest::StatusCode::UNAUTHORIZED {
-        return Ok(None);
-    }
-    Ok(ping
-        .headers()
-        .get(header::WWW_AUTHENTICATE)
-        .and_then(|h| h.to_str().ok())
-        .and_then(parse_bearer_challenge))
-}
-
-/// OAuth2 refresh-token grant: the identity token buys an access token from `realm`.
-async fn exchange_identity_token(
-    probe: &reqwest::Client,
-    realm: &str,
+/// Gets a bearer token from `realm` for `scope`: with the identity token (an OAuth2 refresh
+/// grant, POST), with basic credentials (GET), or anonymously (GET).
+async fn fetch_token(
+    client: &reqwest::Client,
+    mut realm: Url,
+    endpoint_headers: &HeaderMap,
+    endpoint_url: &Url,
     service: Option<&str>,
-    token: &str,
     scope: &str,
-) -> Result<String, (RemoteKind, String)> {
-    let mut form = vec![
-        ("grant_type", "refresh_token"),
-        ("refresh_token", token),
-        ("client_id", "minicri"),
-        ("scope", scope),
-    ];
-    if let Some(s) = service {
-        form.push(("service", s));
+    offered: &Offered,
+) -> AuthResult<String> {
+    let mut req = Request::get(realm.clone());
+    if http::same_origin(&realm, endpoint_url) {
+        req.scoped = endpoint_headers.clone();
     }
-    let resp = probe
-        .post(realm)
-        .form(&form)
-        .send()
+    match offered {
+        Offered::IdentityToken(t) => {
+            let mut form = vec![
+                ("grant_type".to_string(), "refresh_token".to_string()),
+                ("refresh_token".to_string(), t.clone()),
+                ("client_id".to_string(), "minicri".to_string()),
+                ("scope".to_string(), scope.to_string()),
+            ];
+            if let Some(s) = service {
+                form.push(("service".into(), s.into()));
+            }
+            req.method = reqwest::Method::POST;
+            req.form = Some(form);
+        }
+        Offered::Basic(u, p) => {
+            req.scoped
+                .insert(header::AUTHORIZATION, basic_header(u, p)?);
+        }
+        Offered::None | Offered::RegistryToken(_) => {}
+    }
+    if req.form.is_none() {
+        {
+            let mut q = realm.query_pairs_mut();
+            if let Some(s) = service {
+                q.append_pair("service", s);
+            }
+            q.append_pair("scope", scope);
+        }
+        req.url = realm.clone();
+    }
+    let resp = http::send(client, req)
         .await
-        .map_err(|e| (RemoteKind::Unavailable, super::describe(&e)))?;
+        .map_err(|(kind, m)| (kind, format!("token request: {m}")))?;
     if !resp.status().is_success() {
-        return Err((
-            RemoteKind::Unauthenticated,
-            format!(
-                "token service {realm} refused the identity token: {}",
-                resp.status()
-            ),
-        ));
+        let (kind, message) = http::error_of(resp).await;
+        let kind = match kind {
+            RemoteKind::NotFound => RemoteKind::Unauthenticated,
+            k => k,
+        };
+        return Err((kind, format!("token service refused: {message}")));
     }
-    let body = read_capped(resp, MAX_TOKEN_BYTES)
+    let body = http::read_capped(resp, MAX_TOKEN_BYTES)
         .await
         .map_err(|(kind, m)| (kind, format!("token response from {realm}: {m}")))?;
     #[derive(serde::Deserialize)]
@@ -423,44 +448,14 @@ async fn exchange_identity_token(
         access_token: Option<String>,
         token: Option<String>,
     }
-    let parsed: TokenResponse = serde_json::from_slice(&body).map_err(|e| {
-        (
-            RemoteKind::Unauthenticated,
-            format!("bad token response: {e}"),
-        )
-    })?;
+    let parsed: TokenResponse = serde_json::from_slice(&body)
+        .map_err(|e| unauthenticated(format!("bad token response from {realm}: {e}")))?;
     parsed
         .access_token
+        .filter(|t| !t.is_empty())
         .or(parsed.token)
         .filter(|t| !t.is_empty())
-        .ok_or_else(|| {
-            (
-                RemoteKind::Unauthenticated,
-                "token response has no token".into(),
-            )
-        })
-}
-
-/// The timeouts of minicri's own client; the same as the `oci-client` clients'.
-pub(super) struct ProbeTimeouts {
-    pub connect: Duration,
-    pub read: Duration,
-}
-
-/// minicri's own HTTP client for `endpoint`'s TLS settings: pings and identity-token exchanges.
-pub(super) fn probe_client(
-    endpoint: &Endpoint,
-    certs: Vec<reqwest::Certificate>,
-    timeouts: &ProbeTimeouts,
-) -> reqwest::Result<reqwest::Client> {
-    reqwest::Client::builder()
-        .danger_accept_invalid_certs(endpoint.skip_verify)
-        .tls_certs_merge(certs)
-        .connect_timeout(timeouts.connect)
-        .read_timeout(timeouts.read)
-        .redirect(redirect_policy())
-        .user_agent(concat!("minicri/", env!("CARGO_PKG_VERSION")))
-        .build()
+        .ok_or_else(|| unauthenticated(format!("token response from {realm} has no token")))
 }
 
 #[cfg(test)]
@@ -483,14 +478,36 @@ mod tests {
     }
 
     #[test]
-    fn parses_bearer_challenges() {
-        let (realm, service) = parse_bearer_challenge(
-            r#"Bearer realm="http://127.0.0.1:1/token",service="reg",scope="x""#,
-        )
-        .unwrap();
-        assert_eq!(realm, "http://127.0.0.1:1/token");
-        assert_eq!(service.as_deref(), Some("reg"));
-        assert!(parse_bearer_challenge("Basic realm=\"x\"").is_none());
+    fn parses_challenges() {
+        let c = parse_challenges([
+            r#"Bearer realm="http://127.0.0.1:1/token",service="reg",scope="repository:a/b:pull,push""#,
+        ]);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].scheme, "bearer");
+        assert_eq!(c[0].param("realm"), Some("http://127.0.0.1:1/token"));
+        assert_eq!(c[0].param("service"), Some("reg"));
+        assert_eq!(c[0].param("scope"), Some("repository:a/b:pull,push"));
+        // Several challenges in one value and across values; escapes; token values.
+        let c = parse_challenges([
+            r#"Basic realm="a \"q\" b", Bearer realm=https://t.example/x,service=s"#,
+            "Negotiate",
+        ]);
+        let schemes: Vec<&str> = c.iter().map(|c| c.scheme.as_str()).collect();
+        assert_eq!(schemes, ["basic", "bearer", "negotiate"]);
+        assert_eq!(c[0].param("realm"), Some(r#"a "q" b"#));
+        assert_eq!(c[1].param("realm"), Some("https://t.example/x"));
+        assert_eq!(c[1].param("service"), Some("s"));
+        // Garbage parses to something or nothing, never panics.
+        for junk in [
+            "",
+            "=",
+            "==,,",
+            "Bearer realm=\"unterminated",
+            "\"x\"=y",
+            ", ,",
+        ] {
+            let _ = parse_challenges([junk]);
+        }
     }
 
     #[test]
@@ -509,9 +526,7 @@ mod tests {
                 pull: true,
                 skip_verify: false,
                 ca: vec![],
-                mirror: false,
-                path_prefix: String::new(),
-                dial_timeout: None,
+                ..crate::hosts::default_endpoint(host)
             };
             EndpointCreds::new(&creds, &basic, &ep, host, vec![host.into()])
         };
@@ -522,11 +537,13 @@ mod tests {
             ("registry.example", false),
         ] {
             let c = at(host, plain);
-            assert!(c.withheld.is_none() && c.needs_probe(), "{host}");
+            assert!(c.withheld.is_none(), "{host}");
+            assert!(matches!(c.offered, Offered::Basic(..)), "{host}");
         }
         for host in ["localhost:5000", "127.evil.example", "registry.example"] {
             let c = at(host, true);
-            assert!(c.withheld.is_some() && !c.needs_probe(), "{host}");
+            assert!(c.withheld.is_some(), "{host}");
+            assert!(matches!(c.offered, Offered::None), "{host}");
         }
     }
 }

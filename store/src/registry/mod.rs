@@ -1,34 +1,36 @@
 //! Registry access: one [`Session`] per pull, over the endpoints the hosts configuration lists.
 //!
-//! The wire protocol (auth challenges, token fetches, manifest and blob requests, HTTP Range) is
-//! `oci-client`'s; this module adds what a node runtime needs on top: mirrors tried in order with
-//! fallback, the CRI's credential forms, and errors classified so the caller can tell "not found"
-//! from "refused" from "unreachable". Each session decides per endpoint what its credentials may
-//! be used for ([`auth`]), and `oci-client` clients are cached per endpoint and per that decision,
-//! so tokens obtained with one requester's credentials are never used for another's.
+//! minicri speaks the distribution protocol itself ([`http`], [`auth`]): manifest and blob
+//! requests (blobs always as HTTP Range requests), the `401` challenge and its token, redirects.
+//! On top of that it does what a node runtime needs: mirrors tried in order with fallback, every
+//! hosts.toml setting of a host applied to the requests that go to it (CA, client certificate,
+//! `skip_verify`, headers, API root, dial timeout), the CRI's credential forms, and errors
+//! classified so the caller can tell "not found" from "refused" from "unreachable". Each session
+//! holds its own authorization per endpoint, so a token obtained with one requester's
+//! credentials is never used for another's; the HTTP clients (TLS roots, connection pools) are
+//! shared per endpoint setting.
 //!
-//! What a registry (or anyone in its place) can make a pull do is bounded where minicri can reach
-//! it (docs/hardening.md has the whole list, and what `oci-client` leaves unbounded):
-//! - authentication (minicri's ping and identity-token exchange, `oci-client`'s ping and token
-//!   request) and each manifest request have a total deadline ([`REQUEST_DEADLINE`],
-//!   `registry_request_timeout`) on top of the per-read timeout; a blob request has it until its
-//!   response headers, and blob bodies are held to a minimum speed by the pull's watchdog
-//!   (`pull_min_speed`) and to their descriptor's size by the ingest;
-//! - a manifest over [`MAX_MANIFEST_BYTES`] is refused before it is hashed, parsed or stored
-//!   (`oci-client` has buffered it by then: the deadline is what bounds that read);
+//! What a registry (or anyone in its place) can make a pull do is bounded (docs/hardening.md
+//! has the whole list):
+//! - each manifest request, the authentication it triggers included, has a total deadline
+//!   ([`REQUEST_DEADLINE`], `registry_request_timeout`) on top of the per-read timeout; a blob
+//!   request has it until its response headers, and blob bodies are held to a minimum speed by
+//!   the pull's watchdog (`pull_min_speed`) and to their descriptor's size by the ingest;
+//! - manifests are read up to [`MAX_MANIFEST_BYTES`], token responses up to [`MAX_TOKEN_BYTES`]
+//!   and error bodies up to 64 KiB, each refused as soon as it goes past, while it is read;
 //! - error messages built from a registry's answer are cut to [`MAX_MESSAGE_CHARS`].
 
 pub mod auth;
+mod http;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures::StreamExt as _;
 use futures::stream::BoxStream;
-use oci_client::client::{ClientConfig, ClientProtocol};
-use oci_client::errors::{OciDistributionError, OciErrorCode};
-use oci_client::secrets::RegistryAuth;
-use oci_client::{Client, RegistryOperation};
+use reqwest::header::{self, HeaderMap, HeaderValue};
+use reqwest::{StatusCode, Url};
 
 pub use auth::{Credentials, MAX_TOKEN_BYTES, realm_may_get_credentials};
 
@@ -36,17 +38,16 @@ use crate::digest::Digest;
 use crate::error::{Result, StoreError};
 use crate::hosts::{Endpoint, RegistryHosts};
 use crate::reference::Reference;
-use auth::{Decision, EndpointCreds, ProbeTimeouts};
+use auth::EndpointCreds;
 
 /// Largest manifest or index accepted: 4 MiB, the size the OCI distribution spec asks registries
-/// to accept at least. Checked once `oci-client` has read the body (it reads bodies whole).
+/// to accept at least. Refused while it is read, as soon as it goes past.
 pub const MAX_MANIFEST_BYTES: u64 = 4 << 20;
 /// Default total time authentication with one endpoint, or one manifest request, may take, body
 /// included; for a blob request, the time until its response headers
 /// ([`Registry::with_request_deadline`]).
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(60);
-/// Most characters of a registry's answer kept in an error message (`oci-client` puts whole
-/// error bodies into its errors).
+/// Most characters of a registry's answer kept in an error message.
 pub const MAX_MESSAGE_CHARS: usize = 1024;
 
 /// Manifest media types minicri accepts, best first.
@@ -83,43 +84,6 @@ impl std::fmt::Display for RemoteError {
     }
 }
 
-fn classify(e: &OciDistributionError) -> RemoteKind {
-    use OciDistributionError as E;
-    match e {
-        E::UnauthorizedError { .. } | E::AuthenticationFailure(_) => RemoteKind::Unauthenticated,
-        E::ImageManifestNotFoundError(_) => RemoteKind::NotFound,
-        E::RegistryError { envelope, .. } => {
-            let codes: Vec<&OciErrorCode> = envelope.errors.iter().map(|e| &e.code).collect();
-            if codes
-                .iter()
-                .any(|c| matches!(c, OciErrorCode::Unauthorized | OciErrorCode::Denied))
-            {
-                RemoteKind::Unauthenticated
-            } else if codes.iter().any(|c| {
-                matches!(
-                    c,
-                    OciErrorCode::ManifestUnknown
-                        | OciErrorCode::NameUnknown
-                        | OciErrorCode::BlobUnknown
-                        | OciErrorCode::NotFound
-                        | OciErrorCode::ManifestBlobUnknown
-                )
-            }) {
-                RemoteKind::NotFound
-            } else {
-                RemoteKind::Unavailable
-            }
-        }
-        E::ServerError { code, .. } => match code {
-            401 | 403 => RemoteKind::Unauthenticated,
-            404 => RemoteKind::NotFound,
-            _ => RemoteKind::Unavailable,
-        },
-        E::DigestError(_) => RemoteKind::Corrupt,
-        _ => RemoteKind::Unavailable,
-    }
-}
-
 /// A reqwest error with its causes (reqwest hides "connection refused" or "timed out" in its
 /// source chain).
 fn describe(e: &(dyn std::error::Error + 'static)) -> String {
@@ -132,15 +96,6 @@ fn describe(e: &(dyn std::error::Error + 'static)) -> String {
     msg
 }
 
-fn describe_oci(e: &OciDistributionError) -> String {
-    use OciDistributionError as E;
-    match e {
-        E::RequestError(re) => describe(re),
-        E::UnauthorizedError { .. } => "unauthorized (credentials missing or rejected)".into(),
-        other => other.to_string(),
-    }
-}
-
 /// `message` cut to [`MAX_MESSAGE_CHARS`] characters.
 fn bounded(mut message: String) -> String {
     if let Some((at, _)) = message.char_indices().nth(MAX_MESSAGE_CHARS) {
@@ -150,29 +105,21 @@ fn bounded(mut message: String) -> String {
     message
 }
 
-/// Clients are cached per endpoint and per what they may send ([`Decision::fingerprint`]):
-/// building one loads the TLS roots, which takes long enough (~0.2 s here) to matter per pull. A
-/// client's token cache is only ever shared by sessions with the same credentials and the same
-/// decision about them.
+/// Clients are cached per endpoint TLS setting: building one loads the TLS roots, which takes
+/// long enough (~0.2 s here) to matter per pull. A client holds no credentials (sessions hold
+/// their own authorization), so sharing one is sharing connection pools only.
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct ClientKey {
     host: String,
     plain_http: bool,
     skip_verify: bool,
     ca: Vec<std::path::PathBuf>,
+    client: Vec<(std::path::PathBuf, Option<std::path::PathBuf>)>,
     dial_timeout: Option<Duration>,
-    /// `None` for minicri's own client (pings, identity-token exchange), which holds nothing.
-    auth: Option<[u8; 32]>,
 }
 
 /// Most cached clients kept; the cache is emptied when it would grow past this.
 const MAX_CACHED_CLIENTS: usize = 64;
-
-#[derive(Clone)]
-enum CachedClient {
-    Oci(Client),
-    Probe(reqwest::Client),
-}
 
 /// Shared registry configuration; cheap to clone.
 #[derive(Clone)]
@@ -183,7 +130,7 @@ pub struct Registry {
     request_deadline: Duration,
     /// Each client with the time it was last handed out.
     clients: std::sync::Arc<
-        std::sync::Mutex<std::collections::HashMap<ClientKey, (CachedClient, Instant)>>,
+        std::sync::Mutex<std::collections::HashMap<ClientKey, (reqwest::Client, Instant)>>,
     >,
 }
 
@@ -195,31 +142,47 @@ impl std::fmt::Debug for Registry {
     }
 }
 
-/// The hosts configuration error for `ep`'s CA files (or its client).
-fn ca_error(ep: &Endpoint, reason: String) -> StoreError {
-    StoreError::HostsConfig {
-        path: ep.ca.first().cloned().unwrap_or_default(),
-        reason,
-    }
-}
-
-/// `ep`'s extra CA certificates, read and checked when a session starts so that a missing or
-/// bad file is a configuration error of the session rather than a failure at the endpoint.
-fn read_ca(ep: &Endpoint) -> Result<Vec<Vec<u8>>> {
-    ep.ca
+/// `ep`'s TLS material (extra CAs, client certificate and key), read and checked when a session
+/// starts so that a missing or bad file is a configuration error naming it rather than a
+/// failure at the endpoint.
+fn read_tls(ep: &Endpoint) -> Result<http::Tls> {
+    let read = |path: &std::path::Path, what: &str| {
+        std::fs::read(path).map_err(|e| StoreError::HostsConfig {
+            path: path.to_path_buf(),
+            reason: format!("reading {what} for {ep}: {e}"),
+        })
+    };
+    let ca = ep
+        .ca
         .iter()
         .map(|path| {
-            let bad = |reason: String| StoreError::HostsConfig {
+            let pem = read(path, "CA certificate")?;
+            reqwest::Certificate::from_pem(&pem).map_err(|e| StoreError::HostsConfig {
                 path: path.clone(),
-                reason,
-            };
-            let pem =
-                std::fs::read(path).map_err(|e| bad(format!("reading CA certificate: {e}")))?;
-            reqwest::Certificate::from_pem(&pem)
-                .map_err(|e| bad(format!("parsing CA certificate: {}", describe(&e))))?;
+                reason: format!("parsing CA certificate for {ep}: {}", describe(&e)),
+            })?;
             Ok(pem)
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    let identity = match ep.client.first() {
+        None => None,
+        Some((cert, key)) => {
+            let mut pem = read(cert, "client certificate")?;
+            if let Some(key) = key {
+                pem.push(b'\n');
+                pem.extend(read(key, "client key")?);
+            }
+            reqwest::Identity::from_pem(&pem).map_err(|e| StoreError::HostsConfig {
+                path: cert.clone(),
+                reason: format!(
+                    "client certificate for {ep}: not a PEM certificate and private key: {}",
+                    describe(&e)
+                ),
+            })?;
+            Some(pem)
+        }
+    };
+    Ok(http::Tls { ca, identity })
 }
 
 impl Registry {
@@ -233,32 +196,35 @@ impl Registry {
         }
     }
 
-    /// Sets the total deadline of authenticating with an endpoint and of a manifest request (and
-    /// of a blob request until its response headers).
+    /// Sets the total deadline of a manifest request, authentication included (and of a blob
+    /// request until its response headers).
     pub fn with_request_deadline(mut self, deadline: Duration) -> Registry {
         self.request_deadline = deadline;
         self
     }
 
-    fn cached(
-        &self,
-        ep: &Endpoint,
-        auth: Option<[u8; 32]>,
-        build: impl FnOnce() -> Result<CachedClient>,
-    ) -> Result<CachedClient> {
+    /// The HTTP client for `ep`'s TLS settings (`tls`, read from them).
+    fn client(&self, ep: &Endpoint, tls: &http::Tls) -> Result<reqwest::Client> {
         let key = ClientKey {
             host: ep.host.clone(),
             plain_http: ep.plain_http,
             skip_verify: ep.skip_verify,
             ca: ep.ca.clone(),
+            client: ep.client.clone(),
             dial_timeout: ep.dial_timeout,
-            auth,
         };
         if let Some((c, used)) = self.clients.lock().unwrap().get_mut(&key) {
             *used = Instant::now();
             return Ok(c.clone());
         }
-        let client = build()?;
+        let timeouts = http::Timeouts {
+            connect: self.connect_timeout,
+            read: self.read_timeout,
+        };
+        let client = http::client(ep, tls, &timeouts).map_err(|e| StoreError::HostsConfig {
+            path: ep.ca.first().cloned().unwrap_or_default(),
+            reason: format!("building the HTTP client for {ep}: {}", describe(&e)),
+        })?;
         let mut cache = self.clients.lock().unwrap();
         if cache.len() >= MAX_CACHED_CLIENTS {
             cache.clear();
@@ -276,69 +242,6 @@ impl Registry {
         let before = cache.len();
         cache.retain(|_, (_, used)| used.elapsed() < idle);
         before - cache.len()
-    }
-
-    /// The `oci-client` client for `ep` (whose CA certificates are `pems`) holding `decision`'s
-    /// authorization.
-    fn oci_client(&self, ep: &Endpoint, pems: &[Vec<u8>], decision: &Decision) -> Result<Client> {
-        let built = self.cached(ep, Some(decision.fingerprint), || {
-            let certs = pems
-                .iter()
-                .map(|data| oci_client::client::Certificate {
-                    encoding: oci_client::client::CertificateEncoding::Pem,
-                    data: data.clone(),
-                })
-                .collect();
-            let config = ClientConfig {
-                protocol: if ep.plain_http {
-                    ClientProtocol::Http
-                } else {
-                    ClientProtocol::Https
-                },
-                accept_invalid_certificates: ep.skip_verify,
-                extra_root_certificates: certs,
-                connect_timeout: Some(ep.dial_timeout.unwrap_or(self.connect_timeout)),
-                read_timeout: Some(self.read_timeout),
-                user_agent: concat!("minicri/", env!("CARGO_PKG_VERSION")),
-                ..Default::default()
-            };
-            // Not `Client::new`, which falls back to a default configuration (no CA, https) on
-            // an error.
-            Client::try_from(config)
-                .map(CachedClient::Oci)
-                .map_err(|e| ca_error(ep, format!("building the registry client for {ep}: {e}")))
-        })?;
-        match built {
-            CachedClient::Oci(c) => Ok(c),
-            CachedClient::Probe(_) => unreachable!("keyed with an auth fingerprint"),
-        }
-    }
-
-    /// minicri's own client for `ep` (pings, identity-token exchange).
-    fn probe_client(&self, ep: &Endpoint, pems: &[Vec<u8>]) -> Result<reqwest::Client> {
-        let built = self.cached(ep, None, || {
-            let certs = pems
-                .iter()
-                .map(|pem| reqwest::Certificate::from_pem(pem))
-                .collect::<reqwest::Result<Vec<_>>>()
-                .map_err(|e| ca_error(ep, format!("parsing CA certificate: {}", describe(&e))))?;
-            let timeouts = ProbeTimeouts {
-                connect: ep.dial_timeout.unwrap_or(self.connect_timeout),
-                read: self.read_timeout,
-            };
-            auth::probe_client(ep, certs, &timeouts)
-                .map(CachedClient::Probe)
-                .map_err(|e| {
-                    ca_error(
-                        ep,
-                        format!("building the HTTP client for {ep}: {}", describe(&e)),
-                    )
-                })
-        })?;
-        match built {
-            CachedClient::Probe(c) => Ok(c),
-            CachedClient::Oci(_) => unreachable!("keyed without an auth fingerprint"),
-        }
     }
 
     /// Starts a session for pulling `reference` with `creds`.
@@ -361,25 +264,38 @@ impl Registry {
         for ep in endpoints {
             let creds =
                 EndpointCreds::new(creds, &basic, &ep, &reference.domain, cred_hosts.clone());
-            let ca_pems = read_ca(&ep)?;
-            let probe = if creds.needs_probe() {
-                Some(self.probe_client(&ep, &ca_pems)?)
-            } else {
-                None
+            let tls = read_tls(&ep)?;
+            let client = self.client(&ep, &tls)?;
+            let base = format!(
+                "{}://{}{}/",
+                if ep.plain_http { "http" } else { "https" },
+                ep.host,
+                ep.api_root
+            );
+            let base = Url::parse(&base).map_err(|e| StoreError::HostsConfig {
+                path: Default::default(),
+                reason: format!("{ep}: not a URL: {e}"),
+            })?;
+            let state = AuthState {
+                header: creds.initial(),
+                generation: 0,
+                withheld: creds.withheld().map(str::to_string),
             };
             sessions.push(EndpointSession {
+                repository: ep.repository(&reference.path),
+                headers: http::endpoint_headers(&ep),
                 endpoint: ep,
-                ca_pems,
+                base,
+                client,
                 creds,
-                probe,
-                registry: self.clone(),
-                authed: tokio::sync::OnceCell::new(),
+                auth: tokio::sync::Mutex::new(state),
+                request_deadline: self.request_deadline,
             });
         }
         let source = {
             use sha2::Digest as _;
             let mut h = sha2::Sha256::new();
-            // Endpoints as `scheme://host[/v2/prefix]`: a path-based mirror is another source.
+            // Endpoints as `scheme://host[root]`: a path-based mirror is another source.
             let endpoints: Vec<String> = sessions.iter().map(|s| s.endpoint.to_string()).collect();
             for part in [&reference.domain, &reference.path]
                 .into_iter()
@@ -406,44 +322,31 @@ impl Registry {
     }
 }
 
-/// Authentication with one endpoint, once done: the client to use and what it was given.
-#[derive(Clone)]
-struct Authed {
-    client: Client,
-    auth: RegistryAuth,
+/// The authorization one endpoint session sends.
+struct AuthState {
+    header: Option<HeaderValue>,
+    /// Bumped at each new authorization, so that of several requests refused at once only the
+    /// first fetches a token and the others retry with it.
+    generation: u64,
     /// Why the credentials were not used here, added to a refusal's message.
     withheld: Option<String>,
 }
 
 struct EndpointSession {
     endpoint: Endpoint,
-    /// The endpoint's extra CA certificates (PEM), for the clients made for it.
-    ca_pems: Vec<Vec<u8>>,
+    /// `scheme://host<api_root>/`: request URLs are `<base><repository path>/...`.
+    base: Url,
+    /// The repository as this endpoint names it (token scopes).
+    repository: String,
+    /// hosts.toml headers, sent to the endpoint's own origin.
+    headers: HeaderMap,
+    client: reqwest::Client,
     creds: EndpointCreds,
-    /// minicri's own client, when deciding about the credentials needs to ask the endpoint.
-    probe: Option<reqwest::Client>,
-    registry: Registry,
-    authed: tokio::sync::OnceCell<std::result::Result<Authed, RemoteError>>,
+    auth: tokio::sync::Mutex<AuthState>,
+    request_deadline: Duration,
 }
 
 impl EndpointSession {
-    fn oci_ref(&self, r: &Reference, digest: Option<&Digest>) -> oci_client::Reference {
-        // A path-based mirror (API root `/v2/<prefix>`) serves the repository under its prefix.
-        let path = match self.endpoint.path_prefix.as_str() {
-            "" => r.path.clone(),
-            prefix => format!("{prefix}/{}", r.path),
-        };
-        match (digest.or(r.digest.as_ref()), &r.tag) {
-            (Some(d), _) => {
-                oci_client::Reference::with_digest(self.endpoint.host.clone(), path, d.to_string())
-            }
-            (None, Some(t)) => {
-                oci_client::Reference::with_tag(self.endpoint.host.clone(), path, t.clone())
-            }
-            (None, None) => unreachable!("normalised references have a tag or digest"),
-        }
-    }
-
     fn err(&self, kind: RemoteKind, message: String) -> RemoteError {
         RemoteError {
             kind,
@@ -452,17 +355,16 @@ impl EndpointSession {
         }
     }
 
-    /// The error for an `oci-client` failure, saying why credentials were withheld if the
-    /// endpoint then refused.
-    fn oci_err(&self, e: OciDistributionError, authed: Option<&Authed>) -> RemoteError {
-        let kind = classify(&e);
-        let mut message = bounded(describe_oci(&e));
-        if kind == RemoteKind::Unauthenticated
-            && let Some(why) = authed.and_then(|a| a.withheld.as_ref())
-        {
-            message = format!("{message} ({why})");
-        }
-        self.err(kind, message)
+    /// `<base><repository path>/<kind>/<reference>`.
+    fn url(
+        &self,
+        r: &Reference,
+        kind: &str,
+        reference: &str,
+    ) -> std::result::Result<Url, RemoteError> {
+        self.base
+            .join(&format!("{}/{kind}/{reference}", r.path))
+            .map_err(|e| self.err(RemoteKind::Unavailable, format!("bad request URL: {e}")))
     }
 
     /// Runs `f` within the request deadline.
@@ -471,7 +373,7 @@ impl EndpointSession {
         what: &str,
         f: impl Future<Output = std::result::Result<T, RemoteError>>,
     ) -> std::result::Result<T, RemoteError> {
-        let limit = self.registry.request_deadline;
+        let limit = self.request_deadline;
         tokio::time::timeout(limit, f).await.unwrap_or_else(|_| {
             Err(self.err(
                 RemoteKind::Unavailable,
@@ -480,63 +382,164 @@ impl EndpointSession {
         })
     }
 
-    /// Authenticates once per session and endpoint, within the request deadline: decides what
-    /// the credentials may be used for, then lets `oci-client` ping and fetch its token.
-    async fn ensure_auth(&self, r: &Reference) -> std::result::Result<Authed, RemoteError> {
-        self.authed
-            .get_or_init(|| self.deadline("authentication", self.authenticate(r)))
-            .await
-            .clone()
-    }
-
-    async fn authenticate(&self, r: &Reference) -> std::result::Result<Authed, RemoteError> {
-        let decision = self
-            .creds
-            .decide(self.probe.as_ref(), &self.endpoint, &r.path)
-            .await
-            .map_err(|(kind, m)| self.err(kind, m))?;
-        let client = self
-            .registry
-            .oci_client(&self.endpoint, &self.ca_pems, &decision)
-            .map_err(|e| self.err(RemoteKind::Unavailable, e.to_string()))?;
-        let authed = Authed {
-            client,
-            auth: decision.auth,
-            withheld: decision.withheld,
+    /// GETs `url` with `always` headers on every hop and the session's authorization and the
+    /// endpoint's headers on its own origin; answers one `401` and retries. A response that is
+    /// not a success is turned into the error it says.
+    async fn get(
+        &self,
+        url: Url,
+        always: HeaderMap,
+    ) -> std::result::Result<reqwest::Response, RemoteError> {
+        let (mut authorization, mut generation) = {
+            let s = self.auth.lock().await;
+            (s.header.clone(), s.generation)
         };
-        authed
-            .client
-            .auth(
-                &self.oci_ref(r, None),
-                &authed.auth,
-                RegistryOperation::Pull,
-            )
-            .await
-            .map_err(|e| self.oci_err(e, Some(&authed)))?;
-        Ok(authed)
+        for attempt in 0..2 {
+            let mut req = http::Request::get(url.clone());
+            req.always = always.clone();
+            req.scoped = self.headers.clone();
+            if let Some(a) = &authorization {
+                req.scoped.insert(header::AUTHORIZATION, a.clone());
+            }
+            let resp = http::send(&self.client, req)
+                .await
+                .map_err(|(kind, m)| self.err(kind, m))?;
+            if resp.status().is_success() {
+                return Ok(resp);
+            }
+            if resp.status() != StatusCode::UNAUTHORIZED || attempt == 1 {
+                return Err(self.refused(resp).await);
+            }
+            let challenges = auth::parse_challenges(
+                resp.headers()
+                    .get_all(header::WWW_AUTHENTICATE)
+                    .iter()
+                    .filter_map(|v| v.to_str().ok()),
+            );
+            let mut state = self.auth.lock().await;
+            if state.generation == generation {
+                // Nobody has answered a challenge since this request went out: answer it,
+                // holding the lock so that concurrent requests wait for this token.
+                let answer = self
+                    .creds
+                    .answer(
+                        &self.client,
+                        &self.base,
+                        &self.headers,
+                        &challenges,
+                        &self.repository,
+                    )
+                    .await
+                    .map_err(|(kind, m)| self.with_withheld(kind, m, state.withheld.as_deref()))?;
+                state.header = Some(answer.header);
+                state.withheld = answer.withheld.or(state.withheld.take());
+                state.generation += 1;
+            }
+            authorization = state.header.clone();
+            generation = state.generation;
+        }
+        unreachable!("the second attempt returns")
     }
 
-    /// GET one manifest through `oci-client`, refused over [`MAX_MANIFEST_BYTES`].
+    /// The error for a response that is not a success.
+    async fn refused(&self, resp: reqwest::Response) -> RemoteError {
+        let (kind, message) = http::error_of(resp).await;
+        let withheld = self.auth.lock().await.withheld.clone();
+        self.with_withheld(kind, message, withheld.as_deref())
+    }
+
+    /// An error, saying why credentials were withheld if the endpoint refused.
+    fn with_withheld(
+        &self,
+        kind: RemoteKind,
+        message: String,
+        withheld: Option<&str>,
+    ) -> RemoteError {
+        match withheld {
+            Some(why) if kind == RemoteKind::Unauthenticated => {
+                self.err(kind, format!("{} ({why})", bounded(message)))
+            }
+            _ => self.err(kind, message),
+        }
+    }
+
+    /// GETs one manifest, read within [`MAX_MANIFEST_BYTES`]; returns its bytes and the digest
+    /// header's value.
     async fn fetch_manifest(
         &self,
-        authed: &Authed,
-        oref: &oci_client::Reference,
-    ) -> std::result::Result<(Bytes, String), RemoteError> {
-        let (bytes, header_digest) = authed
-            .client
-            .pull_manifest_raw(oref, &authed.auth, MANIFEST_MEDIA_TYPES)
+        r: &Reference,
+        reference: &str,
+    ) -> std::result::Result<(Bytes, Option<String>), RemoteError> {
+        let url = self.url(r, "manifests", reference)?;
+        let mut always = HeaderMap::new();
+        always.insert(
+            header::ACCEPT,
+            HeaderValue::from_str(&MANIFEST_MEDIA_TYPES.join(", ")).expect("static media types"),
+        );
+        let resp = self.get(url, always).await?;
+        let digest = resp
+            .headers()
+            .get("docker-content-digest")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let body = http::read_capped(resp, MAX_MANIFEST_BYTES)
             .await
-            .map_err(|e| self.oci_err(e, Some(authed)))?;
-        if bytes.len() as u64 > MAX_MANIFEST_BYTES {
-            return Err(self.err(
-                RemoteKind::TooLarge,
-                format!(
-                    "manifest of {} bytes exceeds the limit of {MAX_MANIFEST_BYTES} bytes",
-                    bytes.len()
-                ),
-            ));
-        }
-        Ok((bytes, header_digest))
+            .map_err(|(kind, m)| self.err(kind, format!("manifest: {m}")))?;
+        Ok((Bytes::from(body), digest))
+    }
+
+    /// Opens `length` bytes of blob `digest` from `offset`.
+    async fn open_blob(
+        &self,
+        r: &Reference,
+        digest: &Digest,
+        offset: u64,
+        length: u64,
+    ) -> std::result::Result<BlobBody, RemoteError> {
+        let url = self.url(r, "blobs", digest.as_str())?;
+        let mut always = HeaderMap::new();
+        let last = offset.saturating_add(length.max(1)) - 1;
+        always.insert(
+            header::RANGE,
+            HeaderValue::from_str(&format!("bytes={offset}-{last}")).expect("digits"),
+        );
+        let resp = self.get(url, always).await?;
+        let resumed = match resp.status() {
+            StatusCode::PARTIAL_CONTENT => {
+                let start = resp
+                    .headers()
+                    .get(header::CONTENT_RANGE)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.strip_prefix("bytes "))
+                    .and_then(|v| v.split_once('-'))
+                    .and_then(|(s, _)| s.trim().parse::<u64>().ok());
+                if start != Some(offset) {
+                    return Err(self.err(
+                        RemoteKind::Unavailable,
+                        format!(
+                            "asked for bytes from {offset}, got a partial answer starting at \
+                             {start:?}"
+                        ),
+                    ));
+                }
+                true
+            }
+            StatusCode::OK => false,
+            other => {
+                return Err(self.err(
+                    RemoteKind::Unavailable,
+                    format!("blob request answered {other}"),
+                ));
+            }
+        };
+        Ok(BlobBody {
+            resumed,
+            stream: resp
+                .bytes_stream()
+                .map(|r| r.map_err(|e| std::io::Error::other(describe(&e))))
+                .boxed(),
+            endpoint: self.endpoint.to_string(),
+        })
     }
 }
 
@@ -602,14 +605,13 @@ impl Session {
         v
     }
 
-    /// Tries `attempt` at the endpoints in `order`, each authenticated first, until one
-    /// succeeds; with `remember`, that one becomes the preferred endpoint. Returns every
-    /// endpoint's failure otherwise.
+    /// Tries `attempt` at the endpoints in `order` until one succeeds; with `remember`, that one
+    /// becomes the preferred endpoint. Returns every endpoint's failure otherwise.
     async fn first_success<'a, T, Fut>(
         &'a self,
         order: Vec<usize>,
         remember: bool,
-        attempt: impl Fn(&'a EndpointSession, Authed) -> Fut,
+        attempt: impl Fn(&'a EndpointSession) -> Fut,
     ) -> std::result::Result<T, Vec<RemoteError>>
     where
         Fut: Future<Output = std::result::Result<T, RemoteError>>,
@@ -617,12 +619,7 @@ impl Session {
         let mut errors = Vec::new();
         let tries = order.len();
         for (n, i) in order.into_iter().enumerate() {
-            let ep = &self.endpoints[i];
-            let outcome = match ep.ensure_auth(&self.reference).await {
-                Ok(authed) => attempt(ep, authed).await,
-                Err(e) => Err(e),
-            };
-            match outcome {
+            match attempt(&self.endpoints[i]).await {
                 Ok(v) => {
                     if remember {
                         self.preferred.store(i, Ordering::Relaxed);
@@ -655,28 +652,40 @@ impl Session {
     ) -> std::result::Result<FetchedManifest, Vec<RemoteError>> {
         let by_tag = digest.is_none() && self.reference.digest.is_none();
         let expected = digest.or(self.reference.digest.as_ref());
+        let name = match (expected, &self.reference.tag) {
+            (Some(d), _) => d.to_string(),
+            (None, Some(t)) => t.clone(),
+            (None, None) => unreachable!("normalised references have a tag or digest"),
+        };
         let fetched = self
-            .first_success(self.order(by_tag), true, |ep, authed| async move {
-                let oref = ep.oci_ref(&self.reference, digest);
-                let (bytes, d) = ep
-                    .deadline("manifest request", ep.fetch_manifest(&authed, &oref))
-                    .await?;
-                let computed = Digest::of(&bytes);
-                if let Some(want) = expected
-                    && *want != computed
-                {
-                    return Err(ep.err(
-                        RemoteKind::Corrupt,
-                        format!("manifest hashes to {computed}, expected {want}"),
-                    ));
+            .first_success(self.order(by_tag), true, |ep| {
+                let name = name.clone();
+                async move {
+                    let (bytes, header_digest) = ep
+                        .deadline(
+                            "manifest request",
+                            ep.fetch_manifest(&self.reference, &name),
+                        )
+                        .await?;
+                    let computed = Digest::of(&bytes);
+                    if let Some(want) = expected
+                        && *want != computed
+                    {
+                        return Err(ep.err(
+                            RemoteKind::Corrupt,
+                            format!("manifest hashes to {computed}, expected {want}"),
+                        ));
+                    }
+                    if let Some(d) = header_digest
+                        && d != computed.as_str()
+                    {
+                        tracing::debug!(endpoint = %ep.endpoint, header = %d, %computed, "registry digest header differs from content");
+                    }
+                    Ok(FetchedManifest {
+                        bytes,
+                        digest: computed,
+                    })
                 }
-                if d != computed.as_str() {
-                    tracing::debug!(endpoint = %ep.endpoint, header = %d, %computed, "registry digest header differs from content");
-                }
-                Ok(FetchedManifest {
-                    bytes,
-                    digest: computed,
-                })
             })
             .await;
         match fetched {
@@ -690,8 +699,8 @@ impl Session {
     }
 
     /// Opens `length` bytes of blob `digest` from byte `offset`. The endpoint named
-    /// `last_resort` (`http(s)://host[:port]`, as [`BlobBody::endpoint`] says it), whose body
-    /// broke off, is tried after every other.
+    /// `last_resort` (`http(s)://host[:port][root]`, as [`BlobBody::endpoint`] says it), whose
+    /// body broke off, is tried after every other.
     pub async fn blob(
         &self,
         digest: &Digest,
@@ -706,30 +715,15 @@ impl Session {
         }
         // Only this blob moves on from an endpoint that broke off: the pull's other blobs keep
         // the preferred one (a fleet's cache stays first).
-        self.first_success(order, last_resort.is_none(), |ep, authed| async move {
-            let oref = ep.oci_ref(&self.reference, None);
+        self.first_success(order, last_resort.is_none(), |ep| async move {
             // Always a range request (bytes=0-... for a fresh download): the body is hashed once,
-            // by the ingest, rather than also by the client's verifying stream. The deadline
-            // covers the request until its headers (and an error body, which oci-client reads
-            // whole).
-            let response = ep
-                .deadline("blob request", async {
-                    authed
-                        .client
-                        .pull_blob_stream_partial(&oref, digest.as_str(), offset, Some(length))
-                        .await
-                        .map_err(|e| ep.oci_err(e, Some(&authed)))
-                })
-                .await?;
-            let (resumed, s) = match response {
-                oci_client::client::BlobResponse::Full(s) => (false, s),
-                oci_client::client::BlobResponse::Partial(s) => (true, s),
-            };
-            Ok(BlobBody {
-                resumed,
-                stream: s.stream,
-                endpoint: ep.endpoint.to_string(),
-            })
+            // by the ingest. The deadline covers the request until its headers (and an error
+            // body, read up to a cap).
+            ep.deadline(
+                "blob request",
+                ep.open_blob(&self.reference, digest, offset, length),
+            )
+            .await
         })
         .await
     }

@@ -1,0 +1,299 @@
+//! The HTTP layer of the registry client: one `reqwest` client per endpoint's TLS settings
+//! (extra CAs, client certificate, `skip_verify`, dial timeout), and requests sent through it
+//! with redirects followed here rather than by `reqwest`, so that what a request carries is
+//! decided per hop:
+//! - the endpoint's `Authorization` and its hosts.toml `header`s go only to the endpoint's own
+//!   origin (scheme, host and port), never to where a redirect points (a blob store's signed
+//!   URL, or anyone a registry names);
+//! - a redirect from https down to plain http is refused (except to a loopback IP literal);
+//! - at most [`MAX_REDIRECTS`] hops; only GET requests are redirected.
+//!
+//! Bodies the client buffers (manifests, tokens, error bodies) are read with [`read_capped`],
+//! which stops at a limit whatever the response says about its length.
+
+use std::time::Duration;
+
+use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
+use reqwest::{Method, StatusCode, Url};
+
+use super::RemoteKind;
+use crate::hosts::{Endpoint, is_loopback_ip};
+
+/// Redirects followed per request.
+pub(super) const MAX_REDIRECTS: usize = 10;
+/// Most bytes of an error response read (for its error codes and message).
+pub(super) const MAX_ERROR_BODY_BYTES: u64 = 64 << 10;
+
+/// The TLS material of one endpoint, read from the files hosts.toml names.
+pub(super) struct Tls {
+    /// Extra CA certificates (PEM).
+    pub ca: Vec<Vec<u8>>,
+    /// The client certificate and its key (PEM), for mutual TLS.
+    pub identity: Option<Vec<u8>>,
+}
+
+/// Timeouts of every client.
+pub(super) struct Timeouts {
+    pub connect: Duration,
+    pub read: Duration,
+}
+
+/// A client for `endpoint`'s TLS settings. It follows no redirects itself ([`send`] does).
+pub(super) fn client(
+    endpoint: &Endpoint,
+    tls: &Tls,
+    timeouts: &Timeouts,
+) -> reqwest::Result<reqwest::Client> {
+    let certs = tls
+        .ca
+        .iter()
+        .map(|pem| reqwest::Certificate::from_pem(pem))
+        .collect::<reqwest::Result<Vec<_>>>()?;
+    let mut builder = reqwest::Client::builder()
+        .danger_accept_invalid_certs(endpoint.skip_verify)
+        .tls_certs_merge(certs)
+        .connect_timeout(endpoint.dial_timeout.unwrap_or(timeouts.connect))
+        .read_timeout(timeouts.read)
+        .redirect(reqwest::redirect::Policy::none())
+        .user_agent(concat!("minicri/", env!("CARGO_PKG_VERSION")));
+    if let Some(pem) = &tls.identity {
+        builder = builder.identity(reqwest::Identity::from_pem(pem)?);
+    }
+    builder.build()
+}
+
+/// One request to send: `scoped` headers go only to `origin`'s scheme, host and port; `always`
+/// headers (Accept, Range) go with every hop.
+pub(super) struct Request {
+    pub method: Method,
+    pub url: Url,
+    pub always: HeaderMap,
+    pub scoped: HeaderMap,
+    /// A form body (POST).
+    pub form: Option<Vec<(String, String)>>,
+}
+
+impl Request {
+    pub fn get(url: Url) -> Request {
+        Request {
+            method: Method::GET,
+            url,
+            always: HeaderMap::new(),
+            scoped: HeaderMap::new(),
+            form: None,
+        }
+    }
+}
+
+/// Whether `a` and `b` share scheme, host and port.
+pub(super) fn same_origin(a: &Url, b: &Url) -> bool {
+    a.scheme() == b.scheme()
+        && a.host_str() == b.host_str()
+        && a.port_or_known_default() == b.port_or_known_default()
+}
+
+/// The headers hosts.toml gives `endpoint` (checked when the file was read).
+pub(super) fn endpoint_headers(endpoint: &Endpoint) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    for (name, value) in &endpoint.headers {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            map.append(n, v);
+        }
+    }
+    map
+}
+
+/// Sends `req` with `client`, following redirects as the module says.
+pub(super) async fn send(
+    client: &reqwest::Client,
+    req: Request,
+) -> Result<reqwest::Response, (RemoteKind, String)> {
+    let origin = req.url.clone();
+    let mut url = req.url.clone();
+    for _ in 0..=MAX_REDIRECTS {
+        let mut headers = req.always.clone();
+        if same_origin(&url, &origin) {
+            for (name, value) in &req.scoped {
+                headers.append(name.clone(), value.clone());
+            }
+        }
+        let mut builder = client
+            .request(req.method.clone(), url.clone())
+            .headers(headers);
+        if let Some(form) = &req.form {
+            builder = builder.form(form);
+        }
+        let resp = builder.send().await.map_err(|e| {
+            (
+                RemoteKind::Unavailable,
+                format!("{} {url}: {}", req.method, super::describe(&e)),
+            )
+        })?;
+        if !resp.status().is_redirection() || req.method != Method::GET {
+            return Ok(resp);
+        }
+        let Some(location) = resp.headers().get(header::LOCATION) else {
+            return Ok(resp);
+        };
+        let next = location
+            .to_str()
+            .ok()
+            .and_then(|l| url.join(l).ok())
+            .ok_or_else(|| {
+                (
+                    RemoteKind::Unavailable,
+                    format!("GET {url}: redirect to an invalid location"),
+                )
+            })?;
+        if !matches!(next.scheme(), "http" | "https") {
+            return Err((
+                RemoteKind::Unavailable,
+                format!("GET {url}: refusing a redirect to {}", next.scheme()),
+            ));
+        }
+        let downgrade = next.scheme() == "http"
+            && url.scheme() == "https"
+            && !next.host_str().is_some_and(is_loopback_ip);
+        if downgrade {
+            return Err((
+                RemoteKind::Unavailable,
+                format!("GET {url}: refusing a redirect from https to {next}"),
+            ));
+        }
+        url = next;
+    }
+    Err((
+        RemoteKind::Unavailable,
+        format!("GET {origin}: more than {MAX_REDIRECTS} redirects"),
+    ))
+}
+
+/// Reads a response body up to `max` bytes, failing as soon as it goes past: never buffered
+/// beyond the limit, whatever Content-Length says (or whether it says anything).
+pub(super) async fn read_capped(
+    mut resp: reqwest::Response,
+    max: u64,
+) -> Result<Vec<u8>, (RemoteKind, String)> {
+    let too_large = |n: u64| {
+        (
+            RemoteKind::TooLarge,
+            format!("{n} bytes or more exceeds the limit of {max} bytes"),
+        )
+    };
+    if let Some(len) = resp.content_length()
+        && len > max
+    {
+        return Err(too_large(len));
+    }
+    let mut out = Vec::new();
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| (RemoteKind::Unavailable, super::describe(&e)))?
+    {
+        let n = out.len() as u64 + chunk.len() as u64;
+        if n > max {
+            return Err(too_large(n));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out)
+}
+
+/// The first `max` bytes of a body (fewer if it ends or breaks off sooner); the rest is never
+/// read.
+async fn read_prefix(mut resp: reqwest::Response, max: u64) -> Vec<u8> {
+    let mut out = Vec::new();
+    while (out.len() as u64) < max {
+        match resp.chunk().await {
+            Ok(Some(chunk)) => {
+                let room = (max - out.len() as u64) as usize;
+                out.extend_from_slice(&chunk[..chunk.len().min(room)]);
+            }
+            Ok(None) | Err(_) => break,
+        }
+    }
+    out
+}
+
+/// How a registry's error response is classified, and what it said: the status, then the
+/// distribution error codes and messages of its body (read up to [`MAX_ERROR_BODY_BYTES`]).
+pub(super) async fn error_of(resp: reqwest::Response) -> (RemoteKind, String) {
+    let status = resp.status();
+    let url = resp.url().clone();
+    let body = read_prefix(resp, MAX_ERROR_BODY_BYTES).await;
+    #[derive(serde::Deserialize)]
+    struct Envelope {
+        #[serde(default)]
+        errors: Vec<ErrorEntry>,
+    }
+    #[derive(serde::Deserialize)]
+    struct ErrorEntry {
+        #[serde(default)]
+        code: String,
+        #[serde(default)]
+        message: String,
+    }
+    let codes: Vec<ErrorEntry> = serde_json::from_slice::<Envelope>(&body)
+        .map(|e| e.errors)
+        .unwrap_or_default();
+    let has = |names: &[&str]| codes.iter().any(|e| names.contains(&e.code.as_str()));
+    let kind = if matches!(status, StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN)
+        || has(&["UNAUTHORIZED", "DENIED"])
+    {
+        RemoteKind::Unauthenticated
+    } else if status == StatusCode::NOT_FOUND
+        || has(&[
+            "MANIFEST_UNKNOWN",
+            "NAME_UNKNOWN",
+            "BLOB_UNKNOWN",
+            "NOT_FOUND",
+            "MANIFEST_BLOB_UNKNOWN",
+        ])
+    {
+        RemoteKind::NotFound
+    } else {
+        RemoteKind::Unavailable
+    };
+    let mut message = format!("GET {url}: {status}");
+    if codes.is_empty() {
+        let text = String::from_utf8_lossy(&body);
+        let text = text.trim();
+        if !text.is_empty() {
+            message = format!("{message}: {text}");
+        }
+    }
+    for e in &codes {
+        message = format!("{message}: {} {}", e.code, e.message);
+    }
+    (kind, message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn origins() {
+        let u = |s: &str| Url::parse(s).unwrap();
+        assert!(same_origin(
+            &u("https://a.example/x"),
+            &u("https://a.example:443/y")
+        ));
+        assert!(!same_origin(
+            &u("https://a.example/x"),
+            &u("http://a.example/x")
+        ));
+        assert!(!same_origin(
+            &u("https://a.example/x"),
+            &u("https://a.example:5000/x")
+        ));
+        assert!(!same_origin(
+            &u("https://a.example/x"),
+            &u("https://b.example/x")
+        ));
+    }
+}
