@@ -127,10 +127,18 @@ pub(super) async fn send(
             builder = builder.form(form);
         }
         let resp = builder.send().await.map_err(|e| {
-            (
-                RemoteKind::Unavailable,
-                format!("{} {url}: {}", req.method, super::describe(&e)),
-            )
+            let mut message = format!("{} {url}: {}", req.method, super::describe(&e));
+            // The alerts a server sends when it wants a client certificate it did not get.
+            if ["BadCertificate", "CertificateRequired"]
+                .iter()
+                .any(|alert| message.contains(alert))
+            {
+                message.push_str(
+                    " (the host refused the TLS handshake over the client certificate: see \
+                     `client` in its hosts.toml)",
+                );
+            }
+            (RemoteKind::Unavailable, message)
         })?;
         if !resp.status().is_redirection() || req.method != Method::GET {
             return Ok(resp);
