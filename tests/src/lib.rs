@@ -16,6 +16,7 @@ pub mod blackhole;
 pub mod daemon;
 pub mod images;
 pub mod kubelet_sim;
+pub mod pki;
 pub mod pod_env;
 pub mod pod_rpc;
 pub mod prereq;

@@ -9,7 +9,9 @@
 //!
 //! Faults are switched at run time through [`Faults`] (cloneable, usable from any thread):
 //! rate limit, cut a connection after N body bytes, stall until released, ignore `Range`,
-//! corrupt a byte, fail with an HTTP status N times. A blob GET is
+//! corrupt a byte, fail with an HTTP status N times, refuse requests without a header (a mirror
+//! that wants its own key), serve the API under another root than `/v2` (a mirror behind a
+//! path; the root is rewritten to `/v2` upstream). A blob GET is
 //! `GET /v2/<name>/blobs/sha256:<hex>`; the body faults count bytes of each response body
 //! (a `Range` response body starts at 0 too).
 //!
@@ -159,6 +161,10 @@ struct FaultState {
     stall: Option<(Target, u64)>,
     stalled_now: usize,
     stall_hits: u64,
+    /// Requests without this header (name lower-case, value) are refused with 403.
+    required_header: Option<(String, String)>,
+    /// The API root served instead of `/v2`.
+    api_root: Option<String>,
 }
 
 #[derive(Debug, Default)]
@@ -287,6 +293,18 @@ impl Faults {
         true
     }
 
+    /// Refuses every request that does not carry header `name` with `value` (403, DENIED), as a
+    /// mirror that wants its own key does.
+    pub fn require_header(&self, name: &str, value: &str) {
+        self.state().required_header = Some((name.to_ascii_lowercase(), value.to_string()));
+    }
+
+    /// Serves the registry API under `root` (e.g. `/mirror/api`) instead of `/v2`: a request
+    /// under `root` goes upstream under `/v2`; any other path gets 404.
+    pub fn serve_under(&self, root: &str) {
+        self.state().api_root = Some(root.trim_end_matches('/').to_string());
+    }
+
     /// Removes every fault and releases a stall.
     pub fn clear(&self) {
         {
@@ -298,6 +316,8 @@ impl Faults {
             st.corrupts.clear();
             st.failures.clear();
             st.stall = None;
+            st.required_header = None;
+            st.api_root = None;
         }
         self.inner.release.notify_waiters();
     }
@@ -713,7 +733,35 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBo
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "/".into());
-    let info = ReqInfo::new(req.method(), req.uri().path());
+    let (required, api_root) = {
+        let st = shared.faults.state();
+        (st.required_header.clone(), st.api_root.clone())
+    };
+    // The path upstream: a root served instead of /v2 is rewritten to it.
+    let upstream_path = match &api_root {
+        None => path.clone(),
+        Some(root) => match path.strip_prefix(root.as_str()) {
+            Some(rest) if rest.is_empty() || rest.starts_with('/') => format!("/v2{rest}"),
+            _ => {
+                shared.stats.push(RequestRecord {
+                    method: req.method().to_string(),
+                    path: path.clone(),
+                    range: None,
+                    authorization: req.headers().contains_key(header::AUTHORIZATION),
+                    status: 404,
+                    bytes_sent: 0,
+                    digest: None,
+                    completed: true,
+                    faults: vec!["outside-root".into()],
+                });
+                return full(StatusCode::NOT_FOUND, "{}");
+            }
+        },
+    };
+    let info = ReqInfo::new(
+        req.method(),
+        upstream_path.split('?').next().unwrap_or_default(),
+    );
     let header_str = |name: header::HeaderName| {
         req.headers()
             .get(name)
@@ -734,6 +782,24 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBo
         completed: false,
         faults: Vec::new(),
     };
+
+    if let Some((name, value)) = &required
+        && req
+            .headers()
+            .get(name.as_str())
+            .and_then(|v| v.to_str().ok())
+            != Some(value.as_str())
+    {
+        let body = format!(
+            "{{\"errors\":[{{\"code\":\"DENIED\",\"message\":\"minicri test proxy: header {name} missing or wrong\"}}]}}"
+        );
+        record.status = 403;
+        record.bytes_sent = body.len() as u64;
+        record.completed = true;
+        record.faults.push("missing-header".into());
+        shared.stats.push(record);
+        return full(StatusCode::FORBIDDEN, body);
+    }
 
     if let Some(status) = shared.faults.take_failure(&info) {
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
@@ -759,7 +825,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBo
         parts.headers.remove(header::IF_RANGE);
         record.faults.push("range-ignored".into());
     }
-    parts.uri = match format!("http://{}{}", shared.upstream, path).parse() {
+    parts.uri = match format!("http://{}{}", shared.upstream, upstream_path).parse() {
         Ok(uri) => uri,
         Err(e) => {
             record.status = 400;

@@ -42,6 +42,9 @@ pub struct RegistryOptions {
     /// Run as a pull-through cache of the registry at this URL (distribution's proxy mode:
     /// what it does not have it fetches from there, serves and stores).
     pub proxy_remote: Option<String>,
+    /// Serve https with this PKI's server certificate and require a client certificate signed
+    /// by its CA (mutual TLS).
+    pub mutual_tls: Option<crate::pki::TestPki>,
 }
 
 /// A running `docker-registry` on 127.0.0.1. Dropping it kills the process and removes its
@@ -82,6 +85,18 @@ impl Registry {
         Self::try_start(&options).unwrap_or_else(|e| panic!("cannot start a test cache: {e:#}"))
     }
 
+    /// Starts a pull-through cache of `remote` that serves https only to clients presenting a
+    /// certificate of `pki`'s CA. Panics like [`Registry::start`].
+    pub fn start_mutual_tls_cache_of(remote: &str, pki: &crate::pki::TestPki) -> Registry {
+        let options = RegistryOptions {
+            proxy_remote: Some(remote.to_string()),
+            mutual_tls: Some(pki.clone()),
+            ..Default::default()
+        };
+        Self::try_start(&options)
+            .unwrap_or_else(|e| panic!("cannot start a mutual-TLS test cache: {e:#}"))
+    }
+
     /// Starts a registry that requires basic auth with `user` / `password`. Panics like
     /// [`Registry::start`].
     pub fn start_with_auth(user: &str, password: &str) -> Registry {
@@ -114,7 +129,8 @@ impl Registry {
             let port = free_port()?;
             write_config(dir.path(), port, options)?;
             let mut child = spawn_registry(dir.path())?;
-            match wait_ready(&mut child, port, &dir.path().join("registry.log")) {
+            let tls = options.mutual_tls.is_some();
+            match wait_ready(&mut child, port, tls, &dir.path().join("registry.log")) {
                 Ok(()) => {
                     return Ok(Registry {
                         child: Some(child),
@@ -293,6 +309,14 @@ http:
 ",
         storage = storage.display()
     );
+    if let Some(pki) = &options.mutual_tls {
+        config.push_str(&format!(
+            "  tls:\n    certificate: {}\n    key: {}\n    clientcas:\n      - {}\n",
+            pki.server_cert.display(),
+            pki.server_key.display(),
+            pki.ca.display()
+        ));
+    }
     if let Some(remote) = &options.proxy_remote {
         config.push_str(&format!("proxy:\n  remoteurl: {remote}\n"));
     }
@@ -369,8 +393,9 @@ fn spawn_here(dir: &Path) -> io::Result<Child> {
     cmd.spawn()
 }
 
-/// Waits until `GET /v2/` answers 200 or 401, or the process exits, or time runs out.
-fn wait_ready(child: &mut Child, port: u16, log: &Path) -> Result<()> {
+/// Waits until `GET /v2/` answers 200 or 401 (400 from a TLS listener, which refuses plain
+/// HTTP), or the process exits, or time runs out.
+fn wait_ready(child: &mut Child, port: u16, tls: bool, log: &Path) -> Result<()> {
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
         if let Some(status) = child.try_wait()? {
@@ -380,7 +405,7 @@ fn wait_ready(child: &mut Child, port: u16, log: &Path) -> Result<()> {
             );
         }
         if let Ok(code) = probe_v2(port)
-            && (code == 200 || code == 401)
+            && (code == 200 || code == 401 || (tls && code == 400))
         {
             return Ok(());
         }

@@ -245,3 +245,124 @@ async fn ranged_requests_cost_a_cold_cache_no_more_than_one_stream_and_use_a_war
     assert_eq!(single.warm.len(), 1);
     assert_eq!((ranged.warm_origin, single.warm_origin), (0, 0));
 }
+
+/// A containerd `certs.d` directory that uses every key containerd documents for a host, across
+/// two registries, pulled through unchanged:
+/// - `path.example` reaches a mirror that serves the API under `/mirror/api` (`override_path`)
+///   and wants its own key in a header (`header`), with a `dial_timeout`; the registry's own
+///   server is down;
+/// - `mtls.example`'s server is a pull-through cache serving https only to clients with a
+///   certificate of its CA: `ca` and `client` as paths relative to the hosts.toml, top-level
+///   `capabilities` and `skip_verify = false`.
+///
+/// Each mirror refuses what lacks its setting: without the header, the mirror answers 403 and the
+/// pull is refused; without the client certificate the TLS handshake fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_containerd_certs_d_using_every_host_key_works_unchanged() {
+    use minicri_tests::pki::TestPki;
+
+    let origin = Registry::start();
+    let client = images::RegistryClient::new(&origin.addr());
+    let push = |name: &'static str, seed: u64| {
+        let client = &client;
+        async move {
+            images::push_big_image(
+                client,
+                &format!("minicri-test/{name}:latest"),
+                2,
+                1,
+                Compression::Gzip,
+                seed,
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let by_path = push("by-path", 31).await;
+    let by_mtls = push("by-mtls", 32).await;
+
+    // The header-and-path mirror, in front of the origin.
+    let mirror = Proxy::start(&origin.addr()).expect("proxy");
+    mirror.faults().serve_under("/mirror/api");
+    mirror.faults().require_header("x-fleet-key", "k1");
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let hosts = HostsDir::new();
+    let path_file = |header: &str| {
+        format!(
+            "server = \"http://{dead}\"\n\
+             [host.\"http://{}/mirror/api\"]\n  capabilities = [\"pull\", \"resolve\"]\n  \
+             override_path = true\n  dial_timeout = \"5s\"\n{header}",
+            mirror.addr()
+        )
+    };
+    let mirror_host = format!("host.\"http://{}/mirror/api\"", mirror.addr());
+    hosts.set(
+        "path.example",
+        &path_file(&format!(
+            "  [{mirror_host}.header]\n    X-Fleet-Key = \"k1\"\n"
+        )),
+    );
+
+    // The mutual-TLS cache, its PKI beside its hosts.toml.
+    let mtls_dir = hosts.path().join("mtls.example");
+    std::fs::create_dir_all(&mtls_dir).unwrap();
+    let pki = TestPki::create(&mtls_dir).unwrap();
+    let cache = Registry::start_mutual_tls_cache_of(&origin.url(), &pki);
+    let mtls_file = |client: &str| {
+        format!(
+            "server = \"https://{}\"\ncapabilities = [\"pull\", \"resolve\"]\nskip_verify = false\n\
+             ca = \"ca.pem\"\n{client}",
+            cache.addr()
+        )
+    };
+    hosts.set(
+        "mtls.example",
+        &mtls_file("client = [[\"client.pem\", \"client.key\"]]\n"),
+    );
+
+    let node = Daemon::start_with(hosts.path(), &[]).await.unwrap();
+    assert_eq!(
+        pull(&node, "path.example/minicri-test/by-path:latest", None)
+            .await
+            .unwrap(),
+        by_path.config_digest
+    );
+    let asked = mirror.requests();
+    assert!(!asked.is_empty());
+    for q in &asked {
+        assert!(q.faults.is_empty(), "refused or outside the root: {q:?}");
+        assert!(q.path.starts_with("/mirror/api/"), "{q:?}");
+    }
+    assert_eq!(
+        pull(&node, "mtls.example/minicri-test/by-mtls:latest", None)
+            .await
+            .unwrap(),
+        by_mtls.config_digest
+    );
+
+    // Without the header, the mirror refuses and so does the pull; without the client
+    // certificate, the cache's handshake fails.
+    hosts.set("path.example", &path_file(""));
+    hosts.set("mtls.example", &mtls_file(""));
+    let fresh = Daemon::start_with(hosts.path(), &[]).await.unwrap();
+    let err = pull(&fresh, "path.example/minicri-test/by-path:latest", None)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unauthenticated, "{err:?}");
+    assert!(err.message().contains("403"), "{err:?}");
+    assert!(
+        mirror
+            .requests()
+            .iter()
+            .any(|q| q.faults.iter().any(|f| f == "missing-header"))
+    );
+    let err = pull(&fresh, "mtls.example/minicri-test/by-mtls:latest", None)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("client certificate"), "{err:?}");
+}
