@@ -146,37 +146,35 @@ pub(super) async fn send(
         let Some(location) = resp.headers().get(header::LOCATION) else {
             return Ok(resp);
         };
-        let next = location
-            .to_str()
-            .ok()
-            .and_then(|l| url.join(l).ok())
-            .ok_or_else(|| {
-                (
-                    RemoteKind::Unavailable,
-                    format!("GET {url}: redirect to an invalid location"),
-                )
-            })?;
-        if !matches!(next.scheme(), "http" | "https") {
-            return Err((
-                RemoteKind::Unavailable,
-                format!("GET {url}: refusing a redirect to {}", next.scheme()),
-            ));
-        }
-        let downgrade = next.scheme() == "http"
-            && url.scheme() == "https"
-            && !next.host_str().is_some_and(is_loopback_ip);
-        if downgrade {
-            return Err((
-                RemoteKind::Unavailable,
-                format!("GET {url}: refusing a redirect from https to {next}"),
-            ));
-        }
-        url = next;
+        url = next_hop(&url, location.to_str().unwrap_or(""))
+            .map_err(|m| (RemoteKind::Unavailable, m))?;
     }
     Err((
         RemoteKind::Unavailable,
         format!("GET {origin}: more than {MAX_REDIRECTS} redirects"),
     ))
+}
+
+/// Where a redirect from `url` to `location` goes, unless the module's rules refuse it.
+fn next_hop(url: &Url, location: &str) -> Result<Url, String> {
+    let next = url
+        .join(location)
+        .map_err(|_| format!("GET {url}: redirect to an invalid location"))?;
+    if !matches!(next.scheme(), "http" | "https") {
+        return Err(format!(
+            "GET {url}: refusing a redirect to {}",
+            next.scheme()
+        ));
+    }
+    let downgrade = next.scheme() == "http"
+        && url.scheme() == "https"
+        && !next.host_str().is_some_and(is_loopback_ip);
+    if downgrade {
+        return Err(format!(
+            "GET {url}: refusing a redirect from https to {next}"
+        ));
+    }
+    Ok(next)
 }
 
 /// Reads a response body up to `max` bytes, failing as soon as it goes past: never buffered
@@ -283,6 +281,31 @@ pub(super) async fn error_of(resp: reqwest::Response) -> (RemoteKind, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn redirects() {
+        let u = |s: &str| Url::parse(s).unwrap();
+        let from = u("https://r.example/v2/a/blobs/sha256:1");
+        assert_eq!(
+            next_hop(&from, "https://s3.example/x?sig=1").unwrap(),
+            u("https://s3.example/x?sig=1")
+        );
+        assert_eq!(
+            next_hop(&from, "/other").unwrap(),
+            u("https://r.example/other")
+        );
+        for refused in [
+            "http://s3.example/x",
+            "http://localhost/x",
+            "ftp://r.example/x",
+        ] {
+            assert!(next_hop(&from, refused).is_err(), "{refused}");
+        }
+        assert!(next_hop(&from, "http://127.0.0.1:5000/x").is_ok());
+        assert!(next_hop(&from, "http://[::1]:5000/x").is_ok());
+        let plain = u("http://127.0.0.1:5000/v2/a");
+        assert!(next_hop(&plain, "http://10.0.0.1/x").is_ok());
+    }
 
     #[test]
     fn origins() {
