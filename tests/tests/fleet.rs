@@ -256,7 +256,8 @@ async fn ranged_requests_cost_a_cold_cache_no_more_than_one_stream_and_use_a_war
 ///   `capabilities` and `skip_verify = false`.
 ///
 /// Each mirror refuses what lacks its setting: without the header, the mirror answers 403 and the
-/// pull is refused; without the client certificate the TLS handshake fails.
+/// pull is refused; without the client certificate the TLS handshake fails; without `ca` the
+/// server's certificate is refused, and `skip_verify = true` accepts it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_containerd_certs_d_using_every_host_key_works_unchanged() {
     use minicri_tests::pki::TestPki;
@@ -312,17 +313,15 @@ async fn a_containerd_certs_d_using_every_host_key_works_unchanged() {
     std::fs::create_dir_all(&mtls_dir).unwrap();
     let pki = TestPki::create(&mtls_dir).unwrap();
     let cache = Registry::start_mutual_tls_cache_of(&origin.url(), &pki);
-    let mtls_file = |client: &str| {
+    let mtls_with = |trust: &str, client: &str| {
         format!(
-            "server = \"https://{}\"\ncapabilities = [\"pull\", \"resolve\"]\nskip_verify = false\n\
-             ca = \"ca.pem\"\n{client}",
+            "server = \"https://{}\"\ncapabilities = [\"pull\", \"resolve\"]\n{trust}{client}",
             cache.addr()
         )
     };
-    hosts.set(
-        "mtls.example",
-        &mtls_file("client = [[\"client.pem\", \"client.key\"]]\n"),
-    );
+    let mtls_file = |client: &str| mtls_with("skip_verify = false\nca = \"ca.pem\"\n", client);
+    let client_pair = "client = [[\"client.pem\", \"client.key\"]]\n";
+    hosts.set("mtls.example", &mtls_file(client_pair));
 
     let node = Daemon::start_with(hosts.path(), &[]).await.unwrap();
     assert_eq!(
@@ -365,4 +364,26 @@ async fn a_containerd_certs_d_using_every_host_key_works_unchanged() {
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
     assert!(err.message().contains("client certificate"), "{err:?}");
+
+    // The server's certificate: without `ca` it is refused, unless `skip_verify` says not to
+    // check it.
+    hosts.set("mtls.example", &mtls_with("", client_pair));
+    let err = pull(&fresh, "mtls.example/minicri-test/by-mtls:latest", None)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    assert!(
+        err.message().contains("invalid peer certificate"),
+        "{err:?}"
+    );
+    hosts.set(
+        "mtls.example",
+        &mtls_with("skip_verify = true\n", client_pair),
+    );
+    assert_eq!(
+        pull(&fresh, "mtls.example/minicri-test/by-mtls:latest", None)
+            .await
+            .unwrap(),
+        by_mtls.config_digest
+    );
 }
