@@ -330,20 +330,17 @@ impl EndpointCreds {
                 .ok()
                 .filter(|u| matches!(u.scheme(), "http" | "https"))
                 .ok_or_else(|| unauthenticated(format!("bad token realm {realm:?}")))?;
-            let realm_ok = realm_may_get_credentials(realm, &self.cred_hosts);
-            let offered = if realm_ok || matches!(self.offered, Offered::None) {
-                &self.offered
+            let (offered, withheld) = if matches!(self.offered, Offered::None)
+                || realm_may_get_credentials(realm, &self.cred_hosts)
+            {
+                (&self.offered, withheld)
             } else {
                 tracing::warn!(endpoint = %endpoint_url, realm, "token realm is not a host the credentials were given for (or is plain http); asking it for an anonymous token");
-                &Offered::None
-            };
-            let withheld = if std::ptr::eq(offered, &self.offered) {
-                withheld
-            } else {
-                Some(format!(
-                    "credentials withheld: the token realm {realm} is not a host they were \
-                     given for, or not https"
-                ))
+                let why = format!(
+                    "credentials withheld: the token realm {realm} is not a host they were given \
+                     for, or not https"
+                );
+                (&Offered::None, Some(why))
             };
             let scope = bearer
                 .param("scope")
