@@ -32,6 +32,20 @@ pub(super) struct Tls {
     pub identity: Option<Vec<u8>>,
 }
 
+impl Tls {
+    /// sha256 of everything here, each part length-prefixed.
+    pub fn fingerprint(&self) -> [u8; 32] {
+        use sha2::Digest as _;
+        let mut h = sha2::Sha256::new();
+        for part in self.ca.iter().chain(self.identity.iter()) {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part);
+        }
+        h.update([self.identity.is_some() as u8]);
+        h.finalize().into()
+    }
+}
+
 /// Timeouts of every client.
 pub(super) struct Timeouts {
     pub connect: Duration,
@@ -305,6 +319,25 @@ mod tests {
         assert!(next_hop(&from, "http://[::1]:5000/x").is_ok());
         let plain = u("http://127.0.0.1:5000/v2/a");
         assert!(next_hop(&plain, "http://10.0.0.1/x").is_ok());
+    }
+
+    #[test]
+    fn tls_fingerprints_follow_contents() {
+        let tls = |ca: &[&[u8]], identity: Option<&[u8]>| Tls {
+            ca: ca.iter().map(|c| c.to_vec()).collect(),
+            identity: identity.map(<[u8]>::to_vec),
+        };
+        let base = tls(&[b"ca"], Some(b"id"));
+        assert_eq!(base.fingerprint(), tls(&[b"ca"], Some(b"id")).fingerprint());
+        for other in [
+            tls(&[b"ca"], Some(b"rotated")),
+            tls(&[b"ca2"], Some(b"id")),
+            tls(&[b"ca"], None),
+            tls(&[b"c", b"a"], Some(b"id")),
+            tls(&[b"ca", b"id"], None),
+        ] {
+            assert_ne!(base.fingerprint(), other.fingerprint());
+        }
     }
 
     #[test]

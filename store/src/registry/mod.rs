@@ -107,14 +107,16 @@ fn bounded(mut message: String) -> String {
 
 /// Clients are cached per endpoint TLS setting: building one loads the TLS roots, which takes
 /// long enough (~0.2 s here) to matter per pull. A client holds no credentials (sessions hold
-/// their own authorization), so sharing one is sharing connection pools only.
+/// their own authorization), so sharing one is sharing connection pools only. The key holds the
+/// certificates' contents, not their paths: the files are read at every session, so a rotated
+/// client certificate or CA is used from the next pull on.
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct ClientKey {
     host: String,
     plain_http: bool,
     skip_verify: bool,
-    ca: Vec<std::path::PathBuf>,
-    client: Vec<(std::path::PathBuf, Option<std::path::PathBuf>)>,
+    /// sha256 of the CA certificates and the client certificate and key.
+    tls: [u8; 32],
     dial_timeout: Option<Duration>,
 }
 
@@ -209,8 +211,7 @@ impl Registry {
             host: ep.host.clone(),
             plain_http: ep.plain_http,
             skip_verify: ep.skip_verify,
-            ca: ep.ca.clone(),
-            client: ep.client.clone(),
+            tls: tls.fingerprint(),
             dial_timeout: ep.dial_timeout,
         };
         if let Some((c, used)) = self.clients.lock().unwrap().get_mut(&key) {
