@@ -621,6 +621,26 @@ async fn hosts_toml_headers_go_to_the_host_and_nowhere_else() {
 }
 
 #[tokio::test]
+async fn requests_refused_at_once_share_one_token() {
+    // Four blob requests meet the 401 together: one token request answers them all.
+    let (server, token) = token_setup("127.0.0.1", || {
+        let mut r = good_token();
+        r.delay = Some(Duration::from_millis(200));
+        r
+    })
+    .await;
+    let session = registry()
+        .session(&reference(&server.addr), &Credentials::default())
+        .unwrap();
+    let digest = Digest::of(b"{}");
+    let opened = futures::future::join_all((0..4).map(|_| session.blob(&digest, 0, 2, None))).await;
+    assert!(opened.iter().all(Result::is_ok));
+    assert_eq!(token.seen().len(), 1, "{:?}", token.seen());
+    // Four refused, four retried with the token.
+    assert_eq!(server.seen().len(), 8, "{:?}", server.seen());
+}
+
+#[tokio::test]
 async fn a_partial_answer_that_starts_elsewhere_is_refused() {
     let server = Server::start("127.0.0.1", |req| {
         if req.path.contains("/blobs/") {
