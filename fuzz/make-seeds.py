@@ -291,4 +291,20 @@ for name, data in spdy.items():
     put("spdy_frames", name, data)
     put("spdy_conn", name, data)
 
+# --- www_authenticate --------------------------------------------------------------------------
+# Header values (one per line), then NUL-separated parts of a challenge to write and read back.
+challenges = {
+    "docker-hub": 'Bearer realm="https://auth.docker.io/token",service="registry.docker.io",scope="repository:library/busybox:pull"',
+    "basic": 'Basic realm="Registry Realm"',
+    "two-in-one": 'Basic realm="x", Bearer realm=https://t.example/token,service=reg',
+    "quoted-escapes": 'Bearer realm="a \\"q\\" b,c",scope="repository:a/b:pull,push"',
+    "lines": 'Negotiate\nBearer realm="r"\nBasic',
+    "token68": "Bearer abc==,",
+    "garbage": '==,, "x"=y\tBearer realm="unterminated',
+    "parts": "Bearer\0https://t.example/token\0reg\0repository:a:pull",
+    "parts-quotes": 'Bearer\0a "b" \\ c, d\0\0scope',
+}
+for name, data in challenges.items():
+    put("www_authenticate", name, data)
+
 print("seeds written to", CORPUS)

@@ -131,15 +131,17 @@ fn bare_host(h: &str) -> String {
     h.to_ascii_lowercase()
 }
 
-/// One challenge of a `WWW-Authenticate` header: its scheme (lower-case) and parameters.
+/// One challenge of a `WWW-Authenticate` header: its scheme and parameter names (lower-case),
+/// and the parameters' values.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Challenge {
+pub struct Challenge {
     pub scheme: String,
     pub params: Vec<(String, String)>,
 }
 
 impl Challenge {
-    fn param(&self, name: &str) -> Option<&str> {
+    /// The value of parameter `name` (lower-case), the first if it is given twice.
+    pub fn param(&self, name: &str) -> Option<&str> {
         self.params
             .iter()
             .find(|(k, _)| k == name)
@@ -149,7 +151,7 @@ impl Challenge {
 
 /// The challenges of `WWW-Authenticate` header values (RFC 7235: `scheme k=v, k="quoted, v"`,
 /// several challenges in one value or in several values). Anything unparseable is skipped.
-pub(super) fn parse_challenges<'a>(values: impl IntoIterator<Item = &'a str>) -> Vec<Challenge> {
+pub fn parse_challenges<'a>(values: impl IntoIterator<Item = &'a str>) -> Vec<Challenge> {
     let mut out: Vec<Challenge> = Vec::new();
     for value in values {
         let mut rest = value.trim();
