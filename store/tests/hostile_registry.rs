@@ -640,6 +640,53 @@ async fn requests_refused_at_once_share_one_token() {
     assert_eq!(server.seen().len(), 8, "{:?}", server.seen());
 }
 
+#[test]
+fn missing_or_bad_tls_files_are_configuration_errors_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("junk.pem"), "not a certificate").unwrap();
+    for (settings, file, want) in [
+        (
+            "ca = \"absent-ca.pem\"\n",
+            "absent-ca.pem",
+            "reading CA certificate",
+        ),
+        (
+            "client = \"absent.pem\"\n",
+            "absent.pem",
+            "reading client certificate",
+        ),
+        (
+            "client = [[\"../junk.pem\", \"absent.key\"]]\n",
+            "absent.key",
+            "reading client key",
+        ),
+        (
+            "client = \"../junk.pem\"\n",
+            "junk.pem",
+            "not a PEM certificate and private key",
+        ),
+    ] {
+        let hosts = hosts_dir_with(dir.path(), "r.example", "https://r.example", settings);
+        let err = Registry::new(hosts)
+            .session(
+                &Reference::parse("r.example/app:v1").unwrap(),
+                &Credentials::default(),
+            )
+            .err()
+            .expect("refused");
+        assert_eq!(
+            err.kind(),
+            ErrorKind::FailedPrecondition,
+            "{settings}: {err}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains(file) && msg.contains(want),
+            "{settings}: {msg}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_partial_answer_that_starts_elsewhere_is_refused() {
     let server = Server::start("127.0.0.1", |req| {
