@@ -43,11 +43,10 @@ origin=127.0.0.1:5098
 cache=127.0.0.1:5097
 image=fleet/origin:1
 rm -rf "$work" && mkdir -p "$work"
-cache_pid=
 daemon_pid=
 cleanup() {
     [ -n "$daemon_pid" ] && kill -9 "$daemon_pid" 2>/dev/null || true
-    [ -n "$cache_pid" ] && kill -9 "$cache_pid" 2>/dev/null || true
+    hack/stop-registry.sh --dir "$work/cache" >/dev/null 2>&1 || true
     hack/stop-registry.sh --dir "$work/origin" >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
@@ -66,32 +65,12 @@ printf 'server = "http://%s"\n\n[host."http://%s"]\n  capabilities = ["pull", "r
     "$origin" "$cache" > "$certs/origin.example/hosts.toml"
 
 start_cache() { # a fresh, empty pull-through cache of the origin
-    local dir=$work/cache
-    rm -rf "$dir" && mkdir -p "$dir/storage"
-    cat > "$dir/config.yml" <<YAML
-version: 0.1
-log:
-  level: info
-  formatter: text
-storage:
-  filesystem:
-    rootdirectory: $dir/storage
-http:
-  addr: $cache
-  secret: fleet-origin
-proxy:
-  remoteurl: http://$origin
-YAML
-    docker-registry serve "$dir/config.yml" > "$dir/registry.log" 2>&1 &
-    cache_pid=$!
-    for _ in $(seq 200); do curl -fs -o /dev/null "http://$cache/v2/" && return 0; sleep 0.05; done
-    echo "fleet-origin: the cache did not start" >&2; tail "$dir/registry.log" >&2; exit 1
+    rm -rf "$work/cache"
+    hack/start-registry.sh --port "${cache#*:}" --dir "$work/cache" --proxy-remote "http://$origin" >/dev/null
 }
 
 stop_cache() {
-    kill "$cache_pid" 2>/dev/null || true
-    wait "$cache_pid" 2>/dev/null || true
-    cache_pid=
+    hack/stop-registry.sh --dir "$work/cache" >/dev/null
 }
 
 wait_cached() { # until the cache holds every blob of the image
@@ -114,51 +93,9 @@ origin_bytes() { # blob bytes the origin has written so far
         sed 's/.*http.response.written=//' | awk '{s += $1} END {print s + 0}'
 }
 
-start_daemon() { # runtime root
-    local rt=$1 root=$2
-    rm -rf "$root" && mkdir -p "$root"
-    sock=$root/cri.sock
-    case $rt in
-        minicri)
-            "$bin/minicri" serve --root "$root/root" --state "$root/state" --socket "$sock" \
-                --registry-config-dir "$certs" --log-level warn >"$root/log" 2>&1 &
-            ;;
-        containerd)
-            cat > "$root/config.toml" <<TOML
-version = 2
-root = "$root/root"
-state = "$root/state"
-[grpc]
-  address = "$sock"
-[ttrpc]
-  address = "$sock.ttrpc"
-[plugins."io.containerd.grpc.v1.cri"]
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-[plugins."io.containerd.grpc.v1.cri".containerd]
-  snapshotter = "overlayfs"
-[plugins."io.containerd.grpc.v1.cri".cni]
-  conf_dir = "$root/net.d"
-[plugins."io.containerd.grpc.v1.cri".registry]
-  config_path = "$certs"
-TOML
-            containerd --config "$root/config.toml" >"$root/log" 2>&1 &
-            ;;
-    esac
-    daemon_pid=$!
-    for _ in $(seq 400); do [ -S "$sock" ] && return 0; sleep 0.05; done
-    echo "fleet-origin: $rt did not open $sock" >&2; tail -20 "$root/log" >&2; exit 1
-}
-
-stop_daemon() {
-    kill "$daemon_pid" 2>/dev/null || true
-    for _ in $(seq 100); do kill -0 "$daemon_pid" 2>/dev/null || break; sleep 0.05; done
-    kill -9 "$daemon_pid" 2>/dev/null || true
-    wait "$daemon_pid" 2>/dev/null || true
-    daemon_pid=
-    awk -v r="$1/" '$2 ~ "^"r {print $2}' /proc/self/mounts | sort -r | xargs -r -n1 umount -l
-    rm -rf "$1"
-}
+prog=fleet-origin
+# shellcheck source=hack/lib/pull-runtimes.sh
+source hack/lib/pull-runtimes.sh
 
 one_pull() { # runtime -> origin bytes as a multiple of the image
     local rt=$1 before after

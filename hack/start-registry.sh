@@ -4,11 +4,14 @@
 # /etc/docker/registry/config.yml is never used).
 #
 # Usage: hack/start-registry.sh [--port N] [--dir DIR] [--htpasswd USER:PASSWORD]
+#                              [--proxy-remote URL]
 #
 #   --port N                 TCP port on 127.0.0.1 (default 5000)
 #   --dir DIR                state directory: config.yml, storage/, registry.log, registry.pid
 #                            and htpasswd (default /var/tmp/minicri-registry-PORT)
 #   --htpasswd USER:PASSWORD require HTTP basic auth with this one user
+#   --proxy-remote URL       run as a pull-through cache of the registry at URL (distribution's
+#                            proxy mode: what it lacks it fetches from there, serves and stores)
 #
 # Rerunnable: if the registry recorded in DIR/registry.pid is still alive, nothing is done.
 # The script returns once GET /v2/ answers (200, or 401 when auth is on).
@@ -19,6 +22,7 @@ REGISTRY_BIN=/usr/bin/docker-registry
 port=5000
 dir=
 htpasswd_cred=
+proxy_remote=
 
 usage() {
     # The header comment, minus the '#'.
@@ -34,6 +38,8 @@ while [[ $# -gt 0 ]]; do
         --dir=*) dir=${1#*=}; shift ;;
         --htpasswd) htpasswd_cred=${2:?--htpasswd needs USER:PASSWORD}; shift 2 ;;
         --htpasswd=*) htpasswd_cred=${1#*=}; shift ;;
+        --proxy-remote) proxy_remote=${2:?--proxy-remote needs a URL}; shift 2 ;;
+        --proxy-remote=*) proxy_remote=${1#*=}; shift ;;
         -h|--help) usage 0 ;;
         *) echo "start-registry: unknown argument: $1" >&2; usage 2 >&2 ;;
     esac
@@ -92,6 +98,12 @@ else
     rm -f "$dir/htpasswd"
 fi
 
+proxy_section=
+if [[ -n $proxy_remote ]]; then
+    proxy_section="proxy:
+  remoteurl: $proxy_remote"
+fi
+
 # The secret signs upload state; any value works for a single instance.
 secret=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
 
@@ -115,6 +127,7 @@ http:
   headers:
     X-Content-Type-Options: [nosniff]
 $auth_section
+$proxy_section
 CONFIG
 
 echo "--- start $(date -Is)" >>"$logfile"
