@@ -91,9 +91,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "BYTES_PER_SEC")]
     pub pull_min_speed: Option<u64>,
 
-    /// Seconds authenticating with a registry endpoint (its ping and token requests together)
-    /// or one manifest request may take in total, bodies included (a blob request: until its
-    /// response headers). [default: 60]
+    /// Seconds one manifest request may take in total, its body and the token request a 401
+    /// leads to included (a blob request: until its response headers, its token request
+    /// included). [default: 60]
     #[arg(long, value_name = "SECONDS")]
     pub registry_request_timeout: Option<f64>,
 
