@@ -46,9 +46,12 @@ fuzz_target!(|data: &[u8]| {
             for (name, value) in &e.headers {
                 let tchar = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
                 assert!(
-                    !name.is_empty()
-                        && name.bytes().all(tchar)
-                        && value.bytes().all(|b| b == b'\t' || (b >= 0x20 && b != 0x7f)),
+                    !name.as_str().is_empty()
+                        && name.as_str().bytes().all(tchar)
+                        && value
+                            .as_bytes()
+                            .iter()
+                            .all(|b| *b == b'\t' || (*b >= 0x20 && *b != 0x7f)),
                     "{text:?}: header {name:?}: {value:?}"
                 );
             }

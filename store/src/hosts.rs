@@ -49,9 +49,9 @@ pub struct Endpoint {
     /// Client certificates for mutual TLS (`client`): `(certificate, key)` PEM files; no key
     /// file when the certificate's file holds the key too.
     pub client: Vec<(PathBuf, Option<PathBuf>)>,
-    /// Extra headers sent with every request to this host (`header`), names lower-case, values
-    /// checked when the file is read.
-    pub headers: Vec<(String, String)>,
+    /// Extra headers sent with every request to this host (`header`), checked when the file is
+    /// read.
+    pub headers: reqwest::header::HeaderMap,
 }
 
 /// The API root of a registry that is not a path-based mirror.
@@ -289,7 +289,7 @@ pub fn default_endpoint(registry: &str) -> Endpoint {
         api_root: DEFAULT_API_ROOT.to_string(),
         dial_timeout: None,
         client: Vec::new(),
-        headers: Vec::new(),
+        headers: Default::default(),
     }
 }
 
@@ -513,7 +513,7 @@ fn endpoint_with(entry: &HostEntry, at: &str, path: &Path) -> Result<Endpoint> {
             ),
         );
     }
-    let mut headers = Vec::new();
+    let mut headers = reqwest::header::HeaderMap::new();
     for (name, value) in entry.header.iter().flatten() {
         let values = match value {
             toml::Value::String(v) => vec![v.clone()],
@@ -528,12 +528,10 @@ fn endpoint_with(entry: &HostEntry, at: &str, path: &Path) -> Result<Endpoint> {
                 )));
             }
         };
-        let lower = name.to_ascii_lowercase();
-        if reqwest::header::HeaderName::from_bytes(lower.as_bytes()).is_err() {
-            return Err(bad(format!("header {name:?} is not a valid header name")));
-        }
+        let header_name = reqwest::header::HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| bad(format!("header {name:?} is not a valid header name")))?;
         if matches!(
-            lower.as_str(),
+            header_name.as_str(),
             "host" | "content-length" | "range" | "transfer-encoding"
         ) {
             return Err(bad(format!(
@@ -541,12 +539,12 @@ fn endpoint_with(entry: &HostEntry, at: &str, path: &Path) -> Result<Endpoint> {
             )));
         }
         for v in values {
-            if reqwest::header::HeaderValue::from_str(&v).is_err() {
-                return Err(bad(format!(
+            let value = reqwest::header::HeaderValue::from_str(&v).map_err(|_| {
+                bad(format!(
                     "header {name:?}: value is not a valid header value"
-                )));
-            }
-            headers.push((lower.clone(), v));
+                ))
+            })?;
+            headers.append(header_name.clone(), value);
         }
     }
     Ok(Endpoint {
@@ -821,8 +819,13 @@ future_key = 1
                 .map(|(a, b)| (a.to_string(), b.to_string()))
                 .collect()
         };
+        let pairs = |m: &reqwest::header::HeaderMap| -> Vec<(String, String)> {
+            m.iter()
+                .map(|(k, v)| (k.to_string(), v.to_str().unwrap().to_string()))
+                .collect()
+        };
         assert_eq!(
-            e[0].headers,
+            pairs(&e[0].headers),
             strs(&[
                 ("authorization", "Basic Zm9vOmJhcg=="),
                 ("x-multi", "a"),
@@ -841,7 +844,7 @@ future_key = 1
             ]
         );
         // Top-level settings are the server's alone.
-        assert_eq!(e[1].headers, strs(&[("x-custom", "1")]));
+        assert_eq!(pairs(&e[1].headers), strs(&[("x-custom", "1")]));
         assert_eq!(e[1].dial_timeout, Some(std::time::Duration::from_secs(3)));
         assert_eq!(e[0].dial_timeout, Some(std::time::Duration::from_secs(2)));
     }

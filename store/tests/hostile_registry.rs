@@ -455,10 +455,7 @@ fn basic_registry(req: &Seen) -> Reply {
 
 /// A hosts directory sending `registry` to `server_url`.
 fn hosts_dir(dir: &Path, registry: &str, server_url: &str) -> RegistryHosts {
-    let d = dir.join(registry);
-    std::fs::create_dir_all(&d).unwrap();
-    std::fs::write(d.join("hosts.toml"), format!("server = \"{server_url}\"\n")).unwrap();
-    RegistryHosts::new(Some(dir.to_path_buf()))
+    hosts_dir_with(dir, registry, server_url, "")
 }
 
 #[tokio::test]

@@ -387,14 +387,23 @@ impl EndpointCreds {
 /// grant, POST), with basic credentials (GET), or anonymously (GET).
 async fn fetch_token(
     client: &reqwest::Client,
-    mut realm: Url,
+    realm: Url,
     endpoint_headers: &HeaderMap,
     endpoint_url: &Url,
     service: Option<&str>,
     scope: &str,
     offered: &Offered,
 ) -> AuthResult<String> {
-    let mut req = Request::get(realm.clone());
+    // A GET names the service and scope in its query; the refresh grant (POST) in its form.
+    let mut url = realm.clone();
+    if !matches!(offered, Offered::IdentityToken(_)) {
+        let mut q = url.query_pairs_mut();
+        if let Some(s) = service {
+            q.append_pair("service", s);
+        }
+        q.append_pair("scope", scope);
+    }
+    let mut req = Request::get(url);
     if http::same_origin(&realm, endpoint_url) {
         req.scoped = endpoint_headers.clone();
     }
@@ -417,16 +426,6 @@ async fn fetch_token(
                 .insert(header::AUTHORIZATION, basic_header(u, p)?);
         }
         Offered::None | Offered::RegistryToken(_) => {}
-    }
-    if req.form.is_none() {
-        {
-            let mut q = realm.query_pairs_mut();
-            if let Some(s) = service {
-                q.append_pair("service", s);
-            }
-            q.append_pair("scope", scope);
-        }
-        req.url = realm.clone();
     }
     let resp = http::send(client, req)
         .await

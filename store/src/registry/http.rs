@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
+use reqwest::header::{self, HeaderMap};
 use reqwest::{Method, StatusCode, Url};
 
 use super::RemoteKind;
@@ -104,20 +104,6 @@ pub(super) fn same_origin(a: &Url, b: &Url) -> bool {
     a.scheme() == b.scheme()
         && a.host_str() == b.host_str()
         && a.port_or_known_default() == b.port_or_known_default()
-}
-
-/// The headers hosts.toml gives `endpoint` (checked when the file was read).
-pub(super) fn endpoint_headers(endpoint: &Endpoint) -> HeaderMap {
-    let mut map = HeaderMap::new();
-    for (name, value) in &endpoint.headers {
-        if let (Ok(n), Ok(v)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_str(value),
-        ) {
-            map.append(n, v);
-        }
-    }
-    map
 }
 
 /// Sends `req` with `client`, following redirects as the module says.

@@ -284,7 +284,7 @@ impl Registry {
             };
             sessions.push(EndpointSession {
                 repository: ep.repository(&reference.path),
-                headers: http::endpoint_headers(&ep),
+                headers: ep.headers.clone(),
                 endpoint: ep,
                 base,
                 client,
