@@ -24,7 +24,7 @@ mod snapshotter;
 mod store;
 mod stream;
 
-pub use apply::{MAX_LONG_NAME, MAX_PAX_BYTES, MAX_SPARSE_MAP_BYTES, unpack_into};
+pub use apply::{MAX_LONG_NAME, MAX_PATH_BYTES, MAX_PAX_BYTES, MAX_SPARSE_MAP_BYTES, unpack_into};
 pub use backend::overlay::check_support as overlay_supported;
 pub use compression::Compression;
 pub use digest::{chain_id, chain_ids, validate_digest};

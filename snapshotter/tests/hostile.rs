@@ -15,6 +15,8 @@ both_backends!(
     pax_header_over_the_cap_is_not_read,
     long_name_over_the_cap,
     entry_count_cap,
+    path_length_cap,
+    implicit_dirs_count_against_the_entry_cap,
     byte_cap,
     byte_cap_counts_a_gzip_bomb,
     byte_cap_counts_sparse_holes,
@@ -109,6 +111,99 @@ fn entry_count_cap(b: Backend) {
     limit_err(&err, "max_layer_entries");
     assert_eq!(s.list().unwrap().len(), 1, "only the first layer");
     assert!(names(&s.root().join("tmp")).is_empty());
+}
+
+fn path_length_cap(b: Backend) {
+    let (_d, s) = open(b);
+    // A PAX path of 1,000 KiB, half a million directories deep: refused from its length, before anything
+    // walks it (resolving it one component per stack frame used to overflow the thread's stack).
+    let deep = format!("{}f", "a/".repeat(500 << 10));
+    let mut l = Layer::new();
+    l.file_with(
+        "short",
+        b"x",
+        &Attrs {
+            pax: vec![("path".into(), deep.into_bytes())],
+            ..Default::default()
+        },
+    );
+    let err = try_apply(&s, None, &l.finish(), None).unwrap_err();
+    limit_err(&err, "entry path length");
+    // A hardlink whose target is past PATH_MAX, as a GNU long link name.
+    let mut target = format!("{}f", "b/".repeat(2100)).into_bytes();
+    target.push(0);
+    let mut l = Layer::new();
+    l.file("f", b"x")
+        .extension(b'K', &target)
+        .hardlink("link", "f");
+    let err = try_apply(&s, None, &l.finish(), None).unwrap_err();
+    limit_err(&err, "entry path length");
+    assert!(s.list().unwrap().is_empty());
+    // Deep paths within the cap are unpacked: 600 directories.
+    let deep = format!("{}f", "a/".repeat(600));
+    let mut l = Layer::new();
+    l.file_with(
+        "short",
+        b"deep",
+        &Attrs {
+            pax: vec![("path".into(), deep.clone().into_bytes())],
+            ..Default::default()
+        },
+    );
+    let chain = apply(&s, None, &l.finish());
+    with_view(&s, &chain, |root| {
+        // Walk down with relative opens: the whole path is too long for one syscall from `root`.
+        let mut dir = fs::File::open(root).unwrap();
+        for _ in 0..600 {
+            dir = open_at(&dir, "a");
+        }
+        let mut data = String::new();
+        open_at(&dir, "f").read_to_string(&mut data).unwrap();
+        assert_eq!(data, "deep");
+    });
+}
+
+/// Opens `name` under the directory `dir`, following no symlink.
+fn open_at(dir: &fs::File, name: &str) -> fs::File {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let c = std::ffi::CString::new(name).unwrap();
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    assert!(
+        fd >= 0,
+        "openat {name}: {}",
+        std::io::Error::last_os_error()
+    );
+    unsafe { fs::File::from_raw_fd(fd) }
+}
+
+fn implicit_dirs_count_against_the_entry_cap(b: Backend) {
+    let (_d, s) = open_with(
+        b,
+        Options {
+            max_layer_entries: 10,
+            ..Default::default()
+        },
+    );
+    // Two entries, four directories nobody listed: six of ten.
+    let mut l = Layer::new();
+    l.file("a/b/c/f", b"x").file("a/b/d/g", b"x");
+    apply(&s, None, &l.finish());
+    // One entry, eleven directories nobody listed: twelve.
+    let mut l = Layer::new();
+    l.file("1/2/3/4/5/6/7/8/9/10/11/f", b"x");
+    let err = try_apply(&s, None, &l.finish(), None).unwrap_err();
+    limit_err(&err, "max_layer_entries");
+    assert!(
+        err.to_string().contains("directories created for them"),
+        "{err}"
+    );
+    assert_eq!(s.list().unwrap().len(), 1, "only the first layer");
 }
 
 fn byte_cap(b: Backend) {

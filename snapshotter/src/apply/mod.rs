@@ -27,7 +27,7 @@ mod target;
 
 pub(crate) use overlay_target::{Detached, OverlayTarget, rebase};
 pub(crate) use reader::Limits;
-pub use reader::{MAX_LONG_NAME, MAX_PAX_BYTES, MAX_SPARSE_MAP_BYTES};
+pub use reader::{MAX_LONG_NAME, MAX_PATH_BYTES, MAX_PAX_BYTES, MAX_SPARSE_MAP_BYTES};
 pub(crate) use target::{CopyTarget, Target};
 
 use std::ffi::{OsStr, OsString};
@@ -69,6 +69,7 @@ pub(crate) fn apply_tar(
         applier
             .entry(target, &h, &mut reader)
             .map_err(|e| e.into_error(&h.path))?;
+        reader.count_implicit_dirs(target.implicit_dirs())?;
     }
     target
         .times()

@@ -42,6 +42,8 @@ pub(crate) struct OverlayTarget {
     times: DirTimes,
     /// Set when applying without the parent layers: what the result assumed about them.
     detached: Option<RefCell<Detached>>,
+    /// Directories created without an entry of their own (see [`Target::implicit_dirs`]).
+    implicit_dirs: u64,
 }
 
 /// Why a detached apply looked below its own directory.
@@ -82,6 +84,7 @@ impl OverlayTarget {
             created: Created::default(),
             times: DirTimes::default(),
             detached: None,
+            implicit_dirs: 0,
         }
     }
 
@@ -275,6 +278,7 @@ impl Target for OverlayTarget {
                     self.note_parent(&prefix)?;
                     fs::remove_file(&up)?;
                     fs::create_dir(&up)?;
+                    self.implicit_dirs += 1;
                     fsutil::set_mode(&up, 0o755)?;
                     fsutil::set_opaque(&up)?;
                     self.created.insert(&prefix);
@@ -284,6 +288,7 @@ impl Target for OverlayTarget {
                     let lower = self.lookup_for(&prefix, Probe::ImplicitDir)?;
                     self.note_parent(&prefix)?;
                     fs::create_dir(&up)?;
+                    self.implicit_dirs += 1;
                     match lower {
                         Some((lp, m)) if m.is_dir() => {
                             fsutil::copy_meta(&lp, &up, &m)?;
@@ -395,6 +400,10 @@ impl Target for OverlayTarget {
 
     fn keep_xattr(&self, name: &OsStr) -> bool {
         name == fsutil::OVERLAY_OPAQUE
+    }
+
+    fn implicit_dirs(&self) -> u64 {
+        self.implicit_dirs
     }
 
     fn times(&mut self) -> &mut DirTimes {

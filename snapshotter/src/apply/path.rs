@@ -60,10 +60,16 @@ pub(crate) fn normalize(raw: &[u8]) -> Result<PathBuf, PathError> {
 /// Hop limit for symlink chains, as the kernel's MAXSYMLINKS.
 const MAX_HOPS: usize = 40;
 
+/// Bytes of paths the resolver's cache may hold before it starts over: every prefix of a deep path
+/// is cached, so a layer of deep paths would otherwise make it grow with the square of their depth.
+const MAX_CACHE_BYTES: usize = 16 << 20;
+
 /// Resolves entry directories against the view, caching results while the tree's shape is stable.
 #[derive(Default)]
 pub(crate) struct Resolver {
     cache: HashMap<PathBuf, PathBuf>,
+    /// Path bytes held by `cache`, keys and values.
+    cache_bytes: usize,
 }
 
 impl Resolver {
@@ -71,24 +77,37 @@ impl Resolver {
     /// directories or symlinks (removals, whiteouts, new symlinks).
     pub(crate) fn invalidate(&mut self) {
         self.cache.clear();
+        self.cache_bytes = 0;
     }
 
     /// Where the directory `dir` (a normalized entry directory) really is in the view.
+    ///
+    /// Resolves from the nearest cached ancestor (or the root) down, one component at a time, in a
+    /// loop: a path's depth is bounded by the reader's path length cap, not by this thread's stack.
     pub(crate) fn resolve_dir(&mut self, t: &dyn Target, dir: &Path) -> Result<PathBuf, PathError> {
-        if dir.as_os_str().is_empty() {
-            return Ok(PathBuf::new());
+        let mut pending = Vec::new();
+        let mut base = PathBuf::new();
+        for a in dir.ancestors() {
+            if a.as_os_str().is_empty() {
+                break;
+            }
+            if let Some(r) = self.cache.get(a) {
+                base = r.clone();
+                break;
+            }
+            pending.push(a);
         }
-        if let Some(r) = self.cache.get(dir) {
-            return Ok(r.clone());
+        for a in pending.into_iter().rev() {
+            let name = a.file_name().expect("normalized paths end in a name");
+            base = follow(t, base, name, a)?;
+            let bytes = a.as_os_str().len() + base.as_os_str().len();
+            if self.cache_bytes + bytes > MAX_CACHE_BYTES {
+                self.invalidate();
+            }
+            self.cache_bytes += bytes;
+            self.cache.insert(a.to_path_buf(), base.clone());
         }
-        let base = match dir.parent() {
-            Some(p) => self.resolve_dir(t, p)?,
-            None => PathBuf::new(),
-        };
-        let name = dir.file_name().expect("normalized paths end in a name");
-        let resolved = follow(t, base, name, dir)?;
-        self.cache.insert(dir.to_path_buf(), resolved.clone());
-        Ok(resolved)
+        Ok(base)
     }
 }
 

@@ -20,7 +20,11 @@
 //!   included) plus the holes of sparse files, so neither a decompression bomb nor a sparse file
 //!   with a huge apparent size gets past it; checked when a header announces its size, before any
 //!   data is written;
-//! - [`Limits::max_entries`]: entries (extension headers not counted, they belong to the next entry).
+//! - the entry cap, [`Limits::max_entries`], counts entries (extension headers not counted, they
+//!   belong to the next entry) plus the directories the applier creates for them without an entry
+//!   of their own ([`TarReader::count_implicit_dirs`]);
+//! - an entry's path and link name are refused above [`MAX_PATH_BYTES`] (the kernel's `PATH_MAX`),
+//!   which also bounds how deep a path can go (2,048 components).
 //!
 //! Malformed input (bad checksum, bad number, bad PAX record, a sparse map that does not add up) is
 //! an `InvalidData` stream error; a cap exceeded is a [`Error::LayerLimit`].
@@ -37,6 +41,9 @@ use crate::fsutil;
 pub const MAX_PAX_BYTES: u64 = 1 << 20;
 /// Largest GNU long name or long link name read: 64 KiB (PATH_MAX is 4 KiB).
 pub const MAX_LONG_NAME: u64 = 64 << 10;
+/// Longest entry path or link name accepted: 4 KiB, Linux's `PATH_MAX` (a symlink's target cannot be
+/// longer, and no path a real filesystem hands a tar writer is).
+pub const MAX_PATH_BYTES: usize = 4096;
 /// Largest sparse map read (GNU extension blocks or a PAX 1.0 map): 1 MiB, some 40,000 segments.
 pub const MAX_SPARSE_MAP_BYTES: u64 = 1 << 20;
 
@@ -357,6 +364,20 @@ impl<R: Read> TarReader<R> {
                 let s = self.pax_sparse(&mut pax, &mut out)?;
                 out.sparse = Some(s);
             }
+            for (what, bytes) in [("path", &out.path), ("link name", &out.link)] {
+                if bytes.len() > MAX_PATH_BYTES {
+                    return Err(Error::LayerLimit {
+                        limit: "entry path length",
+                        max: MAX_PATH_BYTES as u64,
+                        detail: format!(
+                            "entry {} at byte {start} has a {}-byte {what} starting {:?}",
+                            self.entries,
+                            bytes.len(),
+                            String::from_utf8_lossy(&bytes[..64])
+                        ),
+                    });
+                }
+            }
             out.size = self.remaining;
             // A sparse file's holes count too: its apparent size is what copies of it cost.
             let holes = out
@@ -366,6 +387,23 @@ impl<R: Read> TarReader<R> {
             self.charge(holes, || format!("sparse entry {path:?}"))?;
             return Ok(Some(out));
         }
+    }
+
+    /// Counts `dirs`, the directories created so far for entries that did not list them (an entry
+    /// `a/b/c/f` alone creates three), against [`Limits::max_entries`] with the entries read: they cost
+    /// an inode and the applier's bookkeeping just as listed ones do.
+    pub(crate) fn count_implicit_dirs(&self, dirs: u64) -> Result<(), Error> {
+        if self.entries.saturating_add(dirs) > self.limits.max_entries {
+            return Err(Error::LayerLimit {
+                limit: "max_layer_entries",
+                max: self.limits.max_entries,
+                detail: format!(
+                    "{} entries and {dirs} directories created for them without an entry of their own",
+                    self.entries
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The map of a GNU old-style sparse entry: four slots in the header, then extension blocks.

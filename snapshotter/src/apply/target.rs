@@ -63,6 +63,9 @@ pub(crate) trait Target {
     fn read_link(&self, rel: &Path) -> io::Result<PathBuf>;
     /// Makes `rel` and its parents directories of the writable tree.
     fn ensure_dir(&mut self, rel: &Path) -> io::Result<()>;
+    /// How many directories [`Self::ensure_dir`] has created: ones no entry listed, which count
+    /// against the entry cap all the same.
+    fn implicit_dirs(&self) -> u64;
     /// Creating `rel` failed with EEXIST: clear the way for a new node.
     fn make_room(&mut self, rel: &Path, for_dir: bool) -> io::Result<Room>;
     /// Applies the whiteout for `rel` (parent already resolved, maybe missing).
@@ -179,6 +182,7 @@ pub(crate) struct CopyTarget {
     root: PathBuf,
     created: Created,
     times: DirTimes,
+    implicit_dirs: u64,
 }
 
 impl CopyTarget {
@@ -187,6 +191,7 @@ impl CopyTarget {
             root,
             created: Created::default(),
             times: DirTimes::default(),
+            implicit_dirs: 0,
         }
     }
 
@@ -222,6 +227,7 @@ impl Target for CopyTarget {
                 None => {
                     self.note_parent(&prefix)?;
                     fs::create_dir(self.root.join(&prefix))?;
+                    self.implicit_dirs += 1;
                     fsutil::set_mode(&self.root.join(&prefix), 0o755)?;
                     self.created.insert(&prefix);
                 }
@@ -284,6 +290,10 @@ impl Target for CopyTarget {
 
     fn keep_xattr(&self, _name: &OsStr) -> bool {
         false
+    }
+
+    fn implicit_dirs(&self) -> u64 {
+        self.implicit_dirs
     }
 
     fn times(&mut self) -> &mut DirTimes {
