@@ -202,6 +202,14 @@ fn check_mount(m: &cri::Mount, host: &HostInfo) -> Result<&'static str> {
             m.container_path
         )));
     }
+    // A relative source would be resolved by the OCI runtime against its working directory, the
+    // container's bundle (its config.json and shim socket), and by minicri against its own.
+    if !m.host_path.starts_with('/') {
+        return Err(OciError::invalid(format!(
+            "mount {:?}: host_path {:?} is not absolute",
+            m.container_path, m.host_path
+        )));
+    }
     if m.image.as_ref().is_some_and(|i| !i.image.is_empty()) {
         return Err(OciError::invalid("image volume mounts are not supported"));
     }

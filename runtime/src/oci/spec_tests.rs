@@ -856,6 +856,19 @@ fn recursive_read_only_mounts() {
         ..Default::default()
     };
     assert!(build(&f, &no_source).is_err());
+    // Nor a relative one: the OCI runtime would resolve it inside the container's bundle.
+    for rel in [".", "config.json", "a/../.."] {
+        let relative = vec![cri::Mount {
+            container_path: "/mnt".into(),
+            host_path: rel.into(),
+            ..Default::default()
+        }];
+        let err = spec::validate_mounts(&relative, &f.host).unwrap_err();
+        assert!(
+            matches!(&err, crate::oci::OciError::InvalidArgument(m) if m.contains("is not absolute")),
+            "{err:?}"
+        );
+    }
 }
 
 #[test]
