@@ -1,11 +1,81 @@
 //! Small filesystem helpers the daemon's modules share: replacing a file atomically and making a
 //! directory's entries durable (the store crate's one implementation of each, re-exported for
-//! the daemon's modules), and the modes of the daemon's directories ([`private_layout`]).
+//! the daemon's modules), reading a file someone else wrote without blocking or reading without
+//! end ([`read_regular`]), and the modes of the daemon's directories ([`private_layout`]).
 
 pub use minicri_store::fsutil::{off_async, sync_dir, write_atomic};
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+
+/// Why [`read_regular`] returned no bytes.
+#[derive(Debug)]
+pub enum ReadRegularError {
+    /// Nothing at the path (or a component on the way is not a directory).
+    Missing,
+    /// A FIFO, device, socket, directory, or (when not following) a symlink.
+    NotRegular,
+    /// Larger than the cap, when opened or while read: the size seen.
+    TooBig(u64),
+    /// What failed, and how.
+    Io(&'static str, std::io::Error),
+}
+
+/// Reads the regular file at `path`, at most `max` bytes: for files that others write (an image's
+/// `/etc/passwd`, a seccomp profile named in a pod spec). A FIFO would block the read forever and a
+/// device such as `/dev/zero` would never end, so anything but a regular file is refused before it
+/// is opened, and again on the descriptor (opened with `O_NONBLOCK`, in case the path changed in
+/// between). `follow`: whether a symlink as the last component is followed.
+pub fn read_regular(path: &Path, max: u64, follow: bool) -> Result<Vec<u8>, ReadRegularError> {
+    use std::io::{ErrorKind, Read};
+    use std::os::unix::fs::OpenOptionsExt;
+    let missing =
+        |e: &std::io::Error| matches!(e.kind(), ErrorKind::NotFound | ErrorKind::NotADirectory);
+    let check = |m: &std::fs::Metadata| {
+        if !m.is_file() {
+            Err(ReadRegularError::NotRegular)
+        } else if m.len() > max {
+            Err(ReadRegularError::TooBig(m.len()))
+        } else {
+            Ok(())
+        }
+    };
+    let stat = if follow {
+        std::fs::metadata(path)
+    } else {
+        std::fs::symlink_metadata(path)
+    };
+    match stat {
+        Ok(m) => check(&m)?,
+        Err(e) if missing(&e) => return Err(ReadRegularError::Missing),
+        Err(e) => return Err(ReadRegularError::Io("stat", e)),
+    }
+    let nofollow = if follow { 0 } else { libc::O_NOFOLLOW };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nofollow | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path);
+    let file = match file {
+        Ok(f) => f,
+        Err(e) if missing(&e) => return Err(ReadRegularError::Missing),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(ReadRegularError::NotRegular);
+        }
+        Err(e) => return Err(ReadRegularError::Io("open", e)),
+    };
+    let meta = file
+        .metadata()
+        .map_err(|e| ReadRegularError::Io("stat", e))?;
+    check(&meta)?;
+    let mut b = Vec::with_capacity(meta.len() as usize);
+    file.take(max + 1)
+        .read_to_end(&mut b)
+        .map_err(|e| ReadRegularError::Io("read", e))?;
+    if b.len() as u64 > max {
+        return Err(ReadRegularError::TooBig(b.len() as u64));
+    }
+    Ok(b)
+}
 
 /// Directories of the state directory that containers in a pod user namespace must traverse
 /// (their root is an unprivileged host uid): searchable by all, not listable. Everything under

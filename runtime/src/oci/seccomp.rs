@@ -29,6 +29,7 @@
 //! libseccomp does not know are skipped by runc and crun.
 
 use std::collections::HashSet;
+use std::path::Path;
 
 use oci_spec::runtime::{
     Arch, Capability, LinuxSeccomp, LinuxSeccompAction, LinuxSeccompArgBuilder,
@@ -170,8 +171,13 @@ fn native_architectures() -> Vec<Arch> {
     }
 }
 
+/// The largest `Localhost` profile read (real ones are tens of KiB).
+pub const MAX_PROFILE_BYTES: u64 = 4 << 20;
+
 /// Loads a `Localhost` profile: an OCI `linux.seccomp` JSON document at `path` (absolute, as the
-/// kubelet resolves it under its seccomp root).
+/// kubelet resolves it under its seccomp root). Any CRI client can name any path, so it is read
+/// only if it is a regular file of at most [`MAX_PROFILE_BYTES`] (a FIFO would block the daemon,
+/// `/dev/zero` would grow it without end).
 pub fn load_profile(path: &str) -> Result<LinuxSeccomp> {
     let path = path.strip_prefix("localhost/").unwrap_or(path);
     if !path.starts_with('/') {
@@ -179,7 +185,26 @@ pub fn load_profile(path: &str) -> Result<LinuxSeccomp> {
             "seccomp profile path {path:?} is not absolute"
         )));
     }
-    let text = std::fs::read(path).map_err(|e| OciError::io("read seccomp profile", path, e))?;
+    use crate::fsutil::{ReadRegularError as E, read_regular};
+    let text = match read_regular(Path::new(path), MAX_PROFILE_BYTES, true) {
+        Ok(b) => b,
+        Err(E::Missing) => {
+            return Err(OciError::invalid(format!(
+                "seccomp profile {path} does not exist"
+            )));
+        }
+        Err(E::NotRegular) => {
+            return Err(OciError::invalid(format!(
+                "seccomp profile {path} is not a regular file"
+            )));
+        }
+        Err(E::TooBig(n)) => {
+            return Err(OciError::invalid(format!(
+                "seccomp profile {path} is {n} bytes or more, more than the {MAX_PROFILE_BYTES} read"
+            )));
+        }
+        Err(E::Io(what, e)) => return Err(OciError::io(what, path, e)),
+    };
     serde_json::from_slice(&text)
         .map_err(|e| OciError::invalid(format!("seccomp profile {path}: {e}")))
 }
@@ -224,6 +249,44 @@ mod tests {
             .iter()
             .flat_map(|s| s.names().clone())
             .collect()
+    }
+
+    #[test]
+    fn localhost_profiles_that_are_not_small_regular_files_are_refused_without_blocking() {
+        let d = tempfile::tempdir().unwrap();
+        let invalid = |path: &Path, want: &str| {
+            let t = std::time::Instant::now();
+            let e = load_profile(path.to_str().unwrap()).unwrap_err();
+            assert!(
+                matches!(&e, OciError::InvalidArgument(m) if m.contains(want)),
+                "{path:?}: {e:?}"
+            );
+            assert!(t.elapsed() < std::time::Duration::from_secs(1), "{path:?}");
+        };
+        // A FIFO nobody writes: opening it for reading would block the daemon forever.
+        let fifo = d.path().join("fifo.json");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
+        invalid(&fifo, "not a regular file");
+        // A device that never ends, named directly and through a symlink.
+        invalid(Path::new("/dev/zero"), "not a regular file");
+        let link = d.path().join("zero.json");
+        std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
+        invalid(&link, "not a regular file");
+        invalid(&d.path().join("absent.json"), "does not exist");
+        // Over the cap (sparse: no disk used).
+        let big = d.path().join("big.json");
+        std::fs::File::create(&big)
+            .unwrap()
+            .set_len(MAX_PROFILE_BYTES + 1)
+            .unwrap();
+        invalid(&big, "more than");
+        // A real profile is read, through a symlink too (the kubelet's seccomp root may hold them).
+        let good = d.path().join("good.json");
+        std::fs::write(&good, r#"{"defaultAction": "SCMP_ACT_ALLOW"}"#).unwrap();
+        let via = d.path().join("via.json");
+        std::os::unix::fs::symlink(&good, &via).unwrap();
+        let p = load_profile(&format!("localhost/{}", via.display())).unwrap();
+        assert_eq!(p.default_action(), LinuxSeccompAction::ScmpActAllow);
     }
 
     #[test]

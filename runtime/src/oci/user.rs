@@ -157,48 +157,20 @@ pub const MAX_ACCOUNT_FILE: u64 = 4 << 20;
 /// opened without following a last symlink (the path is already resolved inside the rootfs)
 /// and without blocking on open.
 pub fn read_in_root(root: &Path, path: &str) -> Result<Option<String>> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
+    use crate::fsutil::{ReadRegularError as E, read_regular};
     let p = resolve_in_root(root, Path::new(path))
         .map_err(|e| OciError::io("resolve", root.join(path.trim_start_matches('/')), e))?;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(&p);
-    let file = match file {
-        Ok(f) => f,
-        Err(e)
-            if e.kind() == std::io::ErrorKind::NotFound
-                || e.kind() == std::io::ErrorKind::NotADirectory =>
-        {
-            return Ok(None);
-        }
-        Err(e) => return Err(OciError::io("open", p, e)),
-    };
-    let meta = file
-        .metadata()
-        .map_err(|e| OciError::io("stat", p.clone(), e))?;
-    if !meta.is_file() {
-        return Err(OciError::invalid(format!(
+    match read_regular(&p, MAX_ACCOUNT_FILE, false) {
+        Ok(b) => Ok(Some(String::from_utf8_lossy(&b).into_owned())),
+        Err(E::Missing) => Ok(None),
+        Err(E::NotRegular) => Err(OciError::invalid(format!(
             "the image's {path} is not a regular file"
-        )));
+        ))),
+        Err(E::TooBig(n)) => Err(OciError::invalid(format!(
+            "the image's {path} is {n} bytes or more, more than the {MAX_ACCOUNT_FILE} read"
+        ))),
+        Err(E::Io(what, e)) => Err(OciError::io(what, p, e)),
     }
-    if meta.len() > MAX_ACCOUNT_FILE {
-        return Err(OciError::invalid(format!(
-            "the image's {path} is {} bytes, more than the {MAX_ACCOUNT_FILE} read",
-            meta.len()
-        )));
-    }
-    let mut b = Vec::with_capacity(meta.len() as usize);
-    file.take(MAX_ACCOUNT_FILE + 1)
-        .read_to_end(&mut b)
-        .map_err(|e| OciError::io("read", p.clone(), e))?;
-    if b.len() as u64 > MAX_ACCOUNT_FILE {
-        return Err(OciError::invalid(format!(
-            "the image's {path} grew past {MAX_ACCOUNT_FILE} bytes while read"
-        )));
-    }
-    Ok(Some(String::from_utf8_lossy(&b).into_owned()))
 }
 
 fn id_from_i64(v: i64, what: &str) -> Result<u32> {

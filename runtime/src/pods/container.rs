@@ -106,7 +106,8 @@ impl PodService {
         let chain_id = image.chain_id.clone().ok_or_else(|| {
             Error::FailedPrecondition(format!("image {image_name:?} is not unpacked"))
         })?;
-        let image_config = ImageConfig::from_document(&self.content.read(&image.config)?)?;
+        let image_config = crate::fsutil::off_async(|| self.content.read(&image.config))?;
+        let image_config = ImageConfig::from_document(&image_config)?;
         // Mounts are checked before anything is done on the host for them (their sources may
         // be made shared below, which is not undone).
         let pod_userns = oci::userns::pod_userns(&sb_config)?;
@@ -212,10 +213,12 @@ impl PodService {
             mounts,
             ..config.clone()
         };
+        let bundle = self.bundle_dir(&id);
+        undo.push(Undo::RemoveDir(bundle.clone()))?;
         // Spec building reads the image's /etc/passwd and /etc/group, device nodes and seccomp
-        // profiles: file work kept off the async workers.
-        let spec = crate::fsutil::off_async(|| {
-            oci::container_spec(&ContainerSpecParams {
+        // profiles, and the bundle is written and fsynced: file work kept off the async workers.
+        let spec = crate::fsutil::off_async(|| -> Result<_> {
+            let spec = oci::container_spec(&ContainerSpecParams {
                 id: &id,
                 sandbox_id,
                 config: &spec_config,
@@ -228,11 +231,10 @@ impl PodService {
                 cgroup_driver: self.cgroup_driver,
                 host: &host,
                 annotations: &self.annotations,
-            })
+            })?;
+            oci::write_bundle(&bundle, &spec)?;
+            Ok(spec)
         })?;
-        let bundle = self.bundle_dir(&id);
-        undo.push(Undo::RemoveDir(bundle.clone()))?;
-        oci::write_bundle(&bundle, &spec)?;
 
         // CRI: the log is <sandbox log_directory>/<container log_path>.
         let log_path = crate::logs::container_log_path(&sb_config.log_directory, &config.log_path)
@@ -727,12 +729,15 @@ impl PodService {
     }
 
     /// UpdateContainerResources: applied through the runtime to a running container, and to
-    /// the bundle of a created one.
+    /// the bundle of a created one. Serialised with StartContainer (the object's op lock), so an
+    /// update of a created container is either in the bundle runc reads or sent to the running
+    /// container, never written after runc read it and lost.
     pub async fn update_container_resources(
         &self,
         id: &str,
         linux: Option<cri::LinuxContainerResources>,
     ) -> Result<()> {
+        let _guard = self.store.op_lock(id).await;
         let r = self.store.container(id).ok_or_else(|| not_found(id))?;
         let Some(linux) = linux else { return Ok(()) };
         let resources = oci::spec::linux_resources(&linux, &self.host)?;
@@ -741,7 +746,7 @@ impl PodService {
                 .runtime(&r.runtime_handler)?
                 .update(id, &resources)
                 .await?),
-            ContainerState::Created => {
+            ContainerState::Created => crate::fsutil::off_async(|| {
                 let path = r.bundle.join("config.json");
                 let mut spec = oci_spec::runtime::Spec::load(&path)
                     .map_err(|e| Error::Internal(format!("reading the spec of {id}: {e}")))?;
@@ -753,7 +758,7 @@ impl PodService {
                 l.set_resources(Some(merged));
                 spec.set_linux(Some(l));
                 Ok(oci::write_bundle(&r.bundle, &spec)?)
-            }
+            }),
             _ => Err(Error::FailedPrecondition(format!(
                 "container {id} is not running"
             ))),

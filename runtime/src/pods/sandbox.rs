@@ -219,18 +219,23 @@ impl PodService {
         // The infra process.
         let svc = self.clone();
         let infra = blocking(move || svc.infra_rootfs()).await?;
-        let spec = oci::sandbox_spec(&SandboxSpecParams {
-            id,
-            config,
-            infra: &infra,
-            netns,
-            cgroup_driver: self.cgroup_driver,
-            host: &self.host_for(handler),
-            annotations: &self.annotations,
-        })?;
         let bundle = self.bundle_dir(id);
         undo.push(Undo::RemoveDir(bundle.clone()))?;
-        oci::write_bundle(&bundle, &spec)?;
+        // File work (a Localhost seccomp profile is read, the bundle written and fsynced) kept
+        // off the async workers.
+        crate::fsutil::off_async(|| -> Result<()> {
+            let spec = oci::sandbox_spec(&SandboxSpecParams {
+                id,
+                config,
+                infra: &infra,
+                netns,
+                cgroup_driver: self.cgroup_driver,
+                host: &self.host_for(handler),
+                annotations: &self.annotations,
+            })?;
+            oci::write_bundle(&bundle, &spec)?;
+            Ok(())
+        })?;
         // The shim creates the container; from here on, runc knows the id.
         undo.push(Undo::DeleteContainer {
             id: id.to_string(),
