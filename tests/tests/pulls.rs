@@ -525,6 +525,33 @@ async fn progress_watchdog_drops_a_stalled_pull() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn the_watchdog_leaves_a_pull_alone_while_it_unpacks_after_its_last_byte() {
+    let e = env(&["--pull-progress-timeout", "1"]).await;
+    // 150,000 empty files: a blob of about a MiB, downloaded at once, whose unpack (an inode and
+    // its metadata per entry, then a sync) takes seconds after the last byte arrived.
+    let mut b = images::LayerBuilder::new();
+    for i in 0..150_000 {
+        b = b.file(&format!("d{}/f{i}", i / 1000), Vec::new(), 0o644);
+    }
+    let layer = b.build(images::Compression::Gzip).unwrap();
+    let client = images::RegistryClient::new(e.proxy.upstream());
+    images::ImageBuilder::new()
+        .layer(layer)
+        .push(&client, "minicri-test/manyfiles:latest")
+        .await
+        .unwrap();
+    let r = format!("{}/minicri-test/manyfiles:latest", e.proxy.addr());
+    let start = Instant::now();
+    pull(&e.daemon, &r, pod(5)).await.unwrap();
+    let took = start.elapsed();
+    // Otherwise the unpack ended within the timeout and the test showed nothing.
+    assert!(
+        took > Duration::from_secs(3),
+        "the pull took {took:?}: too little to outlast the 1 s progress timeout"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn stopping_one_of_two_sandboxes_fails_only_its_pull() {
     if let Some(why) = sandboxes_skip_reason() {
         eprintln!("skipping: {why}");

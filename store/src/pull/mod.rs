@@ -987,9 +987,10 @@ impl PullManager {
         }
     }
 
-    /// Drops every reference of a job that received no byte for `timeout`, or (with a
-    /// `min_speed`) fewer than `min_speed` bytes per second over a window of `timeout` while it
-    /// still had bytes to download.
+    /// Drops every reference of a job that received no byte for `timeout` while it still had bytes
+    /// to download, or (with a `min_speed`) fewer than `min_speed` bytes per second over a window
+    /// of `timeout`. Once every byte is in, the time the unpack and its sync take is not the
+    /// network's: a large last layer on a slow disk may take minutes after its last byte.
     async fn watchdog(&self, job: Arc<Job>, timeout: Duration, min_speed: Option<u64>) {
         let tick = (timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
         let first = job.bytes();
@@ -1000,7 +1001,7 @@ impl PullManager {
             tokio::time::sleep(tick).await;
             let b = job.bytes();
             let mut reason = None;
-            if b.done != last {
+            if b.done != last || b.done >= b.total {
                 last = b.done;
                 since = Instant::now();
             } else if since.elapsed() >= timeout {
