@@ -158,31 +158,38 @@ impl ContentStore {
                 size: data.len() as u64,
             });
         }
-        if self.size(d) == Some(data.len() as u64) {
-            return Ok(());
-        }
-        let tmp = self
-            .root
-            .join("tmp")
-            .join(format!("{}.{}", d.hex(), std::process::id()));
-        write_synced(&tmp, data)?;
-        let dst = self.blob_path(d);
-        fs::rename(&tmp, &dst).ctx(|| format!("committing {}", dst.display()))
+        // A file written and fsynced: called from async code (a pull's manifests), so kept off the
+        // async workers.
+        crate::fsutil::off_async(|| {
+            if self.size(d) == Some(data.len() as u64) {
+                return Ok(());
+            }
+            // A name of its own: two pulls may write the same manifest at once.
+            let tmp = self.tmp_path("writing", d);
+            write_synced(&tmp, data)?;
+            let dst = self.blob_path(d);
+            fs::rename(&tmp, &dst).ctx(|| format!("committing {}", dst.display()))
+        })
+    }
+
+    /// A fresh path in `tmp/` (emptied at every start) for work on `d`: unique in this process.
+    fn tmp_path(&self, what: &str, d: &Digest) -> PathBuf {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        self.root.join("tmp").join(format!(
+            "{what}-{}-{}-{}",
+            d.hex(),
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ))
     }
 
     /// Takes a committed blob out of the store at once (a rename into `tmp/`, emptied at every
     /// start) and returns where it went, for the caller to delete when it suits; `None` when the
     /// blob is not there.
     pub fn take_out(&self, d: &Digest) -> Result<Option<PathBuf>> {
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static N: AtomicU64 = AtomicU64::new(0);
         let p = self.blob_path(d);
-        let gone = self.root.join("tmp").join(format!(
-            "removing-{}-{}-{}",
-            d.hex(),
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
+        let gone = self.tmp_path("removing", d);
         match fs::rename(&p, &gone) {
             Ok(()) => Ok(Some(gone)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -346,7 +353,11 @@ fn walk_usage(dir: &Path, bytes: &mut u64, inodes: &mut u64) {
 
 /// Writes `data` to `path` and fsyncs it.
 pub(crate) fn write_synced(path: &Path, data: &[u8]) -> Result<()> {
-    let mut f = File::create(path).ctx(|| format!("creating {}", path.display()))?;
+    let mut f = File::options()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .ctx(|| format!("creating {}", path.display()))?;
     f.write_all(data)
         .ctx(|| format!("writing {}", path.display()))?;
     f.sync_all().ctx(|| format!("syncing {}", path.display()))
@@ -573,6 +584,25 @@ impl Drop for Ingest {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two pulls storing the same manifest at once: each writes a temporary file of its own, so
+    /// neither renames the other's half-written file or finds its own gone.
+    #[test]
+    fn concurrent_writes_of_one_blob_all_succeed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ContentStore::open(dir.path()).unwrap();
+        for round in 0..50u32 {
+            let data: Vec<u8> = (0..64 * 1024u32).map(|i| (i ^ round) as u8).collect();
+            let d = Digest::of(&data);
+            std::thread::scope(|s| {
+                for _ in 0..4 {
+                    s.spawn(|| store.write(&d, &data).unwrap());
+                }
+            });
+            assert_eq!(store.read(&d).unwrap(), data);
+        }
+        assert_eq!(fs::read_dir(dir.path().join("tmp")).unwrap().count(), 0);
+    }
 
     #[test]
     fn ingest_resumes_and_verifies() {
