@@ -45,7 +45,7 @@ use crate::blobs::{BlobDownloads, BlobProgress, BlobState};
 use crate::content::ContentStore;
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
-use crate::images::{ImageRecord, ImageStore};
+use crate::images::{ImageRecord, ImageStore, Removed};
 use crate::manifest::Platform;
 use crate::reference::Reference;
 use crate::registry::{Credentials, FetchedManifest, Registry, Session};
@@ -355,6 +355,11 @@ pub struct PullManager {
     /// How long each sandbox's calls have been held in its current sync.
     budgets: SyncBudgets,
     counters: PullCounters,
+    /// Held while an image id's hold on its layer snapshots changes: a removal releasing it
+    /// ([`Self::release_snapshots`]) and a pull recording the image ([`Self::record_image`]). A
+    /// removal then never releases the snapshots of an image a pull has recorded again meanwhile,
+    /// and a pull never records an image whose snapshots a removal has just released.
+    snapshot_users: Mutex<()>,
 }
 
 /// A call's reference on a job; dropping it releases the reference.
@@ -406,6 +411,7 @@ impl PullManager {
             closed: Mutex::new(HashMap::new()),
             budgets,
             counters: PullCounters::default(),
+            snapshot_users: Mutex::new(()),
         })
     }
 
@@ -430,7 +436,7 @@ impl PullManager {
 
     /// Deletes what a removal freed, on a blocking thread: blobs, then layer snapshots (tree
     /// removals that can take seconds for large images).
-    pub(crate) fn finish_removal(self: &Arc<Self>, removed: crate::images::Removed) {
+    pub(crate) fn finish_removal(self: &Arc<Self>, removed: Removed) {
         if removed.is_empty() && removed.freed_blobs.is_empty() {
             return;
         }
@@ -457,7 +463,15 @@ impl PullManager {
         let Some(snap) = &self.snapshotter else {
             return;
         };
+        let _users = self
+            .snapshot_users
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         for img in images {
+            if matches!(self.images.get(img.id.as_str()), Ok(Some(_))) {
+                tracing::info!(image = %img.id, "image pulled again since its removal; its layer snapshots stay");
+                continue;
+            }
             match snap.release(img.id.as_str()) {
                 Ok(gone) => {
                     tracing::info!(image = %img.id, snapshots_removed = gone.len(), "released layer snapshots")
@@ -467,6 +481,20 @@ impl PullManager {
                 }
             }
         }
+    }
+
+    /// Records a pulled image, after making sure its layer snapshots are still there and held
+    /// for it: a removal of the same image running since the pull unpacked (or found) them may
+    /// have released them. `Snapshotter(NotFound)` when they are gone: unpack them again.
+    pub(crate) fn record_image(&self, rec: &ImageRecord) -> Result<(ImageRecord, Removed)> {
+        let _users = self
+            .snapshot_users
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let (Some(snap), Some(chain)) = (&self.snapshotter, &rec.chain_id) {
+            snap.add_user(chain, rec.id.as_str())?;
+        }
+        self.images.add(rec.clone(), &self.content)
     }
 
     pub fn counters(&self) -> &PullCounters {
@@ -1098,5 +1126,94 @@ fn snapshot(j: &Job) -> JobSnapshot {
             0.0
         },
         started_at: j.started_at,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use minicri_snapshotter::{Backend, LayerSpec, LocalSnapshotter, Options};
+
+    /// RemoveImage deletes an image's snapshots in the background; a pull of the same image may
+    /// record it again in between. Whichever comes first, the image that stays recorded has its
+    /// snapshots.
+    #[test]
+    fn a_removal_and_a_pull_of_one_image_never_leave_it_without_snapshots() {
+        let dir = tempfile::tempdir().unwrap();
+        let content = Arc::new(ContentStore::open(&dir.path().join("content")).unwrap());
+        let images = Arc::new(ImageStore::open(dir.path(), &content).unwrap());
+        let snaps = dir.path().join("snapshots");
+        std::fs::create_dir_all(&snaps).unwrap();
+        let snapshotter =
+            Arc::new(LocalSnapshotter::open(&snaps, Backend::Copy, Options::default()).unwrap());
+        let mgr = PullManager::new(
+            content.clone(),
+            images.clone(),
+            Registry::new(crate::hosts::RegistryHosts::new(None)),
+            PullConfig::default(),
+            Some(snapshotter.clone()),
+        );
+        let config = br#"{"rootfs":{"type":"layers","diff_ids":[]}}"#;
+        let id = Digest::of(config);
+        content.write(&id, config).unwrap();
+        // An empty layer (the two zero blocks that end a tar), held for the image as a pull does.
+        let tar = vec![0u8; 1024];
+        let diff_id = Digest::of(&tar).to_string();
+        let applied = snapshotter
+            .apply_layer(
+                &LayerSpec {
+                    media_type: "application/vnd.oci.image.layer.v1.tar",
+                    diff_id: &diff_id,
+                    parent: None,
+                    user: Some(id.as_str()),
+                },
+                &mut std::io::Cursor::new(tar),
+            )
+            .unwrap();
+        let chain = applied.chain_id.clone();
+        let record = ImageRecord {
+            id: id.clone(),
+            repo_tags: vec!["example.com/a:1".into()],
+            repo_digests: vec![],
+            manifest: id.clone(),
+            config: id.clone(),
+            layers: vec![],
+            diff_ids: vec![diff_id.clone()],
+            size: 0,
+            uid: None,
+            username: String::new(),
+            pinned: false,
+            platform: "linux/amd64".into(),
+            blobs: [id.clone()].into(),
+            chain_id: Some(chain.clone()),
+            pulled_at: chrono::Utc::now(),
+        };
+        mgr.record_image(&record).unwrap();
+        let held = |who: &Digest| {
+            snapshotter
+                .stat(&chain)
+                .is_ok_and(|i| i.users.contains(who.as_str()))
+        };
+
+        // The pull records the image again before the removal's background work runs: the
+        // snapshots stay, held for it.
+        let removed = images.remove(id.as_str()).unwrap();
+        mgr.record_image(&record).unwrap();
+        mgr.finish_removal(removed);
+        assert!(held(&id), "the recorded image lost its snapshots");
+        assert!(images.get(id.as_str()).unwrap().is_some());
+
+        // The removal's release runs first: the pull learns that the snapshots it found are gone
+        // (and unpacks again) instead of recording an image without them.
+        let removed = images.remove(id.as_str()).unwrap();
+        mgr.finish_removal(removed);
+        assert!(snapshotter.stat(&chain).is_err(), "released");
+        match mgr.record_image(&record) {
+            Err(StoreError::Snapshotter(minicri_snapshotter::Error::NotFound { key })) => {
+                assert_eq!(key, chain)
+            }
+            other => panic!("expected the snapshots to be missing, got {other:?}"),
+        }
+        assert!(images.get(id.as_str()).unwrap().is_none());
     }
 }

@@ -168,7 +168,7 @@ impl PullManager {
             architecture: config.architecture.clone(),
             variant: config.variant.clone(),
         };
-        let record = ImageRecord {
+        let mut record = ImageRecord {
             id: config_digest.clone(),
             repo_tags: reference.tagged().into_iter().collect(),
             repo_digests: vec![reference.with_digest(&top.digest)],
@@ -193,14 +193,24 @@ impl PullManager {
             chain_id,
             pulled_at: chrono::Utc::now(),
         };
-        // An image removed while this pull reused its blobs lost them: fetch those again.
+        // An image removed while this pull reused its blobs or snapshots lost them: fetch (and
+        // unpack) those again.
         for _ in 0..3 {
-            match crate::fsutil::off_async(|| self.images.add(record.clone(), &self.content)) {
+            match crate::fsutil::off_async(|| self.record_image(&record)) {
                 Err(StoreError::BlobNotFound(b)) => {
                     tracing::info!(image = %reference, blob = %b, "content removed during pull; fetching again");
                     for i in 0..=layers.len() {
                         self.fetch_part(job, i, session).await?;
                     }
+                }
+                Err(StoreError::Snapshotter(minicri_snapshotter::Error::NotFound { key })) => {
+                    tracing::info!(image = %reference, snapshot = %key, "layer snapshots removed during pull; unpacking again");
+                    for i in 0..=layers.len() {
+                        self.fetch_part(job, i, session).await?;
+                    }
+                    record.chain_id = self
+                        .unpack_layers(job, reference, &record.config, &to_apply)
+                        .await?;
                 }
                 Ok((stored, removed)) => {
                     for old in &removed.images {
