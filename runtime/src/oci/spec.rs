@@ -306,16 +306,20 @@ pub fn process_args(config: &cri::ContainerConfig, image: &ImageConfig) -> Resul
 }
 
 /// `HOSTNAME`, the image's env, the CRI env (a later key replaces an earlier one, in place).
+///
+/// Keys are found through an index, not by scanning: an image config may hold hundreds of
+/// thousands of entries, and a scan per entry made CreateContainer take minutes.
 pub fn process_env(hostname: &str, image: &[String], cri_env: &[cri::KeyValue]) -> Vec<String> {
     let mut env: Vec<String> = Vec::new();
+    let mut slots: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
     let mut set = |kv: String| {
         let key = kv.split('=').next().unwrap_or_default().to_string();
-        match env
-            .iter_mut()
-            .find(|e| e.split('=').next() == Some(key.as_str()))
-        {
-            Some(slot) => *slot = kv,
-            None => env.push(kv),
+        match slots.get(&key) {
+            Some(&i) => env[i] = kv,
+            None => {
+                slots.insert(key, env.len());
+                env.push(kv);
+            }
         }
     };
     set(format!("HOSTNAME={hostname}"));

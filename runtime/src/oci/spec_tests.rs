@@ -196,6 +196,28 @@ fn process_from_image_and_cri() {
 }
 
 #[test]
+fn a_huge_image_env_is_merged_in_linear_time() {
+    // 200,000 distinct keys (an image config near its 8 MiB cap holds more): a scan per entry
+    // took minutes; the whole merge must take well under a second even in a debug build.
+    let image: Vec<String> = (0..200_000).map(|i| format!("K{i}=1")).collect();
+    let cri_env = vec![cri::KeyValue {
+        key: "K7".into(),
+        value: b"cri".to_vec(),
+    }];
+    let t = std::time::Instant::now();
+    let env = spec::process_env("h", &image, &cri_env);
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(2),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(env.len(), 200_002, "HOSTNAME, the image's keys, PATH");
+    assert_eq!(env[0], "HOSTNAME=h");
+    assert_eq!(env[8], "K7=cri", "replaced in place");
+    assert_eq!(env[200_000], "K199999=1");
+}
+
+#[test]
 fn tty_containers_get_a_terminal_and_term() {
     let f = fixture();
     let tty = cri::ContainerConfig {
