@@ -181,3 +181,77 @@ async fn a_name_starting_with_127_is_not_loopback() {
         .unwrap_err();
     assert!(err.message().contains("http://127.0.0.1:1"), "{err:?}");
 }
+
+/// Pushes an image written by hand: `layers` (each pushed once) listed `times` times in the
+/// manifest, and `diff_ids` as the config's; returns its reference through the proxy.
+async fn push_by_hand(
+    e: &Env,
+    name: &str,
+    layer: &Layer,
+    times: usize,
+    diff_ids: Vec<String>,
+) -> String {
+    let client = images::RegistryClient::new(e.proxy.upstream());
+    let repo = format!("minicri-test/{name}");
+    client.push_layer(&repo, layer).await.unwrap();
+    let config = serde_json::to_vec(&serde_json::json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "rootfs": { "type": "layers", "diff_ids": diff_ids },
+    }))
+    .unwrap();
+    let config_digest = images::sha256_digest(&config);
+    client
+        .push_blob_bytes(&repo, &config_digest, config.clone().into())
+        .await
+        .unwrap();
+    let media_type = "application/vnd.oci.image.manifest.v1+json";
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": media_type,
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": config_digest,
+            "size": config.len(),
+        },
+        "layers": (0..times).map(|_| serde_json::json!({
+            "mediaType": layer.media_type(images::Format::Oci),
+            "digest": layer.digest,
+            "size": layer.size,
+        })).collect::<Vec<_>>(),
+    }))
+    .unwrap();
+    client
+        .put_manifest(&repo, "latest", media_type, manifest.into())
+        .await
+        .unwrap();
+    format!("{}/{repo}:latest", e.proxy.addr())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_malformed_diff_id_or_too_many_layers_is_a_failed_precondition() {
+    let e = env(&[]).await;
+    let layer = LayerBuilder::new()
+        .file("f", b"x".to_vec(), 0o644)
+        .build(Compression::Gzip)
+        .unwrap();
+    // A diff_id in upper case: the image is wrong, not the node (it used to be INTERNAL).
+    let upper = format!("sha256:{}", layer.diff_id[7..].to_uppercase());
+    let r = push_by_hand(&e, "upperdiff", &layer, 1, vec![upper]).await;
+    let err = pull_within(&e, &r, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("diff_id"), "{}", err.message());
+    // 501 layers (one tiny blob, listed again and again): refused from the manifest, before a
+    // snapshot is made for any of them.
+    let r = push_by_hand(&e, "deep", &layer, 501, vec![layer.diff_id.clone(); 501]).await;
+    let err = pull_within(&e, &r, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("501 layers"), "{}", err.message());
+    // 500 are pulled.
+    let r = push_by_hand(&e, "deep500", &layer, 500, vec![layer.diff_id.clone(); 500]).await;
+    pull_within(&e, &r, Duration::from_secs(300)).await.unwrap();
+}

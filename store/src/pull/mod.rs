@@ -28,7 +28,7 @@
 pub mod detach;
 mod procedure;
 
-pub use procedure::{MAX_CONFIG_BYTES, parse_manifest};
+pub use procedure::{MAX_CONFIG_BYTES, MAX_LAYERS, parse_manifest};
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -24,6 +24,11 @@ use super::{Job, Part, PullManager};
 /// Largest image config read: 8 MiB. Configs are a few KiB; a long history makes tens of KiB.
 pub const MAX_CONFIG_BYTES: u64 = 8 << 20;
 
+/// Most layers an image may have: overlayfs mounts at most 500 lower layers, and each layer costs
+/// a snapshot (a sync and two record writes); a 4 MiB manifest could otherwise list tens of
+/// thousands.
+pub const MAX_LAYERS: usize = 500;
+
 impl PullManager {
     pub(super) async fn pull_content(
         self: &Arc<Self>,
@@ -64,6 +69,16 @@ impl PullManager {
             .as_ref()
             .ok_or_else(|| malformed(reference, "manifest", "no config".into()))?;
         let layers = doc.layers.clone().unwrap_or_default();
+        if layers.len() > MAX_LAYERS {
+            return Err(malformed(
+                reference,
+                "manifest",
+                format!(
+                    "{} layers; at most {MAX_LAYERS} are pulled (overlayfs stacks no more)",
+                    layers.len()
+                ),
+            ));
+        }
         for l in &layers {
             if manifest::layer_compression(&l.media_type).is_none() {
                 return Err(StoreError::UnsupportedMediaType {
@@ -126,6 +141,10 @@ impl PullManager {
                 "image config",
                 format!("{} diff_ids for {} layers", diff_ids.len(), layers.len()),
             ));
+        }
+        for d in &diff_ids {
+            Digest::parse(d)
+                .map_err(|e| malformed(reference, "image config", format!("diff_id: {e}")))?;
         }
         blobs.insert(config_digest.clone());
 
