@@ -52,6 +52,13 @@ pub const PORT_HEADER: &str = "port";
 pub const REQUEST_ID_HEADER: &str = "requestID";
 /// How long one connection attempt inside the pod may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Streams of one session waiting for the other half of their pair. Each holds its header block;
+/// a client opening only halves (or streams already half-closed, which the connection does not
+/// count as open) is refused past this.
+const MAX_PENDING_PAIRS: usize = 256;
+/// Connections one session forwards at once (each a socket in the pod and two tasks); a pair
+/// completed past this gets the reason on its error stream.
+const MAX_FORWARDS: usize = 512;
 
 /// What the PortForward RPC accepted, kept under its token until the client connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,6 +104,7 @@ where
     let (closed_tx, closed_rx) = watch::channel(false);
     let mut pairs: HashMap<String, (Instant, Pair)> = HashMap::new();
     let mut forwards = 0u64;
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_FORWARDS));
     let reason = loop {
         let next_expiry = pairs
             .values()
@@ -124,6 +132,11 @@ where
             continue;
         }
         let key = pair_key(&s, &kind);
+        if pairs.len() >= MAX_PENDING_PAIRS && !pairs.contains_key(&key) {
+            tracing::debug!(sandbox = %req.sandbox_id, "port-forward stream refused: too many half pairs");
+            s.writer.reset(rst::REFUSED_STREAM).await;
+            continue;
+        }
         let (_, pair) = pairs
             .entry(key.clone())
             .or_insert_with(|| (Instant::now(), Pair::default()));
@@ -140,8 +153,21 @@ where
         if pair.error.is_some() && pair.data.is_some() {
             let (_, pair) = pairs.remove(&key).expect("just completed");
             let (error, data) = (pair.error.unwrap(), pair.data.unwrap());
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                let msg = format!(
+                    "more than {MAX_FORWARDS} connections forwarded at once in this session"
+                );
+                let _ = error.writer.write(msg.as_bytes()).await;
+                let _ = error.writer.close().await;
+                data.writer.reset(rst::REFUSED_STREAM).await;
+                continue;
+            };
             forwards += 1;
-            tokio::spawn(forward(req.clone(), error, data, closed_rx.clone()));
+            let (req, closed) = (req.clone(), closed_rx.clone());
+            tokio::spawn(async move {
+                forward(req, error, data, closed).await;
+                drop(slot);
+            });
         }
     };
     let _ = closed_tx.send(true);
@@ -457,6 +483,42 @@ mod tests {
             match p.recv().await {
                 Frame::RstStream { stream_id, status } => {
                     assert_eq!((stream_id, status), (17, rst::REFUSED_STREAM));
+                    break;
+                }
+                Frame::SynReply { .. } => {}
+                f => panic!("unexpected {f:?}"),
+            }
+        }
+    }
+
+    /// Error streams opened already half-closed, never paired: the connection does not count
+    /// them as open, so the session bounds them itself.
+    #[tokio::test]
+    async fn half_pairs_are_bounded() {
+        let mut p = session();
+        let id = |i: usize| 2 * i as u32 + 1;
+        for i in 0..=MAX_PENDING_PAIRS {
+            p.send(Frame::SynStream {
+                stream_id: id(i),
+                associated_to: 0,
+                priority: 0,
+                slot: 0,
+                flags: FLAG_FIN,
+                headers: Headers::new()
+                    .with("streamType", "error")
+                    .with("port", "80")
+                    .with("requestID", &i.to_string()),
+            })
+            .await;
+        }
+        let over = id(MAX_PENDING_PAIRS);
+        loop {
+            let f = tokio::time::timeout(Duration::from_secs(10), p.recv())
+                .await
+                .expect("a frame in time");
+            match f {
+                Frame::RstStream { stream_id, status } => {
+                    assert_eq!((stream_id, status), (over, rst::REFUSED_STREAM));
                     break;
                 }
                 Frame::SynReply { .. } => {}

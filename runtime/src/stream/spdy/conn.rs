@@ -26,8 +26,11 @@ use super::{FLAG_FIN, FLAG_UNIDIRECTIONAL, Frame, SpdyError, decode, encode, goa
 
 /// Largest DATA frame this side sends.
 pub const MAX_DATA_CHUNK: usize = 32 * 1024;
-/// DATA frames of one stream buffered for its reader before the connection's reader waits.
-const DATA_QUEUE: usize = 16;
+/// Pieces of DATA (each at most [`MAX_DATA_CHUNK`]) of one stream buffered for its reader before
+/// the connection's reader waits: 256 KiB. Peers do not honour flow control (see `flow`), so this
+/// and the socket are what holds a fast writer back; a frame of up to 1 MiB is queued in pieces,
+/// so a stream nobody reads holds at most this much, whatever the frames' size.
+const DATA_QUEUE: usize = 8;
 /// Streams a peer may hold open (not yet half-closed by it) in one session: exec and attach use
 /// up to five, port-forward two per forwarded connection. More are refused with REFUSED_STREAM.
 pub const MAX_OPEN_STREAMS: usize = 1024;
@@ -359,7 +362,15 @@ impl Reader {
                             && !data.is_empty()
                         {
                             // A reader that went away just means the data is not wanted.
-                            let _ = tx.send(data).await;
+                            if data.len() <= MAX_DATA_CHUNK {
+                                let _ = tx.send(data).await;
+                            } else {
+                                for piece in data.chunks(MAX_DATA_CHUNK) {
+                                    if tx.send(piece.to_vec()).await.is_err() {
+                                        break;
+                                    }
+                                }
+                            }
                         }
                         if flags & FLAG_FIN != 0 {
                             // The peer is done writing: nothing more is read for the stream
@@ -537,6 +548,38 @@ mod tests {
                 _ => {}
             }
         }
+    }
+
+    /// A stream whose reader never reads: the peer's large DATA frames are buffered up to the
+    /// stream's queue, then the connection stops reading the socket. Before, each of the 16
+    /// queued frames could be 1 MiB: 16 MiB per stream, 16 GiB per session of 1024 streams.
+    #[tokio::test]
+    async fn an_unread_stream_buffers_a_bounded_number_of_bytes() {
+        let (a, b) = tokio::io::duplex(64 << 10);
+        let (_h, mut ev) = serve(b);
+        let mut peer = Peer::new(a);
+        peer.open(1, "data").await;
+        // Keeps the stream, never reads it.
+        let Some(Event::Stream(_held)) = ev.recv().await else {
+            panic!("no stream");
+        };
+        let frame = vec![7u8; 1 << 20];
+        let mut sent = 0usize;
+        let written = tokio::time::timeout(std::time::Duration::from_secs(2), async {
+            loop {
+                peer.send(Frame::Data {
+                    stream_id: 1,
+                    flags: 0,
+                    data: frame.clone(),
+                })
+                .await;
+                sent += frame.len();
+            }
+        })
+        .await;
+        assert!(written.is_err(), "the peer's writes never blocked");
+        // The queue (256 KiB), one frame being queued (1 MiB) and the pipe (64 KiB).
+        assert!(sent <= 2 << 20, "{sent} bytes were taken from the peer");
     }
 
     #[tokio::test]
