@@ -705,7 +705,7 @@ async fn fetch(
     let (tx, mut rx) = tokio::sync::mpsc::channel::<WriterMsg>(32);
     let on_disk = progress.clone();
     let writer = tokio::task::spawn_blocking(move || {
-        let _guard = guard;
+        let guard = guard;
         let mut ingest: Ingest = ingest;
         while let Some(msg) = rx.blocking_recv() {
             match msg {
@@ -716,7 +716,7 @@ async fn fetch(
                 on_disk.set_written(ingest.offset());
             }
         }
-        Ok::<Ingest, StoreError>(ingest)
+        Ok::<_, StoreError>((ingest, guard))
     });
 
     let connections = if pieces.len() > 1 {
@@ -751,16 +751,22 @@ async fn fetch(
         });
     }
     debug_assert!(pieces.into_inner().unwrap().iter().all(|p| p.pos >= p.end));
-    let ingest = match written {
+    let (ingest, guard) = match written {
         Ok(i) => i,
         Err(e) => return Err(discard_on_size_error(content, &digest, e)),
     };
     // Every byte is on disk now: readers following the ingest may read to its end.
     progress.set_state(BlobState::Verifying);
     let c = content.clone();
-    tokio::task::spawn_blocking(move || ingest.commit(&c))
-        .await
-        .expect("commit does not panic")
+    // The ingest stays locked until it is committed (or its commit failed), even if this future
+    // is dropped meanwhile: a new download of the blob must not reopen the file being committed,
+    // nor the collector remove it.
+    tokio::task::spawn_blocking(move || {
+        let _guard = guard;
+        ingest.commit(&c)
+    })
+    .await
+    .expect("commit does not panic")
 }
 
 /// Bytes beyond the descriptor's size mean the partial data is not a prefix of the blob: drop it.

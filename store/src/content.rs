@@ -225,6 +225,11 @@ impl ContentStore {
         self.ingest_locks.lock(d).await
     }
 
+    /// [`Self::lock_ingest`] if nobody holds it now (for the collector: a held ingest is in use).
+    pub fn try_lock_ingest(&self, d: &Digest) -> Option<tokio::sync::OwnedMutexGuard<()>> {
+        self.ingest_locks.try_lock(d)
+    }
+
     /// Opens the ingest of blob `d` for writing, resuming from the bytes already there.
     /// Blocking (re-hashes the existing prefix); call under the blob's ingest lock.
     pub fn open_ingest(&self, d: &Digest, expected_size: u64) -> Result<Ingest> {

@@ -67,10 +67,15 @@ impl IngestGc {
         });
         let mut report = GcReport::default();
         for (ing, why_space) in plan {
-            // Re-check: a download may have started since the listing.
+            // Re-check: a download may have started since the listing. Its writer holds the
+            // ingest's lock from before it opens the ingest until the blob is committed, so the
+            // lock, held while removing, is what keeps an ingest in use from going.
             if self.blobs.active().contains(&ing.digest) {
                 continue;
             }
+            let Some(_ingest) = self.content.try_lock_ingest(&ing.digest) else {
+                continue;
+            };
             if let Err(e) = self.content.remove_ingest(&ing.digest) {
                 tracing::warn!(blob = %ing.digest, error = %e, "cannot remove partial download");
                 continue;
@@ -146,6 +151,37 @@ mod tests {
             expected_size: 100,
             updated_at: now - Duration::from_secs(age_secs),
         }
+    }
+
+    /// An ingest whose writer holds its lock (not yet, or no longer, listed as in flight) is in
+    /// use: the collector leaves it, and the blob commits.
+    #[test]
+    fn a_locked_ingest_is_not_collected() {
+        let dir = tempfile::tempdir().unwrap();
+        let content = Arc::new(ContentStore::open(dir.path()).unwrap());
+        let blobs = BlobDownloads::new(content.clone(), 1, Default::default());
+        let gc = IngestGc::new(content.clone(), blobs, Duration::ZERO);
+        let data = b"some blob".to_vec();
+        let d = Digest::of(&data);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let guard = rt.block_on(content.lock_ingest(&d));
+        let mut ing = content.open_ingest(&d, data.len() as u64).unwrap();
+        ing.append(&data).unwrap();
+        let report = gc.collect();
+        assert!(report.expired.is_empty(), "{report:?}");
+        ing.commit(&content).unwrap();
+        drop(guard);
+        assert_eq!(content.read(&d).unwrap(), data);
+        // Unlocked and idle, a partial goes.
+        let other = Digest::of(b"another");
+        content
+            .open_ingest(&other, 7)
+            .unwrap()
+            .append(b"ano")
+            .unwrap();
+        assert_eq!(gc.collect().expired, vec![other]);
     }
 
     #[test]

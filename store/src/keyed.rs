@@ -33,7 +33,16 @@ impl<K: Eq + Hash + Clone> KeyedLocks<K> {
 
     /// Waits for `key`'s lock; it is released when the guard is dropped.
     pub async fn lock(&self, key: &K) -> tokio::sync::OwnedMutexGuard<()> {
-        let lock = {
+        self.entry(key).lock_owned().await
+    }
+
+    /// `key`'s lock if nobody holds it now, without waiting (for blocking code).
+    pub fn try_lock(&self, key: &K) -> Option<tokio::sync::OwnedMutexGuard<()>> {
+        self.entry(key).try_lock_owned().ok()
+    }
+
+    fn entry(&self, key: &K) -> Arc<tokio::sync::Mutex<()>> {
+        {
             let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
             // Entries whose last holder is gone (cheap: only the keys in use are there).
             locks.retain(|_, w| w.strong_count() > 0);
@@ -45,8 +54,7 @@ impl<K: Eq + Hash + Clone> KeyedLocks<K> {
                     l
                 }
             }
-        };
-        lock.lock_owned().await
+        }
     }
 
     /// Keys with a holder or waiter now.
