@@ -347,29 +347,78 @@ pub(crate) fn lstat(path: &Path) -> io::Result<Option<Metadata>> {
 }
 
 /// Disk space and inodes a directory tree takes. Hardlinked files count once.
+///
+/// The tree may be a container's writable layer, shaped by whatever runs there: directories are
+/// read as they are walked (an open iterator per level, up to [`OPEN_DIRS`] deep; deeper ones
+/// wait as paths), so a directory of ten million entries costs one entry at a time, not a path
+/// for each, and a chain of a hundred thousand directories costs no more than 64 descriptors.
+/// What disappears during the walk is skipped.
 pub(crate) fn disk_usage(root: &Path) -> io::Result<(u64, u64)> {
     let mut seen = std::collections::HashSet::new();
     let mut bytes = 0u64;
     let mut inodes = 0u64;
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(p) = stack.pop() {
-        let m = match lstat(&p)? {
-            Some(m) => m,
-            None => continue,
-        };
+    let mut count = |m: &Metadata| {
         if m.nlink() > 1 && !m.is_dir() && !seen.insert((m.dev(), m.ino())) {
-            continue;
+            return;
         }
         inodes += 1;
         bytes += m.blocks() * 512;
+    };
+    let gone = |e: &io::Error| e.kind() == io::ErrorKind::NotFound;
+    let Some(m) = lstat(root)? else {
+        return Ok((0, 0));
+    };
+    count(&m);
+    if !m.is_dir() {
+        return Ok((bytes, inodes));
+    }
+    let mut open = vec![fs::read_dir(root)?];
+    let mut later: Vec<PathBuf> = Vec::new();
+    loop {
+        let Some(dir) = open.last_mut() else {
+            match later.pop() {
+                Some(p) => match fs::read_dir(&p) {
+                    Ok(d) => open.push(d),
+                    Err(e) if gone(&e) => {}
+                    Err(e) => return Err(e),
+                },
+                None => break,
+            }
+            continue;
+        };
+        let Some(entry) = dir.next() else {
+            open.pop();
+            continue;
+        };
+        let entry = match entry {
+            Ok(e) => e,
+            Err(e) if gone(&e) => continue,
+            Err(e) => return Err(e),
+        };
+        // DirEntry::metadata does not follow a symlink.
+        let m = match entry.metadata() {
+            Ok(m) => m,
+            Err(e) if gone(&e) => continue,
+            Err(e) => return Err(e),
+        };
+        count(&m);
         if m.is_dir() {
-            for e in fs::read_dir(&p)? {
-                stack.push(e?.path());
+            if open.len() < OPEN_DIRS {
+                match fs::read_dir(entry.path()) {
+                    Ok(d) => open.push(d),
+                    Err(e) if gone(&e) => {}
+                    Err(e) => return Err(e),
+                }
+            } else {
+                later.push(entry.path());
             }
         }
     }
     Ok((bytes, inodes))
 }
+
+/// Directories [`disk_usage`] keeps open at once.
+const OPEN_DIRS: usize = 64;
 
 /// Writes `bytes` to `path` through a temporary file beside it (`<path>.tmp`, created with
 /// `mode`), fsynced, renamed over `path`, and the directory fsynced: readers see the old contents
@@ -410,6 +459,31 @@ pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A chain deeper than the directories kept open, and a wide directory at its bottom: every
+    /// inode counted once.
+    #[test]
+    fn disk_usage_walks_deep_and_wide_trees() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("layer");
+        let mut deep = root.clone();
+        for _ in 0..(OPEN_DIRS * 3) {
+            deep.push("d");
+        }
+        fs::create_dir_all(&deep).unwrap();
+        for i in 0..1000 {
+            fs::write(deep.join(format!("f{i}")), b"").unwrap();
+        }
+        fs::create_dir(deep.join("sub")).unwrap();
+        fs::write(deep.join("sub/x"), b"x").unwrap();
+        fs::hard_link(deep.join("sub/x"), root.join("link")).unwrap();
+        std::os::unix::fs::symlink("/", root.join("to-root")).unwrap();
+        let (bytes, inodes) = disk_usage(&root).unwrap();
+        // root, 192 directories, 1000 files, sub, x (and its link once), the symlink.
+        assert_eq!(inodes, 1 + (OPEN_DIRS as u64 * 3) + 1000 + 2 + 1);
+        assert!(bytes > 0);
+        assert_eq!(disk_usage(&t.path().join("absent")).unwrap(), (0, 0));
+    }
 
     #[test]
     fn copy_tree_keeps_links_modes_xattrs_and_times() {

@@ -91,6 +91,9 @@ pub struct StatsState {
     image_fs: PathBuf,
     cpu: Mutex<HashMap<String, CpuSample>>,
     layers: Mutex<HashMap<String, LayerSample>>,
+    /// Containers whose writable layer is being measured now: one walk per layer at a time,
+    /// however many stats calls (and kubelet retries after timeouts) ask meanwhile.
+    measuring: Mutex<HashSet<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -103,6 +106,7 @@ impl StatsState {
             image_fs,
             cpu: Mutex::new(HashMap::new()),
             layers: Mutex::new(HashMap::new()),
+            measuring: Mutex::new(HashSet::new()),
         }
     }
 
@@ -322,15 +326,21 @@ impl PodService {
     }
 
     /// The writable layer's usage, measured at most once per [`LAYER_USAGE_TTL`]; `None` once
-    /// the snapshot is gone.
+    /// the snapshot is gone. While one call measures a layer (a walk of its tree, seconds for
+    /// millions of files), the others answer with the previous measurement (or none yet).
     fn writable_layer(&self, id: &str) -> Option<cri::FilesystemUsage> {
-        let cached = lock(&self.stats.layers)
-            .get(id)
-            .filter(|s| s.measured.elapsed() < LAYER_USAGE_TTL)
-            .copied();
-        let sample = match cached {
-            Some(s) => s,
-            None => {
+        let last = lock(&self.stats.layers).get(id).copied();
+        let sample = match last {
+            Some(s) if s.measured.elapsed() < LAYER_USAGE_TTL => s,
+            stale if !lock(&self.stats.measuring).insert(id.to_string()) => stale?,
+            _ => {
+                struct Done<'a>(&'a Mutex<HashSet<String>>, &'a str);
+                impl Drop for Done<'_> {
+                    fn drop(&mut self) {
+                        lock(self.0).remove(self.1);
+                    }
+                }
+                let _done = Done(&self.stats.measuring, id);
                 let usage = match self.snapshotter.usage(id) {
                     Ok(u) => u,
                     Err(minicri_snapshotter::Error::NotFound { .. }) => return None,
