@@ -110,13 +110,16 @@ impl Cache {
         }
     }
 
-    /// Writes the entry atomically.
+    /// Writes the entry atomically (two fsyncs: off the async workers).
     pub fn write(&self, entry: &CacheEntry) -> Result<(), CniError> {
         let id = &entry.container_id;
-        std::fs::create_dir_all(&self.dir).map_err(self.io_err(id))?;
         let path = self.path(id);
         let bytes = serde_json::to_vec_pretty(entry).expect("plain data serialises");
-        crate::fsutil::write_atomic(&path, &bytes, 0o600).map_err(self.io_err(id))
+        crate::fsutil::off_async(|| {
+            std::fs::create_dir_all(&self.dir)?;
+            crate::fsutil::write_atomic(&path, &bytes, 0o600)
+        })
+        .map_err(self.io_err(id))
     }
 
     /// Removes the entry of `id`; fine when there is none.

@@ -307,8 +307,9 @@ impl Store {
     }
 
     /// Serialises record changes; held across a change's file work, never by readers.
+    /// Waits for the writers' lock off the async workers: its holder may be in an fsync.
     fn writes(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.writes.lock().unwrap_or_else(|p| p.into_inner())
+        off_async(|| self.writes.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Writes a record's file (under [`Store::writes`], outside the records lock).
