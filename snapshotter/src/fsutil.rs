@@ -127,9 +127,29 @@ pub(crate) fn is_whiteout(m: &Metadata) -> bool {
     m.file_type().is_char_device() && m.rdev() == 0
 }
 
-/// Does `path` carry overlayfs's opaque marker?
-pub(crate) fn is_opaque(path: &Path) -> io::Result<bool> {
-    Ok(get_xattr(path, OsStr::new(OVERLAY_OPAQUE))?.as_deref() == Some(b"y"))
+/// Does the open directory `dir` carry overlayfs's opaque marker?
+pub(crate) fn is_opaque_fd(dir: &OwnedFd) -> io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    let n = cname(OsStr::new(OVERLAY_OPAQUE))?;
+    let mut buf = [0u8; 8];
+    // SAFETY: the name is NUL-terminated and buf is valid for buf.len() bytes.
+    let len = unsafe {
+        libc::fgetxattr(
+            dir.as_raw_fd(),
+            n.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    if len >= 0 {
+        return Ok(&buf[..len as usize] == b"y");
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        // Absent, or longer than "y": not the marker either way.
+        Some(libc::ENODATA) | Some(libc::ERANGE) | Some(libc::ENOTSUP) => Ok(false),
+        _ => Err(e),
+    }
 }
 
 pub(crate) fn set_opaque(path: &Path) -> io::Result<()> {

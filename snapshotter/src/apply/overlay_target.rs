@@ -138,33 +138,52 @@ enum Step {
     Below,
 }
 
+/// Walks `rel` down `layer` one component at a time from a descriptor of the directory above it,
+/// so that a lookup costs one short path resolution per component, not one of the whole prefix
+/// for each (a path 2,000 directories deep made every lookup 2,000 resolutions of up to 2,000
+/// components).
 fn lookup_layer(layer: &Path, rel: &Path) -> io::Result<Step> {
+    use nix::fcntl::AtFlags;
+    use nix::sys::stat::{SFlag, fstatat};
     let comps: Vec<_> = rel.components().collect();
-    let mut p = layer.to_path_buf();
+    if comps.is_empty() {
+        let m = fs::symlink_metadata(layer)?;
+        return Ok(Step::Found(layer.to_path_buf(), m));
+    }
+    let mut dir = fsutil::open_dir_nofollow(None, layer)?;
     let mut hides_below = false;
     for (i, c) in comps.iter().enumerate() {
-        p.push(c);
-        match fsutil::lstat(&p)? {
-            None => {
+        let name = c.as_os_str();
+        let st = match fstatat(&dir, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(nix::errno::Errno::ENOENT) => {
                 return Ok(if hides_below {
                     Step::Hidden
                 } else {
                     Step::Below
                 });
             }
-            Some(m) if fsutil::is_whiteout(&m) => return Ok(Step::Hidden),
-            Some(m) if i + 1 == comps.len() => return Ok(Step::Found(p, m)),
-            Some(m) if m.is_dir() => {
-                if fsutil::is_opaque(&p)? {
-                    hides_below = true;
-                }
-            }
-            Some(_) => return Ok(Step::Hidden),
+            Err(e) => return Err(e.into()),
+        };
+        let kind = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT;
+        if kind == SFlag::S_IFCHR && st.st_rdev == 0 {
+            // A whiteout.
+            return Ok(Step::Hidden);
+        }
+        if i + 1 == comps.len() {
+            let p = layer.join(rel);
+            let m = fs::symlink_metadata(&p)?;
+            return Ok(Step::Found(p, m));
+        }
+        if kind != SFlag::S_IFDIR {
+            return Ok(Step::Hidden);
+        }
+        dir = fsutil::open_dir_nofollow(Some(&dir), Path::new(name))?;
+        if fsutil::is_opaque_fd(&dir)? {
+            hides_below = true;
         }
     }
-    // Only reached for the root itself.
-    let m = fs::symlink_metadata(&p)?;
-    Ok(Step::Found(p, m))
+    unreachable!("the last component returns")
 }
 
 /// overlayfs's lookup over `layers` (topmost first).
