@@ -433,7 +433,9 @@ impl ServeArgs {
             p => p / 100.0,
         };
         let ingest_ttl = match self.ingest_ttl.unwrap_or(24.0) {
-            t if !t.is_finite() || t < 0.0 => bail!("ingest_ttl must be a number of hours >= 0"),
+            t if !t.is_finite() || !(0.0..=100_000.0).contains(&t) => {
+                bail!("ingest_ttl must be a number of hours, 0 to 100000")
+            }
             t => std::time::Duration::from_secs_f64(t * 3600.0),
         };
         let metrics_address = match self.metrics_address.as_deref() {
@@ -612,6 +614,11 @@ mod tests {
             },
             ServeArgs {
                 registry_request_timeout: Some(0.0),
+                ..Default::default()
+            },
+            // Past what a Duration holds once turned into seconds: an error, not a panic.
+            ServeArgs {
+                ingest_ttl: Some(1e16),
                 ..Default::default()
             },
         ] {

@@ -269,7 +269,10 @@ pub fn parse_quantity(s: &str) -> Result<u64, String> {
         let scale = 10u128
             .checked_pow(frac.len() as u32)
             .ok_or_else(|| format!("{s:?} has too many decimals"))?;
-        let add = (digits * mult as u128).div_ceil(scale);
+        let add = digits
+            .checked_mul(mult as u128)
+            .ok_or_else(|| format!("{s:?} has too many decimals"))?
+            .div_ceil(scale);
         value = value
             .checked_add(add as u64)
             .ok_or_else(|| format!("{s:?} is too large"))?;
@@ -289,6 +292,10 @@ mod tests {
         assert_eq!(parse_quantity("2.5k").unwrap(), 2500);
         assert_eq!(parse_quantity("0.5Ki").unwrap(), 512);
         assert_eq!(parse_quantity("1.0001").unwrap(), 2);
+        // 38 decimals times a suffix overflowed the exact arithmetic (a panic in debug builds,
+        // a wrong rate in release ones).
+        assert!(parse_quantity("1.99999999999999999999999999999999999999M").is_err());
+        assert_eq!(parse_quantity("0.9999999999999999999k").unwrap(), 1000);
         for bad in ["", "M", "1x", "1.2.3", "-1", "99999999999999999999"] {
             assert!(parse_quantity(bad).is_err(), "{bad:?}");
         }
