@@ -563,6 +563,56 @@ async fn sigkill_during_start_container_leaves_it_created() {
     assert!(stray.is_empty(), "left behind: {stray:?}");
 }
 
+/// The shim of a running container is killed while the daemon is down (the OOM killer, an
+/// operator): the next start records the container as exited with no status, and must also see
+/// that its process does not run on unmonitored (StopContainer skips an exited container).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_container_whose_shim_died_while_the_daemon_was_down_does_not_run_on() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let inj = Injector::new();
+    let mut env = pod_env_with(&inj).await;
+    let (mut c, _, sb, cid) = pod_with_created_container(&env, "orphaned", "main").await;
+    c.start_container(cri::StartContainerRequest {
+        container_id: cid.clone(),
+    })
+    .await
+    .expect("StartContainer");
+    let bundle = env.state().join("b").join(&cid[..cid.len().min(32)]);
+    let pid_in = |name: &str| -> i32 {
+        std::fs::read_to_string(bundle.join(name))
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let (shim, init) = (pid_in("shim.pid"), pid_in("init.pid"));
+    let alive = |pid: i32| Path::new(&format!("/proc/{pid}")).exists();
+    assert!(alive(init), "the container runs");
+
+    env.daemon.kill();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(shim),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    eventually("the shim to be gone", || !alive(shim)).await;
+    assert!(alive(init), "the container outlives its shim");
+
+    env.daemon.restart().await.unwrap();
+    let mut c = env.runtime().await;
+    let st = container_status(&mut c, &cid).await;
+    assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
+    assert_eq!(st.reason, "Unknown");
+    eventually("the container's process to be killed", || !alive(init)).await;
+    eventually("runc to forget it", || !runc_ids(&env).contains(&cid)).await;
+    stop_and_remove_pod(&mut c, &sb).await;
+    let stray = env.stray_state();
+    assert!(stray.is_empty(), "left behind: {stray:?}");
+}
+
 /// RemoveContainer does not wait for the container's teardown: with `runc delete` hanging (the
 /// delete after the exit holds the container), it returns at once, and the container is gone
 /// from listings and status. A SIGKILL in the middle of the teardown leaves its record under

@@ -367,7 +367,7 @@ impl PodService {
     /// Deletes an exited container from its OCI runtime at once (its state directory and
     /// cgroup go; the record, logs and rootfs stay until RemoveContainer), so that RemoveContainer
     /// has no runtime call to wait for. A failure leaves it to RemoveContainer.
-    async fn delete_exited(&self, id: &str) {
+    pub(crate) async fn delete_exited(&self, id: &str) {
         let _guard = self.store.op_lock(id).await;
         let Some(rec) = self.store.container(id) else {
             return;

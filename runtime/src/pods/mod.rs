@@ -258,6 +258,18 @@ impl PodService {
                 }
             }
         }
+        // Exited containers still known to their OCI runtime go from it now, as a running daemon
+        // does after each exit: one whose shim was killed while the daemon was down may still
+        // be running, unmonitored, and `delete --force` kills it (StopContainer would not: its
+        // record says exited).
+        if tokio::runtime::Handle::try_current().is_ok() {
+            for c in self.store.containers() {
+                if c.state == ContainerState::Exited && !c.runtime_deleted {
+                    let svc = self.clone();
+                    tokio::spawn(async move { svc.delete_exited(&c.id).await });
+                }
+            }
+        }
         for s in self.store.sandboxes() {
             if s.state == store::SandboxState::Ready
                 && !s.shim.as_ref().is_some_and(|h| self.monitors.is_alive(h))
