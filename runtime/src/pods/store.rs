@@ -199,10 +199,19 @@ pub struct Store {
 /// The directory of records whose containers are being torn down.
 const REMOVING: &str = "removing";
 
+/// The records in `dir`. Temporary files of writes a crash interrupted (`<id>.json.tmp`, which
+/// hold container configs and environments) are deleted: the record they were to replace, or
+/// none, is what stands.
 fn read_dir_json<T: for<'de> Deserialize<'de>>(dir: &Path) -> Vec<T> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         let p = e.path();
+        if p.extension().and_then(|x| x.to_str()) == Some("tmp") {
+            if let Err(e) = std::fs::remove_file(&p) {
+                tracing::warn!(path = %p.display(), error = %e, "cannot delete an interrupted record write");
+            }
+            continue;
+        }
         if p.extension().and_then(|x| x.to_str()) != Some("json") {
             continue;
         }
@@ -511,6 +520,27 @@ mod tests {
             shim: None,
             infra_pid: 0,
             network_attached: false,
+        }
+    }
+
+    #[test]
+    fn interrupted_record_writes_are_swept_at_open() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path()).unwrap();
+        s.put_sandbox(sandbox("id1", "n")).unwrap();
+        drop(s);
+        // What a SIGKILL inside write_atomic leaves: the new contents beside the record.
+        for dir in ["sandboxes", "containers", REMOVING] {
+            std::fs::write(
+                d.path().join(dir).join("x.json.tmp"),
+                b"{\"env\":\"SECRET\"}",
+            )
+            .unwrap();
+        }
+        let s = Store::open(d.path()).unwrap();
+        assert!(s.sandbox("id1").is_some());
+        for dir in ["sandboxes", "containers", REMOVING] {
+            assert!(!d.path().join(dir).join("x.json.tmp").exists(), "{dir}");
         }
     }
 
