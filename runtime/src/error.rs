@@ -61,7 +61,7 @@ impl From<crate::oci::OciError> for Error {
         match e {
             O::InvalidArgument(m) => Error::InvalidArgument(m),
             O::UnknownHandler { .. } => Error::InvalidArgument(e.to_string()),
-            O::HandlerUnavailable { .. } | O::Unsupported(_) => {
+            O::HandlerUnavailable { .. } | O::Unsupported(_) | O::NotRunning(_) => {
                 Error::FailedPrecondition(e.to_string())
             }
             O::NotFound(_) => Error::NotFound(e.to_string()),

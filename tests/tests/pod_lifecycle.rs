@@ -124,6 +124,27 @@ async fn logs_split_a_1mib_line_and_follow_a_reopen() {
         "the rotated file got no new output"
     );
 
+    // A running container without a log file: FAILED_PRECONDITION too (it was INTERNAL).
+    let unlogged = run_container(
+        &mut c,
+        &sb,
+        &pod,
+        cri::ContainerConfig {
+            log_path: String::new(),
+            ..sh_container_config("unlogged", &image, "sleep 1000")
+        },
+    )
+    .await;
+    let err = c
+        .reopen_container_log(cri::ReopenContainerLogRequest {
+            container_id: unlogged.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("no log file"), "{}", err.message());
+    stop_container(&mut c, &unlogged, 0).await;
+
     // Reopening a container that is not running is FAILED_PRECONDITION, an unknown one NOT_FOUND.
     stop_container(&mut c, &id, 0).await;
     let err = c

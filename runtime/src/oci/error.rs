@@ -16,6 +16,9 @@ pub enum OciError {
     /// The runtime says the container does not exist.
     #[error("container {0} does not exist in the OCI runtime")]
     NotFound(String),
+    /// The container's process (and its shim) is gone: what was asked needs it running.
+    #[error("{0}")]
+    NotRunning(String),
     /// The CRI request or the image config cannot be turned into a spec.
     #[error("{0}")]
     InvalidArgument(String),

@@ -722,6 +722,11 @@ impl PodService {
     /// ReopenContainerLog: the shim reopens the log file (after the kubelet rotated it).
     pub async fn reopen_container_log(&self, id: &str) -> Result<()> {
         let r = self.running(id)?;
+        if r.log_path.is_none() {
+            return Err(Error::FailedPrecondition(format!(
+                "container {id} has no log file (its log_path is empty)"
+            )));
+        }
         let shim = r
             .shim
             .ok_or_else(|| Error::FailedPrecondition(format!("container {id} is not running")))?;

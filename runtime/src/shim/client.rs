@@ -336,7 +336,7 @@ impl ShimHandle {
             Ok(other) => Err(OciError::Other(format!(
                 "unexpected shim response {other:?}"
             ))),
-            Err(e) => Err(OciError::Other(format!(
+            Err(e) => Err(OciError::NotRunning(format!(
                 "container {} is not running (shim: {e})",
                 self.id
             ))),
@@ -347,7 +347,7 @@ impl ShimHandle {
     /// container has exited, or `stdin` is asked of a container created without it.
     pub async fn attach(&self, stdin: bool, stdout: bool, stderr: bool) -> Result<ShimAttach> {
         let gone = |e: std::io::Error| {
-            OciError::Other(format!("container {} is not running (shim: {e})", self.id))
+            OciError::NotRunning(format!("container {} is not running (shim: {e})", self.id))
         };
         let s = UnixStream::connect(self.paths.socket())
             .await
