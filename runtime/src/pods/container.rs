@@ -89,6 +89,11 @@ impl PodService {
                 "container config metadata.name is required".into(),
             ));
         }
+        super::validate_labels_and_annotations(
+            "container config",
+            &config.labels,
+            &config.annotations,
+        )?;
         let image_name = config
             .image
             .as_ref()

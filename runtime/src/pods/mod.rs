@@ -105,6 +105,29 @@ pub fn now_ns() -> i64 {
 }
 
 /// Runs blocking work on tokio's blocking pool.
+/// Most bytes (keys and values) of a pod's or container's labels, and of its annotations: the
+/// API server's own limit for annotations. Every relist sends them all, in one message the kubelet
+/// caps at 16 MiB.
+pub const MAX_METADATA_BYTES: usize = 256 << 10;
+
+/// Refuses labels or annotations of `what` ("sandbox config", "container config") over
+/// [`MAX_METADATA_BYTES`].
+pub(crate) fn validate_labels_and_annotations(
+    what: &str,
+    labels: &std::collections::HashMap<String, String>,
+    annotations: &std::collections::HashMap<String, String>,
+) -> Result<()> {
+    for (field, map) in [("labels", labels), ("annotations", annotations)] {
+        let bytes: usize = map.iter().map(|(k, v)| k.len() + v.len()).sum();
+        if bytes > MAX_METADATA_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "{what} {field} are {bytes} bytes; at most {MAX_METADATA_BYTES} are accepted"
+            )));
+        }
+    }
+    Ok(())
+}
+
 pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> Result<T> {

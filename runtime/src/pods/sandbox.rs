@@ -53,7 +53,40 @@ fn validate_metadata(config: &cri::PodSandboxConfig) -> Result<&cri::PodSandboxM
             )));
         }
     }
+    super::validate_labels_and_annotations("sandbox config", &config.labels, &config.annotations)?;
+    validate_port_mappings(config)?;
     Ok(m)
+}
+
+/// Port mappings that publish a host port go to the CNI portmap plugin: checked here, so a bad
+/// one is refused by name before anything is created (not an INTERNAL from the plugin after).
+fn validate_port_mappings(config: &cri::PodSandboxConfig) -> Result<()> {
+    for (i, p) in config.port_mappings.iter().enumerate() {
+        let bad = |why: String| {
+            Err(Error::InvalidArgument(format!(
+                "sandbox config port_mappings[{i}]: {why}"
+            )))
+        };
+        if !(0..=65535).contains(&p.host_port) {
+            return bad(format!("host_port {} is not 0 to 65535", p.host_port));
+        }
+        if p.host_port == 0 {
+            continue;
+        }
+        if !(1..=65535).contains(&p.container_port) {
+            return bad(format!(
+                "container_port {} is not 1 to 65535",
+                p.container_port
+            ));
+        }
+        if cri::Protocol::try_from(p.protocol).is_err() {
+            return bad(format!("unknown protocol {}", p.protocol));
+        }
+        if !p.host_ip.is_empty() && p.host_ip.parse::<std::net::IpAddr>().is_err() {
+            return bad(format!("host_ip {:?} is not an IP address", p.host_ip));
+        }
+    }
+    Ok(())
 }
 
 /// The reserved name of a sandbox.
@@ -508,5 +541,89 @@ mod tests {
         }
         let long = "a".repeat(254);
         assert!(validate_metadata(&meta(&long, "default", "u")).is_err());
+    }
+
+    fn invalid(config: &cri::PodSandboxConfig, want: &str) {
+        match validate_metadata(config) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains(want), "{m}"),
+            other => panic!("expected InvalidArgument with {want:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn oversized_labels_or_annotations_are_refused() {
+        let mut c = meta("web", "default", "u");
+        // At the API server's limit: fine.
+        c.annotations
+            .insert("a".into(), "x".repeat(crate::pods::MAX_METADATA_BYTES - 1));
+        validate_metadata(&c).unwrap();
+        c.annotations.insert("b".into(), "y".into());
+        invalid(&c, "annotations are 262146 bytes");
+        let mut c = meta("web", "default", "u");
+        for i in 0..20_000 {
+            c.labels.insert(format!("label-{i}"), "value".into());
+        }
+        invalid(&c, "labels are");
+    }
+
+    #[test]
+    fn port_mappings_are_checked_before_anything_is_created() {
+        let with = |p: cri::PortMapping| cri::PodSandboxConfig {
+            port_mappings: vec![p],
+            ..meta("web", "default", "u")
+        };
+        let good = cri::PortMapping {
+            protocol: cri::Protocol::Udp as i32,
+            container_port: 53,
+            host_port: 5353,
+            host_ip: "127.0.0.1".into(),
+        };
+        validate_metadata(&with(good.clone())).unwrap();
+        // No host port: nothing is published, the rest is the kubelet's business.
+        validate_metadata(&with(cri::PortMapping {
+            host_port: 0,
+            container_port: 0,
+            ..good.clone()
+        }))
+        .unwrap();
+        for (bad, want) in [
+            (
+                cri::PortMapping {
+                    host_port: 70000,
+                    ..good.clone()
+                },
+                "port_mappings[0]: host_port 70000",
+            ),
+            (
+                cri::PortMapping {
+                    host_port: -1,
+                    ..good.clone()
+                },
+                "host_port -1",
+            ),
+            (
+                cri::PortMapping {
+                    container_port: 0,
+                    ..good.clone()
+                },
+                "container_port 0",
+            ),
+            (
+                cri::PortMapping {
+                    protocol: 9,
+                    ..good.clone()
+                },
+                "unknown protocol 9",
+            ),
+            (
+                cri::PortMapping {
+                    host_ip: "localhost".into(),
+                    ..good.clone()
+                },
+                "host_ip \"localhost\"",
+            ),
+        ] {
+            invalid(&with(bad), want);
+        }
     }
 }
