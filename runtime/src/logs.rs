@@ -161,14 +161,29 @@ pub struct CriLogFile {
 }
 
 /// Opens a log for appending; a symlink in the log's place is not followed (the daemon, as
-/// root, would append to whatever it points at).
+/// root, would append to whatever it points at), and anything but a regular file there is
+/// refused without blocking on it: opening a FIFO for writing waits for a reader, which froze the
+/// container's output (the shim holds the log's lock while it reopens) and StartContainer.
 fn open_log(path: &Path) -> io::Result<File> {
-    OpenOptions::new()
+    let not_regular = || io::Error::other(format!("{} is not a regular file", path.display()));
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => {
+            return Err(io::Error::from_raw_os_error(libc::ELOOP));
+        }
+        Ok(m) if !m.is_file() => return Err(not_regular()),
+        _ => {}
+    }
+    let file = OpenOptions::new()
         .create(true)
         .append(true)
         .mode(0o640)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)?;
+    // Replaced between the check and the open.
+    if !file.metadata()?.is_file() {
+        return Err(not_regular());
+    }
+    Ok(file)
 }
 
 impl CriLogFile {
@@ -296,6 +311,30 @@ mod tests {
         let e = CriLogFile::open(&log).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::ELOOP), "{e}");
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious\n");
+    }
+
+    #[test]
+    fn a_fifo_or_device_in_the_logs_place_is_refused_without_blocking() {
+        let d = tempfile::tempdir().unwrap();
+        let log = d.path().join("0.log");
+        let mut f = CriLogFile::open(&log).unwrap();
+        // The kubelet's rotation renames the log; a FIFO appears in its place.
+        std::fs::rename(&log, d.path().join("0.log.1")).unwrap();
+        nix::unistd::mkfifo(&log, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
+        let t = std::time::Instant::now();
+        let e = f.reopen().unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        assert!(CriLogFile::open(&log).is_err());
+        assert!(t.elapsed() < std::time::Duration::from_secs(1));
+        // The old file stays in use.
+        f.write_entry(Stream::Stdout, false, b"still here").unwrap();
+        assert!(
+            std::fs::read_to_string(d.path().join("0.log.1"))
+                .unwrap()
+                .contains("still here")
+        );
+        // A device.
+        assert!(CriLogFile::open(Path::new("/dev/null")).is_err());
     }
 
     fn split(max: usize, chunks: &[&[u8]]) -> Vec<(Vec<u8>, bool)> {

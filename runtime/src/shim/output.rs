@@ -20,11 +20,21 @@ pub(super) fn pump(fd: OwnedFd, stream: Stream, log: &SharedLog, attach: &Attach
     let mut pipe = std::fs::File::from(fd);
     let mut splitter = LineSplitter::new(DEFAULT_MAX_LINE);
     let mut buf = vec![0u8; 64 * 1024];
+    let mut failures = 0u64;
     let mut write = |content: &[u8], partial: bool| {
         if let Some(f) = log.lock().unwrap().as_mut()
             && let Err(e) = f.write_entry(stream, partial, content)
         {
-            eprintln!("minicri shim: write {}: {e}", f.path().display());
+            // The shim's own log lives in /run (memory): a log that cannot be written (a full
+            // disk) must not add a line there for every entry the container writes.
+            failures += 1;
+            if failures.is_power_of_two() {
+                eprintln!(
+                    "minicri shim: write {}: {e} ({failures} {} entries lost so far)",
+                    f.path().display(),
+                    stream.as_str()
+                );
+            }
         }
     };
     loop {
