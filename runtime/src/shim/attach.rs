@@ -10,7 +10,7 @@
 use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::protocol::{Frame, FrameDecoder, FrameKind, Response};
@@ -19,6 +19,9 @@ use crate::logs::Stream;
 /// Queued output frames per attach session; a session further behind is cut off, so a slow
 /// client never holds up the container or its log.
 pub(super) const ATTACH_QUEUE: usize = 1024;
+/// Queued output bytes per attach session, the other bound: chunks are up to 64 KiB, so the
+/// frame count alone let a session that stopped reading hold 64 MiB of the shim's memory.
+pub(super) const ATTACH_QUEUE_BYTES: usize = 1 << 20;
 
 /// The EOF character of a terminal in canonical mode (^D).
 const VEOF: u8 = 0x04;
@@ -29,6 +32,8 @@ struct Subscriber {
     stdout: bool,
     stderr: bool,
     tx: std::sync::mpsc::SyncSender<Frame>,
+    /// Bytes in `tx` not yet taken by the session's writer.
+    queued: Arc<AtomicUsize>,
 }
 
 /// The attach sessions and the container's input.
@@ -79,8 +84,18 @@ impl Attachments {
             if !wanted {
                 return true;
             }
+            if s.queued.load(Ordering::Relaxed) + data.len() > ATTACH_QUEUE_BYTES {
+                eprintln!(
+                    "minicri shim: attach session {} is {ATTACH_QUEUE_BYTES} bytes behind: cut off",
+                    s.id
+                );
+                return false;
+            }
             match s.tx.try_send(Frame::new(kind, data)) {
-                Ok(()) => true,
+                Ok(()) => {
+                    s.queued.fetch_add(data.len(), Ordering::Relaxed);
+                    true
+                }
                 Err(std::sync::mpsc::TrySendError::Full(_)) => {
                     eprintln!(
                         "minicri shim: attach session {} is {ATTACH_QUEUE} chunks behind: cut off",
@@ -160,6 +175,7 @@ pub(super) fn serve_session(
         return refuse("the container was not created with stdin".into());
     }
     let (tx, rx) = std::sync::mpsc::sync_channel(ATTACH_QUEUE);
+    let queued = Arc::new(AtomicUsize::new(0));
     let id = a.next_id.fetch_add(1, Ordering::Relaxed);
     {
         // Subscribe under the pumps' counter, so the end of the output cannot slip by.
@@ -173,6 +189,7 @@ pub(super) fn serve_session(
             stdout,
             stderr,
             tx,
+            queued: queued.clone(),
         });
     }
     *a.active.lock().unwrap() += 1;
@@ -184,6 +201,7 @@ pub(super) fn serve_session(
         let ra = a.clone();
         std::thread::spawn(move || read_input(reader, &ra, id, stdin));
         for frame in rx {
+            queued.fetch_sub(frame.data.len(), Ordering::Relaxed);
             (&conn).write_all(&frame.encode())?;
         }
         Ok(())
@@ -255,6 +273,7 @@ mod tests {
             stdout,
             stderr,
             tx,
+            queued: Arc::default(),
         });
         rx
     }
@@ -304,6 +323,20 @@ mod tests {
         a.publish(Stream::Stdout, b"one too many");
         assert!(a.subscribers.lock().unwrap().is_empty());
         assert_eq!(slow.try_iter().count(), ATTACH_QUEUE);
+    }
+
+    #[test]
+    fn a_session_is_cut_off_by_bytes_too() {
+        let a = Attachments::default();
+        let slow = subscribe(&a, 1, true, true);
+        let chunk = vec![b'x'; 64 << 10];
+        for _ in 0..(ATTACH_QUEUE_BYTES / chunk.len()) {
+            a.publish(Stream::Stdout, &chunk);
+        }
+        assert_eq!(a.subscribers.lock().unwrap().len(), 1, "1 MiB fits");
+        a.publish(Stream::Stdout, b"one byte too many");
+        assert!(a.subscribers.lock().unwrap().is_empty());
+        assert_eq!(slow.try_iter().count(), 16);
     }
 
     #[test]
