@@ -271,6 +271,31 @@ async fn plugin_errors_name_the_plugin_and_its_message() {
 }
 
 #[tokio::test]
+async fn what_a_plugin_prints_is_bounded() {
+    let w = World::new();
+    let m = w.manager(Duration::from_secs(30));
+    // 200 MiB on stdout: refused, not held in the daemon's memory.
+    w.fake.floods("fake-flood", 200);
+    w.conflist("10.conflist", "1.0.0", json!([{"type": "fake-flood"}]));
+    let err = m.setup(&w.pod(NETNS)).await.unwrap_err().to_string();
+    assert!(
+        err.contains("printed more than 1048576 bytes on stdout"),
+        "{err}"
+    );
+    let _ = std::fs::remove_file(m.cache().path("sandbox1"));
+    // A 512 KiB error message: cut before it becomes a gRPC status and a log line.
+    w.fake.fails_at_length("fake-long", 512);
+    w.conflist("10.conflist", "1.0.0", json!([{"type": "fake-long"}]));
+    let err = m.setup(&w.pod(NETNS)).await.unwrap_err().to_string();
+    assert!(
+        err.contains("mmmm") && err.contains("(cut)"),
+        "{:.200}",
+        err
+    );
+    assert!(err.len() < 4096, "{} bytes", err.len());
+}
+
+#[tokio::test]
 async fn a_hanging_plugin_is_killed_at_the_time_limit() {
     let w = World::new();
     w.fake.hangs("fake-hang");

@@ -6,14 +6,49 @@
 //!
 //! Invariants: a plugin never outlives its time limit (its whole process group is killed, so an
 //! IPAM plugin it delegated to goes too); the daemon's environment is passed on (plugins such as
-//! portmap run `iptables` from `PATH`) with every `CNI_*` variable set explicitly.
+//! portmap run `iptables` from `PATH`) with every `CNI_*` variable set explicitly; what a plugin
+//! prints costs the daemon at most [`MAX_STDOUT`] and [`MAX_STDERR`] bytes (more stdout is an
+//! error, stderr keeps its end), and its error message at most 1024 characters.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+
+/// Most of a plugin's stdout kept: results are a few KiB (an interface, a few addresses).
+pub const MAX_STDOUT: usize = 1 << 20;
+/// Most of a plugin's stderr kept (its end): only ever logged, or quoted in an error.
+pub const MAX_STDERR: usize = 64 << 10;
+
+/// Reads `r` to its end, keeping at most `max` bytes: the first ones (`tail` false, and whether
+/// more came) or the last ones (`tail` true). What is over is read and dropped, so the writer
+/// never blocks on a full pipe.
+async fn read_bounded(
+    mut r: impl AsyncRead + Unpin,
+    max: usize,
+    tail: bool,
+) -> std::io::Result<(Vec<u8>, bool)> {
+    let mut out = Vec::new();
+    let mut over = false;
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = r.read(&mut buf).await?;
+        if n == 0 {
+            return Ok((out, over));
+        }
+        out.extend_from_slice(&buf[..n]);
+        if out.len() > max {
+            over = true;
+            if tail {
+                out.drain(..out.len() - max);
+            } else {
+                out.truncate(max);
+            }
+        }
+    }
+}
 
 use super::CniError;
 use super::config::join_paths;
@@ -122,8 +157,20 @@ impl PluginRunner {
             drop(stdin); // EOF
             r
         };
-        let both = async { tokio::join!(write, child.wait_with_output()) };
-        let (written, output) = match tokio::time::timeout(self.timeout, both).await {
+        let (stdout, stderr) = (
+            child.stdout.take().expect("stdout is piped"),
+            child.stderr.take().expect("stderr is piped"),
+        );
+        let all = async {
+            let (written, out, err, status) = tokio::join!(
+                write,
+                read_bounded(stdout, MAX_STDOUT, false),
+                read_bounded(stderr, MAX_STDERR, true),
+                child.wait()
+            );
+            (written, out.and_then(|o| Ok((o, err?, status?))))
+        };
+        let (written, output) = match tokio::time::timeout(self.timeout, all).await {
             Ok(v) => v,
             Err(_) => {
                 if let Some(pid) = pid {
@@ -139,7 +186,20 @@ impl PluginRunner {
                 });
             }
         };
-        let output = output.map_err(exec_err)?;
+        let ((stdout, stdout_over), (stderr, _), status) = output.map_err(exec_err)?;
+        if stdout_over {
+            return Err(CniError::Plugin {
+                plugin: plugin.to_string(),
+                command: inv.command,
+                message: format!("printed more than {MAX_STDOUT} bytes on stdout ({status})"),
+                code: None,
+            });
+        }
+        let output = std::process::Output {
+            status,
+            stdout,
+            stderr,
+        };
         if !output.stderr.is_empty() {
             tracing::debug!(plugin, command = %inv.command, stderr = %String::from_utf8_lossy(&output.stderr).trim(), "CNI plugin stderr");
         }
@@ -177,7 +237,7 @@ impl PluginRunner {
         Err(CniError::Plugin {
             plugin: plugin.to_string(),
             command: inv.command,
-            message,
+            message: minicri_store::registry::bounded(message),
             code: PluginError::parse(&output.stdout).map(|e| e.code),
         })
     }

@@ -308,6 +308,22 @@ impl FakePlugins {
         self.write(name, "echo 'this is not json'");
     }
 
+    /// A plugin that prints `mib` MiB of zeros on stdout and exits 0.
+    pub fn floods(&self, name: &str, mib: u64) {
+        self.write(name, &format!("head -c {} /dev/zero", mib << 20));
+    }
+
+    /// A plugin that fails with a CNI error whose message is `kib` KiB long.
+    pub fn fails_at_length(&self, name: &str, kib: u64) {
+        self.write(
+            name,
+            &format!(
+                "printf '{{\"cniVersion\":\"1.0.0\",\"code\":100,\"msg\":\"'; head -c {} /dev/zero | tr '\\000' m; printf '\"}}'; exit 1",
+                kib << 10
+            ),
+        );
+    }
+
     /// The recorded calls, `"<plugin> <COMMAND>"`, in order.
     pub fn calls(&self) -> Vec<String> {
         std::fs::read_to_string(self.rec.join("calls"))

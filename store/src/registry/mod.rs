@@ -96,8 +96,9 @@ fn describe(e: &(dyn std::error::Error + 'static)) -> String {
     msg
 }
 
-/// `message` cut to [`MAX_MESSAGE_CHARS`] characters.
-fn bounded(mut message: String) -> String {
+/// `message` cut to [`MAX_MESSAGE_CHARS`] characters (also for other strangers' text in errors:
+/// CNI plugins' messages).
+pub fn bounded(mut message: String) -> String {
     if let Some((at, _)) = message.char_indices().nth(MAX_MESSAGE_CHARS) {
         message.truncate(at);
         message.push_str("… (cut)");
