@@ -113,6 +113,8 @@ pub async fn serve(config: Config, notifier: crate::sdnotify::Notifier) -> anyho
     let daemon = Arc::new(Daemon::open(config)?);
     // Operations a killed daemon left half-done are undone before any call is answered.
     daemon.pods.finish_interrupted().await;
+    // ...and networks whose undo could not be finished are torn down in the background.
+    daemon.pods.sweep_networks();
     // Which runtime handlers work here, found out before any pod can ask for one.
     daemon.pods.probe_handlers().await;
 

@@ -270,6 +270,43 @@ async fn plugin_errors_name_the_plugin_and_its_message() {
     );
 }
 
+/// An ADD that fails, whose rollback DEL fails too (the first plugin's daemon is not up yet): the
+/// cache entry stays, and the sweep tears the network down once DEL works, leaving known
+/// sandboxes alone. Nothing else would: the kubelet never got a sandbox id to stop.
+#[tokio::test]
+async fn a_network_whose_rollback_failed_is_swept_once_del_works() {
+    let w = World::new();
+    let down = w.tmp.path().join("ipam-down");
+    std::fs::write(&down, "").unwrap();
+    w.fake
+        .del_fails_while("fake-flaky", "10.9.0.7/24", "aa:00:00:00:00:07", &down);
+    w.fake.fails_with_json("fake-json");
+    w.conflist(
+        "10.conflist",
+        "1.0.0",
+        json!([{"type": "fake-flaky"}, {"type": "fake-json"}]),
+    );
+    let m = w.manager(Duration::from_secs(10));
+    assert!(m.setup(&w.pod(NETNS)).await.is_err());
+    let entry = m.cache().path("sandbox1");
+    assert!(entry.exists(), "kept for a later teardown");
+    assert!(
+        m.sweep(|_| true).await.is_empty(),
+        "a known sandbox is left alone"
+    );
+    assert!(m.sweep(|_| false).await.is_empty(), "DEL still fails");
+    assert!(entry.exists());
+    std::fs::remove_file(&down).unwrap();
+    assert_eq!(m.sweep(|_| false).await, ["sandbox1"]);
+    assert!(!entry.exists());
+    let calls = w.fake.calls();
+    assert_eq!(
+        calls.last().map(String::as_str),
+        Some("fake-flaky DEL"),
+        "{calls:?}"
+    );
+}
+
 #[tokio::test]
 async fn what_a_plugin_prints_is_bounded() {
     let w = World::new();

@@ -85,6 +85,19 @@ impl Cache {
         move |source| CniError::Cache { path, source }
     }
 
+    /// The ids that have an entry.
+    pub fn ids(&self) -> Vec<String> {
+        std::fs::read_dir(&self.dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                name.strip_suffix(".json").map(str::to_string)
+            })
+            .collect()
+    }
+
     /// The entry of `id`; `None` when there is none, or it is unreadable (logged: DEL then falls
     /// back to the current configuration).
     pub fn read(&self, id: &str) -> Option<CacheEntry> {

@@ -365,6 +365,33 @@ impl CniManager {
     /// DEL: detaches the pod, with the configuration and result cached at ADD (or, with no cache,
     /// the current configuration). Idempotent. When the namespace is gone, `CNI_NETNS` is empty,
     /// which the spec allows for DEL (plugins then release what they can, e.g. IPAM).
+    /// Tears down the networks of cache entries whose sandbox `known` does not know: ADDs whose
+    /// rollback DEL failed (the plugin's daemon not up yet, at boot) or was cut short by a
+    /// SIGKILL. Nothing else would ever release their addresses: the kubelet never got a sandbox
+    /// id to stop. An entry stays until its DEL succeeds. Returns the ids torn down.
+    pub async fn sweep(&self, known: impl Fn(&str) -> bool) -> Vec<String> {
+        let mut done = Vec::new();
+        for id in self.cache.ids() {
+            if known(&id) {
+                continue;
+            }
+            let pod = PodNetwork {
+                id: id.clone(),
+                ..Default::default()
+            };
+            match self.teardown(&pod).await {
+                Ok(()) => {
+                    tracing::info!(sandbox = %id, "tore down the network of a sandbox that was never recorded");
+                    done.push(id);
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, error = %e, "the network of a sandbox that was never recorded: teardown failed, tried again later")
+                }
+            }
+        }
+        done
+    }
+
     pub async fn teardown(&self, pod: &PodNetwork) -> Result<(), CniError> {
         pod.validate().map_err(CniError::InvalidArgument)?;
         let guard = self.lock(&pod.id).await;

@@ -348,6 +348,12 @@ impl Store {
         Ok(())
     }
 
+    /// Whether `id` is a sandbox's, recorded or with its name reserved (being created).
+    pub fn knows_sandbox(&self, id: &str) -> bool {
+        let g = self.lock();
+        g.sandboxes.contains_key(id) || g.names.values().any(|v| v == id)
+    }
+
     pub fn sandbox(&self, id: &str) -> Option<SandboxRecord> {
         self.lock().sandboxes.get(id).cloned()
     }

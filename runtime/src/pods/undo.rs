@@ -124,6 +124,9 @@ impl Journal {
     }
 }
 
+/// How often networks of sandboxes that were never recorded are tried again.
+pub const NETWORK_SWEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(300);
+
 impl PodService {
     fn journal_dir(&self) -> PathBuf {
         self.state_dir.join("pods/inflight")
@@ -206,6 +209,20 @@ impl PodService {
             }
         }
         Ok(())
+    }
+
+    /// Keeps tearing down, now and every [`NETWORK_SWEEP_INTERVAL`], the networks CNI added for
+    /// sandboxes that were never recorded and whose undo could not remove them
+    /// ([`crate::cni::CniManager::sweep`]).
+    pub fn sweep_networks(self: &Arc<Self>) {
+        let svc = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let store = &svc.store;
+                svc.cni.sweep(|id| store.knows_sandbox(id)).await;
+                tokio::time::sleep(NETWORK_SWEEP_INTERVAL).await;
+            }
+        });
     }
 
     /// Undoes the operations a killed daemon left half-done (their journals), at start, before

@@ -282,6 +282,20 @@ impl FakePlugins {
         );
     }
 
+    /// [`Self::ok`], but its DEL fails while the file `down` exists (an IPAM plugin whose
+    /// daemon is not up yet).
+    pub fn del_fails_while(&self, name: &str, addr: &str, mac: &str, down: &Path) {
+        self.write(
+            name,
+            &format!(
+                "if [ \"$CNI_COMMAND\" = DEL ] && [ -e {down} ]; then echo '{{\"cniVersion\":\"1.0.0\",\"code\":11,\"msg\":\"datastore unavailable\"}}'; exit 1; fi\n\
+                 [ \"$CNI_COMMAND\" = ADD ] || exit 0\n\
+                 printf '{{\"cniVersion\":\"1.0.0\",\"interfaces\":[{{\"name\":\"eth0\",\"mac\":\"{mac}\",\"sandbox\":\"%s\"}}],\"ips\":[{{\"interface\":0,\"address\":\"{addr}\"}}],\"dns\":{{}}}}' \"$CNI_NETNS\"",
+                down = down.display()
+            ),
+        );
+    }
+
     /// A plugin whose ADD fails with the spec's error object (DEL and CHECK succeed).
     pub fn fails_with_json(&self, name: &str) {
         self.write(
