@@ -93,7 +93,7 @@ pub struct StatsState {
     layers: Mutex<HashMap<String, LayerSample>>,
     /// Containers whose writable layer is being measured now: one walk per layer at a time,
     /// however many stats calls (and kubelet retries after timeouts) ask meanwhile.
-    measuring: Mutex<HashSet<String>>,
+    pub(super) measuring: Mutex<HashSet<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -328,7 +328,7 @@ impl PodService {
     /// The writable layer's usage, measured at most once per [`LAYER_USAGE_TTL`]; `None` once
     /// the snapshot is gone. While one call measures a layer (a walk of its tree, seconds for
     /// millions of files), the others answer with the previous measurement (or none yet).
-    fn writable_layer(&self, id: &str) -> Option<cri::FilesystemUsage> {
+    pub(super) fn writable_layer(&self, id: &str) -> Option<cri::FilesystemUsage> {
         let last = lock(&self.stats.layers).get(id).copied();
         let sample = match last {
             Some(s) if s.measured.elapsed() < LAYER_USAGE_TTL => s,

@@ -367,3 +367,21 @@ async fn handlers_are_chosen_by_name_and_refused_with_their_reason() {
     assert!(!node.fake.calls().iter().any(|c| c.starts_with("spawn ")));
     assert_nothing_left(&node, &svc);
 }
+
+/// One walk of a writable layer at a time: while one call measures it, the others answer with
+/// the previous measurement, or none yet, instead of starting walks of their own.
+#[tokio::test]
+async fn a_writable_layer_is_measured_by_one_call_at_a_time() {
+    use minicri_snapshotter::Snapshotter;
+    let node = Node::new();
+    let svc = node.service();
+    node.snapshotter.prepare("c1", None).unwrap();
+    // Another call is measuring it: this one does not walk, and has nothing to show yet.
+    svc.stats.measuring.lock().unwrap().insert("c1".into());
+    assert!(svc.writable_layer("c1").is_none());
+    svc.stats.measuring.lock().unwrap().remove("c1");
+    // Nobody is: this call measures, and leaves nobody marked.
+    let u = svc.writable_layer("c1").expect("measured");
+    assert!(u.inodes_used.is_some_and(|v| v.value >= 1), "{u:?}");
+    assert!(svc.stats.measuring.lock().unwrap().is_empty());
+}
