@@ -170,6 +170,17 @@ pub(super) fn no_common_protocol(up: &Upgrade, client: &[String], supported: &[&
     r
 }
 
+/// 503: [`super::MAX_SESSIONS`] sessions run already; the token is left for a retry.
+fn too_many_sessions() -> Reply {
+    text(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!(
+            "{} streaming sessions are running already; try again later",
+            super::MAX_SESSIONS
+        ),
+    )
+}
+
 /// Answers one request of the streaming server.
 pub async fn handle(
     mut req: Request<Incoming>,
@@ -198,6 +209,9 @@ pub async fn handle(
             format!("{kind} streams are opened with POST or GET"),
         ));
     }
+    let Some(slot) = server.session_slot() else {
+        return Ok(too_many_sessions());
+    };
     let session = match server.take(token) {
         Some(p @ Pending::Exec(_)) if kind == "exec" => p,
         Some(p @ Pending::Attach(_)) if kind == "attach" => p,
@@ -228,6 +242,7 @@ pub async fn handle(
     let on_upgrade = hyper::upgrade::on(&mut req);
     let websocket = up.is_websocket();
     tokio::spawn(async move {
+        let _slot = slot;
         let io = match on_upgrade.await {
             Ok(upgraded) => TokioIo::new(upgraded),
             Err(e) => return tracing::info!(error = %e, "{kind} upgrade failed"),
@@ -265,6 +280,9 @@ fn port_forward(mut req: Request<Incoming>, token: &str, server: &StreamServer) 
             "port-forward streams are opened with POST or GET",
         );
     }
+    let Some(slot) = server.session_slot() else {
+        return too_many_sessions();
+    };
     let pf = match server.take(token) {
         Some(Pending::PortForward(r)) => r,
         _ => {
@@ -306,6 +324,7 @@ fn port_forward(mut req: Request<Incoming>, token: &str, server: &StreamServer) 
     let on_upgrade = hyper::upgrade::on(&mut req);
     let websocket = up.is_websocket();
     tokio::spawn(async move {
+        let _slot = slot;
         let io = match on_upgrade.await {
             Ok(upgraded) => TokioIo::new(upgraded),
             Err(e) => {

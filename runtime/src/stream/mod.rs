@@ -52,6 +52,10 @@ pub use portforward::PortForwardRequest;
 pub const TOKEN_TTL: Duration = Duration::from_secs(60);
 /// Requests waiting for their client, at most (as the kubelet's streaming server).
 pub const MAX_PENDING: usize = 1000;
+/// Sessions (exec, attach, port-forward) running at once, at most. Each holds an upgraded
+/// connection, its tasks and buffers, and often a process; one past this is answered 503 and its
+/// token stays valid for a retry.
+pub const MAX_SESSIONS: usize = 256;
 
 /// A request waiting for its client.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +71,8 @@ pub struct StreamServer {
     listener: Mutex<Option<std::net::TcpListener>>,
     pending: Mutex<HashMap<String, (Instant, Pending)>>,
     ttl: Duration,
+    /// One permit per running session ([`MAX_SESSIONS`]).
+    sessions: Arc<tokio::sync::Semaphore>,
 }
 
 impl StreamServer {
@@ -80,6 +86,7 @@ impl StreamServer {
             listener: Mutex::new(Some(listener)),
             pending: Mutex::new(HashMap::new()),
             ttl: TOKEN_TTL,
+            sessions: Arc::new(tokio::sync::Semaphore::new(MAX_SESSIONS)),
         })
     }
 
@@ -118,6 +125,11 @@ impl StreamServer {
         }
         pending.insert(token.clone(), (now + self.ttl, p));
         Ok(token)
+    }
+
+    /// A running session's permit, or `None` at [`MAX_SESSIONS`].
+    fn session_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.sessions.clone().try_acquire_owned().ok()
     }
 
     /// Takes the request under `token`: each token works once, and not after it expired.

@@ -105,6 +105,45 @@ async fn refusals() {
 }
 
 #[tokio::test]
+async fn running_sessions_are_bounded() {
+    let mut s = StreamServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    s.sessions = Arc::new(tokio::sync::Semaphore::new(1));
+    let s = Arc::new(s);
+    let backend = Arc::new(LocalBackend {
+        killed: Arc::new(AtomicBool::new(false)),
+    });
+    s.spawn(backend, tokio_util::sync::CancellationToken::new())
+        .unwrap();
+    let busy = s.register_exec(exec_request(&["sleep", "2"])).unwrap();
+    let (first, status, _) = request(&busy, "POST", &UPGRADE).await;
+    assert_eq!(status, 101);
+    // One session runs: the next is refused, for exec as for port-forward, its token kept.
+    let url = s.register_exec(exec_request(&["true"])).unwrap();
+    let (_, status, head) = request(&url, "POST", &UPGRADE).await;
+    assert_eq!(status, 503, "{head}");
+    let pf = s
+        .register_port_forward(PortForwardRequest {
+            sandbox_id: "sb".into(),
+            netns: None,
+        })
+        .unwrap();
+    let (_, status, _) = request(&pf, "POST", &UPGRADE).await;
+    assert_eq!(status, 503);
+    // Once the first has ended (its client hung up), the same token works.
+    drop(first);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_c, status, _) = request(&url, "POST", &UPGRADE).await;
+        if status == 101 {
+            break;
+        }
+        assert_eq!(status, 503);
+        assert!(Instant::now() < deadline, "the first session never let go");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
 async fn exec_over_http_upgrade() {
     let s = started();
     let url = s
