@@ -371,8 +371,9 @@ pub(crate) fn lstat(path: &Path) -> io::Result<Option<Metadata>> {
 /// The tree may be a container's writable layer, shaped by whatever runs there: directories are
 /// read as they are walked (an open iterator per level, up to [`OPEN_DIRS`] deep; deeper ones
 /// wait as paths), so a directory of ten million entries costs one entry at a time, not a path
-/// for each, and a chain of a hundred thousand directories costs no more than 64 descriptors.
-/// What disappears during the walk is skipped.
+/// for each, and a deep chain of directories no more than 64 descriptors. What disappears during
+/// the walk is skipped. Directories are opened by their full path: a tree deeper than `PATH_MAX`
+/// allows (a container can make one with relative `mkdir`s) fails the measurement.
 pub(crate) fn disk_usage(root: &Path) -> io::Result<(u64, u64)> {
     let mut seen = std::collections::HashSet::new();
     let mut bytes = 0u64;

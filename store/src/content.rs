@@ -166,9 +166,15 @@ impl ContentStore {
             }
             // A name of its own: two pulls may write the same manifest at once.
             let tmp = self.tmp_path("writing", d);
-            write_synced(&tmp, data)?;
             let dst = self.blob_path(d);
-            fs::rename(&tmp, &dst).ctx(|| format!("committing {}", dst.display()))
+            let written = write_synced(&tmp, data).and_then(|()| {
+                fs::rename(&tmp, &dst).ctx(|| format!("committing {}", dst.display()))
+            });
+            if written.is_err() {
+                // A name of its own is never written over: do not leave it to fill the disk.
+                let _ = fs::remove_file(&tmp);
+            }
+            written
         })
     }
 

@@ -544,9 +544,10 @@ async fn the_watchdog_leaves_a_pull_alone_while_it_unpacks_after_its_last_byte()
     let start = Instant::now();
     pull(&e.daemon, &r, pod(5)).await.unwrap();
     let took = start.elapsed();
-    // Otherwise the unpack ended within the timeout and the test showed nothing.
+    // Otherwise the unpack ended within the timeout (and its 100 ms ticks) and the test showed
+    // nothing: the pull must have outlasted it.
     assert!(
-        took > Duration::from_secs(3),
+        took > Duration::from_secs(2),
         "the pull took {took:?}: too little to outlast the 1 s progress timeout"
     );
 }

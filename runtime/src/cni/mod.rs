@@ -362,9 +362,6 @@ impl CniManager {
         first_err.map_or(Ok(()), Err)
     }
 
-    /// DEL: detaches the pod, with the configuration and result cached at ADD (or, with no cache,
-    /// the current configuration). Idempotent. When the namespace is gone, `CNI_NETNS` is empty,
-    /// which the spec allows for DEL (plugins then release what they can, e.g. IPAM).
     /// Tears down the networks of cache entries whose sandbox `known` does not know: ADDs whose
     /// rollback DEL failed (the plugin's daemon not up yet, at boot) or was cut short by a
     /// SIGKILL. Nothing else would ever release their addresses: the kubelet never got a sandbox
@@ -392,6 +389,9 @@ impl CniManager {
         done
     }
 
+    /// DEL: detaches the pod, with the configuration and result cached at ADD (or, with no cache,
+    /// the current configuration). Idempotent. When the namespace is gone, `CNI_NETNS` is empty,
+    /// which the spec allows for DEL (plugins then release what they can, e.g. IPAM).
     pub async fn teardown(&self, pod: &PodNetwork) -> Result<(), CniError> {
         pod.validate().map_err(CniError::InvalidArgument)?;
         let guard = self.lock(&pod.id).await;

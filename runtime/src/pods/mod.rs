@@ -106,9 +106,10 @@ pub fn now_ns() -> i64 {
 
 /// Runs blocking work on tokio's blocking pool.
 /// Most bytes (keys and values) of a pod's or container's labels, and of its annotations: the
-/// API server's own limit for annotations. Every relist sends them all, in one message the kubelet
-/// caps at 16 MiB.
-pub const MAX_METADATA_BYTES: usize = 256 << 10;
+/// API server's own limit for annotations, plus room for the ones the kubelet adds
+/// (`kubernetes.io/config.*`). Every relist sends them all, in one message the kubelet caps at
+/// 16 MiB.
+pub const MAX_METADATA_BYTES: usize = (256 + 16) << 10;
 
 /// Refuses labels or annotations of `what` ("sandbox config", "container config") over
 /// [`MAX_METADATA_BYTES`].

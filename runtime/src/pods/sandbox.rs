@@ -558,7 +558,13 @@ mod tests {
             .insert("a".into(), "x".repeat(crate::pods::MAX_METADATA_BYTES - 1));
         validate_metadata(&c).unwrap();
         c.annotations.insert("b".into(), "y".into());
-        invalid(&c, "annotations are 262146 bytes");
+        invalid(
+            &c,
+            &format!(
+                "annotations are {} bytes",
+                crate::pods::MAX_METADATA_BYTES + 2
+            ),
+        );
         let mut c = meta("web", "default", "u");
         for i in 0..20_000 {
             c.labels.insert(format!("label-{i}"), "value".into());

@@ -150,7 +150,12 @@ fn lookup_layer(layer: &Path, rel: &Path) -> io::Result<Step> {
         let m = fs::symlink_metadata(layer)?;
         return Ok(Step::Found(layer.to_path_buf(), m));
     }
-    let mut dir = fsutil::open_dir_nofollow(None, layer)?;
+    let mut dir = match fsutil::open_dir_nofollow(None, layer) {
+        Ok(d) => d,
+        // A layer without the directory has nothing there (as an lstat of the path would say).
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Step::Below),
+        Err(e) => return Err(e),
+    };
     let mut hides_below = false;
     for (i, c) in comps.iter().enumerate() {
         let name = c.as_os_str();

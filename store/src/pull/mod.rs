@@ -1029,7 +1029,7 @@ impl PullManager {
             tokio::time::sleep(tick).await;
             let b = job.bytes();
             let mut reason = None;
-            if b.done != last || b.done >= b.total {
+            if b.done != last || (b.total > 0 && b.done >= b.total) {
                 last = b.done;
                 since = Instant::now();
             } else if since.elapsed() >= timeout {
