@@ -385,3 +385,37 @@ async fn a_writable_layer_is_measured_by_one_call_at_a_time() {
     assert!(u.inodes_used.is_some_and(|v| v.value >= 1), "{u:?}");
     assert!(svc.stats.measuring.lock().unwrap().is_empty());
 }
+
+/// At start, the undo of an interrupted RunPodSandbox hangs in the runtime's delete: the daemon
+/// goes on (to serve the CRI) after the limit, keeping the journal; the next start finishes it.
+#[tokio::test]
+async fn an_undo_that_hangs_at_start_does_not_keep_the_daemon_from_serving() {
+    let node = Node::new();
+    let first = node.service();
+    node.fake.hang("spawn");
+    let run = tokio::spawn({
+        let first = first.clone();
+        async move { first.run_pod_sandbox(host_pod("web"), String::new()).await }
+    });
+    wait_for("the monitor is being spawned", || {
+        node.fake.calls().iter().any(|c| c.starts_with("spawn "))
+    })
+    .await;
+    run.abort();
+    drop(first);
+    node.fake.hang("delete");
+    let svc = node.service();
+    let t = std::time::Instant::now();
+    svc.finish_interrupted_within(Duration::from_millis(300))
+        .await;
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert_eq!(
+        entries(&node.state().join("pods/inflight")).len(),
+        1,
+        "the journal stays for the next start"
+    );
+    node.fake.release("delete");
+    let svc = node.service();
+    svc.finish_interrupted().await;
+    assert_nothing_left(&node, &svc);
+}

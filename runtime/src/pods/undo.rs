@@ -124,6 +124,10 @@ impl Journal {
     }
 }
 
+/// How long the undo of one interrupted operation may take at start (see
+/// [`PodService::finish_interrupted`]).
+pub const STARTUP_UNDO_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// How often networks of sandboxes that were never recorded are tried again.
 pub const NETWORK_SWEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(300);
 
@@ -226,8 +230,15 @@ impl PodService {
     }
 
     /// Undoes the operations a killed daemon left half-done (their journals), at start, before
-    /// the CRI is served. An operation whose record says it finished is left as it is.
+    /// the CRI is served. An operation whose record says it finished is left as it is. An undo
+    /// that takes longer than [`STARTUP_UNDO_LIMIT`] (a runtime call that hangs) is left to the
+    /// next start, its journal kept: the node's runtime must not stay down for it.
     pub async fn finish_interrupted(self: &Arc<Self>) {
+        self.finish_interrupted_within(STARTUP_UNDO_LIMIT).await
+    }
+
+    /// [`Self::finish_interrupted`], each undo given at most `limit`.
+    pub(crate) async fn finish_interrupted_within(self: &Arc<Self>, limit: std::time::Duration) {
         let dir = self.journal_dir();
         let entries = match std::fs::read_dir(&dir) {
             Ok(rd) => rd.flatten().map(|e| e.path()).collect::<Vec<_>>(),
@@ -271,7 +282,19 @@ impl PodService {
                     steps = file.steps.len(),
                     "undoing an operation the daemon was stopped in"
                 );
-                self.undo(file.steps).await;
+                if tokio::time::timeout(limit, self.undo(file.steps))
+                    .await
+                    .is_err()
+                {
+                    tracing::error!(
+                        operation = file.operation.name(),
+                        subject = file.subject.as_deref().unwrap_or("-"),
+                        path = %path.display(),
+                        "undoing an interrupted operation took longer than {limit:?}: serving \
+                         anyway; the journal stays for the next start"
+                    );
+                    continue;
+                }
             }
             if let Err(e) = std::fs::remove_file(&path) {
                 tracing::warn!(path = %path.display(), error = %e, "cannot remove an undo journal");
