@@ -29,6 +29,13 @@ use crate::registry::{BlobBody, Session};
 
 /// Consecutive failures without progress after which a blob download gives up.
 const BLOB_RETRIES: u32 = 5;
+/// A shared download leaves its current registry for another requester's when, with one waiting,
+/// the current one delivered less than [`SLOW_SOURCE_BYTES`] in a window of this length: a
+/// registry that trickles bytes (just above the pull speed minimum, say) must not hold every
+/// other pull of the same blob to its pace.
+const SLOW_SOURCE_WINDOW: Duration = Duration::from_secs(10);
+/// See [`SLOW_SOURCE_WINDOW`]: 1 MiB per 10 s window.
+const SLOW_SOURCE_BYTES: u64 = 1 << 20;
 const FIRST_BACKOFF: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
@@ -304,6 +311,12 @@ impl BlobDownloads {
                 let result = tokio::select! {
                     r = fetch(&this.content, &session, &progress, &this.transfers, this.ranged) => r,
                     _ = cancel.cancelled() => Err(StoreError::Cancelled(format!("download of {} stopped: no pull wants it", progress.digest))),
+                    _ = slow_while_another_waits(&me, used) => Err(StoreError::Unavailable {
+                        reference: session.reference().to_string(),
+                        reason: format!(
+                            "under {SLOW_SOURCE_BYTES} bytes in {SLOW_SOURCE_WINDOW:?} while another requester's registry could serve the blob"
+                        ),
+                    }),
                 };
                 let next = me.sessions.lock().unwrap().len() > used + 1;
                 match result {
@@ -662,6 +675,21 @@ impl Transfer<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// Resolves once the download has another requester's session to go on with (past `used`) and
+/// received under [`SLOW_SOURCE_BYTES`] in the last [`SLOW_SOURCE_WINDOW`].
+async fn slow_while_another_waits(dl: &BlobDownload, used: usize) {
+    let mut last = dl.progress.downloaded();
+    loop {
+        tokio::time::sleep(SLOW_SOURCE_WINDOW).await;
+        let now = dl.progress.downloaded();
+        let got = now.saturating_sub(last);
+        last = now;
+        if got < SLOW_SOURCE_BYTES && dl.sessions.lock().unwrap().len() > used + 1 {
+            return;
+        }
     }
 }
 

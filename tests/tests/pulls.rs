@@ -738,6 +738,69 @@ fn metrics_are_refused_off_loopback() {
     assert!(err.contains("loopback"), "{err}");
 }
 
+/// Nor its pace: when the first requester's registry trickles the blob (here 32 KiB/s, which
+/// would take over four minutes for the layer), the download moves to the second requester's
+/// registry once one window shows it slow, from the bytes on disk, and both pulls finish.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shared_download_leaves_a_trickling_registry_for_anothers() {
+    let Env {
+        registry: _registry,
+        proxy: a,
+        hosts: _hosts,
+        daemon,
+    } = env(&[]).await;
+    let client = images::RegistryClient::new(a.upstream());
+    let img = images::push_big_image(
+        &client,
+        "minicri-test/trickled:latest",
+        1,
+        8,
+        images::Compression::None,
+        11,
+    )
+    .await
+    .expect("push");
+    let b = minicri_tests::proxy::Proxy::start(a.upstream()).expect("second proxy");
+    let via_a = format!("{}/minicri-test/trickled:latest", a.addr());
+    let via_b = format!("{}/minicri-test/trickled:latest", b.addr());
+    let layer = img.layers.last().unwrap().clone();
+    a.faults().set_rate_limit(Some(32 * 1024));
+    let start = Instant::now();
+    let first = spawn_pull(&daemon, &via_a, pod(1)).await;
+    wait_until(
+        "the first bytes of the layer",
+        Duration::from_secs(30),
+        || a.bytes_served(&layer.digest) > 0,
+    )
+    .await;
+    let second = spawn_pull(&daemon, &via_b, pod(2)).await;
+    let second = tokio::time::timeout(Duration::from_secs(90), second)
+        .await
+        .expect("the second pull waited on the trickling registry")
+        .unwrap();
+    assert_eq!(
+        second.expect("the second pull").into_inner().image_ref,
+        img.config_digest
+    );
+    let first = tokio::time::timeout(Duration::from_secs(30), first)
+        .await
+        .expect("the first pull, finished through the other registry")
+        .unwrap();
+    assert!(first.is_ok(), "{first:?}");
+    assert!(start.elapsed() < Duration::from_secs(120));
+    let (from_a, from_b) = (a.bytes_served(&layer.digest), b.bytes_served(&layer.digest));
+    assert!(
+        from_b > 0 && from_b < layer.size && from_a + from_b >= layer.size,
+        "{from_a} bytes from the slow registry, {from_b} from the other, of {}",
+        layer.size
+    );
+    assert!(
+        daemon
+            .log()
+            .contains("while another requester's registry could serve the blob")
+    );
+}
+
 /// A shared blob download does not inherit the first requester's fate: a second requester that
 /// reaches the same blob through another registry name (here another proxy in front of the same
 /// registry) joins the download; when the first requester's registry dies mid-blob, the download
