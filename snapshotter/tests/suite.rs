@@ -412,11 +412,19 @@ fn commit_active_snapshot(b: Backend) {
 }
 
 /// A tree with directory times (which `describe` leaves out) for comparing two applies exactly.
+/// The root's time is left out when no layer set it (it is then when the snapshotter made it, and
+/// two snapshotters a second apart differ there): test layers carry times of 2020.
 fn exact_tree(root: &std::path::Path) -> Vec<(String, Node, i64)> {
+    let recent = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+        - 3600;
     describe(root)
         .into_iter()
         .map(|(k, n)| {
             let t = fs::symlink_metadata(root.join(&k)).unwrap().mtime();
+            let t = if k.is_empty() && t > recent { 0 } else { t };
             (k, n, t)
         })
         .collect()

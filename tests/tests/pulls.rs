@@ -1020,7 +1020,13 @@ async fn a_mirror_without_a_blob_hands_it_to_the_next_host() {
     assert_eq!(e.proxy.bytes_served(&layer.digest), layer.size);
     for d in img.blob_digests() {
         if d != layer.digest {
-            assert_eq!(e.proxy.bytes_served(&d), 0, "{d} not from the mirror");
+            let log = e.daemon.log();
+            let about: Vec<&str> = log.lines().filter(|l| l.contains(&d[7..19])).collect();
+            assert_eq!(
+                e.proxy.bytes_served(&d),
+                0,
+                "{d} not from the mirror; the daemon said: {about:#?}"
+            );
         }
     }
 }

@@ -608,7 +608,9 @@ impl Session {
     }
 
     /// Tries `attempt` at the endpoints in `order` until one succeeds; with `remember`, that one
-    /// becomes the preferred endpoint. Returns every endpoint's failure otherwise.
+    /// becomes the preferred endpoint, unless one before it answered "not found": a mirror that
+    /// lacks one blob is alive and stays first for the others (a fleet's cache). Returns every
+    /// endpoint's failure otherwise.
     async fn first_success<'a, T, Fut>(
         &'a self,
         order: Vec<usize>,
@@ -623,7 +625,11 @@ impl Session {
         for (n, i) in order.into_iter().enumerate() {
             match attempt(&self.endpoints[i]).await {
                 Ok(v) => {
-                    if remember {
+                    if remember
+                        && errors
+                            .iter()
+                            .all(|e: &RemoteError| e.kind != RemoteKind::NotFound)
+                    {
                         self.preferred.store(i, Ordering::Relaxed);
                     }
                     return Ok(v);
