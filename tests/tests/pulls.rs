@@ -738,32 +738,71 @@ fn metrics_are_refused_off_loopback() {
     assert!(err.contains("loopback"), "{err}");
 }
 
-/// Nor its pace: when the first requester's registry trickles the blob (here 32 KiB/s, which
-/// would take over four minutes for the layer), the download moves to the second requester's
-/// registry once one window shows it slow, from the bytes on disk, and both pulls finish.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_shared_download_leaves_a_trickling_registry_for_anothers() {
+/// One image (an 8 MiB layer) behind two registry names: the env's proxy `a` and a second proxy
+/// `b` in front of the same registry, for the shared-download tests.
+struct TwoNames {
+    _env: (
+        minicri_tests::registry::Registry,
+        minicri_tests::daemon::HostsDir,
+    ),
+    a: minicri_tests::proxy::Proxy,
+    b: minicri_tests::proxy::Proxy,
+    daemon: minicri_tests::daemon::Daemon,
+    img: PushedImage,
+    via_a: String,
+    via_b: String,
+    layer: images::LayerInfo,
+}
+
+async fn two_names_for_one_image(name: &str, seed: u64) -> TwoNames {
     let Env {
-        registry: _registry,
+        registry,
         proxy: a,
-        hosts: _hosts,
+        hosts,
         daemon,
     } = env(&[]).await;
     let client = images::RegistryClient::new(a.upstream());
     let img = images::push_big_image(
         &client,
-        "minicri-test/trickled:latest",
+        &format!("minicri-test/{name}:latest"),
         1,
         8,
         images::Compression::None,
-        11,
+        seed,
     )
     .await
     .expect("push");
     let b = minicri_tests::proxy::Proxy::start(a.upstream()).expect("second proxy");
-    let via_a = format!("{}/minicri-test/trickled:latest", a.addr());
-    let via_b = format!("{}/minicri-test/trickled:latest", b.addr());
+    let via_a = format!("{}/minicri-test/{name}:latest", a.addr());
+    let via_b = format!("{}/minicri-test/{name}:latest", b.addr());
     let layer = img.layers.last().unwrap().clone();
+    TwoNames {
+        _env: (registry, hosts),
+        a,
+        b,
+        daemon,
+        img,
+        via_a,
+        via_b,
+        layer,
+    }
+}
+
+/// Nor its pace: when the first requester's registry trickles the blob (here 32 KiB/s, which
+/// would take over four minutes for the layer), the download moves to the second requester's
+/// registry once one window shows it slow, from the bytes on disk, and both pulls finish.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shared_download_leaves_a_trickling_registry_for_anothers() {
+    let TwoNames {
+        _env,
+        a,
+        b,
+        daemon,
+        img,
+        via_a,
+        via_b,
+        layer,
+    } = two_names_for_one_image("trickled", 11).await;
     a.faults().set_rate_limit(Some(32 * 1024));
     let start = Instant::now();
     let first = spawn_pull(&daemon, &via_a, pod(1)).await;
@@ -807,27 +846,16 @@ async fn a_shared_download_leaves_a_trickling_registry_for_anothers() {
 /// goes on with the second one's session from the bytes on disk, and both pulls succeed.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_shared_download_failing_for_one_requester_goes_on_with_anothers_registry() {
-    let Env {
-        registry: _registry,
-        proxy: a,
-        hosts: _hosts,
+    let TwoNames {
+        _env,
+        a,
+        b,
         daemon,
-    } = env(&[]).await;
-    let client = images::RegistryClient::new(a.upstream());
-    let img = images::push_big_image(
-        &client,
-        "minicri-test/shared:latest",
-        1,
-        8,
-        images::Compression::None,
-        9,
-    )
-    .await
-    .expect("push");
-    let b = minicri_tests::proxy::Proxy::start(a.upstream()).expect("second proxy");
-    let via_a = format!("{}/minicri-test/shared:latest", a.addr());
-    let via_b = format!("{}/minicri-test/shared:latest", b.addr());
-    let layer = img.layers.last().unwrap().clone();
+        img,
+        via_a,
+        via_b,
+        layer,
+    } = two_names_for_one_image("shared", 9).await;
 
     // Through the first registry name the layer stalls after 2 MiB.
     a.faults()

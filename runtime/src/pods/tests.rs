@@ -306,11 +306,10 @@ async fn a_restart_reattaches_to_live_monitors_and_marks_lost_ones() {
     .await;
 }
 
-/// A daemon killed in the middle of RunPodSandbox (here: while its monitor creates the
-/// container) leaves a journal; the next start undoes its steps.
-#[tokio::test]
-async fn a_run_interrupted_by_a_crash_is_undone_at_the_next_start() {
-    let node = Node::new();
+/// A daemon (a service of `node`) killed in the middle of RunPodSandbox, while its monitor
+/// creates the container: the operation never goes on (its monitor call stays hung) and its
+/// journal is left. Returns the sandbox id.
+async fn crash_while_spawning(node: &Node) -> String {
     let first = node.service();
     node.fake.hang("spawn");
     let run = tokio::spawn({
@@ -329,9 +328,16 @@ async fn a_run_interrupted_by_a_crash_is_undone_at_the_next_start() {
         .unwrap()
         .to_string();
     assert_eq!(entries(&node.state().join("pods/inflight")).len(), 1);
-    // The crash: the first daemon's operation never goes on (its monitor call stays hung).
     run.abort();
-    drop(first);
+    id
+}
+
+/// A daemon killed in the middle of RunPodSandbox (here: while its monitor creates the
+/// container) leaves a journal; the next start undoes its steps.
+#[tokio::test]
+async fn a_run_interrupted_by_a_crash_is_undone_at_the_next_start() {
+    let node = Node::new();
+    let id = crash_while_spawning(&node).await;
     let svc = node.service();
     svc.finish_interrupted().await;
     assert!(
@@ -391,18 +397,7 @@ async fn a_writable_layer_is_measured_by_one_call_at_a_time() {
 #[tokio::test]
 async fn an_undo_that_hangs_at_start_does_not_keep_the_daemon_from_serving() {
     let node = Node::new();
-    let first = node.service();
-    node.fake.hang("spawn");
-    let run = tokio::spawn({
-        let first = first.clone();
-        async move { first.run_pod_sandbox(host_pod("web"), String::new()).await }
-    });
-    wait_for("the monitor is being spawned", || {
-        node.fake.calls().iter().any(|c| c.starts_with("spawn "))
-    })
-    .await;
-    run.abort();
-    drop(first);
+    crash_while_spawning(&node).await;
     node.fake.hang("delete");
     let svc = node.service();
     let t = std::time::Instant::now();
