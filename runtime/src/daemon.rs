@@ -296,7 +296,7 @@ fn reconcile_snapshots(snap: &dyn Snapshotter, images: &ImageStore) {
     for user in orphans {
         match snap.release(&user) {
             Ok(gone) => {
-                tracing::info!(image = %user, snapshots_removed = gone.len(), "released snapshots of an image with no record")
+                tracing::info!(image = %user, snapshots_removed = gone.keys.len(), "released snapshots of an image with no record")
             }
             Err(e) => tracing::warn!(image = %user, error = %e, "cannot release snapshots"),
         }

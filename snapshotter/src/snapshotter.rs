@@ -14,7 +14,7 @@
 
 use std::collections::BTreeSet;
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -71,6 +71,29 @@ pub struct Usage {
     pub bytes: u64,
     /// Inodes, hardlinks counted once.
     pub inodes: u64,
+}
+
+/// What [`Snapshotter::release`] removed: the keys whose records are gone, and their data,
+/// already moved aside (into the snapshotter's `tmp/`, swept at the next open if the daemon dies
+/// first) and deleted when this is dropped. Deleting a large image's trees takes seconds: drop it
+/// after releasing any lock that others wait on.
+#[must_use = "dropping it deletes the released trees; drop it outside locks"]
+#[derive(Debug, Default)]
+pub struct Released {
+    pub keys: Vec<String>,
+    trash: Vec<PathBuf>,
+}
+
+impl Released {
+    pub(crate) fn new(keys: Vec<String>, trash: Vec<PathBuf>) -> Released {
+        Released { keys, trash }
+    }
+}
+
+impl Drop for Released {
+    fn drop(&mut self) {
+        crate::store::empty_trash(std::mem::take(&mut self.trash));
+    }
 }
 
 /// One layer to apply.
@@ -164,6 +187,6 @@ pub trait Snapshotter: Send + Sync {
     fn add_user(&self, key: &str, user: &str) -> Result<()>;
 
     /// Drops `user` from every snapshot, then removes every snapshot left without users and children
-    /// (walking up the parents). Returns the keys removed.
-    fn release(&self, user: &str) -> Result<Vec<String>>;
+    /// (walking up the parents). The records go at once; the trees when the result is dropped.
+    fn release(&self, user: &str) -> Result<Released>;
 }

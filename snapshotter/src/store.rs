@@ -36,7 +36,9 @@ use crate::fsutil;
 use crate::meta::{Record, Records, now};
 use crate::mount::Mount;
 use crate::pipeline;
-use crate::snapshotter::{Backend, Info, Kind, LayerApplied, LayerSpec, Snapshotter, Usage};
+use crate::snapshotter::{
+    Backend, Info, Kind, LayerApplied, LayerSpec, Released, Snapshotter, Usage,
+};
 
 /// Tuning for a [`LocalSnapshotter`].
 #[derive(Debug, Clone)]
@@ -492,12 +494,13 @@ impl LocalSnapshotter {
         }
         Ok(())
     }
+}
 
-    fn empty_trash(trash: Vec<PathBuf>) {
-        for d in trash {
-            if let Err(e) = fsutil::remove_all(&d) {
-                tracing::warn!(dir = %d.display(), error = %e, "removing snapshot data");
-            }
+/// Deletes snapshot data directories already moved aside by [`LocalSnapshotter::collect`].
+pub(crate) fn empty_trash(trash: Vec<PathBuf>) {
+    for d in trash {
+        if let Err(e) = fsutil::remove_all(&d) {
+            tracing::warn!(dir = %d.display(), error = %e, "removing snapshot data");
         }
     }
 }
@@ -664,7 +667,7 @@ impl Snapshotter for LocalSnapshotter {
             }
             self.collect(&mut st, key, &mut removed, &mut trash)?;
         }
-        Self::empty_trash(trash);
+        empty_trash(trash);
         Ok(removed)
     }
 
@@ -716,7 +719,7 @@ impl Snapshotter for LocalSnapshotter {
         st.records.put(rec, None)
     }
 
-    fn release(&self, user: &str) -> Result<Vec<String>> {
+    fn release(&self, user: &str) -> Result<Released> {
         let mut removed = Vec::new();
         let mut trash = Vec::new();
         {
@@ -735,7 +738,6 @@ impl Snapshotter for LocalSnapshotter {
                 self.collect(&mut st, &rec.key, &mut removed, &mut trash)?;
             }
         }
-        Self::empty_trash(trash);
-        Ok(removed)
+        Ok(Released::new(removed, trash))
     }
 }

@@ -142,14 +142,19 @@ fn shared_layers_survive_removal_of_one_image(b: Backend) {
     assert_eq!(a[0], bb[0], "the shared base is one snapshot");
     assert_eq!(s.list().unwrap().len(), 3);
     let removed = s.release("image-a").unwrap();
-    assert_eq!(removed, vec![a[1].clone()]);
+    assert_eq!(removed.keys, vec![a[1].clone()]);
+    drop(removed);
+    assert!(
+        names(&s.root().join("tmp")).is_empty(),
+        "the released tree is deleted when the release is dropped"
+    );
     let mut left = keys(&s);
     left.sort();
     let mut want = vec![bb[0].clone(), bb[1].clone()];
     want.sort();
     assert_eq!(left, want);
     assert_eq!(view_tree(&s, &bb[1])["b"].content, b"b");
-    s.release("image-b").unwrap();
+    drop(s.release("image-b").unwrap());
     assert!(keys(&s).is_empty());
     assert!(names(&s.root().join("snapshots")).is_empty());
     assert!(names(&s.root().join("meta")).is_empty());
@@ -160,7 +165,7 @@ fn container_keeps_released_image_layers(b: Backend) {
     let img = pull(&s, "image", &[base_layer(), layer_with("x")]);
     s.prepare("ctr", Some(&img[1])).unwrap();
     assert!(
-        s.release("image").unwrap().is_empty(),
+        s.release("image").unwrap().keys.is_empty(),
         "the container still needs the layers"
     );
     assert_eq!(s.list().unwrap().len(), 3);
@@ -175,7 +180,7 @@ fn container_keeps_released_image_layers(b: Backend) {
     s.prepare("ctr2", Some(&img[0])).unwrap();
     s.add_user("ctr2", "pod-sandbox-1").unwrap();
     assert!(matches!(s.remove("ctr2"), Err(Error::InUse { .. })));
-    assert_eq!(s.release("pod-sandbox-1").unwrap(), ["ctr2"]);
+    assert_eq!(s.release("pod-sandbox-1").unwrap().keys, ["ctr2"]);
     assert_eq!(keys(&s), [img[0].clone()]);
 }
 

@@ -463,24 +463,31 @@ impl PullManager {
         let Some(snap) = &self.snapshotter else {
             return;
         };
-        let _users = self
-            .snapshot_users
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        for img in images {
-            if matches!(self.images.get(img.id.as_str()), Ok(Some(_))) {
-                tracing::info!(image = %img.id, "image pulled again since its removal; its layer snapshots stay");
-                continue;
-            }
-            match snap.release(img.id.as_str()) {
-                Ok(gone) => {
-                    tracing::info!(image = %img.id, snapshots_removed = gone.len(), "released layer snapshots")
+        // The records change under the lock; the trees are deleted after it is let go, so a pull
+        // recording an image meanwhile does not wait for seconds of tree removal.
+        let mut released = Vec::new();
+        {
+            let _users = self
+                .snapshot_users
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            for img in images {
+                if matches!(self.images.get(img.id.as_str()), Ok(Some(_))) {
+                    tracing::info!(image = %img.id, "image pulled again since its removal; its layer snapshots stay");
+                    continue;
                 }
-                Err(e) => {
-                    tracing::warn!(image = %img.id, error = %e, "cannot release layer snapshots")
+                match snap.release(img.id.as_str()) {
+                    Ok(gone) => {
+                        tracing::info!(image = %img.id, snapshots_removed = gone.keys.len(), "released layer snapshots");
+                        released.push(gone);
+                    }
+                    Err(e) => {
+                        tracing::warn!(image = %img.id, error = %e, "cannot release layer snapshots")
+                    }
                 }
             }
         }
+        drop(released);
     }
 
     /// Records a pulled image, after making sure its layer snapshots are still there and held
@@ -1134,11 +1141,15 @@ mod tests {
     use super::*;
     use minicri_snapshotter::{Backend, LayerSpec, LocalSnapshotter, Options};
 
-    /// RemoveImage deletes an image's snapshots in the background; a pull of the same image may
-    /// record it again in between. Whichever comes first, the image that stays recorded has its
-    /// snapshots.
-    #[test]
-    fn a_removal_and_a_pull_of_one_image_never_leave_it_without_snapshots() {
+    struct Node {
+        _dir: tempfile::TempDir,
+        content: Arc<ContentStore>,
+        images: Arc<ImageStore>,
+        snapshotter: Arc<LocalSnapshotter>,
+        mgr: Arc<PullManager>,
+    }
+
+    fn node() -> Node {
         let dir = tempfile::tempdir().unwrap();
         let content = Arc::new(ContentStore::open(&dir.path().join("content")).unwrap());
         let images = Arc::new(ImageStore::open(dir.path(), &content).unwrap());
@@ -1153,13 +1164,24 @@ mod tests {
             PullConfig::default(),
             Some(snapshotter.clone()),
         );
-        let config = br#"{"rootfs":{"type":"layers","diff_ids":[]}}"#;
-        let id = Digest::of(config);
-        content.write(&id, config).unwrap();
-        // An empty layer (the two zero blocks that end a tar), held for the image as a pull does.
-        let tar = vec![0u8; 1024];
+        Node {
+            _dir: dir,
+            content,
+            images,
+            snapshotter,
+            mgr,
+        }
+    }
+
+    /// An image of one layer (`tar`), unpacked and held for the image as a pull does, not yet
+    /// recorded.
+    fn unpacked_image(n: &Node, name: &str, tar: Vec<u8>) -> ImageRecord {
         let diff_id = Digest::of(&tar).to_string();
-        let applied = snapshotter
+        let config = format!(r#"{{"rootfs":{{"type":"layers","diff_ids":["{diff_id}"]}}}}"#);
+        let id = Digest::of(config.as_bytes());
+        n.content.write(&id, config.as_bytes()).unwrap();
+        let applied = n
+            .snapshotter
             .apply_layer(
                 &LayerSpec {
                     media_type: "application/vnd.oci.image.layer.v1.tar",
@@ -1170,24 +1192,39 @@ mod tests {
                 &mut std::io::Cursor::new(tar),
             )
             .unwrap();
-        let chain = applied.chain_id.clone();
-        let record = ImageRecord {
+        ImageRecord {
             id: id.clone(),
-            repo_tags: vec!["example.com/a:1".into()],
+            repo_tags: vec![format!("example.com/{name}:1")],
             repo_digests: vec![],
             manifest: id.clone(),
             config: id.clone(),
             layers: vec![],
-            diff_ids: vec![diff_id.clone()],
+            diff_ids: vec![diff_id],
             size: 0,
             uid: None,
             username: String::new(),
             pinned: false,
             platform: "linux/amd64".into(),
-            blobs: [id.clone()].into(),
-            chain_id: Some(chain.clone()),
+            blobs: [id].into(),
+            chain_id: Some(applied.chain_id),
             pulled_at: chrono::Utc::now(),
-        };
+        }
+    }
+
+    /// The two zero blocks that end a tar: a layer with no files.
+    fn empty_layer() -> Vec<u8> {
+        vec![0u8; 1024]
+    }
+
+    /// RemoveImage deletes an image's snapshots in the background; a pull of the same image may
+    /// record it again in between. Whichever comes first, the image that stays recorded has its
+    /// snapshots.
+    #[test]
+    fn a_removal_and_a_pull_of_one_image_never_leave_it_without_snapshots() {
+        let n = node();
+        let (images, snapshotter, mgr) = (&n.images, &n.snapshotter, &n.mgr);
+        let record = unpacked_image(&n, "a", empty_layer());
+        let (id, chain) = (record.id.clone(), record.chain_id.clone().unwrap());
         mgr.record_image(&record).unwrap();
         let held = |who: &Digest| {
             snapshotter
@@ -1215,5 +1252,57 @@ mod tests {
             other => panic!("expected the snapshots to be missing, got {other:?}"),
         }
         assert!(images.get(id.as_str()).unwrap().is_none());
+    }
+
+    /// A removal deletes the released trees after letting go of the lock a pull takes to record
+    /// an image: a pull finishing meanwhile does not wait for the deletion. (Were the lock held,
+    /// the record could never return while the tree still exists; that it returns first depends
+    /// on timing, so a loaded machine gets three tries.)
+    #[test]
+    fn a_pull_recording_an_image_does_not_wait_for_a_removal_deleting_trees() {
+        let n = node();
+        let other = unpacked_image(&n, "other", empty_layer());
+        let tmp = n.snapshotter.root().join("tmp");
+        let deleting = || std::fs::read_dir(&tmp).unwrap().next().is_some();
+        let mut recorded_during_deletion = false;
+        for attempt in 0..3 {
+            let mut layer = tar::Builder::new(Vec::new());
+            for i in 0..30_000 {
+                let mut h = tar::Header::new_ustar();
+                h.set_size(0);
+                h.set_mode(0o644);
+                h.set_entry_type(tar::EntryType::Regular);
+                let name = format!("{attempt}/d{}/f{i}", i % 16);
+                layer.append_data(&mut h, name, std::io::empty()).unwrap();
+            }
+            let big = unpacked_image(&n, "big", layer.into_inner().unwrap());
+            n.mgr.record_image(&big).unwrap();
+
+            let removed = n.images.remove(big.id.as_str()).unwrap();
+            let mgr = n.mgr.clone();
+            // Without a runtime, the background work runs on the calling thread.
+            let removal = std::thread::spawn(move || mgr.finish_removal(removed));
+            let start = Instant::now();
+            while !deleting() {
+                assert!(
+                    start.elapsed() < Duration::from_secs(30),
+                    "the removal never moved the tree aside"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            n.mgr.record_image(&other).unwrap();
+            recorded_during_deletion = deleting();
+            removal.join().unwrap();
+            assert!(!deleting(), "the released tree is deleted");
+            assert!(n.snapshotter.stat(big.chain_id.as_ref().unwrap()).is_err());
+            assert!(n.images.get(other.id.as_str()).unwrap().is_some());
+            if recorded_during_deletion {
+                break;
+            }
+        }
+        assert!(
+            recorded_during_deletion,
+            "recording an image waited until the removal had deleted the released tree"
+        );
     }
 }
