@@ -370,69 +370,109 @@ pub(crate) fn lstat(path: &Path) -> io::Result<Option<Metadata>> {
 ///
 /// The tree may be a container's writable layer, shaped by whatever runs there: directories are
 /// read as they are walked (an open iterator per level, up to [`OPEN_DIRS`] deep; deeper ones
-/// wait as paths), so a directory of ten million entries costs one entry at a time, not a path
-/// for each, and a deep chain of directories no more than 64 descriptors. What disappears during
-/// the walk is skipped. Directories are opened by their full path: a tree deeper than `PATH_MAX`
-/// allows (a container can make one with relative `mkdir`s) fails the measurement.
+/// wait as paths relative to `root`), so a directory of ten million entries costs one entry at a
+/// time, not a path for each, and a deep chain of directories no more than 64 descriptors. Each
+/// directory is opened from its parent's descriptor, and a deferred one one component at a time
+/// from `root`, never following a symlink: a tree deeper than `PATH_MAX` allows (a container can
+/// make one with relative `mkdir`s) is measured like any other. What disappears or is replaced
+/// during the walk is skipped.
 pub(crate) fn disk_usage(root: &Path) -> io::Result<(u64, u64)> {
+    use nix::dir::{Dir, OwningIter};
+    use nix::errno::Errno;
+    use nix::fcntl::{AtFlags, OFlag};
+    use nix::sys::stat::{FileStat, fstatat};
+    use std::os::fd::{AsRawFd, BorrowedFd};
+
+    /// A directory being read, and its name in its parent.
+    struct Level {
+        entries: OwningIter,
+        name: OsString,
+    }
+    let is_dir =
+        |st: &FileStat| SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFDIR;
+    // Gone, or replaced by something that is not a directory, since it was listed.
+    let vanished = |e: Errno| matches!(e, Errno::ENOENT | Errno::ENOTDIR | Errno::ELOOP);
     let mut seen = std::collections::HashSet::new();
     let mut bytes = 0u64;
     let mut inodes = 0u64;
-    let mut count = |m: &Metadata| {
-        if m.nlink() > 1 && !m.is_dir() && !seen.insert((m.dev(), m.ino())) {
+    let mut count = |st: &FileStat| {
+        if st.st_nlink > 1 && !is_dir(st) && !seen.insert((st.st_dev, st.st_ino)) {
             return;
         }
         inodes += 1;
-        bytes += m.blocks() * 512;
+        bytes += st.st_blocks as u64 * 512;
     };
-    let gone = |e: &io::Error| e.kind() == io::ErrorKind::NotFound;
-    let Some(m) = lstat(root)? else {
-        return Ok((0, 0));
+    let st = match nix::sys::stat::lstat(root) {
+        Ok(st) => st,
+        Err(Errno::ENOENT) => return Ok((0, 0)),
+        Err(e) => return Err(e.into()),
     };
-    count(&m);
-    if !m.is_dir() {
+    count(&st);
+    if !is_dir(&st) {
         return Ok((bytes, inodes));
     }
-    let mut open = vec![fs::read_dir(root)?];
+    let root_fd = open_dir_nofollow(None, root)?;
+    let level = |fd: OwnedFd, name: OsString| -> io::Result<Level> {
+        Ok(Level {
+            entries: Dir::from_fd(fd)?.into_iter(),
+            name,
+        })
+    };
+    // The current walk starts at `base` (relative to `root`): open[0] is that directory.
+    let mut base = PathBuf::new();
+    let mut open = vec![level(root_fd.try_clone()?, OsString::new())?];
     let mut later: Vec<PathBuf> = Vec::new();
     loop {
         let Some(dir) = open.last_mut() else {
             match later.pop() {
-                Some(p) => match fs::read_dir(&p) {
-                    Ok(d) => open.push(d),
-                    Err(e) if gone(&e) => {}
-                    Err(e) => return Err(e),
-                },
+                Some(rel) => {
+                    if let Some(fd) = open_beneath(&root_fd, &rel)? {
+                        open.push(level(fd, OsString::new())?);
+                        base = rel;
+                    }
+                }
                 None => break,
             }
             continue;
         };
-        let Some(entry) = dir.next() else {
-            open.pop();
-            continue;
-        };
-        let entry = match entry {
-            Ok(e) => e,
-            Err(e) if gone(&e) => continue,
-            Err(e) => return Err(e),
-        };
-        // DirEntry::metadata does not follow a symlink.
-        let m = match entry.metadata() {
-            Ok(m) => m,
-            Err(e) if gone(&e) => continue,
-            Err(e) => return Err(e),
-        };
-        count(&m);
-        if m.is_dir() {
-            if open.len() < OPEN_DIRS {
-                match fs::read_dir(entry.path()) {
-                    Ok(d) => open.push(d),
-                    Err(e) if gone(&e) => {}
-                    Err(e) => return Err(e),
-                }
-            } else {
-                later.push(entry.path());
+        let entry = match dir.entries.next() {
+            None => {
+                open.pop();
+                continue;
             }
+            Some(Ok(e)) => e,
+            Some(Err(e)) if vanished(e) => continue,
+            Some(Err(e)) => return Err(e.into()),
+        };
+        let name = entry.file_name();
+        if name == c"." || name == c".." {
+            continue;
+        }
+        // SAFETY: the descriptor belongs to `dir.entries`, which is neither dropped nor moved
+        // while this borrow is used (the borrow ends before `open` changes).
+        let at = unsafe { BorrowedFd::borrow_raw(dir.entries.as_raw_fd()) };
+        let st = match fstatat(at, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(e) if vanished(e) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        count(&st);
+        if !is_dir(&st) {
+            continue;
+        }
+        let name = OsStr::from_bytes(name.to_bytes()).to_os_string();
+        if open.len() < OPEN_DIRS {
+            let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+            match nix::fcntl::openat(at, name.as_os_str(), flags, Mode::empty()) {
+                Ok(fd) => open.push(level(fd, name)?),
+                Err(e) if vanished(e) => {}
+                Err(e) => return Err(e.into()),
+            }
+        } else {
+            let mut rel = base.clone();
+            rel.extend(open[1..].iter().map(|l| &l.name));
+            rel.push(name);
+            later.push(rel);
         }
     }
     Ok((bytes, inodes))
@@ -504,6 +544,34 @@ mod tests {
         assert_eq!(inodes, 1 + (OPEN_DIRS as u64 * 3) + 1000 + 2 + 1);
         assert!(bytes > 0);
         assert_eq!(disk_usage(&t.path().join("absent")).unwrap(), (0, 0));
+    }
+
+    /// A chain of directories whose path is longer than `PATH_MAX`, made as a container makes
+    /// one (each `mkdir` relative to the last): every directory and the file at the bottom are
+    /// counted.
+    #[test]
+    fn disk_usage_measures_a_tree_deeper_than_path_max() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("layer");
+        fs::create_dir(&root).unwrap();
+        let name = "d".repeat(20);
+        let depth = 500; // 21 bytes a level: over 10,000 bytes of path
+        let mut dir = open_dir_nofollow(None, &root).unwrap();
+        for _ in 0..depth {
+            nix::sys::stat::mkdirat(&dir, name.as_str(), Mode::from_bits_truncate(0o755)).unwrap();
+            dir = open_dir_nofollow(Some(&dir), Path::new(&name)).unwrap();
+        }
+        let f = nix::fcntl::openat(
+            &dir,
+            "f",
+            nix::fcntl::OFlag::O_CREAT | nix::fcntl::OFlag::O_WRONLY,
+            Mode::from_bits_truncate(0o644),
+        )
+        .unwrap();
+        drop(f);
+        let (bytes, inodes) = disk_usage(&root).unwrap();
+        assert_eq!(inodes, 1 + depth + 1);
+        assert!(bytes > 0);
     }
 
     #[test]
