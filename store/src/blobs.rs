@@ -191,15 +191,20 @@ impl BlobProgress {
         self.state_changed.notify_waiters();
     }
 
+    /// Whether the download has ended: committed, failed or cancelled.
+    pub fn ended_now(&self) -> bool {
+        matches!(
+            self.state(),
+            BlobState::Done | BlobState::Failed | BlobState::Cancelled
+        )
+    }
+
     /// Waits until the download has ended: committed, failed or cancelled.
     pub async fn ended(&self) {
         loop {
             // Created before the state is read: a notify_waiters in between still wakes it.
             let notified = self.state_changed.notified();
-            if matches!(
-                self.state(),
-                BlobState::Done | BlobState::Failed | BlobState::Cancelled
-            ) {
+            if self.ended_now() {
                 return;
             }
             notified.await;
@@ -266,23 +271,38 @@ impl BlobDownloads {
 
     /// Joins the download of `digest`, starting it (with the first of `sessions`) if none is
     /// running; the other sessions are where it goes on when one fails.
+    ///
+    /// A running download of `digest` expecting another `size` is not joined: one of the two
+    /// descriptors is wrong, and sharing would let the wrong one decide the other's result (and
+    /// discard its partial data). `SizeConflict` then: a retry once that download has ended
+    /// finds the blob committed (and which size was right) or downloads it itself.
     pub fn acquire(
         self: &Arc<Self>,
         digest: &Digest,
         size: u64,
         sessions: &[Arc<Session>],
-    ) -> BlobHandle {
+    ) -> Result<BlobHandle> {
         let session = sessions.first().expect("a blob is fetched with a session");
         let mut inflight = self.inflight.lock().unwrap();
         if let Some(dl) = inflight.get(digest).filter(|d| !d.cancel.is_cancelled()) {
-            *dl.interest.lock().unwrap() += 1;
-            for s in sessions {
-                dl.add_session(s);
+            if dl.progress.total == size {
+                *dl.interest.lock().unwrap() += 1;
+                for s in sessions {
+                    dl.add_session(s);
+                }
+                return Ok(BlobHandle {
+                    downloads: self.clone(),
+                    dl: dl.clone(),
+                });
             }
-            return BlobHandle {
-                downloads: self.clone(),
-                dl: dl.clone(),
-            };
+            if !dl.progress.ended_now() {
+                return Err(StoreError::SizeConflict {
+                    digest: digest.to_string(),
+                    wanted: size,
+                    running: dl.progress.total,
+                });
+            }
+            // It has ended and is about to leave the map: this one replaces it.
         }
         let progress = Arc::new(BlobProgress::new(digest.clone(), size));
         let cancel = CancellationToken::new();
@@ -343,10 +363,10 @@ impl BlobDownloads {
             }
             let _ = tx.send(Some(result.map_err(Arc::new)));
         });
-        BlobHandle {
+        Ok(BlobHandle {
             downloads: self.clone(),
             dl,
-        }
+        })
     }
 
     /// Adds `session` to the ones the running download of `digest` may go on with.
@@ -703,15 +723,13 @@ async fn fetch(
 ) -> Result<()> {
     let digest = progress.digest.clone();
     let size = progress.total;
-    if content.size(&digest) == Some(size) {
-        progress.done.store(size, Ordering::Relaxed);
-        return Ok(());
+    if let Some(done) = committed(content, progress) {
+        return done;
     }
     let _permit = transfers.acquire().await.expect("semaphore never closed");
     let guard = content.lock_ingest(&digest).await;
-    if content.size(&digest) == Some(size) {
-        progress.done.store(size, Ordering::Relaxed);
-        return Ok(());
+    if let Some(done) = committed(content, progress) {
+        return done;
     }
     let c = content.clone();
     let d = digest.clone();
@@ -795,6 +813,22 @@ async fn fetch(
     })
     .await
     .expect("commit does not panic")
+}
+
+/// The answer for a blob already committed: done, or (committed blobs were checked against their
+/// digest, so their size is the blob's) a descriptor giving it another size is wrong, with no
+/// byte fetched. None if it is not committed.
+fn committed(content: &ContentStore, progress: &BlobProgress) -> Option<Result<()>> {
+    let have = content.size(&progress.digest)?;
+    if have != progress.total {
+        return Some(Err(StoreError::SizeMismatch {
+            digest: progress.digest.to_string(),
+            expected: progress.total,
+            actual: have,
+        }));
+    }
+    progress.done.store(have, Ordering::Relaxed);
+    Some(Ok(()))
 }
 
 /// Bytes beyond the descriptor's size mean the partial data is not a prefix of the blob: drop it.

@@ -98,6 +98,15 @@ pub enum StoreError {
         actual: u64,
     },
 
+    #[error(
+        "blob {digest} is being downloaded for another image whose descriptor gives it {running} bytes; this one says {wanted}: one of the two is wrong (a retry once that download ends settles which)"
+    )]
+    SizeConflict {
+        digest: String,
+        wanted: u64,
+        running: u64,
+    },
+
     #[error("registry hosts configuration {path}: {reason}")]
     HostsConfig { path: PathBuf, reason: String },
 
@@ -154,7 +163,7 @@ impl StoreError {
             InvalidReference { .. } | InvalidDigest { .. } => ErrorKind::InvalidArgument,
             ImageNotFound(_) | BlobNotFound(_) | RemoteNotFound { .. } => ErrorKind::NotFound,
             Unauthenticated { .. } => ErrorKind::Unauthenticated,
-            Unavailable { .. } => ErrorKind::Unavailable,
+            Unavailable { .. } | SizeConflict { .. } => ErrorKind::Unavailable,
             UnsupportedMediaType { .. } | NoMatchingPlatform { .. } | Malformed { .. } => {
                 ErrorKind::FailedPrecondition
             }

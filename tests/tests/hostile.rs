@@ -182,12 +182,14 @@ async fn a_name_starting_with_127_is_not_loopback() {
     assert!(err.message().contains("http://127.0.0.1:1"), "{err:?}");
 }
 
-/// Pushes an image written by hand: `layers` (each pushed once) listed `times` times in the
-/// manifest, and `diff_ids` as the config's; returns its reference through the proxy.
+/// Pushes an image written by hand: `layer` (pushed once) listed `times` times in the manifest
+/// with the size `layer_size`, and `diff_ids` as the config's; returns its reference through the
+/// proxy.
 async fn push_by_hand(
     e: &Env,
     name: &str,
     layer: &Layer,
+    layer_size: u64,
     times: usize,
     diff_ids: Vec<String>,
 ) -> String {
@@ -198,6 +200,7 @@ async fn push_by_hand(
         "architecture": "amd64",
         "os": "linux",
         "rootfs": { "type": "layers", "diff_ids": diff_ids },
+        "config": { "Labels": { "name": name } },
     }))
     .unwrap();
     let config_digest = images::sha256_digest(&config);
@@ -217,7 +220,7 @@ async fn push_by_hand(
         "layers": (0..times).map(|_| serde_json::json!({
             "mediaType": layer.media_type(images::Format::Oci),
             "digest": layer.digest,
-            "size": layer.size,
+            "size": layer_size,
         })).collect::<Vec<_>>(),
     }))
     .unwrap();
@@ -237,7 +240,7 @@ async fn a_malformed_diff_id_or_too_many_layers_is_a_failed_precondition() {
         .unwrap();
     // A diff_id in upper case: the image is wrong, not the node (it used to be INTERNAL).
     let upper = format!("sha256:{}", layer.diff_id[7..].to_uppercase());
-    let r = push_by_hand(&e, "upperdiff", &layer, 1, vec![upper]).await;
+    let r = push_by_hand(&e, "upperdiff", &layer, layer.size, 1, vec![upper]).await;
     let err = pull_within(&e, &r, Duration::from_secs(60))
         .await
         .unwrap_err();
@@ -245,13 +248,90 @@ async fn a_malformed_diff_id_or_too_many_layers_is_a_failed_precondition() {
     assert!(err.message().contains("diff_id"), "{}", err.message());
     // 501 layers (one tiny blob, listed again and again): refused from the manifest, before a
     // snapshot is made for any of them.
-    let r = push_by_hand(&e, "deep", &layer, 501, vec![layer.diff_id.clone(); 501]).await;
+    let r = push_by_hand(
+        &e,
+        "deep",
+        &layer,
+        layer.size,
+        501,
+        vec![layer.diff_id.clone(); 501],
+    )
+    .await;
     let err = pull_within(&e, &r, Duration::from_secs(60))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     assert!(err.message().contains("501 layers"), "{}", err.message());
     // 500 are pulled.
-    let r = push_by_hand(&e, "deep500", &layer, 500, vec![layer.diff_id.clone(); 500]).await;
+    let r = push_by_hand(
+        &e,
+        "deep500",
+        &layer,
+        layer.size,
+        500,
+        vec![layer.diff_id.clone(); 500],
+    )
+    .await;
     pull_within(&e, &r, Duration::from_secs(300)).await.unwrap();
+}
+
+/// Two images giving one layer different sizes: the download of the one that came first is not
+/// shared with the other (the wrong one would decide the right one's result), the other is told
+/// at once, and once the blob is in the store its size settles which descriptor is wrong without
+/// a byte downloaded.
+#[tokio::test(flavor = "multi_thread")]
+async fn images_giving_one_blob_different_sizes_do_not_share_its_download() {
+    let e = env(&[]).await;
+    let layer = images::random_layer(8, Compression::Gzip, 41).unwrap();
+    let diff_ids = vec![layer.diff_id.clone()];
+    let wrong = push_by_hand(
+        &e,
+        "wrongsize",
+        &layer,
+        layer.size - 4096,
+        1,
+        diff_ids.clone(),
+    )
+    .await;
+    let right = push_by_hand(&e, "rightsize", &layer, layer.size, 1, diff_ids).await;
+    e.proxy.faults().set_rate_limit(Some(MIB));
+    let first = spawn_pull(&e.daemon, &wrong, pod(1)).await;
+    wait_until(
+        "the first bytes of the layer",
+        Duration::from_secs(30),
+        || e.proxy.bytes_served(&layer.digest) > 0,
+    )
+    .await;
+    let start = Instant::now();
+    let err = pull_within(&e, &right, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("one of the two is wrong"), "{err:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "told at once, not when the other download ended: {:?}",
+        start.elapsed()
+    );
+    let err = first.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), Code::DataLoss, "{err:?}");
+
+    // Asked again, the right one downloads the blob itself.
+    e.proxy.faults().set_rate_limit(None);
+    pull_within(&e, &right, Duration::from_secs(60))
+        .await
+        .unwrap();
+    // The wrong one is refused from the stored blob's size.
+    e.proxy.reset_stats();
+    let err = pull_within(&e, &wrong, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DataLoss, "{err:?}");
+    let says = format!(
+        "has {} bytes, its descriptor says {}",
+        layer.size,
+        layer.size - 4096
+    );
+    assert!(err.message().contains(&says), "{err:?}");
+    assert_eq!(e.proxy.bytes_served(&layer.digest), 0);
 }

@@ -124,7 +124,7 @@ impl PullManager {
             .collect();
 
         // Config first (small, and it must parse), then the layers, a bounded number at once.
-        let handle = self.acquire_part(job, 0, session);
+        let handle = self.acquire_part(job, 0, session)?;
         handle.wait().await?;
         drop(handle);
         let config_bytes = self.content.read(&config_digest)?;
@@ -355,7 +355,7 @@ impl PullManager {
         }
     }
 
-    fn acquire_part(&self, job: &Job, i: usize, session: &Arc<Session>) -> BlobHandle {
+    fn acquire_part(&self, job: &Job, i: usize, session: &Arc<Session>) -> Result<BlobHandle> {
         let (digest, size) = {
             let parts = job.parts.lock().unwrap();
             (parts[i].digest.clone(), parts[i].size)
@@ -363,14 +363,14 @@ impl PullManager {
         // The job's own session first, then those of requesters that joined from elsewhere.
         let mut sessions = vec![session.clone()];
         sessions.extend(job.sessions.lock().unwrap().iter().cloned());
-        let handle = self.blobs.acquire(&digest, size, &sessions);
+        let handle = self.blobs.acquire(&digest, size, &sessions)?;
         job.parts.lock().unwrap()[i].progress = Some(handle.progress().clone());
         job.parts_changed.notify_waiters();
-        handle
+        Ok(handle)
     }
 
     async fn fetch_part(&self, job: &Job, i: usize, session: &Arc<Session>) -> Result<()> {
-        let handle = self.acquire_part(job, i, session);
+        let handle = self.acquire_part(job, i, session)?;
         handle.wait().await
     }
 }
