@@ -172,6 +172,13 @@ impl StoreError {
             Cancelled(_) => ErrorKind::Cancelled,
             Detached(_) => ErrorKind::Detached,
             Shared(inner) => inner.kind(),
+            // An unpack reads a blob already checked against its digest: a stream that does not
+            // decode is the image's fault, and retrying cannot help. Only a local read error
+            // (an OS error) says otherwise.
+            Unpack {
+                source: minicri_snapshotter::Error::LayerStream { source },
+                ..
+            } if source.raw_os_error().is_none() => ErrorKind::FailedPrecondition,
             Unpack { source, .. } | Snapshotter(source) => match source {
                 minicri_snapshotter::Error::DiffIdMismatch { .. } => ErrorKind::DataLoss,
                 minicri_snapshotter::Error::UnsafePath { .. }

@@ -335,3 +335,38 @@ async fn images_giving_one_blob_different_sizes_do_not_share_its_download() {
     assert!(err.message().contains(&says), "{err:?}");
     assert_eq!(e.proxy.bytes_served(&layer.digest), 0);
 }
+
+/// A layer whose bytes match its digest but do not decode (not a tar; gzip of something that is
+/// not a tar; a gzip stream cut short) is the image's fault: FAILED_PRECONDITION naming the
+/// layer, as for any broken image, not UNAVAILABLE (which tells the caller to try again).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_layer_that_matches_its_digest_but_does_not_decode_is_a_failed_precondition() {
+    let e = env(&[]).await;
+    let garbage = b"this is not a tar stream at all ".repeat(64);
+    let good = LayerBuilder::new()
+        .file("f", b"x".repeat(100_000), 0o644)
+        .build(Compression::Gzip)
+        .unwrap();
+    let gzip = good.data().unwrap();
+    // `from_tar` with no compression stores the bytes as they are.
+    for (name, layer) in [
+        ("nottar", Layer::from_tar(&garbage, Compression::None, "x")),
+        (
+            "gzipnottar",
+            Layer::from_tar(&garbage, Compression::Gzip, "x"),
+        ),
+        (
+            "truncatedgzip",
+            Layer::from_tar(&gzip[..gzip.len() / 2], Compression::None, "x"),
+        ),
+    ] {
+        let layer = layer.unwrap();
+        let diff_ids = vec![layer.diff_id.clone()];
+        let r = push_by_hand(&e, name, &layer, layer.size, 1, diff_ids).await;
+        let err = pull_within(&e, &r, Duration::from_secs(60))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::FailedPrecondition, "{name}: {err:?}");
+        assert!(err.message().contains(&layer.digest), "{name}: {err:?}");
+    }
+}
