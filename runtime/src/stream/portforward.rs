@@ -297,8 +297,11 @@ pub(super) async fn socket_to_client(
     }
 }
 
-/// Copies between the socket and the data stream until both directions are done, or until the
-/// socket's side is done and the client is gone; then FINs the data stream.
+/// Copies between the socket and the data stream until both directions are done; then FINs the
+/// data stream. A client that resets the data stream (client-go does once its local connection
+/// is done with) or whose connection ends has abandoned the forward: the socket is closed then,
+/// even if the pod keeps its side open and silent, so the forward does not hold its slot and the
+/// pod's connection until the session ends.
 async fn copy(
     socket: TcpStream,
     data: IncomingStream,
@@ -311,8 +314,10 @@ async fn copy(
     } = data;
     let (rd, wr) = socket.into_split();
     let to_socket = client_to_socket(from_client, wr);
+    let we_closed = std::sync::atomic::AtomicBool::new(false);
     let to_client = async {
         let res = socket_to_client(rd, &Output::Spdy(writer.clone())).await;
+        we_closed.store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = writer.close().await;
         res
     };
@@ -323,6 +328,13 @@ async fn copy(
             }
         }
     };
+    // The stream closed for sending without our FIN: the client reset it.
+    let reset = async {
+        writer.gone().await;
+        if we_closed.load(std::sync::atomic::Ordering::Relaxed) {
+            std::future::pending::<()>().await;
+        }
+    };
     let both = async {
         let ((), res) = tokio::join!(to_socket, to_client);
         res
@@ -330,6 +342,7 @@ async fn copy(
     tokio::select! {
         res = both => res,
         () = gone => Ok(()),
+        () = reset => Ok(()),
     }
 }
 
@@ -525,6 +538,98 @@ mod tests {
                 f => panic!("unexpected {f:?}"),
             }
         }
+    }
+
+    /// A session forwards at most `MAX_FORWARDS` connections at once: the next pair is told so
+    /// on its error stream and its data stream refused; a forward that ends frees its slot.
+    #[tokio::test]
+    async fn forwards_at_once_are_bounded_and_an_ended_one_frees_its_slot() {
+        // A server in the "pod" that keeps every connection open.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port().to_string();
+        let (accepted_tx, accepted) = watch::channel(0usize);
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            loop {
+                let (s, _) = listener.accept().await.unwrap();
+                held.push(s);
+                let _ = accepted_tx.send(held.len());
+            }
+        });
+        let mut p = session();
+        let ids = |i: usize| (4 * i as u32 + 1, 4 * i as u32 + 3);
+        let pair = async |p: &mut Peer<tokio::io::DuplexStream>, i: usize| {
+            let (e, d) = ids(i);
+            let rid = i.to_string();
+            let h = [("port", port.as_str()), ("requestID", rid.as_str())];
+            // Error streams half-closed at once, as client-go does (they do not count as open).
+            p.send(Frame::SynStream {
+                stream_id: e,
+                associated_to: 0,
+                priority: 0,
+                slot: 0,
+                flags: FLAG_FIN,
+                headers: Headers::new()
+                    .with("streamType", "error")
+                    .with("port", &port)
+                    .with("requestID", &rid),
+            })
+            .await;
+            open(p, d, "data", &h).await;
+        };
+        for i in 0..=MAX_FORWARDS {
+            pair(&mut p, i).await;
+        }
+        let (over_e, over_d) = ids(MAX_FORWARDS);
+        let (mut told, mut refused) = (Vec::new(), false);
+        while !refused || !told.ends_with(b"in this session") {
+            let f = tokio::time::timeout(Duration::from_secs(20), p.recv())
+                .await
+                .expect("a frame in time");
+            match f {
+                Frame::RstStream { stream_id, status } => {
+                    assert_eq!((stream_id, status), (over_d, rst::REFUSED_STREAM));
+                    refused = true;
+                }
+                Frame::Data {
+                    stream_id, data, ..
+                } => {
+                    assert_eq!(stream_id, over_e, "{:?}", String::from_utf8_lossy(&data));
+                    told.extend(data);
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(
+            String::from_utf8_lossy(&told),
+            format!("more than {MAX_FORWARDS} connections forwarded at once in this session")
+        );
+        let mut watch = accepted.clone();
+        let all = tokio::time::timeout(
+            Duration::from_secs(20),
+            watch.wait_for(|n| *n >= MAX_FORWARDS),
+        )
+        .await
+        .is_ok();
+        assert!(all, "{} accepted", *accepted.borrow());
+        assert_eq!(*accepted.borrow(), MAX_FORWARDS);
+
+        // The client ends one forward; the next pair is forwarded.
+        p.send(Frame::RstStream {
+            stream_id: ids(0).1,
+            status: rst::CANCEL,
+        })
+        .await;
+        // (Its slot is freed once its task has ended: a pair arriving just before is refused,
+        // so new pairs are tried until one is forwarded.)
+        let mut next = MAX_FORWARDS + 1;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while *accepted.borrow() == MAX_FORWARDS && Instant::now() < deadline {
+            pair(&mut p, next).await;
+            next += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(*accepted.borrow(), MAX_FORWARDS + 1);
     }
 
     #[tokio::test]

@@ -115,6 +115,12 @@ impl StreamWriter {
             .map_err(|_| SendBlocked::Closed)
     }
 
+    /// Returns once the stream can no longer be sent on: this side closed or reset it, the peer
+    /// reset it, or the connection ended.
+    pub async fn gone(&self) {
+        self.windows.gone(self.id).await
+    }
+
     /// Aborts the stream with RST_STREAM `status`.
     pub async fn reset(&self, status: u32) {
         self.windows.close_stream(self.id);

@@ -163,6 +163,20 @@ impl SendWindows {
         }
     }
 
+    /// Returns once `id` can no longer be sent on: closed (FIN sent), reset by either side, or the
+    /// connection ending.
+    pub async fn gone(&self, id: u32) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.try_reserve(id, 0).is_err() {
+                return;
+            }
+            changed.await;
+        }
+    }
+
     /// The (stream, session) windows left, for tests and logs.
     pub fn windows(&self, id: u32) -> (Option<i64>, i64) {
         let s = self.state.lock().unwrap();
