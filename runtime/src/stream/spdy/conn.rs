@@ -16,10 +16,12 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::sync::{mpsc, oneshot};
 
+use super::super::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
 use super::flow::{RecvWindow, SendBlocked, SendWindows};
 use super::headers::{HeaderCompressor, HeaderDecompressor, Headers};
 use super::{FLAG_FIN, FLAG_UNIDIRECTIONAL, Frame, SpdyError, decode, encode, goaway, rst};
@@ -167,13 +169,28 @@ pub fn serve<IO>(io: IO) -> (Handle, mpsc::Receiver<Event>)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
+    serve_with(io, IDLE_TIMEOUT, KEEPALIVE)
+}
+
+/// [`serve`], ending the connection after `idle` without a frame either way, and pinging the
+/// client after `keepalive` without a frame to send.
+pub fn serve_with<IO>(
+    io: IO,
+    idle: Duration,
+    keepalive: Duration,
+) -> (Handle, mpsc::Receiver<Event>)
+where
+    IO: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let live = Liveness::new(idle, keepalive);
     let (rd, wr) = tokio::io::split(io);
     let (out_tx, out_rx) = mpsc::channel(64);
     let (ev_tx, ev_rx) = mpsc::channel(16);
     let windows = Arc::new(SendWindows::new());
     let last_id = Arc::new(AtomicU32::new(0));
-    tokio::spawn(write_loop(wr, out_rx, windows.clone()));
+    tokio::spawn(write_loop(wr, out_rx, windows.clone(), live.clone()));
     let reader = Reader {
+        live,
         shared_last_id: last_id.clone(),
         out: out_tx.clone(),
         events: ev_tx,
@@ -199,11 +216,22 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     wr: W,
     mut rx: mpsc::Receiver<Outgoing>,
     windows: Arc<SendWindows>,
+    live: Liveness,
 ) {
     let mut wr = BufWriter::new(wr);
     let mut z = HeaderCompressor::new();
     let mut buf = Vec::with_capacity(MAX_DATA_CHUNK + 64);
-    while let Some(item) = rx.recv().await {
+    // Pings this side starts have even ids.
+    let mut ping_id = 0u32;
+    loop {
+        let (item, keepalive) = match tokio::time::timeout(live.keepalive(), rx.recv()).await {
+            Ok(Some(item)) => (item, false),
+            Ok(None) => break,
+            Err(_) => {
+                ping_id = ping_id.wrapping_add(2) & 0x7fff_fffe;
+                (Outgoing::Frame(Frame::Ping { id: ping_id.max(2) }), true)
+            }
+        };
         let frame = match item {
             Outgoing::Frame(f) => f,
             Outgoing::Shutdown(done) => {
@@ -225,7 +253,11 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         }
         if let Err(e) = res {
             tracing::debug!(error = %e, "SPDY connection write failed");
+            live.write_failed();
             break;
+        }
+        if !keepalive {
+            live.touch();
         }
     }
     windows.shutdown();
@@ -238,6 +270,7 @@ struct StreamIn {
 }
 
 struct Reader {
+    live: Liveness,
     out: mpsc::Sender<Outgoing>,
     events: mpsc::Sender<Event>,
     windows: Arc<SendWindows>,
@@ -252,23 +285,32 @@ impl Reader {
     async fn run<R: AsyncRead + Unpin>(mut self, rd: R) {
         let mut rd = BufReader::new(rd);
         let mut z = HeaderDecompressor::new();
+        let live = self.live.clone();
         let reason = loop {
-            let frame = match read_frame(&mut rd, &mut z).await {
-                Ok(Some(f)) => f,
-                Ok(None) => break "the peer closed the connection".to_string(),
-                Err(e @ (SpdyError::Protocol(_) | SpdyError::Compression(_))) => {
-                    let _ = self
-                        .send(Frame::GoAway {
-                            last_good_stream_id: self.last_id,
-                            status: goaway::PROTOCOL_ERROR,
-                        })
-                        .await;
-                    break e.to_string();
-                }
-                Err(e) => break format!("reading the connection: {e}"),
+            // Handling a frame may wait for a stream's consumer: the connection can end meanwhile.
+            let step = async {
+                let frame = match read_frame(&mut rd, &mut z).await {
+                    Ok(Some(f)) => f,
+                    Ok(None) => return Err("the peer closed the connection".to_string()),
+                    Err(e @ (SpdyError::Protocol(_) | SpdyError::Compression(_))) => {
+                        let _ = self
+                            .send(Frame::GoAway {
+                                last_good_stream_id: self.last_id,
+                                status: goaway::PROTOCOL_ERROR,
+                            })
+                            .await;
+                        return Err(e.to_string());
+                    }
+                    Err(e) => return Err(format!("reading the connection: {e}")),
+                };
+                live.touch();
+                self.handle(frame).await
             };
-            if let Err(reason) = self.handle(frame).await {
-                break reason;
+            tokio::select! {
+                r = step => if let Err(reason) = r {
+                    break reason;
+                },
+                reason = live.over() => break reason,
             }
         };
         tracing::debug!(%reason, "SPDY connection ended");
@@ -586,6 +628,103 @@ mod tests {
         assert!(written.is_err(), "the peer's writes never blocked");
         // The queue (256 KiB), one frame being queued (1 MiB) and the pipe (64 KiB).
         assert!(sent <= 2 << 20, "{sent} bytes were taken from the peer");
+    }
+
+    /// Floods stream 1, which nobody reads, until the connection's reader waits for it.
+    async fn flood_until_the_reader_waits(peer: &mut Peer<tokio::io::DuplexStream>) {
+        let frame = vec![7u8; 1 << 20];
+        let flooded = tokio::time::timeout(std::time::Duration::from_secs(2), async {
+            loop {
+                peer.send(Frame::Data {
+                    stream_id: 1,
+                    flags: 0,
+                    data: frame.clone(),
+                })
+                .await;
+            }
+        })
+        .await;
+        assert!(flooded.is_err(), "the peer's writes never blocked");
+    }
+
+    async fn closed_within(ev: &mut mpsc::Receiver<Event>, limit: Duration) -> String {
+        tokio::time::timeout(limit, async {
+            loop {
+                match ev.recv().await {
+                    Some(Event::Closed(why)) => break why,
+                    Some(Event::Stream(_)) => {}
+                    None => panic!("events ended without Closed"),
+                }
+            }
+        })
+        .await
+        .expect("the connection ended")
+    }
+
+    /// A reader waiting for a stream nobody reads cannot see the client go: the connection ends
+    /// when writing to the client fails (and the streams' channels with it).
+    #[tokio::test]
+    async fn a_reader_held_by_an_unread_stream_ends_when_the_client_is_gone() {
+        let (a, b) = tokio::io::duplex(64 << 10);
+        let (_h, mut ev) = serve(b);
+        let mut peer = Peer::new(a);
+        peer.open(1, "stdin").await;
+        peer.open(3, "stdout").await;
+        let (Some(Event::Stream(_stdin)), Some(Event::Stream(stdout))) =
+            (ev.recv().await, ev.recv().await)
+        else {
+            panic!("no streams");
+        };
+        flood_until_the_reader_waits(&mut peer).await;
+        drop(peer);
+        // The process goes on writing its output.
+        let _ = stdout.writer.write(b"output").await;
+        let why = closed_within(&mut ev, Duration::from_secs(10)).await;
+        assert_eq!(why, "writing to the client failed");
+    }
+
+    /// A session with nothing to write (a process that neither reads its stdin nor prints)
+    /// learns of a hang-up from its keepalive pings, not only after the idle timeout.
+    #[tokio::test]
+    async fn a_silent_session_learns_of_a_hang_up_from_its_keepalive_pings() {
+        let (a, b) = tokio::io::duplex(64 << 10);
+        let (_h, mut ev) = serve_with(b, Duration::from_secs(3600), Duration::from_millis(200));
+        let mut peer = Peer::new(a);
+        peer.open(1, "stdin").await;
+        let Some(Event::Stream(_stdin)) = ev.recv().await else {
+            panic!("no stream");
+        };
+        // A client still there gets pings; the server's have even ids.
+        loop {
+            match peer.recv().await {
+                Frame::Ping { id } => {
+                    assert_eq!(id % 2, 0, "{id}");
+                    break;
+                }
+                Frame::SynReply { .. } => {}
+                f => panic!("unexpected {f:?}"),
+            }
+        }
+        flood_until_the_reader_waits(&mut peer).await;
+        drop(peer);
+        let why = closed_within(&mut ev, Duration::from_secs(10)).await;
+        assert_eq!(why, "writing to the client failed");
+    }
+
+    /// A silent session (nothing written either way) behind such a reader ends after the idle
+    /// timeout.
+    #[tokio::test]
+    async fn a_reader_held_by_an_unread_stream_ends_after_the_idle_time() {
+        let (a, b) = tokio::io::duplex(64 << 10);
+        let (_h, mut ev) = serve_with(b, Duration::from_secs(1), KEEPALIVE);
+        let mut peer = Peer::new(a);
+        peer.open(1, "stdin").await;
+        let Some(Event::Stream(_stdin)) = ev.recv().await else {
+            panic!("no stream");
+        };
+        flood_until_the_reader_waits(&mut peer).await;
+        let why = closed_within(&mut ev, Duration::from_secs(10)).await;
+        assert!(why.contains("no frame in either direction"), "{why}");
     }
 
     #[tokio::test]

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
 
 use super::close;
 use super::conn::{self, Closed, Conn, Event};
@@ -94,13 +95,21 @@ where
         inputs: Vec::new(),
     };
     let (gone_tx, gone) = watch::channel(false);
-    tokio::spawn(demux(events, protocol, stdin_tx, resize_tx, gone_tx));
+    tokio::spawn(demux(
+        events,
+        conn.ended.clone(),
+        protocol,
+        stdin_tx,
+        resize_tx,
+        gone_tx,
+    ));
     (channels, Link::Ws(WsLink { conn, gone }))
 }
 
 /// Routes the client's input messages until the connection ends, then says so.
 async fn demux(
     mut events: mpsc::Receiver<Event>,
+    ended: CancellationToken,
     protocol: Protocol,
     mut stdin: Option<mpsc::Sender<Vec<u8>>>,
     mut resize: Option<mpsc::Sender<Vec<u8>>>,
@@ -123,7 +132,9 @@ async fn demux(
                     && !data.is_empty()
                 {
                     // A reader that went away just means the input is not wanted.
-                    let _ = tx.send(data.to_vec()).await;
+                    if !conn::deliver(tx, data.to_vec(), &ended).await && ended.is_cancelled() {
+                        break;
+                    }
                 }
             }
             RESIZE => {
@@ -134,7 +145,9 @@ async fn demux(
                     if line.last() != Some(&b'\n') {
                         line.push(b'\n');
                     }
-                    let _ = tx.send(line).await;
+                    if !conn::deliver(tx, line, &ended).await && ended.is_cancelled() {
+                        break;
+                    }
                 }
             }
             _ => {}
@@ -157,6 +170,29 @@ mod tests {
         let (a, b) = tokio::io::duplex(1 << 20);
         let (ch, link) = open(b, protocol, streams);
         (Client::new(a), ch, link)
+    }
+
+    /// Input nobody reads (a process that does not read its stdin) holds the connection's
+    /// reader; the client going away still ends the session once writing to it fails.
+    #[tokio::test]
+    async fn a_client_gone_while_its_input_is_not_read_ends_the_session() {
+        use StreamType::*;
+        let (mut c, ch, mut link) = start(Protocol::V5, &[Error, Stdin, Stdout]);
+        let mut message = vec![0u8]; // stdin
+        message.extend(vec![b'x'; 64 << 10]);
+        let flooded = tokio::time::timeout(Duration::from_secs(2), async {
+            loop {
+                c.send(opcode::BINARY, &message).await;
+            }
+        })
+        .await;
+        assert!(flooded.is_err(), "the client's writes never blocked");
+        drop(c);
+        // The process goes on writing its output.
+        let _ = ch.stdout.as_ref().unwrap().write(b"output").await;
+        tokio::time::timeout(Duration::from_secs(10), link.gone())
+            .await
+            .expect("the session learns that its client is gone");
     }
 
     #[tokio::test]

@@ -20,7 +20,9 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
+use super::super::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
 use super::{Decoder, MAX_MESSAGE, Message, close, close_payload, encode, opcode};
 
 /// Whole messages queued for the user before the reader stops reading.
@@ -87,7 +89,19 @@ impl Sender {
 /// A served connection: its sender and its reader.
 pub struct Conn {
     pub sender: Sender,
+    /// Cancelled when the reader ends, before it sends [`Event::Closed`]: a user waiting on a
+    /// consumer of its own (not reading events meanwhile) stops waiting ([`deliver`]).
+    pub ended: CancellationToken,
     reader: tokio::task::JoinHandle<()>,
+}
+
+/// Hands `data` to a consumer's queue, waiting while it is full, unless the connection ends
+/// first. False if it was not delivered (the consumer is gone or the connection ended).
+pub async fn deliver(tx: &mpsc::Sender<Vec<u8>>, data: Vec<u8>, ended: &CancellationToken) -> bool {
+    tokio::select! {
+        r = tx.send(data) => r.is_ok(),
+        () = ended.cancelled() => false,
+    }
 }
 
 impl Conn {
@@ -107,6 +121,16 @@ pub fn serve<IO>(io: IO) -> (Conn, mpsc::Receiver<Event>)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
+    serve_with(io, IDLE_TIMEOUT, KEEPALIVE)
+}
+
+/// [`serve`], ending the connection after `idle` without a frame either way, and pinging the
+/// client after `keepalive` without a frame to send.
+pub fn serve_with<IO>(io: IO, idle: Duration, keepalive: Duration) -> (Conn, mpsc::Receiver<Event>)
+where
+    IO: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let live = Liveness::new(idle, keepalive);
     let (rd, wr) = tokio::io::split(io);
     let (out_tx, out_rx) = mpsc::channel(OUT_QUEUE);
     let (ev_tx, ev_rx) = mpsc::channel(EVENT_QUEUE);
@@ -114,15 +138,33 @@ where
         out: out_tx,
         closing: Arc::new(AtomicBool::new(false)),
     };
-    tokio::spawn(write_loop(wr, out_rx));
-    let reader = tokio::spawn(read_loop(rd, sender.clone(), ev_tx));
-    (Conn { sender, reader }, ev_rx)
+    let ended = CancellationToken::new();
+    tokio::spawn(write_loop(wr, out_rx, live.clone()));
+    let reader = tokio::spawn(read_loop(rd, sender.clone(), ev_tx, live, ended.clone()));
+    (
+        Conn {
+            sender,
+            ended,
+            reader,
+        },
+        ev_rx,
+    )
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(wr: W, mut rx: mpsc::Receiver<(u8, Vec<u8>)>) {
+async fn write_loop<W: AsyncWrite + Unpin>(
+    wr: W,
+    mut rx: mpsc::Receiver<(u8, Vec<u8>)>,
+    live: Liveness,
+) {
     let mut wr = BufWriter::new(wr);
     let mut buf = Vec::new();
-    while let Some((op, payload)) = rx.recv().await {
+    loop {
+        let ((op, payload), keepalive) =
+            match tokio::time::timeout(live.keepalive(), rx.recv()).await {
+                Ok(Some(item)) => (item, false),
+                Ok(None) => break,
+                Err(_) => ((opcode::PING, Vec::new()), true),
+            };
         buf.clear();
         encode(op, &payload, &mut buf);
         let mut res = wr.write_all(&buf).await;
@@ -130,50 +172,74 @@ async fn write_loop<W: AsyncWrite + Unpin>(wr: W, mut rx: mpsc::Receiver<(u8, Ve
         if res.is_ok() && (rx.is_empty() || op == opcode::CLOSE) {
             res = wr.flush().await;
         }
-        if res.is_err() || op == opcode::CLOSE {
+        if res.is_err() {
+            live.write_failed();
+            break;
+        }
+        if !keepalive {
+            live.touch();
+        }
+        if op == opcode::CLOSE {
             break;
         }
     }
     let _ = wr.shutdown().await;
 }
 
-async fn read_loop<R: AsyncRead + Unpin>(mut rd: R, sender: Sender, events: mpsc::Sender<Event>) {
+async fn read_loop<R: AsyncRead + Unpin>(
+    mut rd: R,
+    sender: Sender,
+    events: mpsc::Sender<Event>,
+    live: Liveness,
+    ended: CancellationToken,
+) {
     let mut decoder = Decoder::new(MAX_MESSAGE);
     let mut buf = vec![0u8; 64 * 1024];
-    let reason = 'conn: loop {
-        let n = match rd.read(&mut buf).await {
-            Ok(0) => break "the client hung up".to_string(),
-            Ok(n) => n,
-            Err(e) => break format!("reading the connection: {e}"),
-        };
-        decoder.feed(&buf[..n]);
-        loop {
-            match decoder.next_message() {
-                Ok(None) => break,
-                Ok(Some(Message::Binary(m))) => {
-                    // A user that stopped listening just does not want the data.
-                    let _ = events.send(Event::Message(m)).await;
-                }
-                Ok(Some(Message::Ping(p))) => sender.pong(p).await,
-                Ok(Some(Message::Pong(_))) => {}
-                Ok(Some(Message::Close(code, reason))) => {
-                    // The answer echoes the client's code (none: a normal closure).
-                    sender.close(code.unwrap_or(close::NORMAL), "").await;
-                    break 'conn format!(
-                        "the client closed the connection ({}{}{reason})",
-                        code.map_or("no code".to_string(), |c| c.to_string()),
-                        if reason.is_empty() { "" } else { ": " }
-                    );
-                }
-                Err(v) => {
-                    tracing::debug!(error = %v, "WebSocket client broke the protocol");
-                    sender.close(v.code, &v.reason).await;
-                    break 'conn v.to_string();
+    let reason = loop {
+        // Handing a message over may wait for the user: the connection can end meanwhile.
+        let step = async {
+            let n = match rd.read(&mut buf).await {
+                Ok(0) => return Err("the client hung up".to_string()),
+                Ok(n) => n,
+                Err(e) => return Err(format!("reading the connection: {e}")),
+            };
+            live.touch();
+            decoder.feed(&buf[..n]);
+            loop {
+                match decoder.next_message() {
+                    Ok(None) => return Ok(()),
+                    Ok(Some(Message::Binary(m))) => {
+                        // A user that stopped listening just does not want the data.
+                        let _ = events.send(Event::Message(m)).await;
+                    }
+                    Ok(Some(Message::Ping(p))) => sender.pong(p).await,
+                    Ok(Some(Message::Pong(_))) => {}
+                    Ok(Some(Message::Close(code, reason))) => {
+                        // The answer echoes the client's code (none: a normal closure).
+                        sender.close(code.unwrap_or(close::NORMAL), "").await;
+                        return Err(format!(
+                            "the client closed the connection ({}{}{reason})",
+                            code.map_or("no code".to_string(), |c| c.to_string()),
+                            if reason.is_empty() { "" } else { ": " }
+                        ));
+                    }
+                    Err(v) => {
+                        tracing::debug!(error = %v, "WebSocket client broke the protocol");
+                        sender.close(v.code, &v.reason).await;
+                        return Err(v.to_string());
+                    }
                 }
             }
+        };
+        tokio::select! {
+            r = step => if let Err(reason) = r {
+                break reason;
+            },
+            reason = live.over() => break reason,
         }
     };
     // Whatever ended the connection, the writer ends too (a no-op if closing already).
+    ended.cancel();
     sender.close(close::NORMAL, "").await;
     let _ = events.send(Event::Closed(reason)).await;
 }
@@ -187,6 +253,32 @@ mod tests {
         let (a, b) = tokio::io::duplex(1 << 20);
         let (conn, ev) = serve(b);
         (Client::new(a), conn, ev)
+    }
+
+    /// With nothing to send, the server pings; once the client has hung up, the ping fails and
+    /// the connection ends (the reader may be waiting on a consumer and not see the hang-up).
+    #[tokio::test]
+    async fn keepalive_pings_find_a_client_that_hung_up() {
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let (_conn, mut ev) = serve_with(b, Duration::from_secs(3600), Duration::from_millis(200));
+        let mut c = Client::new(a);
+        let (op, payload) = c.recv().await.expect("a ping");
+        assert_eq!((op, payload.len()), (opcode::PING, 0));
+        drop(c);
+        let why = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if let Some(Event::Closed(why)) = ev.recv().await {
+                    break why;
+                }
+            }
+        })
+        .await
+        .expect("the connection ended");
+        // The reader saw EOF here (nothing held it); either way it ended.
+        assert!(
+            why == "the client hung up" || why == "writing to the client failed",
+            "{why}"
+        );
     }
 
     #[tokio::test]

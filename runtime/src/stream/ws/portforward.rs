@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
 
 use super::channels::ChannelWriter;
 use super::close;
@@ -90,7 +91,7 @@ where
         let (req, sender, gone) = (req.clone(), c.sender.clone(), gone.clone());
         forwards.spawn(forward(req, port, data, rx, sender, gone));
     }
-    tokio::spawn(demux(events, inputs, gone_tx));
+    tokio::spawn(demux(events, c.ended.clone(), inputs, gone_tx));
     let mut gone_now = gone.clone();
     tokio::select! {
         _ = async { while forwards.join_next().await.is_some() {} } => {}
@@ -104,6 +105,7 @@ where
 /// Routes the client's data messages to their ports until the connection ends.
 async fn demux(
     mut events: mpsc::Receiver<Event>,
+    ended: CancellationToken,
     inputs: Vec<mpsc::Sender<Vec<u8>>>,
     gone: watch::Sender<bool>,
 ) {
@@ -115,8 +117,10 @@ async fn demux(
         if channel % 2 == 0
             && let Some(tx) = inputs.get(usize::from(channel / 2))
             && !data.is_empty()
+            && !conn::deliver(tx, data.to_vec(), &ended).await
+            && ended.is_cancelled()
         {
-            let _ = tx.send(data.to_vec()).await;
+            break;
         }
     }
     drop(inputs);

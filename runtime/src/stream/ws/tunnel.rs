@@ -23,9 +23,16 @@ const PIPE: usize = 64 * 1024;
 pub fn byte_stream(conn: Conn, mut events: mpsc::Receiver<Event>) -> DuplexStream {
     let (theirs, ours) = tokio::io::duplex(PIPE);
     let (mut rd, mut wr) = tokio::io::split(ours);
+    let ended = conn.ended.clone();
     tokio::spawn(async move {
         while let Some(Event::Message(m)) = events.recv().await {
-            if wr.write_all(&m).await.is_err() {
+            // The pipe's reader may wait on a consumer of its own: the connection can end
+            // meanwhile.
+            let written = tokio::select! {
+                r = wr.write_all(&m) => r.is_ok(),
+                () = ended.cancelled() => false,
+            };
+            if !written {
                 break;
             }
         }
