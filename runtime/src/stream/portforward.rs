@@ -39,7 +39,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::remotecommand::STREAM_TYPE_HEADER;
-use super::session::{Output, STREAM_CREATION_TIMEOUT};
+use super::session::{LINGER, Output, STREAM_CREATION_TIMEOUT};
 use super::spdy::conn::{self, Event, IncomingStream, MAX_DATA_CHUNK};
 use super::spdy::rst;
 
@@ -157,8 +157,7 @@ where
                 let msg = format!(
                     "more than {MAX_FORWARDS} connections forwarded at once in this session"
                 );
-                let _ = error.writer.write(msg.as_bytes()).await;
-                let _ = error.writer.close().await;
+                tell(error, msg.into_bytes());
                 data.writer.reset(rst::REFUSED_STREAM).await;
                 continue;
             };
@@ -175,6 +174,18 @@ where
     conn.close().await;
 }
 
+/// Writes `msg` on an error stream and ends it, in a task of its own and for at most
+/// [`LINGER`]: a client granting no flow-control window must not hold the session's loop.
+fn tell(error: IncomingStream, msg: Vec<u8>) {
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(LINGER, async {
+            let _ = error.writer.write(&msg).await;
+            let _ = error.writer.close().await;
+        })
+        .await;
+    });
+}
+
 /// Fails the pairs that waited too long for their other half.
 async fn expire(pairs: &mut HashMap<String, (Instant, Pair)>) {
     let now = Instant::now();
@@ -186,11 +197,7 @@ async fn expire(pairs: &mut HashMap<String, (Instant, Pair)>) {
     for k in expired {
         let (_, p) = pairs.remove(&k).expect("listed");
         if let Some(e) = p.error {
-            let _ = e
-                .writer
-                .write(b"timed out waiting for complete stream pair")
-                .await;
-            let _ = e.writer.close().await;
+            tell(e, b"timed out waiting for complete stream pair".to_vec());
         }
         if let Some(d) = p.data {
             d.writer.reset(rst::CANCEL).await;

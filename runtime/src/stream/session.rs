@@ -332,23 +332,35 @@ async fn apply_resizes(mut rx: mpsc::Receiver<Vec<u8>>, resize: Resize) {
 }
 
 /// Ends the output channels, reports `outcome` on the error channel (if anything is to be
-/// reported under `protocol`), ends the rest.
+/// reported under `protocol`), ends the rest. A client that takes nothing (it does not read,
+/// or grants no flow-control window) gets [`LINGER`] for all of it, not the session's life.
 pub(super) async fn finish(ch: &Channels, protocol: Protocol, outcome: &Outcome, cmd: &[String]) {
-    for s in [&ch.stdout, &ch.stderr].into_iter().flatten() {
-        // Already ended by the copy unless it was cut short.
-        s.close().await;
-    }
-    if let Some(e) = &ch.error {
-        let payload = error_stream_payload(protocol, outcome, cmd);
-        if !payload.is_empty() {
-            let _ = e.write(&payload).await;
+    let report = async {
+        for s in [&ch.stdout, &ch.stderr].into_iter().flatten() {
+            // Already ended by the copy unless it was cut short.
+            s.close().await;
         }
+        if let Some(e) = &ch.error {
+            let payload = error_stream_payload(protocol, outcome, cmd);
+            if !payload.is_empty() {
+                let _ = e.write(&payload).await;
+            }
+        }
+        close_channels(ch).await;
+    };
+    if tokio::time::timeout(LINGER, report).await.is_err() {
+        tracing::debug!(
+            "the client took nothing for {LINGER:?}; the session's end is not reported"
+        );
     }
-    close_all(ch).await;
 }
 
-/// Ends every channel, reporting nothing on the error channel.
+/// Ends every channel, reporting nothing on the error channel; at most [`LINGER`].
 pub(super) async fn close_all(ch: &Channels) {
+    let _ = tokio::time::timeout(LINGER, close_channels(ch)).await;
+}
+
+async fn close_channels(ch: &Channels) {
     for s in [&ch.stdout, &ch.stderr, &ch.error]
         .into_iter()
         .flatten()

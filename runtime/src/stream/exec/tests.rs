@@ -338,3 +338,32 @@ async fn a_terminal_gets_input_resizes_and_merged_output() {
     assert!(out.ends_with("30 100\r\n"), "{out:?}");
     assert_eq!(status(&data)["status"], "Success");
 }
+
+/// A client that grants no flow-control window (and reads nothing) cannot hold the session: the
+/// exit status it cannot take is given up after the linger time, and the session ends.
+#[tokio::test]
+async fn a_client_granting_no_window_cannot_hold_the_session() {
+    let (a, b) = tokio::io::duplex(1 << 20);
+    let backend = Arc::new(LocalBackend {
+        killed: Arc::new(AtomicBool::new(false)),
+    });
+    let session = tokio::spawn(serve(b, Protocol::V4, request(&["true"], false), backend));
+    let mut peer = Peer::new(a);
+    peer.send(Frame::Settings {
+        flags: 0,
+        entries: vec![crate::stream::spdy::Setting {
+            flags: 0,
+            id: crate::stream::spdy::SETTINGS_INITIAL_WINDOW_SIZE,
+            value: 0,
+        }],
+    })
+    .await;
+    for (id, kind) in [(1, "error"), (3, "stdout"), (5, "stderr")] {
+        peer.open(id, kind).await;
+    }
+    tokio::time::timeout(Duration::from_secs(30), session)
+        .await
+        .expect("the session ends although its client takes nothing")
+        .unwrap();
+    drop(peer);
+}

@@ -141,26 +141,35 @@ pub struct Handle {
     out: mpsc::Sender<Outgoing>,
     windows: Arc<SendWindows>,
     reader: tokio::task::JoinHandle<()>,
+    writer: tokio::task::JoinHandle<()>,
     /// The last stream id the peer opened (for GOAWAY).
     last_id: Arc<AtomicU32>,
 }
 
+/// How long [`Handle::close`] waits for what is queued to reach a client.
+const CLOSE_LINGER: Duration = Duration::from_secs(5);
+
 impl Handle {
-    /// Sends GOAWAY (status OK), flushes what is queued and closes the connection.
+    /// Sends GOAWAY (status OK), flushes what is queued and closes the connection. A client
+    /// that does not read gets [`CLOSE_LINGER`], then the connection is dropped.
     pub async fn close(self) {
-        let _ = self
-            .out
-            .send(Outgoing::Frame(Frame::GoAway {
-                last_good_stream_id: self.last_id.load(Ordering::Relaxed),
-                status: goaway::OK,
-            }))
-            .await;
-        let (tx, rx) = oneshot::channel();
-        if self.out.send(Outgoing::Shutdown(tx)).await.is_ok() {
-            let _ = rx.await;
-        }
+        let graceful = async {
+            let _ = self
+                .out
+                .send(Outgoing::Frame(Frame::GoAway {
+                    last_good_stream_id: self.last_id.load(Ordering::Relaxed),
+                    status: goaway::OK,
+                }))
+                .await;
+            let (tx, rx) = oneshot::channel();
+            if self.out.send(Outgoing::Shutdown(tx)).await.is_ok() {
+                let _ = rx.await;
+            }
+        };
+        let _ = tokio::time::timeout(CLOSE_LINGER, graceful).await;
         self.windows.shutdown();
         self.reader.abort();
+        self.writer.abort();
     }
 }
 
@@ -188,7 +197,7 @@ where
     let (ev_tx, ev_rx) = mpsc::channel(16);
     let windows = Arc::new(SendWindows::new());
     let last_id = Arc::new(AtomicU32::new(0));
-    tokio::spawn(write_loop(wr, out_rx, windows.clone(), live.clone()));
+    let writer = tokio::spawn(write_loop(wr, out_rx, windows.clone(), live.clone()));
     let reader = Reader {
         live,
         shared_last_id: last_id.clone(),
@@ -206,6 +215,7 @@ where
             out: out_tx,
             windows,
             reader,
+            writer,
             last_id,
         },
         ev_rx,

@@ -93,6 +93,7 @@ pub struct Conn {
     /// consumer of its own (not reading events meanwhile) stops waiting ([`deliver`]).
     pub ended: CancellationToken,
     reader: tokio::task::JoinHandle<()>,
+    writer: tokio::task::JoinHandle<()>,
 }
 
 /// Hands `data` to a consumer's queue, waiting while it is full, unless the connection ends
@@ -106,12 +107,18 @@ pub async fn deliver(tx: &mpsc::Sender<Vec<u8>>, data: Vec<u8>, ended: &Cancella
 
 impl Conn {
     /// Closes from the server side (`code`), gives the client up to `linger` to answer with its
-    /// close frame (or to hang up), then drops the connection.
+    /// close frame (or to hang up), then drops the connection (also when the client reads
+    /// nothing, so the close frame cannot even be queued).
     pub async fn finish(self, code: u16, linger: Duration) {
-        self.sender.close(code, "").await;
         let mut reader = self.reader;
-        if tokio::time::timeout(linger, &mut reader).await.is_err() {
+        let answered = tokio::time::timeout(linger, async {
+            self.sender.close(code, "").await;
+            let _ = (&mut reader).await;
+        })
+        .await;
+        if answered.is_err() {
             reader.abort();
+            self.writer.abort();
         }
     }
 }
@@ -139,13 +146,14 @@ where
         closing: Arc::new(AtomicBool::new(false)),
     };
     let ended = CancellationToken::new();
-    tokio::spawn(write_loop(wr, out_rx, live.clone()));
+    let writer = tokio::spawn(write_loop(wr, out_rx, live.clone()));
     let reader = tokio::spawn(read_loop(rd, sender.clone(), ev_tx, live, ended.clone()));
     (
         Conn {
             sender,
             ended,
             reader,
+            writer,
         },
         ev_rx,
     )
