@@ -27,7 +27,6 @@
 pub mod attach;
 pub mod exec;
 pub mod http;
-pub mod liveness;
 pub mod portforward;
 pub mod pty;
 pub mod remotecommand;

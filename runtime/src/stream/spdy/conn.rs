@@ -21,9 +21,9 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::sync::{mpsc, oneshot};
 
-use super::super::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
 use super::flow::{RecvWindow, SendBlocked, SendWindows};
 use super::headers::{HeaderCompressor, HeaderDecompressor, Headers};
+use super::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
 use super::{FLAG_FIN, FLAG_UNIDIRECTIONAL, Frame, SpdyError, decode, encode, goaway, rst};
 
 /// Largest DATA frame this side sends.

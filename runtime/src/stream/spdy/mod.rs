@@ -6,7 +6,9 @@
 //!   dictionary;
 //! - [`flow`]: send windows (per stream and per session) and WINDOW_UPDATE bookkeeping;
 //! - [`conn`]: a server-side connection over an async byte stream: accepts the peer's streams,
-//!   answers PINGs, writes DATA within the flow-control windows.
+//!   answers PINGs, writes DATA within the flow-control windows;
+//! - [`liveness`]: when a connection is over although its reader cannot tell (keepalive pings,
+//!   failed writes, the idle timeout), shared with the WebSocket connection.
 //!
 //! Wire format: every frame has an 8-byte header. Control frames: `1 | version(15) | type(16)`,
 //! `flags(8) | length(24)`; data frames: `0 | stream-id(31)`, `flags(8) | length(24)`. Only
@@ -15,6 +17,7 @@
 pub mod conn;
 pub mod flow;
 pub mod headers;
+pub mod liveness;
 #[cfg(test)]
 pub mod test_peer;
 

@@ -22,8 +22,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::super::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
 use super::{Decoder, MAX_MESSAGE, Message, close, close_payload, encode, opcode};
+use crate::stream::spdy::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
 
 /// Whole messages queued for the user before the reader stops reading.
 const EVENT_QUEUE: usize = 4;

@@ -1,4 +1,6 @@
-//! When a streaming connection is over although its reader cannot tell.
+//! When a streaming connection is over although its reader cannot tell (SPDY and WebSocket
+//! connections alike; it lives here so that the fuzz targets that compile the SPDY module from
+//! its files get it too).
 //!
 //! A connection's reader hands each stream's data to that stream's consumer and waits while the
 //! consumer's queue is full: peers do not honour flow control, so not reading is what holds a
@@ -21,8 +23,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 /// How long a streaming connection may carry no frame in either direction.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(4 * 3600);
@@ -39,7 +41,8 @@ struct Inner {
     start: Instant,
     /// Milliseconds from `start` to the last frame read or written.
     last: AtomicU64,
-    write_failed: CancellationToken,
+    /// True once a write to the client failed.
+    write_failed: watch::Sender<bool>,
     idle: Duration,
     keepalive: Duration,
 }
@@ -50,7 +53,7 @@ impl Liveness {
             inner: Arc::new(Inner {
                 start: Instant::now(),
                 last: AtomicU64::new(0),
-                write_failed: CancellationToken::new(),
+                write_failed: watch::Sender::new(false),
                 idle,
                 keepalive,
             }),
@@ -70,18 +73,19 @@ impl Liveness {
 
     /// Writing to the client failed: the connection is over.
     pub fn write_failed(&self) {
-        self.inner.write_failed.cancel();
+        self.inner.write_failed.send_replace(true);
     }
 
     /// Returns why, once the connection is over: writing to the client failed, or no frame went
     /// either way for the idle timeout.
     pub async fn over(&self) -> String {
         let i = &self.inner;
+        let mut failed = i.write_failed.subscribe();
         loop {
             let last = Duration::from_millis(i.last.load(Ordering::Relaxed));
             let deadline = i.start + last + i.idle;
             tokio::select! {
-                () = i.write_failed.cancelled() => return "writing to the client failed".into(),
+                _ = failed.wait_for(|f| *f) => return "writing to the client failed".into(),
                 () = tokio::time::sleep_until(deadline) => {
                     if i.last.load(Ordering::Relaxed) == last.as_millis() as u64 {
                         return format!("no frame in either direction for {:?}", i.idle);
