@@ -40,7 +40,10 @@ fuzz_target!(|data: &[u8]| {
         | Frame::Headers { headers, .. } = &frame
         {
             let size: usize = headers.0.iter().map(|(n, v)| n.len() + v.len() + 8).sum();
-            assert!(size <= 1 << 20, "a header block of {size} bytes got through");
+            assert!(
+                size <= spdy::headers::MAX_BLOCK,
+                "a header block of {size} bytes got through"
+            );
         }
         if matches!(frame, Frame::Unknown { .. }) {
             continue;

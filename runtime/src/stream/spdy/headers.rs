@@ -11,8 +11,10 @@ use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, 
 
 use super::SpdyError;
 
-/// A decompressed header block may not grow beyond this (a zlib bomb guard).
-const MAX_BLOCK: usize = 1 << 20;
+/// A decompressed header block may not grow beyond this (a zlib bomb guard; zlib inflates up
+/// to about 1000:1). Exec, attach and port-forward streams carry a few short headers, and every
+/// stream keeps its block while it lives (a session holds up to 1024), so 16 KiB is plenty.
+pub const MAX_BLOCK: usize = 16 << 10;
 /// Pairs per header block.
 const MAX_PAIRS: u32 = 1000;
 
@@ -249,16 +251,18 @@ impl HeaderDecompressor {
 
     /// Decompresses one block (the compressed bytes of one frame) and parses it.
     pub fn decompress(&mut self, compressed: &[u8]) -> Result<Headers, SpdyError> {
-        let mut out: Vec<u8> = Vec::with_capacity(compressed.len() * 4 + 256);
+        let mut out: Vec<u8> = Vec::with_capacity((compressed.len() * 4 + 256).min(MAX_BLOCK + 1));
         let mut pos = 0;
         loop {
+            if out.len() > MAX_BLOCK {
+                return Err(SpdyError::Compression(format!(
+                    "header block larger than {MAX_BLOCK} bytes"
+                )));
+            }
             if out.capacity() - out.len() < 256 {
-                if out.len() >= MAX_BLOCK {
-                    return Err(SpdyError::Compression(
-                        "header block larger than 1 MiB".into(),
-                    ));
-                }
-                out.reserve(out.capacity().max(256));
+                // Grown up to one byte past the cap: enough to tell that a block is over it.
+                let room = (MAX_BLOCK + 1).saturating_sub(out.capacity());
+                out.reserve_exact(out.capacity().max(256).min(room.max(256)));
             }
             let before_in = self.z.total_in();
             let before_out = out.len();
@@ -389,14 +393,19 @@ mod tests {
 
     #[test]
     fn large_blocks_compress_and_bombs_are_refused() {
-        let big = "v".repeat(200_000);
+        // Up to the cap: a block of a 16,000-byte value (and its framing) is read.
+        let big = "v".repeat(16_000);
         let h = Headers::new().with("big", &big);
         let mut c = HeaderCompressor::new();
         let z = c.compress(&h).unwrap();
-        assert!(z.len() < 10_000);
+        assert!(z.len() < 1_000);
         assert_eq!(HeaderDecompressor::new().decompress(&z).unwrap(), h);
-        let bomb = Headers::new().with("big", &"v".repeat(2 << 20));
-        let z = HeaderCompressor::new().compress(&bomb).unwrap();
-        assert!(HeaderDecompressor::new().decompress(&z).is_err());
+        // Past it, a few hundred compressed bytes inflating to 17 KiB or to 2 MiB are refused.
+        for n in [17 << 10, 2 << 20] {
+            let bomb = Headers::new().with("big", &"v".repeat(n));
+            let z = HeaderCompressor::new().compress(&bomb).unwrap();
+            let err = HeaderDecompressor::new().decompress(&z).unwrap_err();
+            assert!(err.to_string().contains("16384 bytes"), "{err}");
+        }
     }
 }
