@@ -56,6 +56,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// a client opening only halves (or streams already half-closed, which the connection does not
 /// count as open) is refused past this.
 const MAX_PENDING_PAIRS: usize = 256;
+/// How long a forward whose pod closed its side still carries what the client sends.
+const POD_CLOSED_GRACE: Duration = Duration::from_secs(1);
 /// Connections one session forwards at once (each a socket in the pod and two tasks); a pair
 /// completed past this gets the reason on its error stream.
 const MAX_FORWARDS: usize = 512;
@@ -304,8 +306,8 @@ pub(super) async fn socket_to_client(
     }
 }
 
-/// Copies between the socket and the data stream until both directions are done; then FINs the
-/// data stream. A client that resets the data stream (client-go does once its local connection
+/// Copies between the socket and the data stream until both directions are done (once the pod
+/// has closed its side, the client's gets [`POD_CLOSED_GRACE`]); then FINs the data stream. A client that resets the data stream (client-go does once its local connection
 /// is done with) or whose connection ends has abandoned the forward: the socket is closed then,
 /// even if the pod keeps its side open and silent, so the forward does not hold its slot and the
 /// pod's connection until the session ends.
@@ -343,8 +345,18 @@ async fn copy(
         }
     };
     let both = async {
-        let ((), res) = tokio::join!(to_socket, to_client);
-        res
+        tokio::pin!(to_socket, to_client);
+        tokio::select! {
+            // The client is done sending: the pod's answer still comes.
+            () = &mut to_socket => to_client.await,
+            // The pod closed its side: what the client still sends gets a short grace, then
+            // the forward ends (and its error stream with it, which older clients wait for
+            // before they let go of the connection).
+            res = &mut to_client => {
+                let _ = tokio::time::timeout(POD_CLOSED_GRACE, to_socket).await;
+                res
+            }
+        }
     };
     tokio::select! {
         res = both => res,
@@ -637,6 +649,26 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         assert_eq!(*accepted.borrow(), MAX_FORWARDS + 1);
+    }
+
+    /// A pod that answers and closes ends the forward by itself, error stream included: older
+    /// clients wait for the error stream's end before they let go of the connection, so waiting
+    /// for the client's reset instead would leave both sides waiting.
+    #[tokio::test]
+    async fn a_closing_server_ends_the_forward_without_the_clients_reset() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port().to_string();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            s.write_all(b"banner\n").await.unwrap();
+        });
+        let mut p = session();
+        let h = [("port", port.as_str()), ("requestID", "0")];
+        open(&mut p, 1, "error", &h).await;
+        open(&mut p, 3, "data", &h).await;
+        let out = collect(&mut p, &[1, 3]).await;
+        assert_eq!(out[&3], b"banner\n");
+        assert!(out[&1].is_empty());
     }
 
     #[tokio::test]
