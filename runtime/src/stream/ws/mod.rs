@@ -110,6 +110,10 @@ fn valid_close_code(code: u16) -> bool {
 #[derive(Debug)]
 pub struct Decoder {
     buf: Vec<u8>,
+    /// Where the next frame starts in `buf`: frames are consumed by moving it, and the bytes
+    /// before it are dropped once per [`Decoder::feed`] (dropping them per frame moved the rest
+    /// of the buffer for every frame: quadratic in the frames of one read).
+    pos: usize,
     max: usize,
     /// The fragments of the binary message being received.
     partial: Option<Vec<u8>>,
@@ -126,6 +130,7 @@ impl Decoder {
     pub fn new(max: usize) -> Decoder {
         Decoder {
             buf: Vec::new(),
+            pos: 0,
             max,
             partial: None,
         }
@@ -133,6 +138,8 @@ impl Decoder {
 
     /// Adds bytes read from the connection.
     pub fn feed(&mut self, bytes: &[u8]) {
+        self.buf.drain(..self.pos);
+        self.pos = 0;
         self.buf.extend_from_slice(bytes);
     }
 
@@ -181,7 +188,7 @@ impl Decoder {
 
     /// The next whole frame: (FIN, opcode, unmasked payload).
     fn next_frame(&mut self) -> Result<Option<(bool, u8, Vec<u8>)>, Violation> {
-        let b = &self.buf;
+        let b = &self.buf[self.pos..];
         if b.len() < 2 {
             return Ok(None);
         }
@@ -245,13 +252,13 @@ impl Decoder {
         for (i, x) in payload.iter_mut().enumerate() {
             *x ^= mask[i % 4];
         }
-        self.buf.drain(..at + 4 + len);
+        self.pos += at + 4 + len;
         Ok(Some((fin, op, payload)))
     }
 
     /// Bytes received that do not make a whole frame yet.
     pub fn pending(&self) -> usize {
-        self.buf.len()
+        self.buf.len() - self.pos
     }
 }
 
