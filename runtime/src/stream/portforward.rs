@@ -656,24 +656,15 @@ mod tests {
     /// for the client's reset instead would leave both sides waiting.
     #[tokio::test]
     async fn a_closing_server_ends_the_forward_without_the_clients_reset() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port().to_string();
-        tokio::spawn(async move {
-            let (mut s, _) = listener.accept().await.unwrap();
-            s.write_all(b"banner\n").await.unwrap();
-        });
-        let mut p = session();
-        let h = [("port", port.as_str()), ("requestID", "0")];
-        open(&mut p, 1, "error", &h).await;
-        open(&mut p, 3, "data", &h).await;
+        let mut p = forward_to_a_banner_server().await;
         let out = collect(&mut p, &[1, 3]).await;
         assert_eq!(out[&3], b"banner\n");
         assert!(out[&1].is_empty());
     }
 
-    #[tokio::test]
-    async fn a_closing_server_ends_the_data_stream() {
-        // A server that talks first and closes: the client gets its bytes and a FIN.
+    /// A session forwarding one connection (error stream 1, data stream 3) to a server that
+    /// talks first ("banner\n") and closes.
+    async fn forward_to_a_banner_server() -> Peer<tokio::io::DuplexStream> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port().to_string();
         tokio::spawn(async move {
@@ -684,6 +675,13 @@ mod tests {
         let h = [("port", port.as_str()), ("requestID", "0")];
         open(&mut p, 1, "error", &h).await;
         open(&mut p, 3, "data", &h).await;
+        p
+    }
+
+    #[tokio::test]
+    async fn a_closing_server_ends_the_data_stream() {
+        // The client gets the server's bytes and a FIN.
+        let mut p = forward_to_a_banner_server().await;
         let out = collect(&mut p, &[3]).await;
         assert_eq!(out[&3], b"banner\n");
         // The client resets its data stream, as client-go does; the error stream then ends.

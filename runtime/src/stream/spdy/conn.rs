@@ -621,9 +621,17 @@ mod tests {
         let Some(Event::Stream(_held)) = ev.recv().await else {
             panic!("no stream");
         };
+        let sent = flood_until_the_reader_waits(&mut peer).await;
+        // The queue (256 KiB), one frame being queued (1 MiB) and the pipe (64 KiB).
+        assert!(sent <= 2 << 20, "{sent} bytes were taken from the peer");
+    }
+
+    /// Floods stream 1, which nobody reads, with 1 MiB frames until the connection's reader waits
+    /// for it (the peer's writes block for 2 s); returns the bytes written.
+    async fn flood_until_the_reader_waits(peer: &mut Peer<tokio::io::DuplexStream>) -> usize {
         let frame = vec![7u8; 1 << 20];
         let mut sent = 0usize;
-        let written = tokio::time::timeout(std::time::Duration::from_secs(2), async {
+        let flooded = tokio::time::timeout(std::time::Duration::from_secs(2), async {
             loop {
                 peer.send(Frame::Data {
                     stream_id: 1,
@@ -635,26 +643,8 @@ mod tests {
             }
         })
         .await;
-        assert!(written.is_err(), "the peer's writes never blocked");
-        // The queue (256 KiB), one frame being queued (1 MiB) and the pipe (64 KiB).
-        assert!(sent <= 2 << 20, "{sent} bytes were taken from the peer");
-    }
-
-    /// Floods stream 1, which nobody reads, until the connection's reader waits for it.
-    async fn flood_until_the_reader_waits(peer: &mut Peer<tokio::io::DuplexStream>) {
-        let frame = vec![7u8; 1 << 20];
-        let flooded = tokio::time::timeout(std::time::Duration::from_secs(2), async {
-            loop {
-                peer.send(Frame::Data {
-                    stream_id: 1,
-                    flags: 0,
-                    data: frame.clone(),
-                })
-                .await;
-            }
-        })
-        .await;
         assert!(flooded.is_err(), "the peer's writes never blocked");
+        sent
     }
 
     async fn closed_within(ev: &mut mpsc::Receiver<Event>, limit: Duration) -> String {
