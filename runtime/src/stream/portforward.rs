@@ -398,6 +398,27 @@ mod tests {
         .await;
     }
 
+    /// Opens error stream `id` already half-closed (SYN_STREAM with FIN).
+    async fn open_error_half_closed(
+        p: &mut Peer<tokio::io::DuplexStream>,
+        id: u32,
+        port: &str,
+        request_id: &str,
+    ) {
+        p.send(Frame::SynStream {
+            stream_id: id,
+            associated_to: 0,
+            priority: 0,
+            slot: 0,
+            flags: FLAG_FIN,
+            headers: Headers::new()
+                .with("streamType", "error")
+                .with("port", port)
+                .with("requestID", request_id),
+        })
+        .await;
+    }
+
     /// Reads frames until streams `ids` all got FIN; returns each one's bytes.
     async fn collect(p: &mut Peer<tokio::io::DuplexStream>, ids: &[u32]) -> HashMap<u32, Vec<u8>> {
         let mut out: HashMap<u32, Vec<u8>> = ids.iter().map(|i| (*i, Vec::new())).collect();
@@ -530,18 +551,7 @@ mod tests {
         let mut p = session();
         let id = |i: usize| 2 * i as u32 + 1;
         for i in 0..=MAX_PENDING_PAIRS {
-            p.send(Frame::SynStream {
-                stream_id: id(i),
-                associated_to: 0,
-                priority: 0,
-                slot: 0,
-                flags: FLAG_FIN,
-                headers: Headers::new()
-                    .with("streamType", "error")
-                    .with("port", "80")
-                    .with("requestID", &i.to_string()),
-            })
-            .await;
+            open_error_half_closed(&mut p, id(i), "80", &i.to_string()).await;
         }
         let over = id(MAX_PENDING_PAIRS);
         loop {
@@ -582,18 +592,7 @@ mod tests {
             let rid = i.to_string();
             let h = [("port", port.as_str()), ("requestID", rid.as_str())];
             // Error streams half-closed at once, as client-go does (they do not count as open).
-            p.send(Frame::SynStream {
-                stream_id: e,
-                associated_to: 0,
-                priority: 0,
-                slot: 0,
-                flags: FLAG_FIN,
-                headers: Headers::new()
-                    .with("streamType", "error")
-                    .with("port", &port)
-                    .with("requestID", &rid),
-            })
-            .await;
+            open_error_half_closed(p, e, &port, &rid).await;
             open(p, d, "data", &h).await;
         };
         for i in 0..=MAX_FORWARDS {
