@@ -296,6 +296,9 @@ impl Reader {
         let mut rd = BufReader::new(rd);
         let mut z = HeaderDecompressor::new();
         let live = self.live.clone();
+        // One future for the whole connection: it re-reads the last activity when it wakes.
+        let over = live.over();
+        tokio::pin!(over);
         let reason = loop {
             // Handling a frame may wait for a stream's consumer: the connection can end meanwhile.
             let step = async {
@@ -320,7 +323,7 @@ impl Reader {
                 r = step => if let Err(reason) = r {
                     break reason;
                 },
-                reason = live.over() => break reason,
+                reason = &mut over => break reason,
             }
         };
         tracing::debug!(%reason, "SPDY connection ended");

@@ -203,6 +203,9 @@ async fn read_loop<R: AsyncRead + Unpin>(
 ) {
     let mut decoder = Decoder::new(MAX_MESSAGE);
     let mut buf = vec![0u8; 64 * 1024];
+    // One future for the whole connection: it re-reads the last activity when it wakes.
+    let over = live.over();
+    tokio::pin!(over);
     let reason = loop {
         // Handing a message over may wait for the user: the connection can end meanwhile.
         let step = async {
@@ -243,7 +246,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
             r = step => if let Err(reason) = r {
                 break reason;
             },
-            reason = live.over() => break reason,
+            reason = &mut over => break reason,
         }
     };
     // Whatever ended the connection, the writer ends too (a no-op if closing already).
