@@ -506,6 +506,37 @@ impl Store {
 }
 
 #[cfg(test)]
+impl ContainerRecord {
+    /// A record of container `id` named `name`, exited, of sandbox `sb`, with nothing else set.
+    pub(crate) fn exited(id: &str, name: &str) -> ContainerRecord {
+        ContainerRecord {
+            id: id.into(),
+            sandbox_id: "sb".into(),
+            name: name.into(),
+            config: Vec::new(),
+            image: String::new(),
+            image_id: String::new(),
+            created_at: 1,
+            started_at: 0,
+            finished_at: 0,
+            exit_code: 0,
+            reason: String::new(),
+            message: String::new(),
+            state: ContainerState::Exited,
+            log_path: None,
+            rootfs: PathBuf::new(),
+            bundle: PathBuf::new(),
+            stop_signal: 15,
+            shim: None,
+            pid: 0,
+            user: None,
+            runtime_handler: String::new(),
+            runtime_deleted: false,
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -573,39 +604,13 @@ mod tests {
         assert!(Store::open(d.path()).unwrap().sandbox("id1").is_none());
     }
 
-    fn container(id: &str, name: &str) -> ContainerRecord {
-        ContainerRecord {
-            id: id.into(),
-            sandbox_id: "sb".into(),
-            name: name.into(),
-            config: Vec::new(),
-            image: String::new(),
-            image_id: String::new(),
-            created_at: 1,
-            started_at: 0,
-            finished_at: 0,
-            exit_code: 0,
-            reason: String::new(),
-            message: String::new(),
-            state: ContainerState::Exited,
-            log_path: None,
-            rootfs: PathBuf::new(),
-            bundle: PathBuf::new(),
-            stop_signal: 15,
-            shim: None,
-            pid: 0,
-            user: None,
-            runtime_handler: String::new(),
-            runtime_deleted: false,
-        }
-    }
-
     #[test]
     fn a_removal_hides_the_container_at_once_and_survives_a_restart_until_finished() {
         let d = tempfile::tempdir().unwrap();
         let s = Store::open(d.path()).unwrap();
         s.reserve("c", "id1").unwrap();
-        s.put_container(container("id1", "c")).unwrap();
+        s.put_container(ContainerRecord::exited("id1", "c"))
+            .unwrap();
         let mut events = s.subscribe();
 
         let r = s.begin_removal("id1").unwrap().expect("the record");
@@ -648,7 +653,8 @@ mod tests {
     fn a_record_left_beside_its_removal_is_not_loaded() {
         let d = tempfile::tempdir().unwrap();
         let s = Store::open(d.path()).unwrap();
-        s.put_container(container("id1", "c")).unwrap();
+        s.put_container(ContainerRecord::exited("id1", "c"))
+            .unwrap();
         s.begin_removal("id1").unwrap().unwrap();
         leave_stale_record(d.path(), "id1");
         let again = Store::open(d.path()).unwrap();
@@ -663,11 +669,13 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let s = Store::open(d.path()).unwrap();
         s.reserve("c", "id1").unwrap();
-        s.put_container(container("id1", "c")).unwrap();
+        s.put_container(ContainerRecord::exited("id1", "c"))
+            .unwrap();
         s.begin_removal("id1").unwrap().unwrap();
         // The name went to a new container, then a crash left the old record beside its removal.
         s.reserve("c", "id2").unwrap();
-        s.put_container(container("id2", "c")).unwrap();
+        s.put_container(ContainerRecord::exited("id2", "c"))
+            .unwrap();
         leave_stale_record(d.path(), "id1");
         let again = Store::open(d.path()).unwrap();
         assert!(again.container("id2").is_some());

@@ -414,3 +414,51 @@ async fn an_undo_that_hangs_at_start_does_not_keep_the_daemon_from_serving() {
     svc.finish_interrupted().await;
     assert_nothing_left(&node, &svc);
 }
+
+/// UpdateContainerResources of a container that StartContainer is starting waits for the start
+/// (the container's op lock): the update then goes to the running container through the
+/// runtime, instead of into a bundle the runtime has already read, where it would be lost.
+#[tokio::test]
+async fn an_update_during_a_start_waits_for_it_and_reaches_the_running_container() {
+    use super::store::{ContainerRecord, ContainerState};
+    let node = Node::new();
+    let svc = node.service();
+    let sandbox_id = run(&svc, "web").await;
+    let bundle = node.dir.path().join("bundle-c1");
+    std::fs::create_dir_all(&bundle).unwrap();
+    let config = bundle.join("config.json");
+    oci_spec::runtime::Spec::default().save(&config).unwrap();
+    let written = std::fs::read(&config).unwrap();
+    let mut rec = ContainerRecord::exited("c1", "c1_web");
+    rec.sandbox_id = sandbox_id;
+    rec.state = ContainerState::Created;
+    rec.bundle = bundle.clone();
+    svc.store.put_container(rec).unwrap();
+
+    node.fake.hang("start");
+    let start = tokio::spawn({
+        let svc = svc.clone();
+        async move { svc.start_container("c1".into()).await }
+    });
+    wait_for("the runtime is starting c1", || {
+        node.fake.called("start c1")
+    })
+    .await;
+    let update = tokio::spawn({
+        let svc = svc.clone();
+        let resources = cri::LinuxContainerResources {
+            memory_limit_in_bytes: 64 << 20,
+            ..Default::default()
+        };
+        async move { svc.update_container_resources("c1", Some(resources)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!update.is_finished(), "the update waits for the start");
+    assert_eq!(std::fs::read(&config).unwrap(), written, "bundle rewritten");
+
+    node.fake.release("start");
+    start.await.unwrap().unwrap();
+    update.await.unwrap().unwrap();
+    assert!(node.fake.called("update c1"), "{:?}", node.fake.calls());
+    assert_eq!(std::fs::read(&config).unwrap(), written, "bundle rewritten");
+}
