@@ -244,33 +244,93 @@ pub fn allow_all_devices() -> Vec<LinuxDeviceCgroup> {
     vec![r]
 }
 
-/// The device node at `host` (following symlinks), to appear at `container`; directories are
-/// walked and yield every node below them, at the same relative path under `container`.
+/// Entries a walk of device directories looks at, at most, before it is refused: a pod's
+/// `host_path` may name any directory of the host (`/`, `/sys`), and the walk runs in
+/// CreateContainer.
+const MAX_DEVICE_WALK: usize = 65_536;
+
+/// Names a walk of device directories leaves alone, as other runtimes do: pseudo-terminals,
+/// shared memory and message queues are the container's own, `fd` is a link to the daemon's
+/// descriptors, and `console` / `ptmx` come from the container's own devpts.
+const SKIPPED_DEVICE_NAMES: [&str; 9] = [
+    "pts",
+    "shm",
+    "fd",
+    "mqueue",
+    "console",
+    "ptmx",
+    ".lxc",
+    ".lxd-mounts",
+    ".udev",
+];
+
+/// The device node at `host` (a symlink naming it is followed), to appear at `container`;
+/// directories are walked and yield every node below them, at the same relative path under
+/// `container`. The walk does not follow symlinks (in `/sys` they loop) and looks at no more
+/// than [`MAX_DEVICE_WALK`] entries. A path that is no device or directory is an invalid
+/// argument, as it comes from the pod's spec.
 pub fn host_devices(host: &Path, container: &Path) -> Result<Vec<LinuxDevice>> {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt};
-    let meta = std::fs::metadata(host).map_err(|e| OciError::io("stat device", host, e))?;
-    let ft = meta.file_type();
-    if ft.is_dir() {
-        let mut out = Vec::new();
-        let entries = std::fs::read_dir(host).map_err(|e| OciError::io("list", host, e))?;
-        let mut names: Vec<_> = entries
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name())
-            .collect();
-        names.sort();
-        for name in names {
-            let sub = host.join(&name);
-            // Skip what is not a device or a directory (dangling links, sockets, ...).
-            let Ok(m) = std::fs::metadata(&sub) else {
-                continue;
-            };
-            let t = m.file_type();
-            if t.is_dir() || t.is_char_device() || t.is_block_device() {
-                out.extend(host_devices(&sub, &container.join(&name))?);
-            }
-        }
-        return Ok(out);
+    let meta = std::fs::metadata(host)
+        .map_err(|e| OciError::invalid(format!("device {}: {e}", host.display())))?;
+    if !meta.is_dir() {
+        return device(host, container, &meta).map(|d| vec![d]);
     }
+    let mut out = Vec::new();
+    let mut budget = MAX_DEVICE_WALK;
+    std::fs::read_dir(host)
+        .map_err(|e| OciError::invalid(format!("device directory {}: {e}", host.display())))?;
+    walk_devices(host, container, &mut budget, &mut out).map_err(|()| {
+        OciError::invalid(format!(
+            "device directory {} holds more than {MAX_DEVICE_WALK} entries",
+            host.display()
+        ))
+    })?;
+    Ok(out)
+}
+
+/// Appends the device nodes under `dir` (in name order, at the same relative path under
+/// `container`) to `out`, skipping [`SKIPPED_DEVICE_NAMES`], symlinks, anything else that is
+/// no device, and directories that cannot be read. `Err` when `budget` entries were not enough.
+fn walk_devices(
+    dir: &Path,
+    container: &Path,
+    budget: &mut usize,
+    out: &mut Vec<LinuxDevice>,
+) -> std::result::Result<(), ()> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
+    let mut found = Vec::new();
+    for e in entries.flatten() {
+        *budget = budget.checked_sub(1).ok_or(())?;
+        let Ok(ft) = e.file_type() else { continue };
+        let name = e.file_name();
+        if SKIPPED_DEVICE_NAMES.iter().any(|n| name == *n) {
+            continue;
+        }
+        if ft.is_dir() || ft.is_char_device() || ft.is_block_device() {
+            found.push((name, ft.is_dir()));
+        }
+    }
+    found.sort();
+    for (name, is_dir) in found {
+        let (sub, at) = (dir.join(&name), container.join(&name));
+        if is_dir {
+            walk_devices(&sub, &at, budget, out)?;
+        } else if let Ok(meta) = std::fs::symlink_metadata(&sub)
+            && let Ok(d) = device(&sub, &at, &meta)
+        {
+            out.push(d);
+        }
+    }
+    Ok(())
+}
+
+/// The device node `host`, of metadata `meta`, to appear at `container`.
+fn device(host: &Path, container: &Path, meta: &std::fs::Metadata) -> Result<LinuxDevice> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let ft = meta.file_type();
     let typ = if ft.is_char_device() {
         LinuxDeviceType::C
     } else if ft.is_block_device() {
@@ -290,7 +350,7 @@ pub fn host_devices(host: &Path, container: &Path) -> Result<Vec<LinuxDevice>> {
     d.set_file_mode(Some(meta.mode() & 0o7777));
     d.set_uid(Some(meta.uid()));
     d.set_gid(Some(meta.gid()));
-    Ok(d).map(|d| vec![d])
+    Ok(d)
 }
 
 /// The cgroup rule granting `access` (`r`, `w`, `m` letters) to one device.
@@ -308,35 +368,20 @@ pub fn device_rule(d: &LinuxDevice, access: &str) -> LinuxDeviceCgroup {
     r
 }
 
-/// All device nodes of the host's `/dev` for privileged containers, except the per-container
-/// pseudo-terminal, shm and mqueue trees and the console.
+/// All device nodes of the host's `/dev` for privileged containers, except
+/// [`SKIPPED_DEVICE_NAMES`] (the per-container pseudo-terminal, shm and mqueue trees and the
+/// console), in path order. Past [`MAX_DEVICE_WALK`] entries the rest is left out, with a
+/// warning.
 pub fn all_host_devices() -> Vec<LinuxDevice> {
-    fn walk(dir: &Path, out: &mut Vec<LinuxDevice>) {
-        use std::os::unix::fs::FileTypeExt;
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let p = e.path();
-            if matches!(
-                p.to_str(),
-                Some("/dev/pts" | "/dev/shm" | "/dev/mqueue" | "/dev/console" | "/dev/ptmx")
-            ) {
-                continue;
-            }
-            let Ok(ft) = e.file_type() else { continue };
-            if ft.is_dir() {
-                walk(&p, out);
-            } else if (ft.is_char_device() || ft.is_block_device())
-                && let Ok(mut d) = host_devices(&p, &p)
-            {
-                out.append(&mut d);
-            }
-        }
-    }
+    let dev = Path::new("/dev");
     let mut out = Vec::new();
-    walk(Path::new("/dev"), &mut out);
-    out.sort_by(|a, b| a.path().cmp(b.path()));
+    let mut budget = MAX_DEVICE_WALK;
+    if walk_devices(dev, dev, &mut budget, &mut out).is_err() {
+        tracing::warn!(
+            "/dev holds more than {MAX_DEVICE_WALK} entries: privileged containers get the \
+             devices of the first ones only"
+        );
+    }
     out
 }
 
@@ -414,7 +459,44 @@ mod tests {
             (r.major(), r.minor(), r.access().as_deref()),
             (Some(1), Some(3), Some("rw"))
         );
-        assert!(host_devices(Path::new("/etc/hostname"), Path::new("/x")).is_err());
-        assert!(host_devices(Path::new("/dev/nonexistent-device"), Path::new("/x")).is_err());
+        // Not a device, or missing: the pod's spec is wrong.
+        for p in ["/etc/hostname", "/dev/nonexistent-device"] {
+            let e = host_devices(Path::new(p), Path::new("/x")).unwrap_err();
+            assert!(matches!(e, OciError::InvalidArgument(_)), "{p}: {e:?}");
+        }
+    }
+
+    /// A directory is walked without following symlinks: in /sys they loop, and a walk that
+    /// followed them never ended (each loop doubles the paths to walk).
+    #[test]
+    fn device_directories_are_walked_without_following_symlinks() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("sub/deeper")).unwrap();
+        for (at, to) in [("sub/a", "."), ("sub/b", ".."), ("sub/null", "/dev/null")] {
+            std::os::unix::fs::symlink(to, d.path().join(at)).unwrap();
+        }
+        assert!(
+            host_devices(d.path(), Path::new("/dev/x"))
+                .unwrap()
+                .is_empty()
+        );
+        // Real directories are walked: /dev's nodes, at their paths under `container`, but
+        // not the container's own pseudo-terminals.
+        let found = host_devices(Path::new("/dev"), Path::new("/c")).unwrap();
+        assert!(found.iter().any(|d| d.path() == Path::new("/c/null")));
+        assert!(!found.iter().any(|d| d.path().starts_with("/c/pts")));
+    }
+
+    /// The walk looks at a bounded number of entries.
+    #[test]
+    fn device_walks_are_bounded() {
+        let d = tempfile::tempdir().unwrap();
+        for n in 0..10 {
+            std::fs::create_dir(d.path().join(format!("d{n}"))).unwrap();
+        }
+        let mut out = Vec::new();
+        assert!(walk_devices(d.path(), Path::new("/x"), &mut 9, &mut out).is_err());
+        assert!(walk_devices(d.path(), Path::new("/x"), &mut 10, &mut out).is_ok());
+        assert!(out.is_empty());
     }
 }
