@@ -15,7 +15,7 @@ use minicri_proto::runtime::v1 as cri;
 use minicri_tests::pod_env::{PodEnv, mounts_under, pod_config, skip_reason};
 use minicri_tests::pod_rpc::{
     RuntimeClient, container_config, container_status, create_container, exec_text,
-    pod_sandbox_status, run_container, run_pod, stop_and_remove_pod,
+    list_containers, pod_sandbox_status, run_container, run_pod, stop_and_remove_pod,
 };
 use tonic::Code;
 
@@ -808,4 +808,96 @@ async fn pod_user_namespace() {
         "v\n",
         "removing the container leaves its volumes alone"
     );
+}
+
+/// A container may join the PID namespace only of a running container of its own pod: another
+/// pod's would show it that pod's processes (and, in a host-PID pod, the host's) to signal and
+/// read. And a request refused for any field changes nothing on the host: the bind sources it
+/// names are neither created nor made shared, since the spec is built (and checked) first.
+#[tokio::test(flavor = "multi_thread")]
+async fn pid_targets_stay_in_the_pod_and_refusals_leave_the_host_alone() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let env = PodEnv::new().await;
+    env.pull_busybox().await;
+    let image = env.set.busybox_oci.reference.clone();
+    let mut c = env.runtime().await;
+    let pod_a = pod_config("target-a", env.logs.path());
+    let pod_b = pod_config("target-b", env.logs.path());
+    let a = run_pod(&mut c, &pod_a).await;
+    let b = run_pod(&mut c, &pod_b).await;
+    let first = run_container(
+        &mut c,
+        &a,
+        &pod_a,
+        container_config("first", &image, &["sleep", "1000"]),
+    )
+    .await;
+    let joining = |name: &str| {
+        with_sc(
+            container_config(name, &image, &["sleep", "1000"]),
+            cri::LinuxContainerSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    pid: cri::NamespaceMode::Target as i32,
+                    target_id: first.clone(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        )
+    };
+    // In the same pod: the target's process is the namespace's init.
+    let debug = run_container(&mut c, &a, &pod_a, joining("debug")).await;
+    let init = ok(&mut c, &debug, "tr '\\0' ' ' < /proc/1/cmdline").await;
+    assert_eq!(init.trim(), "sleep 1000");
+    // From another pod: refused, naming both, and nothing is created.
+    let err = create_container(&mut c, &b, &pod_b, joining("intruder"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message().contains(&first) && err.message().contains(&a),
+        "{err:?}"
+    );
+    let listed = list_containers(&mut c).await;
+    assert!(!listed.iter().any(|x| x.pod_sandbox_id == b), "{listed:?}");
+
+    // Refused late (an unknown capability), with a bidirectional volume whose source is missing
+    // under a private mount.
+    let host = HostMounts(tempfile::tempdir().unwrap());
+    let tree = host.0.path().join("tree");
+    mount_tmpfs(&tree);
+    let source = tree.join("new/volume");
+    let mut config = with_sc(
+        container_config("refused", &image, &["sleep", "1000"]),
+        cri::LinuxContainerSecurityContext {
+            capabilities: Some(cri::Capability {
+                add_capabilities: vec!["CAP_NO_SUCH_THING".into()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    config.mounts = vec![cri::Mount {
+        container_path: "/v".into(),
+        host_path: source.display().to_string(),
+        propagation: cri::MountPropagation::PropagationBidirectional as i32,
+        ..Default::default()
+    }];
+    let err = create_container(&mut c, &b, &pod_b, config)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("CAP_NO_SUCH_THING"), "{err:?}");
+    assert!(!tree.join("new").exists(), "the bind source was created");
+    assert_eq!(
+        propagation_of(&tree).as_deref(),
+        Some(""),
+        "the mount holding it was made shared"
+    );
+    stop_and_remove_pod(&mut c, &a).await;
+    stop_and_remove_pod(&mut c, &b).await;
+    drop(host);
 }

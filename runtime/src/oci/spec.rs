@@ -250,7 +250,7 @@ pub fn validate_mounts(mounts: &[cri::Mount], host: &HostInfo) -> Result<()> {
 /// (`rshared` when any mount is bidirectional, else `rslave` when any is host-to-container:
 /// the container's copy of the host mount must stay in the host's peer group, or become its
 /// slave, for mounts to cross). Mounts still carrying id mappings are refused: the caller
-/// replaces them with idmapped sources first ([`super::userns::idmap_volumes`]).
+/// replaces them with idmapped sources first ([`super::userns::idmapped_mounts`]).
 pub fn cri_mounts(
     mounts: &[cri::Mount],
     host: &HostInfo,

@@ -345,26 +345,40 @@ pub fn check_volume_mappings(mounts: &[cri::Mount], pod: Option<&PodUserns>) -> 
 /// Volumes of a container in a user namespace: the kubelet gives each mount the pod's id
 /// mappings (CRI `Mount.uid_mappings` / `gid_mappings`) so that the container's root owns what
 /// the host's root owns. runc 1.1 cannot idmap a mount, so each such source gets an idmapped
-/// bind mount at `dir/<n>` (read-write: `readonly` is applied by the OCI runtime on top), and the
-/// returned copy of `mounts` names those, without mappings ([`check_volume_mappings`] first;
-/// mounts without mappings are left as they are). Also returns the mounts made (on failure
-/// they are unmounted again).
+/// bind mount at `dir/<n>` (read-write: `readonly` is applied by the OCI runtime on top). This
+/// is the copy of `mounts` the spec binds: those mounts name their idmapped mount, without
+/// mappings; mounts without mappings are left as they are. Changes nothing
+/// ([`idmap_volumes`] makes the mounts).
+pub fn idmapped_mounts(mounts: &[cri::Mount], dir: &Path) -> Vec<cri::Mount> {
+    let mut out = mounts.to_vec();
+    for (n, m) in out.iter_mut().enumerate() {
+        if !m.uid_mappings.is_empty() || !m.gid_mappings.is_empty() {
+            m.host_path = dir.join(n.to_string()).display().to_string();
+            m.uid_mappings.clear();
+            m.gid_mappings.clear();
+        }
+    }
+    out
+}
+
+/// Makes the idmapped bind mounts [`idmapped_mounts`] names, under `dir`
+/// ([`check_volume_mappings`] first). Returns the mounts made; on failure they are unmounted
+/// again.
 pub fn idmap_volumes(
     mounts: &[cri::Mount],
     pod: Option<&PodUserns>,
     userns: &Path,
     dir: &Path,
-) -> Result<(Vec<cri::Mount>, Vec<PathBuf>)> {
+) -> Result<Vec<PathBuf>> {
     check_volume_mappings(mounts, pod)?;
-    let mut out = mounts.to_vec();
     let mut made = Vec::new();
     let r = (|| {
-        for (n, m) in out.iter_mut().enumerate() {
+        for (m, mapped) in mounts.iter().zip(idmapped_mounts(mounts, dir)) {
             if m.uid_mappings.is_empty() && m.gid_mappings.is_empty() {
                 continue;
             }
             let source = Path::new(&m.host_path);
-            let at = dir.join(n.to_string());
+            let at = PathBuf::from(mapped.host_path);
             std::fs::create_dir_all(dir).map_err(|e| OciError::io("create", dir, e))?;
             if source.is_dir() {
                 std::fs::create_dir_all(&at).map_err(|e| OciError::io("create", &at, e))?;
@@ -372,15 +386,12 @@ pub fn idmap_volumes(
                 std::fs::write(&at, b"").map_err(|e| OciError::io("create", &at, e))?;
             }
             idmapped_bind(source, &at, userns, false)?;
-            made.push(at.clone());
-            m.host_path = at.display().to_string();
-            m.uid_mappings.clear();
-            m.gid_mappings.clear();
+            made.push(at);
         }
         Ok(())
     })();
     match r {
-        Ok(()) => Ok((out, made)),
+        Ok(()) => Ok(made),
         Err(e) => {
             for p in made.iter().rev() {
                 let _ = nix::mount::umount2(p, nix::mount::MntFlags::MNT_DETACH);
@@ -452,8 +463,8 @@ mod tests {
         let ns = Path::new("/proc/self/ns/user");
         let dir = d.path().join("volumes");
         // No mappings: untouched, nothing mounted.
-        let (out, made) = idmap_volumes(&[m(&[])], Some(&pod), ns, &dir).unwrap();
-        assert_eq!(out, [m(&[])]);
+        assert_eq!(idmapped_mounts(&[m(&[])], &dir), [m(&[])]);
+        let made = idmap_volumes(&[m(&[])], Some(&pod), ns, &dir).unwrap();
         assert!(made.is_empty());
         // Someone else's mappings, or mappings without a pod user namespace: refused.
         let mut other = m(&[(0, 5000, 100)]);
@@ -461,6 +472,11 @@ mod tests {
         assert!(idmap_volumes(&[other], Some(&pod), ns, &dir).is_err());
         let mut ours = m(&[(0, 1000, 100)]);
         ours.gid_mappings = ours.uid_mappings.clone();
+        // Mapped: the spec binds the idmapped mount at dir/<n>, without mappings.
+        let named = idmapped_mounts(&[m(&[]), ours.clone()], &dir);
+        assert_eq!(named[0], m(&[]));
+        assert_eq!(named[1].host_path, dir.join("1").display().to_string());
+        assert!(named[1].uid_mappings.is_empty() && named[1].gid_mappings.is_empty());
         assert!(idmap_volumes(&[ours], None, ns, &dir).is_err());
         assert!(!dir.join("0").exists() || unmount_idmapped(&dir).is_ok());
     }

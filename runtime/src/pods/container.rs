@@ -54,6 +54,41 @@ impl PodService {
         self.state_dir.join("idmap").join(id)
     }
 
+    /// The PID namespace a container asks to join (`namespace_options.pid` TARGET): that of a
+    /// running container of the same pod. Another pod's container is refused, since its
+    /// processes (and, in a host-PID pod, the host's) would become visible and signalable.
+    fn target_pid_namespace(
+        &self,
+        sandbox_id: &str,
+        config: &cri::ContainerConfig,
+    ) -> Result<Option<PathBuf>> {
+        let Some(o) = config
+            .linux
+            .as_ref()
+            .and_then(|l| l.security_context.as_ref())
+            .and_then(|s| s.namespace_options.as_ref())
+            .filter(|o| o.pid == cri::NamespaceMode::Target as i32)
+        else {
+            return Ok(None);
+        };
+        let t = self.store.container(&o.target_id).ok_or_else(|| {
+            Error::NotFound(format!("target container {:?} not found", o.target_id))
+        })?;
+        if t.sandbox_id != sandbox_id {
+            return Err(Error::InvalidArgument(format!(
+                "target container {} of the PID namespace is in pod sandbox {}, not in {sandbox_id}",
+                o.target_id, t.sandbox_id
+            )));
+        }
+        if t.state != ContainerState::Running {
+            return Err(Error::FailedPrecondition(format!(
+                "target container {} of the PID namespace is not running",
+                o.target_id
+            )));
+        }
+        Ok(Some(PathBuf::from(format!("/proc/{}/ns/pid", t.pid))))
+    }
+
     /// CreateContainer: returns the new container's id.
     pub async fn create_container(
         self: &Arc<Self>,
@@ -118,6 +153,10 @@ impl PodService {
         let pod_userns = oci::userns::pod_userns(&sb_config)?;
         oci::spec::validate_mounts(&config.mounts, &host)?;
         oci::userns::check_volume_mappings(&config.mounts, pod_userns.as_ref())?;
+        // CRI: the log is <sandbox log_directory>/<container log_path>.
+        let log_path = crate::logs::container_log_path(&sb_config.log_directory, &config.log_path)
+            .map_err(Error::InvalidArgument)?;
+        let target_pid_ns = self.target_pid_namespace(sandbox_id, &config)?;
 
         let id = self.new_id()?;
         undo.subject(&id)?;
@@ -180,50 +219,21 @@ impl PodService {
             hosts: Some(files_dir.join("hosts")),
             shm: oci::propagation::is_mountpoint(&shm).then_some(shm),
         };
-        let target_pid_ns = config
-            .linux
-            .as_ref()
-            .and_then(|l| l.security_context.as_ref())
-            .and_then(|s| s.namespace_options.as_ref())
-            .filter(|o| o.pid == cri::NamespaceMode::Target as i32)
-            .map(|o| -> Result<PathBuf> {
-                let t = self
-                    .store
-                    .container(&o.target_id)
-                    .filter(|c| c.state == ContainerState::Running)
-                    .ok_or_else(|| {
-                        Error::NotFound(format!("target container {} is not running", o.target_id))
-                    })?;
-                Ok(PathBuf::from(format!("/proc/{}/ns/pid", t.pid)))
-            })
-            .transpose()?;
-        // Bind sources: created when missing, made shared when their propagation needs it;
-        // in a pod user namespace, idmapped when the kubelet asks (the spec then binds those).
-        let mounts = config.mounts.clone();
+        // The spec first: building it checks all the rest of the request and changes nothing
+        // on the host, so a refused request leaves no bind source made or made shared. It reads
+        // the image's /etc/passwd and /etc/group, device nodes and seccomp profiles: file work
+        // kept off the async workers. In a pod user namespace, the spec binds the idmapped
+        // mounts made below.
         let volumes = idmap.join("volumes");
-        let (mounts, _) = blocking(move || {
-            oci::propagation::prepare_bind_sources(&mounts)?;
-            match &userns_path {
-                Some(ns) => Ok(oci::userns::idmap_volumes(
-                    &mounts,
-                    pod_userns.as_ref(),
-                    ns,
-                    &volumes,
-                )?),
-                None => Ok((mounts, Vec::new())),
-            }
-        })
-        .await?;
         let spec_config = cri::ContainerConfig {
-            mounts,
+            mounts: match &userns_path {
+                Some(_) => oci::userns::idmapped_mounts(&config.mounts, &volumes),
+                None => config.mounts.clone(),
+            },
             ..config.clone()
         };
-        let bundle = self.bundle_dir(&id);
-        undo.push(Undo::RemoveDir(bundle.clone()))?;
-        // Spec building reads the image's /etc/passwd and /etc/group, device nodes and seccomp
-        // profiles, and the bundle is written and fsynced: file work kept off the async workers.
-        let spec = crate::fsutil::off_async(|| -> Result<_> {
-            let spec = oci::container_spec(&ContainerSpecParams {
+        let spec = crate::fsutil::off_async(|| {
+            oci::container_spec(&ContainerSpecParams {
                 id: &id,
                 sandbox_id,
                 config: &spec_config,
@@ -236,14 +246,22 @@ impl PodService {
                 cgroup_driver: self.cgroup_driver,
                 host: &host,
                 annotations: &self.annotations,
-            })?;
-            oci::write_bundle(&bundle, &spec)?;
-            Ok(spec)
+            })
         })?;
-
-        // CRI: the log is <sandbox log_directory>/<container log_path>.
-        let log_path = crate::logs::container_log_path(&sb_config.log_directory, &config.log_path)
-            .map_err(Error::InvalidArgument)?;
+        // Bind sources: created when missing, made shared when their propagation needs it;
+        // in a pod user namespace, idmapped when the kubelet asks.
+        let mounts = config.mounts.clone();
+        blocking(move || {
+            oci::propagation::prepare_bind_sources(&mounts)?;
+            if let Some(ns) = &userns_path {
+                oci::userns::idmap_volumes(&mounts, pod_userns.as_ref(), ns, &volumes)?;
+            }
+            Ok(())
+        })
+        .await?;
+        let bundle = self.bundle_dir(&id);
+        undo.push(Undo::RemoveDir(bundle.clone()))?;
+        crate::fsutil::off_async(|| oci::write_bundle(&bundle, &spec))?;
 
         let rec = ContainerRecord {
             id: id.clone(),
