@@ -302,37 +302,67 @@ pub fn process_args(config: &cri::ContainerConfig, image: &ImageConfig) -> Resul
             "no command specified: neither the container config nor the image has one",
         ));
     }
+    if let Some(a) = argv.iter().find(|a| a.contains('\0')) {
+        return Err(OciError::invalid(format!(
+            "the command line holds a NUL byte, in {a:?}"
+        )));
+    }
     Ok(argv)
 }
 
 /// `HOSTNAME`, the image's env, the CRI env (a later key replaces an earlier one, in place).
+/// An image entry without `=` unsets its name, as in Docker images. Entries the OCI runtime
+/// would refuse when it starts the container (a NUL byte, an empty name) are refused here, so
+/// the request fails with a status naming them rather than at StartContainer.
 ///
 /// Keys are found through an index, not by scanning: an image config may hold hundreds of
 /// thousands of entries, and a scan per entry made CreateContainer take minutes.
-pub fn process_env(hostname: &str, image: &[String], cri_env: &[cri::KeyValue]) -> Vec<String> {
-    let mut env: Vec<String> = Vec::new();
+pub fn process_env(
+    hostname: &str,
+    image: &[String],
+    cri_env: &[cri::KeyValue],
+) -> Result<Vec<String>> {
+    let mut env: Vec<Option<String>> = Vec::new();
     let mut slots: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
     let mut set = |kv: String| {
-        let key = kv.split('=').next().unwrap_or_default().to_string();
+        let (key, unset) = match kv.split_once('=') {
+            Some((key, _)) => (key.to_string(), false),
+            None => (kv.clone(), true),
+        };
+        let value = (!unset).then_some(kv);
         match slots.get(&key) {
-            Some(&i) => env[i] = kv,
+            Some(&i) => env[i] = value,
+            None if unset => {}
             None => {
                 slots.insert(key, env.len());
-                env.push(kv);
+                env.push(value);
             }
         }
     };
     set(format!("HOSTNAME={hostname}"));
     for e in image {
+        if e.contains('\0') || e.starts_with('=') || e.is_empty() {
+            return Err(OciError::invalid(format!(
+                "the image's Env entry {e:?} has no name or holds a NUL byte"
+            )));
+        }
         set(e.clone());
     }
-    for kv in cri_env {
-        set(format!("{}={}", kv.key, String::from_utf8_lossy(&kv.value)));
+    for (i, kv) in cri_env.iter().enumerate() {
+        let value = String::from_utf8_lossy(&kv.value);
+        if kv.key.is_empty() || kv.key.contains('\0') || value.contains('\0') {
+            return Err(OciError::invalid(format!(
+                "envs[{i}] (key {:?}) has an empty key or holds a NUL byte",
+                kv.key
+            )));
+        }
+        set(format!("{}={value}", kv.key));
     }
+    let mut env: Vec<String> = env.into_iter().flatten().collect();
     if !env.iter().any(|e| e.starts_with("PATH=")) {
         env.push(DEFAULT_PATH.to_string());
     }
-    env
+    Ok(env)
 }
 
 /// Adds `TERM=xterm` to a terminal process's `env` unless it sets `TERM`: programs need to know
@@ -400,7 +430,7 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
     let mut process = Process::default();
     process.set_terminal(Some(c.tty));
     process.set_args(Some(process_args(c, p.image)?));
-    let mut env = process_env(&hostname, &p.image.env, &c.envs);
+    let mut env = process_env(&hostname, &p.image.env, &c.envs)?;
     if c.tty {
         with_term(&mut env);
     }
@@ -410,6 +440,11 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
     } else {
         &p.image.working_dir
     };
+    if cwd.contains('\0') {
+        return Err(OciError::invalid(format!(
+            "the working directory {cwd:?} holds a NUL byte"
+        )));
+    }
     process.set_cwd(PathBuf::from("/").join(cwd));
     process.set_user(oci_user);
     process.set_capabilities(Some(linux_capabilities(&caps, &ambient)?));

@@ -189,10 +189,52 @@ fn process_from_image_and_cri() {
     empty.image = ImageConfig::default();
     assert!(build(&empty, &cri::ContainerConfig::default()).is_err());
     assert_eq!(
-        spec::process_env("h", &[], &[]),
+        spec::process_env("h", &[], &[]).unwrap(),
         ["HOSTNAME=h", spec::DEFAULT_PATH]
     );
     assert_eq!(p.terminal(), Some(false));
+}
+
+/// Entries the OCI runtime refuses when it starts the container are refused at once, naming
+/// them; an image entry without `=` unsets its name (Docker's rule), and a later one sets it again.
+#[test]
+fn environments_the_runtime_would_refuse_are_refused_when_created() {
+    let kv = |key: &str, value: &str| cri::KeyValue {
+        key: key.into(),
+        value: value.as_bytes().to_vec(),
+    };
+    let image = |e: &[&str]| e.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        spec::process_env("h", &image(&["A=1", "B=2", "A", "C=3"]), &[kv("A", "cri")]).unwrap(),
+        ["HOSTNAME=h", "A=cri", "B=2", "C=3", spec::DEFAULT_PATH]
+    );
+    assert_eq!(
+        spec::process_env("h", &image(&["A=1", "A"]), &[]).unwrap(),
+        ["HOSTNAME=h", spec::DEFAULT_PATH]
+    );
+    for bad in [&["=1"][..], &["A=\0"], &[""]] {
+        let e = spec::process_env("h", &image(bad), &[]).unwrap_err();
+        assert!(matches!(e, OciError::InvalidArgument(_)), "{bad:?}: {e}");
+    }
+    for bad in [kv("", "1"), kv("A\0", "1"), kv("A", "x\0y")] {
+        let e = spec::process_env("h", &[], std::slice::from_ref(&bad)).unwrap_err();
+        assert!(e.to_string().contains("envs[0]"), "{bad:?}: {e}");
+    }
+    let f = fixture();
+    for config in [
+        cri::ContainerConfig {
+            command: vec!["sh".into(), "-c\0x".into()],
+            ..Default::default()
+        },
+        cri::ContainerConfig {
+            working_dir: "/srv\0/x".into(),
+            ..Default::default()
+        },
+    ] {
+        let e = build(&f, &config).unwrap_err();
+        assert!(matches!(e, OciError::InvalidArgument(_)), "{config:?}: {e}");
+        assert!(e.to_string().contains("NUL"), "{e}");
+    }
 }
 
 #[test]
@@ -205,7 +247,7 @@ fn a_huge_image_env_is_merged_in_linear_time() {
         value: b"cri".to_vec(),
     }];
     let t = std::time::Instant::now();
-    let env = spec::process_env("h", &image, &cri_env);
+    let env = spec::process_env("h", &image, &cri_env).unwrap();
     assert!(
         t.elapsed() < std::time::Duration::from_secs(2),
         "{:?}",
