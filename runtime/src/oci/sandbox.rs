@@ -219,7 +219,8 @@ pub fn validate_dns_and_hostname(config: &cri::PodSandboxConfig) -> Result<()> {
         Ok(())
     }
     if !config.hostname.is_empty() {
-        word("hostname", &config.hostname, 253)?;
+        // The kernel's limit (HOST_NAME_MAX): longer failed in the OCI runtime, after CNI.
+        word("hostname", &config.hostname, 64)?;
     }
     let Some(dns) = &config.dns_config else {
         return Ok(());

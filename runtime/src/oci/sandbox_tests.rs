@@ -236,8 +236,11 @@ fn resolv_conf_and_hostname_cannot_gain_lines() {
         options: vec!["ndots:5".into()],
     };
     validate_dns_and_hostname(&with("web-0", good.clone())).unwrap();
+    validate_dns_and_hostname(&with(&"h".repeat(64), good.clone())).unwrap();
     let bad = [
         with("web\n127.0.0.1 evil", good.clone()),
+        // Longer than the kernel's HOST_NAME_MAX.
+        with(&"h".repeat(65), good.clone()),
         with(
             "web",
             cri::DnsConfig {
