@@ -158,8 +158,11 @@ pub const MAX_ACCOUNT_FILE: u64 = 4 << 20;
 /// and without blocking on open.
 pub fn read_in_root(root: &Path, path: &str) -> Result<Option<String>> {
     use crate::fsutil::{ReadRegularError as E, read_regular};
-    let p = resolve_in_root(root, Path::new(path))
-        .map_err(|e| OciError::io("resolve", root.join(path.trim_start_matches('/')), e))?;
+    let p = resolve_in_root(root, Path::new(path)).map_err(|e| match e.kind() {
+        // The image's own symlinks loop: the image is at fault, not the host.
+        std::io::ErrorKind::Other => OciError::invalid(format!("the image's {path}: {e}")),
+        _ => OciError::io("resolve", root.join(path.trim_start_matches('/')), e),
+    })?;
     match read_regular(&p, MAX_ACCOUNT_FILE, false) {
         Ok(b) => Ok(Some(String::from_utf8_lossy(&b).into_owned())),
         Err(E::Missing) => Ok(None),
@@ -315,6 +318,14 @@ mod tests {
         // At the cap it is read.
         f.set_len(MAX_ACCOUNT_FILE).unwrap();
         resolve_user(d.path(), &UserRequest::default()).unwrap();
+        // A symlink loop is the image's fault: an invalid argument naming the file.
+        std::fs::remove_file(&passwd).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", &passwd).unwrap();
+        let e = resolve_user(d.path(), &UserRequest::default()).unwrap_err();
+        assert!(
+            matches!(&e, OciError::InvalidArgument(m) if m.contains("/etc/passwd")),
+            "{e:?}"
+        );
     }
 
     fn r(req: UserRequest<'_>) -> Result<ResolvedUser> {
