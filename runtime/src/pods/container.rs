@@ -320,9 +320,15 @@ impl PodService {
                 )));
             }
         }
+        // The pod's log directory is the kubelet's, on whatever filesystem it chose: off the
+        // async workers.
         if let Some(parent) = rec.log_path.as_ref().and_then(|p| p.parent()) {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| Error::Internal(format!("creating {}: {e}", parent.display())))?;
+            let parent = parent.to_path_buf();
+            blocking(move || {
+                std::fs::create_dir_all(&parent)
+                    .map_err(|e| Error::Internal(format!("creating {}: {e}", parent.display())))
+            })
+            .await?;
         }
         let runtime = self.runtime(&rec.runtime_handler)?;
         let mut cfg = ShimConfig::new(id, &rec.bundle, runtime.command(), &self.shim_binary);
