@@ -267,7 +267,7 @@ impl PodService {
             id: id.clone(),
             sandbox_id: sandbox_id.to_string(),
             name,
-            config: config.encode_to_vec(),
+            config: config.encode_to_vec().into(),
             image: image_name,
             image_id: image.id.to_string(),
             created_at: now_ns(),
@@ -673,7 +673,7 @@ impl PodService {
                     .is_none_or(|s| s.state == r.state.to_cri() as i32)
             })
             .map(|r| {
-                let c = r.config();
+                let c = r.summary();
                 cri::Container {
                     id: r.id.clone(),
                     pod_sandbox_id: r.sandbox_id.clone(),

@@ -235,7 +235,7 @@ impl PodService {
     /// sandboxes).
     pub fn sandbox_of_pod(&self, uid: &str, attempt: u32) -> Option<String> {
         self.store.sandboxes().into_iter().find_map(|r| {
-            let m = r.config().metadata?;
+            let m = r.summary().metadata?;
             (m.uid == uid && m.attempt == attempt).then_some(r.id)
         })
     }
@@ -320,7 +320,7 @@ impl PodService {
         // Stopped sandboxes refuse pulls across restarts too (the marks live in memory).
         for s in self.store.sandboxes() {
             if s.state == store::SandboxState::NotReady
-                && let Some(m) = s.config().metadata
+                && let Some(m) = s.summary().metadata
             {
                 self.pulls.close_pod(
                     &m.uid,

@@ -202,7 +202,7 @@ impl PodService {
         let rec = SandboxRecord {
             id: id.clone(),
             name,
-            config: config.encode_to_vec(),
+            config: config.encode_to_vec().into(),
             runtime_handler,
             created_at: now_ns(),
             state: SandboxState::Ready,
@@ -318,7 +318,7 @@ impl PodService {
             return Ok(());
         };
         // First, so that the pod's PullImage calls return at once, whatever the rest costs.
-        if let Some(m) = rec.config().metadata {
+        if let Some(m) = rec.summary().metadata {
             let n = self.pulls.close_pod(
                 &m.uid,
                 m.attempt,
@@ -402,7 +402,7 @@ impl PodService {
             let Some(rec) = svc.store.sandbox(&id) else {
                 return Ok(());
             };
-            let rec_metadata = rec.config().metadata;
+            let rec_metadata = rec.summary().metadata;
             svc.stop_sandbox_inner(&id).await?;
             for c in svc.store.containers_of(&id) {
                 svc.remove_container_inner(&c.id).await?;
@@ -437,7 +437,7 @@ impl PodService {
             .iter()
             .filter(|r| f.id.is_empty() || r.id == f.id || r.id.starts_with(&f.id))
             .map(|r| {
-                let c = r.config();
+                let c = r.summary();
                 cri::PodSandbox {
                     id: r.id.clone(),
                     metadata: c.metadata,

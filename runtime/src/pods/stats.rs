@@ -211,7 +211,7 @@ impl PodService {
                 .filter(|r| r.id.starts_with(&f.id))
                 .filter(|r| r.sandbox_id.starts_with(&f.pod_sandbox_id))
                 .filter(|r| {
-                    let labels = r.config().labels;
+                    let labels = r.summary().labels;
                     f.label_selector
                         .iter()
                         .all(|(k, v)| labels.get(k) == Some(v))
@@ -258,7 +258,7 @@ impl PodService {
                 .into_iter()
                 .filter(|r| r.id.starts_with(&f.id))
                 .filter(|r| {
-                    let labels = r.config().labels;
+                    let labels = r.summary().labels;
                     f.label_selector
                         .iter()
                         .all(|(k, v)| labels.get(k) == Some(v))
@@ -306,7 +306,7 @@ impl PodService {
         r: &ContainerRecord,
         parent: &str,
     ) -> (cri::ContainerStats, Counters) {
-        let config = r.config();
+        let config = r.summary();
         let at = now_ns();
         let counters = self.cgroup_counters(parent, &r.id);
         let stats = cri::ContainerStats {

@@ -10,7 +10,9 @@
 //!   [`Store::reserve`] until [`Store::release`] (CRI: a duplicate name is an error until the old
 //!   object is removed);
 //! - the CRI configs are kept as their protobuf encoding (hex in the JSON), so labels and
-//!   annotations round-trip exactly;
+//!   annotations round-trip exactly; in memory the encoding is shared (copying a record copies
+//!   no config), and lists decode only the metadata, labels and annotations of it
+//!   ([`ContainerSummary`], [`SandboxSummary`]): a config's envs and mounts can be megabytes;
 //! - a removed container's record moves (one rename) to `<state>/pods/removing/` while its
 //!   files, mounts and runtime state are torn down in the background, and is deleted from there
 //!   once they are gone ([`Store::begin_removal`], [`Store::finish_removal`]); a teardown cut
@@ -19,7 +21,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use minicri_proto::runtime::v1 as cri;
 use prost::Message;
@@ -42,7 +44,7 @@ pub struct SandboxRecord {
     /// The reserved name.
     pub name: String,
     #[serde(with = "hex_bytes")]
-    pub config: Vec<u8>,
+    pub config: Arc<[u8]>,
     pub runtime_handler: String,
     pub created_at: i64,
     pub state: SandboxState,
@@ -60,8 +62,25 @@ pub struct SandboxRecord {
 
 impl SandboxRecord {
     pub fn config(&self) -> cri::PodSandboxConfig {
-        cri::PodSandboxConfig::decode(self.config.as_slice()).unwrap_or_default()
+        cri::PodSandboxConfig::decode(&*self.config).unwrap_or_default()
     }
+
+    /// The config's metadata, labels and annotations, without decoding the rest.
+    pub fn summary(&self) -> SandboxSummary {
+        SandboxSummary::decode(&*self.config).unwrap_or_default()
+    }
+}
+
+/// The fields of a `PodSandboxConfig` that lists and lookups read; decoding it skips the other
+/// fields' bytes. Tags as in the CRI's `api.proto`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SandboxSummary {
+    #[prost(message, optional, tag = "1")]
+    pub metadata: Option<cri::PodSandboxMetadata>,
+    #[prost(map = "string, string", tag = "6")]
+    pub labels: HashMap<String, String>,
+    #[prost(map = "string, string", tag = "7")]
+    pub annotations: HashMap<String, String>,
 }
 
 /// `CONTAINER_CREATED` / `RUNNING` / `EXITED` / `UNKNOWN`.
@@ -90,7 +109,7 @@ pub struct ContainerRecord {
     pub sandbox_id: String,
     pub name: String,
     #[serde(with = "hex_bytes")]
-    pub config: Vec<u8>,
+    pub config: Arc<[u8]>,
     /// The image as the request named it.
     pub image: String,
     /// The image id (config digest).
@@ -125,11 +144,30 @@ pub struct ContainerRecord {
 
 impl ContainerRecord {
     pub fn config(&self) -> cri::ContainerConfig {
-        cri::ContainerConfig::decode(self.config.as_slice()).unwrap_or_default()
+        cri::ContainerConfig::decode(&*self.config).unwrap_or_default()
+    }
+
+    /// The config's metadata, labels and annotations, without decoding the rest.
+    pub fn summary(&self) -> ContainerSummary {
+        ContainerSummary::decode(&*self.config).unwrap_or_default()
     }
 }
 
+/// The fields of a `ContainerConfig` that lists and stats read; decoding it skips the other
+/// fields' bytes. Tags as in the CRI's `api.proto`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ContainerSummary {
+    #[prost(message, optional, tag = "1")]
+    pub metadata: Option<cri::ContainerMetadata>,
+    #[prost(map = "string, string", tag = "9")]
+    pub labels: HashMap<String, String>,
+    #[prost(map = "string, string", tag = "10")]
+    pub annotations: HashMap<String, String>,
+}
+
 mod hex_bytes {
+    use std::sync::Arc;
+
     use serde::{Deserialize, Deserializer, Serializer};
 
     pub fn serialize<S: Serializer>(b: &[u8], s: S) -> Result<S::Ok, S::Error> {
@@ -140,7 +178,7 @@ mod hex_bytes {
         s.serialize_str(&out)
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<[u8]>, D::Error> {
         let s = String::deserialize(d)?;
         if s.len() % 2 != 0 {
             return Err(serde::de::Error::custom("odd hex length"));
@@ -513,7 +551,7 @@ impl ContainerRecord {
             id: id.into(),
             sandbox_id: "sb".into(),
             name: name.into(),
-            config: Vec::new(),
+            config: Arc::from([]),
             image: String::new(),
             image_id: String::new(),
             created_at: 1,
@@ -548,7 +586,7 @@ mod tests {
         SandboxRecord {
             id: id.into(),
             name: name.into(),
-            config: cfg.encode_to_vec(),
+            config: cfg.encode_to_vec().into(),
             runtime_handler: String::new(),
             created_at: 1,
             state: SandboxState::Ready,
@@ -602,6 +640,65 @@ mod tests {
         again.delete_sandbox("id1").unwrap();
         again.reserve("n", "id2").unwrap();
         assert!(Store::open(d.path()).unwrap().sandbox("id1").is_none());
+    }
+
+    /// The summaries decode the same metadata, labels and annotations as the full configs,
+    /// whatever else the configs hold (their tags match the CRI's).
+    #[test]
+    fn summaries_read_the_same_fields_as_the_full_configs() {
+        let map = |k: &str, v: &str| HashMap::from([(k.to_string(), v.to_string())]);
+        let c = cri::ContainerConfig {
+            metadata: Some(cri::ContainerMetadata {
+                name: "c".into(),
+                attempt: 2,
+            }),
+            command: vec!["sh".into()],
+            envs: vec![cri::KeyValue {
+                key: "K".into(),
+                value: vec![b'v'; 1 << 20],
+            }],
+            mounts: vec![cri::Mount {
+                host_path: "/srv".into(),
+                ..Default::default()
+            }],
+            labels: map("l", "1"),
+            annotations: map("a", "2"),
+            log_path: "c/0.log".into(),
+            linux: Some(Default::default()),
+            ..Default::default()
+        };
+        let mut r = ContainerRecord::exited("id1", "c");
+        r.config = c.encode_to_vec().into();
+        let summary = r.summary();
+        assert_eq!(summary.metadata, c.metadata);
+        assert_eq!(
+            (summary.labels, summary.annotations),
+            (c.labels, c.annotations)
+        );
+
+        let p = cri::PodSandboxConfig {
+            metadata: Some(cri::PodSandboxMetadata {
+                name: "p".into(),
+                uid: "u".into(),
+                namespace: "ns".into(),
+                attempt: 1,
+            }),
+            hostname: "h".into(),
+            log_directory: "/logs".into(),
+            port_mappings: vec![Default::default()],
+            labels: map("l", "3"),
+            annotations: map("a", "4"),
+            linux: Some(Default::default()),
+            ..Default::default()
+        };
+        let mut sb = sandbox("sb1", "p");
+        sb.config = p.encode_to_vec().into();
+        let summary = sb.summary();
+        assert_eq!(summary.metadata, p.metadata);
+        assert_eq!(
+            (summary.labels, summary.annotations),
+            (p.labels, p.annotations)
+        );
     }
 
     #[test]
