@@ -722,9 +722,7 @@ impl PodService {
         if cmd.is_empty() {
             return Err(Error::InvalidArgument("cmd is required".into()));
         }
-        let spec = oci_spec::runtime::Spec::load(r.bundle.join("config.json"))
-            .map_err(|e| Error::Internal(format!("reading the spec of {id}: {e}")))?;
-        let mut process = spec.process().clone().unwrap_or_default();
+        let mut process = super::exec::bundle_process(id, &r.bundle)?;
         process.set_args(Some(cmd));
         process.set_terminal(Some(false));
         let out = self

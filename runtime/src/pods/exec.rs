@@ -20,6 +20,19 @@ use super::store::{ContainerRecord, ContainerState};
 use crate::error::{Error, Result};
 use crate::oci::{ExecOpts, ExecProcess};
 
+/// The process settings (user, env, cwd, capabilities) in container `id`'s bundle: the base
+/// of each of its execs. The file holds the image's env and can be megabytes, and exec probes
+/// run every few seconds: read off the async workers.
+pub(crate) fn bundle_process(
+    id: &str,
+    bundle: &std::path::Path,
+) -> Result<oci_spec::runtime::Process> {
+    let spec =
+        crate::fsutil::off_async(|| oci_spec::runtime::Spec::load(bundle.join("config.json")))
+            .map_err(|e| Error::Internal(format!("reading the spec of {id}: {e}")))?;
+    Ok(spec.process().clone().unwrap_or_default())
+}
+
 impl PodService {
     /// The container `id` if it exists and is running: NOT_FOUND or FAILED_PRECONDITION naming
     /// it otherwise.
@@ -64,9 +77,7 @@ impl PodService {
         if cmd.is_empty() {
             return Err(Error::InvalidArgument("cmd is required".into()));
         }
-        let spec = oci_spec::runtime::Spec::load(r.bundle.join("config.json"))
-            .map_err(|e| Error::Internal(format!("reading the spec of {id}: {e}")))?;
-        let mut process = spec.process().clone().unwrap_or_default();
+        let mut process = bundle_process(id, &r.bundle)?;
         process.set_args(Some(cmd));
         process.set_terminal(Some(terminal));
         if terminal {
