@@ -16,6 +16,7 @@ use minicri_tests::pod_env::{PodEnv, mounts_under, pod_config, skip_reason};
 use minicri_tests::pod_rpc::{
     RuntimeClient, container_config, container_status, create_container, exec_text,
     list_containers, pod_sandbox_status, run_container, run_pod, stop_and_remove_pod,
+    stop_container,
 };
 use tonic::Code;
 
@@ -863,6 +864,19 @@ async fn pid_targets_stay_in_the_pod_and_refusals_leave_the_host_alone() {
     );
     let listed = list_containers(&mut c).await;
     assert!(!listed.iter().any(|x| x.pod_sandbox_id == b), "{listed:?}");
+    // Created while the target ran, started after it stopped: its pid may be anyone's by then.
+    let late = create_container(&mut c, &a, &pod_a, joining("late"))
+        .await
+        .unwrap();
+    stop_container(&mut c, &first, 0).await;
+    let err = c
+        .start_container(cri::StartContainerRequest {
+            container_id: late.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("not running"), "{err:?}");
 
     // Refused late (an unknown capability), with a bidirectional volume whose source is missing
     // under a private mount.

@@ -57,6 +57,8 @@ impl PodService {
     /// The PID namespace a container asks to join (`namespace_options.pid` TARGET): that of a
     /// running container of the same pod. Another pod's container is refused, since its
     /// processes (and, in a host-PID pod, the host's) would become visible and signalable.
+    /// Checked at CreateContainer and again at StartContainer, when the OCI runtime opens the
+    /// namespace by the target's pid.
     fn target_pid_namespace(
         &self,
         sandbox_id: &str,
@@ -320,6 +322,10 @@ impl PodService {
                 )));
             }
         }
+        // The bundle names the PID namespace of a target container by its pid: if the target
+        // exited since CreateContainer, that pid may be another process's by now.
+        let config = rec.config();
+        self.target_pid_namespace(&rec.sandbox_id, &config)?;
         // The pod's log directory is the kubelet's, on whatever filesystem it chose: off the
         // async workers.
         if let Some(parent) = rec.log_path.as_ref().and_then(|p| p.parent()) {
@@ -333,7 +339,6 @@ impl PodService {
         let runtime = self.runtime(&rec.runtime_handler)?;
         let mut cfg = ShimConfig::new(id, &rec.bundle, runtime.command(), &self.shim_binary);
         cfg.log_path = rec.log_path.clone();
-        let config = rec.config();
         cfg.stdin = config.stdin;
         cfg.stdin_once = config.stdin_once;
         cfg.tty = config.tty;
