@@ -32,6 +32,20 @@ pub fn skip_reason() -> Option<String> {
     }))
 }
 
+/// The start of most pod tests: a [`PodEnv`] with the OCI busybox pulled, busybox's reference
+/// and a runtime client; `None`, having said why, where pod tests cannot run ([`skip_reason`]).
+pub async fn with_busybox() -> Option<(PodEnv, String, RuntimeServiceClient<Channel>)> {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return None;
+    }
+    let env = PodEnv::new().await;
+    env.pull_busybox().await;
+    let image = env.set.busybox_oci.reference.clone();
+    let c = env.runtime().await;
+    Some((env, image, c))
+}
+
 /// Why tests of host-network pods cannot run here (`None`: they can): they need root and runc,
 /// not the CNI plugins. A failure instead when CI must run them ([`crate::prereq`]).
 pub fn runc_skip_reason() -> Option<String> {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use minicri_proto::runtime::v1 as cri;
 use minicri_tests::pod_env::{
     PodEnv, eventually, mounts_under, pod_config, ports_of, processes_mentioning, runc_list,
-    skip_reason,
+    skip_reason, with_busybox,
 };
 use minicri_tests::pod_rpc::{
     container_status, exec_text, list_pod_sandboxes, pod_sandbox_status, run_container, run_pod,
@@ -489,14 +489,9 @@ async fn container_events_follow_the_lifecycle() {
 /// RemoveContainer, which then has no runtime call left to make.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_exited_container_leaves_the_runtime_and_keeps_its_status() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
+    let Some((env, image, mut c)) = with_busybox().await else {
         return;
-    }
-    let env = PodEnv::new().await;
-    env.pull_busybox().await;
-    let image = env.set.busybox_oci.reference.clone();
-    let mut c = env.runtime().await;
+    };
     let pod = pod_config("exits", env.logs.path());
     let sb = run_pod(&mut c, &pod).await;
     let id = run_container(

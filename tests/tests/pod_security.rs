@@ -4,15 +4,15 @@
 //! and read-only paths, bind mounts with private / host-to-container / bidirectional
 //! propagation, recursive read-only mounts, and the OOM killer's verdict.
 //!
-//! Root only, with runc and Debian's CNI plugins ([`skip_reason`] says why they pass without
-//! running elsewhere); each test has its own daemon, registry and bridge ([`PodEnv`]).
+//! Root only, with runc and Debian's CNI plugins (`pod_env::skip_reason` says why they pass
+//! without running elsewhere); each test has its own daemon, registry and bridge ([`PodEnv`]).
 
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_tests::pod_env::{PodEnv, mounts_under, pod_config, skip_reason};
+use minicri_tests::pod_env::{PodEnv, mounts_under, pod_config, with_busybox};
 use minicri_tests::pod_rpc::{
     RuntimeClient, container_config, container_status, create_container, exec_text,
     list_containers, pod_sandbox_status, run_container, run_pod, stop_and_remove_pod,
@@ -73,14 +73,9 @@ fn bits(caps: &[u32]) -> u64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn process_identity() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
+    let Some((env, image, mut c)) = with_busybox().await else {
         return;
-    }
-    let env = PodEnv::new().await;
-    env.pull_busybox().await;
-    let image = env.set.busybox_oci.reference.clone();
-    let mut c = env.runtime().await;
+    };
     let pod = pod_config("identity", env.logs.path());
     let sb = run_pod(&mut c, &pod).await;
     let sleeper = |name: &str| container_config(name, &image, &["sleep", "1000"]);
@@ -203,14 +198,9 @@ async fn process_identity() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn capabilities_in_the_kernel() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
+    let Some((env, image, mut c)) = with_busybox().await else {
         return;
-    }
-    let env = PodEnv::new().await;
-    env.pull_busybox().await;
-    let image = env.set.busybox_oci.reference.clone();
-    let mut c = env.runtime().await;
+    };
     // What the daemon itself may hand out.
     let daemon_status =
         std::fs::read_to_string(format!("/proc/{}/status", env.daemon.pid().unwrap())).unwrap();
@@ -284,14 +274,9 @@ async fn capabilities_in_the_kernel() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn read_only_rootfs_and_paths() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
+    let Some((env, image, mut c)) = with_busybox().await else {
         return;
-    }
-    let env = PodEnv::new().await;
-    env.pull_busybox().await;
-    let image = env.set.busybox_oci.reference.clone();
-    let mut c = env.runtime().await;
+    };
     let pod = pod_config("readonly", env.logs.path());
     let sb = run_pod(&mut c, &pod).await;
     let sleeper = |name: &str| container_config(name, &image, &["sleep", "1000"]);
@@ -411,14 +396,9 @@ impl Drop for HostMounts {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn mount_propagation() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
+    let Some((env, image, mut c)) = with_busybox().await else {
         return;
-    }
-    let env = PodEnv::new().await;
-    env.pull_busybox().await;
-    let image = env.set.busybox_oci.reference.clone();
-    let mut c = env.runtime().await;
+    };
     let host = HostMounts(tempfile::tempdir().unwrap());
     // Each source is a private tmpfs of its own, as volumes on a host without systemd's shared
     // root are; the daemon must make the propagated ones shared.
@@ -504,14 +484,9 @@ async fn mount_propagation() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn recursive_read_only_mounts() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
+    let Some((env, image, mut c)) = with_busybox().await else {
         return;
-    }
-    let env = PodEnv::new().await;
-    env.pull_busybox().await;
-    let image = env.set.busybox_oci.reference.clone();
-    let mut c = env.runtime().await;
+    };
     let rro_supported = c
         .status(cri::StatusRequest { verbose: false })
         .await
@@ -581,14 +556,9 @@ async fn recursive_read_only_mounts() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn out_of_memory_is_oomkilled() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
+    let Some((env, image, mut c)) = with_busybox().await else {
         return;
-    }
-    let env = PodEnv::new().await;
-    env.pull_busybox().await;
-    let image = env.set.busybox_oci.reference.clone();
-    let mut c = env.runtime().await;
+    };
     let mut pod = pod_config("oom", env.logs.path());
     pod.linux = Some(cri::LinuxPodSandboxConfig {
         cgroup_parent: env.cgroup_parent(),
@@ -659,14 +629,9 @@ async fn out_of_memory_is_oomkilled() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn pod_user_namespace() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
+    let Some((env, image, mut c)) = with_busybox().await else {
         return;
-    }
-    let env = PodEnv::new().await;
-    env.pull_busybox().await;
-    let image = env.set.busybox_oci.reference.clone();
-    let mut c = env.runtime().await;
+    };
     let supported = c
         .status(cri::StatusRequest { verbose: false })
         .await
@@ -817,14 +782,9 @@ async fn pod_user_namespace() {
 /// names are neither created nor made shared, since the spec is built (and checked) first.
 #[tokio::test(flavor = "multi_thread")]
 async fn pid_targets_stay_in_the_pod_and_refusals_leave_the_host_alone() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
+    let Some((env, image, mut c)) = with_busybox().await else {
         return;
-    }
-    let env = PodEnv::new().await;
-    env.pull_busybox().await;
-    let image = env.set.busybox_oci.reference.clone();
-    let mut c = env.runtime().await;
+    };
     let pod_a = pod_config("target-a", env.logs.path());
     let pod_b = pod_config("target-b", env.logs.path());
     let a = run_pod(&mut c, &pod_a).await;
