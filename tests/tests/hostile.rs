@@ -273,6 +273,22 @@ async fn a_malformed_diff_id_or_too_many_layers_is_a_failed_precondition() {
     )
     .await;
     pull_within(&e, &r, Duration::from_secs(300)).await.unwrap();
+    // A layer claiming 2^63 - 1 bytes: refused from the manifest. The download planned its
+    // ranges from the claimed size, allocating until the kernel killed something.
+    let r = push_by_hand(
+        &e,
+        "huge",
+        &layer,
+        i64::MAX as u64,
+        1,
+        vec![layer.diff_id.clone()],
+    )
+    .await;
+    let err = pull_within(&e, &r, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("more than"), "{}", err.message());
 }
 
 /// Two images giving one layer different sizes: the download of the one that came first is not

@@ -24,6 +24,11 @@ use super::{Job, Part, PullManager};
 /// Largest image config read: 8 MiB. Configs are a few KiB; a long history makes tens of KiB.
 pub const MAX_CONFIG_BYTES: u64 = 8 << 20;
 
+/// Largest blob a descriptor may claim: 1 TiB. The download plans its ranges from the claimed
+/// size before a byte arrives, so a manifest claiming 2^63 bytes would have it allocate
+/// terabytes; no real layer comes near this.
+pub const MAX_BLOB_BYTES: u64 = 1 << 40;
+
 /// Most layers an image may have: overlayfs mounts at most 500 lower layers, and each layer costs
 /// a snapshot (a sync and two record writes); a 4 MiB manifest could otherwise list tens of
 /// thousands.
@@ -100,6 +105,16 @@ impl PullManager {
                     reference,
                     "descriptor",
                     format!("negative size for {d}"),
+                ));
+            }
+            if desc.size as u64 > MAX_BLOB_BYTES {
+                return Err(malformed(
+                    reference,
+                    "descriptor",
+                    format!(
+                        "{d} claims {} bytes, more than the {MAX_BLOB_BYTES} a blob may have",
+                        desc.size
+                    ),
                 ));
             }
         }
