@@ -136,14 +136,16 @@ pub struct RootFs {
     pub diff_ids: Vec<String>,
 }
 
-/// `(uid, username)` from a config `User` (`uid`, `name`, `uid:gid`, `name:group`): a numeric user
-/// gives a uid, a named one a username, an empty one neither.
+/// `(uid, username)` from a config `User` (`uid`, `name`, `uid:gid`, `name:group`): a uid (0 to
+/// 2^32 - 1, what the container can run as) gives a uid, anything else a username, an empty one
+/// neither. A number out of range is no uid: the kubelet's runAsNonRoot check reads this, and
+/// CreateContainer refuses such a user.
 pub fn user_of(user: &str) -> (Option<i64>, String) {
     let u = user.split(':').next().unwrap_or("");
     if u.is_empty() {
         (None, String::new())
-    } else if let Ok(n) = u.parse::<i64>() {
-        (Some(n), String::new())
+    } else if let Ok(n) = u.parse::<u32>() {
+        (Some(i64::from(n)), String::new())
     } else {
         (None, u.to_string())
     }
@@ -160,6 +162,10 @@ mod tests {
         assert_eq!(user_of("1002:100"), (Some(1002), String::new()));
         assert_eq!(user_of("www-data"), (None, "www-data".into()));
         assert_eq!(user_of("www-data:www"), (None, "www-data".into()));
+        // Out of a uid's range: no uid to show as non-root.
+        assert_eq!(user_of("4294967295"), (Some(4294967295), String::new()));
+        assert_eq!(user_of("4294967296"), (None, "4294967296".into()));
+        assert_eq!(user_of("-1"), (None, "-1".into()));
     }
 
     #[test]

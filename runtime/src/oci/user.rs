@@ -209,6 +209,12 @@ pub fn resolve_user(rootfs: &Path, req: &UserRequest<'_>) -> Result<ResolvedUser
             explicit_group = true;
             gid = match g.parse::<u32>() {
                 Ok(n) => n,
+                Err(_) if looks_numeric(g) => {
+                    return Err(OciError::invalid(format!(
+                        "image user group {g:?} is not a gid (0 to {}) nor a name",
+                        u32::MAX
+                    )));
+                }
                 Err(_) => groups
                     .iter()
                     .find(|x| x.name == g)
@@ -251,6 +257,12 @@ pub fn resolve_user(rootfs: &Path, req: &UserRequest<'_>) -> Result<ResolvedUser
 
 type Lookup<'p> = (u32, u32, Option<&'p Passwd>);
 
+/// Whether `s` is written as an integer (`-1`, `4294967296`), whatever its range.
+fn looks_numeric(s: &str) -> bool {
+    let digits = s.strip_prefix('-').unwrap_or(s);
+    !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())
+}
+
 fn user_part<'p>(
     user: &str,
     by_uid: &dyn Fn(u32) -> Option<&'p Passwd>,
@@ -259,6 +271,14 @@ fn user_part<'p>(
     if let Ok(uid) = user.parse::<u32>() {
         let e = by_uid(uid);
         return Ok((uid, e.map_or(0, |e| e.gid), e));
+    }
+    // A number out of range is not a name: the image's /etc/passwd could give it any uid, 0
+    // included, while ImageStatus (which the kubelet's runAsNonRoot check reads) showed no uid.
+    if looks_numeric(user) {
+        return Err(OciError::invalid(format!(
+            "user {user:?} is not a uid (0 to {}) nor a name",
+            u32::MAX
+        )));
     }
     let e = by_name(user)
         .ok_or_else(|| OciError::invalid(format!("user {user:?} not found in /etc/passwd")))?;
@@ -326,6 +346,34 @@ mod tests {
             matches!(&e, OciError::InvalidArgument(m) if m.contains("/etc/passwd")),
             "{e:?}"
         );
+    }
+
+    /// A user or group written as a number out of range is refused, not looked up as a name:
+    /// the image's own /etc/passwd could make it root while ImageStatus showed no uid.
+    #[test]
+    fn numbers_out_of_range_are_not_names() {
+        let d = rootfs();
+        std::fs::write(
+            d.path().join("etc/passwd"),
+            "4294967296:x:0:0::/root:/bin/sh\n-1:x:0:0::/root:/bin/sh\nbob:x:1000:1000::/home/bob:/bin/sh\n",
+        )
+        .unwrap();
+        for user in ["4294967296", "-1", "bob:4294967296", "bob:-1"] {
+            let req = UserRequest {
+                image_user: user,
+                ..Default::default()
+            };
+            let e = resolve_user(d.path(), &req).unwrap_err();
+            assert!(
+                matches!(&e, OciError::InvalidArgument(m) if m.contains("nor a name")),
+                "{user}: {e:?}"
+            );
+        }
+        let req = UserRequest {
+            image_user: "4294967295",
+            ..Default::default()
+        };
+        assert_eq!(resolve_user(d.path(), &req).unwrap().uid, u32::MAX);
     }
 
     fn r(req: UserRequest<'_>) -> Result<ResolvedUser> {
