@@ -193,6 +193,19 @@ async fn push_by_hand(
     times: usize,
     diff_ids: Vec<String>,
 ) -> String {
+    push_by_hand_as(e, name, layer, layer_size, times, diff_ids, "").await
+}
+
+/// [`push_by_hand`] with `user` as the config's `User`.
+async fn push_by_hand_as(
+    e: &Env,
+    name: &str,
+    layer: &Layer,
+    layer_size: u64,
+    times: usize,
+    diff_ids: Vec<String>,
+    user: &str,
+) -> String {
     let client = images::RegistryClient::new(e.proxy.upstream());
     let repo = format!("minicri-test/{name}");
     client.push_layer(&repo, layer).await.unwrap();
@@ -200,7 +213,7 @@ async fn push_by_hand(
         "architecture": "amd64",
         "os": "linux",
         "rootfs": { "type": "layers", "diff_ids": diff_ids },
-        "config": { "Labels": { "name": name } },
+        "config": { "Labels": { "name": name }, "User": user },
     }))
     .unwrap();
     let config_digest = images::sha256_digest(&config);
@@ -289,6 +302,16 @@ async fn a_malformed_diff_id_or_too_many_layers_is_a_failed_precondition() {
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     assert!(err.message().contains("more than"), "{}", err.message());
+    // A User of 1 MiB: it would be in every ListImages answer (a few such images and those
+    // exceed the kubelet's 16 MiB cap); refused before any layer is fetched.
+    let diff_ids = vec![layer.diff_id.clone()];
+    let long = "u".repeat(1 << 20);
+    let r = push_by_hand_as(&e, "longuser", &layer, layer.size, 1, diff_ids, &long).await;
+    let err = pull_within(&e, &r, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("User"), "{}", err.message());
 }
 
 /// Two images giving one layer different sizes: the download of the one that came first is not

@@ -24,6 +24,9 @@ use super::{Job, Part, PullManager};
 /// Largest image config read: 8 MiB. Configs are a few KiB; a long history makes tens of KiB.
 pub const MAX_CONFIG_BYTES: u64 = 8 << 20;
 
+/// Longest image config `User` (`name:group`): account names are at most 32 characters.
+pub const MAX_USER_BYTES: usize = 256;
+
 /// Largest blob a descriptor may claim: 1 TiB. The download plans its ranges from the claimed
 /// size before a byte arrives, so a manifest claiming 2^63 bytes would have it allocate
 /// terabytes; no real layer comes near this.
@@ -161,6 +164,24 @@ impl PullManager {
             Digest::parse(d)
                 .map_err(|e| malformed(reference, "image config", format!("diff_id: {e}")))?;
         }
+        // The user goes into the image's record and every ListImages and ImageStatus answer: a
+        // config could otherwise make it megabytes, and a few such images every ListImages
+        // larger than the kubelet's 16 MiB message cap.
+        let user = config
+            .config
+            .as_ref()
+            .and_then(|c| c.user.as_deref())
+            .unwrap_or("");
+        if user.len() > MAX_USER_BYTES || user.chars().any(char::is_control) {
+            return Err(malformed(
+                reference,
+                "image config",
+                format!(
+                    "User is {} bytes or holds control characters (at most {MAX_USER_BYTES}, none)",
+                    user.len()
+                ),
+            ));
+        }
         blobs.insert(config_digest.clone());
 
         // Downloads (a bounded number at once) and unpacking run together: each layer is applied
@@ -187,13 +208,7 @@ impl PullManager {
         let (_, chain_id) = tokio::try_join!(downloads, unpacking)?;
         blobs.extend(layer_digests.iter().cloned());
 
-        let (uid, username) = manifest::user_of(
-            config
-                .config
-                .as_ref()
-                .and_then(|c| c.user.as_deref())
-                .unwrap_or(""),
-        );
+        let (uid, username) = manifest::user_of(user);
         let size = config_desc.size as u64
             + manifest.bytes.len() as u64
             + layers.iter().map(|l| l.size as u64).sum::<u64>();
