@@ -5,32 +5,25 @@
 //! The registry uses the filesystem storage driver, so a test can find (and damage) the bytes
 //! of any stored blob with [`Registry::blob_path`] / [`Registry::corrupt_blob`].
 //!
-//! The process is spawned from one long-lived helper thread with `PR_SET_PDEATHSIG`, so it also
-//! dies when the test binary exits without running destructors (a `static` registry, a killed
-//! test process).
+//! The process is tied to the test process ([`crate::server::spawn_tied`]), so it also dies when
+//! the test binary exits without running destructors (a `static` registry, a killed test
+//! process).
 
 use std::fs;
-use std::io::{self, Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::os::unix::process::CommandExt;
+use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::sync::{Mutex, OnceLock};
-use std::thread;
-use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 
 use crate::images::RegistryClient;
+use crate::server;
 
 /// Where Debian's `docker-registry` package puts the registry binary.
 pub const REGISTRY_BIN: &str = "/usr/bin/docker-registry";
 /// Where Debian's `apache2-utils` package puts `htpasswd`.
 pub const HTPASSWD_BIN: &str = "/usr/bin/htpasswd";
 
-/// How long [`Registry::start`] waits for `/v2/` to answer.
-const READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often a start is retried when the chosen port was taken in the meantime.
 const PORT_ATTEMPTS: usize = 5;
 
@@ -126,11 +119,17 @@ impl Registry {
 
         let mut last_error = None;
         for _ in 0..PORT_ATTEMPTS {
-            let port = free_port()?;
+            let port = server::free_port()?;
             write_config(dir.path(), port, options)?;
             let mut child = spawn_registry(dir.path())?;
             let tls = options.mutual_tls.is_some();
-            match wait_ready(&mut child, port, tls, &dir.path().join("registry.log")) {
+            match server::wait_ready(
+                &mut child,
+                "docker-registry",
+                port,
+                tls,
+                &dir.path().join("registry.log"),
+            ) {
                 Ok(()) => {
                     return Ok(Registry {
                         child: Some(child),
@@ -279,12 +278,6 @@ fn htpasswd_line(user: &str, password: &str) -> Result<String> {
     Ok(format!("{}\n", text.trim()))
 }
 
-/// A port that was free a moment ago.
-fn free_port() -> Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("probing for a free port")?;
-    Ok(listener.local_addr()?.port())
-}
-
 fn write_config(dir: &Path, port: u16, options: &RegistryOptions) -> Result<()> {
     let storage = dir.join("storage");
     let mut config = format!(
@@ -333,39 +326,8 @@ http:
     fs::write(dir.join("config.yml"), config).context("writing config.yml")
 }
 
-type SpawnRequest = (PathBuf, mpsc::Sender<io::Result<Child>>);
-
-/// Spawns `docker-registry serve DIR/config.yml` from the spawner thread.
+/// Spawns `docker-registry serve DIR/config.yml`, tied to the test process.
 fn spawn_registry(dir: &Path) -> Result<Child> {
-    static SPAWNER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
-    let spawner = SPAWNER.get_or_init(|| {
-        // PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so children are
-        // forked from this thread, which lives as long as the process does.
-        let (tx, rx) = mpsc::channel::<SpawnRequest>();
-        thread::Builder::new()
-            .name("registry-spawner".into())
-            .spawn(move || {
-                for (dir, reply) in rx {
-                    let _ = reply.send(spawn_here(&dir));
-                }
-            })
-            .expect("spawning the registry-spawner thread");
-        Mutex::new(tx)
-    });
-    let (reply_tx, reply_rx) = mpsc::channel();
-    spawner
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .send((dir.to_path_buf(), reply_tx))
-        .map_err(|_| anyhow!("the registry-spawner thread is gone"))?;
-    let child = reply_rx
-        .recv()
-        .map_err(|_| anyhow!("the registry-spawner thread is gone"))?
-        .with_context(|| format!("spawning {REGISTRY_BIN}"))?;
-    Ok(child)
-}
-
-fn spawn_here(dir: &Path) -> io::Result<Child> {
     let log = fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -383,62 +345,5 @@ fn spawn_here(dir: &Path) -> io::Result<Child> {
             cmd.env_remove(key);
         }
     }
-    // SAFETY: the closure only makes one async-signal-safe system call (prctl).
-    unsafe {
-        cmd.pre_exec(|| {
-            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
-                .map_err(io::Error::from)
-        });
-    }
-    cmd.spawn()
-}
-
-/// Waits until `GET /v2/` answers 200 or 401 (400 from a TLS listener, which refuses plain
-/// HTTP), or the process exits, or time runs out.
-fn wait_ready(child: &mut Child, port: u16, tls: bool, log: &Path) -> Result<()> {
-    let deadline = Instant::now() + READY_TIMEOUT;
-    loop {
-        if let Some(status) = child.try_wait()? {
-            bail!(
-                "docker-registry exited ({status}) before answering; its log:\n{}",
-                tail(log)
-            );
-        }
-        if let Ok(code) = probe_v2(port)
-            && (code == 200 || code == 401 || (tls && code == 400))
-        {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "docker-registry on 127.0.0.1:{port} did not answer /v2/ within {READY_TIMEOUT:?}; its log:\n{}",
-                tail(log)
-            );
-        }
-        thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// The status code of `GET /v2/`, spoken in plain HTTP/1.1 over a std socket (works from sync
-/// and async callers alike).
-fn probe_v2(port: u16) -> io::Result<u16> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(2)))?;
-    write!(
-        stream,
-        "GET /v2/ HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut head = [0u8; 12];
-    stream.read_exact(&mut head)?;
-    let line = String::from_utf8_lossy(&head);
-    line.get(9..12)
-        .and_then(|code| code.parse().ok())
-        .ok_or_else(|| io::Error::other(format!("bad status line {line:?}")))
-}
-
-fn tail(path: &Path) -> String {
-    let text = fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(30)..].join("\n")
+    server::spawn_tied(cmd)
 }
