@@ -15,6 +15,8 @@ PACKAGES=(
     containernetworking-plugins
     # A real registry (distribution 2.x) and image tools for the pull tests.
     docker-registry
+    # A caching proxy: the fleet tests' second kind of pull-through cache (tests/src/nginx_cache.rs).
+    nginx
     skopeo
     umoci
     # A static busybox: the only binary inside the test images.
@@ -58,6 +60,16 @@ else
     echo "install-deps: installing ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
     "${SUDO[@]}" apt-get update -q
+    # The packages' own services (nginx on :80, docker-registry on :5000) are not started: the
+    # tests start their own, with their own configs and ports. A policy-rc.d that refuses every
+    # start does that for this install only; one the machine has already is left alone.
+    policy=/usr/sbin/policy-rc.d
+    if [[ ! -e $policy ]]; then
+        printf '#!/bin/sh\n# hack/install-deps.sh: no service starts while it installs\nexit 101\n' \
+            | "${SUDO[@]}" tee "$policy" >/dev/null
+        "${SUDO[@]}" chmod 755 "$policy"
+        trap '"${SUDO[@]}" rm -f "$policy"' EXIT
+    fi
     "${SUDO[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 

@@ -1,18 +1,22 @@
 //! Nodes pulling through a cluster's pull-through cache: the project's registry as the origin,
-//! the byte-counting proxy in front of it, Debian's `docker-registry` in proxy mode as the cache
-//! in front of that, a second counting proxy in front of the cache (what the nodes ask), and
-//! minicri daemons (the nodes) with their own roots, reaching the origin's name through
-//! hosts.toml with the cache as the mirror.
+//! the byte-counting proxy in front of it, a cache in front of that, a second counting proxy in
+//! front of the cache (what the nodes ask), and minicri daemons (the nodes) with their own roots,
+//! reaching the origin's name through hosts.toml with the cache as the mirror.
 //!
-//! What reaches the origin is the cache's behaviour as much as the nodes'. distribution 2.8 (the
-//! cache here) fetches a blob it does not have twice on a miss, one copy for the client and one
-//! to store, and does not merge concurrent misses; the tests assert what the nodes add on top of
-//! that (one request per blob and node) and print the origin's bytes for docs/fleet.md.
+//! Two caches, because what reaches the origin is the cache's behaviour as much as the nodes':
+//! - Debian's `docker-registry` (distribution 2.8) in proxy mode fetches a blob it does not have
+//!   twice on a miss, one copy for the client and one to store, and does not merge concurrent
+//!   misses; its tests assert what the nodes add on top of that (one request per blob and node)
+//!   and print the origin's bytes for docs/fleet.md.
+//! - Debian's nginx as a caching proxy ([`NginxCache`]) stores what it serves and makes
+//!   concurrent misses wait for one fetch; through it a cold pull, by one node or by several at
+//!   once, must cost the origin exactly one copy of the image.
 
 use std::time::{Duration, Instant};
 
 use minicri_tests::daemon::{Daemon, HostsDir};
 use minicri_tests::images::{self, Compression, PushedImage};
+use minicri_tests::nginx_cache::NginxCache;
 use minicri_tests::proxy::Proxy;
 use minicri_tests::pull_env::pull;
 use minicri_tests::registry::Registry;
@@ -20,21 +24,56 @@ use minicri_tests::registry::Registry;
 /// The origin's name in image references; hosts.toml sends it to the cache, then the origin.
 const ORIGIN: &str = "origin.example";
 
+/// The pull-through cache between the nodes and the origin.
+enum Cache {
+    /// distribution's registry in proxy mode.
+    Distribution(Registry),
+    /// nginx with `proxy_cache`.
+    Nginx(NginxCache),
+}
+
+impl Cache {
+    fn addr(&self) -> String {
+        match self {
+            Cache::Distribution(r) => r.addr(),
+            Cache::Nginx(n) => n.addr(),
+        }
+    }
+
+    /// Whether the cache has stored every blob of `img` in full.
+    fn holds(&self, img: &PushedImage) -> bool {
+        match self {
+            Cache::Distribution(r) => img.blob_digests().iter().all(|d| r.blob_path(d).is_file()),
+            Cache::Nginx(n) => n.stored_blobs() >= img.blob_digests().len(),
+        }
+    }
+}
+
 struct Fleet {
     origin: Registry,
     /// Counts what the origin serves.
     counting: Proxy,
-    cache: Registry,
+    cache: Cache,
     /// Counts what the nodes ask of the cache.
     edge: Proxy,
     hosts: HostsDir,
 }
 
 impl Fleet {
+    /// A fleet behind distribution's proxy mode.
     fn new() -> Fleet {
+        Self::with_cache(|origin| Cache::Distribution(Registry::start_cache_of(origin)))
+    }
+
+    /// A fleet behind a caching nginx.
+    fn behind_nginx() -> Fleet {
+        Self::with_cache(|origin| Cache::Nginx(NginxCache::start_of(origin)))
+    }
+
+    fn with_cache(start: impl FnOnce(&str) -> Cache) -> Fleet {
         let origin = Registry::start();
         let counting = Proxy::start(&origin.addr()).expect("proxy");
-        let cache = Registry::start_cache_of(&counting.url());
+        let cache = start(&counting.url());
         let edge = Proxy::start(&cache.addr()).expect("proxy");
         let hosts = HostsDir::new();
         hosts.set(
@@ -55,7 +94,11 @@ impl Fleet {
     }
 
     async fn node(&self) -> Daemon {
-        Daemon::start_with(self.hosts.path(), &[]).await.unwrap()
+        self.node_with(&[]).await
+    }
+
+    async fn node_with(&self, args: &[&str]) -> Daemon {
+        Daemon::start_with(self.hosts.path(), args).await.unwrap()
     }
 
     /// Pushes an image of `layers` incompressible layers of `mib` MiB to the origin; its
@@ -89,15 +132,27 @@ impl Fleet {
         }
     }
 
-    /// Waits until the cache has stored every blob of `img` (it stores in the background
-    /// after serving).
-    async fn cached(&self, img: &PushedImage) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !img
+    /// The nodes' GETs for the blobs of `img` and how many of them asked for a range and were
+    /// answered 206.
+    fn gets(&self, img: &PushedImage) -> (usize, usize) {
+        let gets: Vec<_> = img
             .blob_digests()
             .iter()
-            .all(|d| self.cache.blob_path(d).is_file())
-        {
+            .flat_map(|d| self.edge.blob_requests(d))
+            .filter(|q| q.method == "GET")
+            .collect();
+        let ranged = gets
+            .iter()
+            .filter(|q| q.range.is_some() && q.status == 206)
+            .count();
+        (gets.len(), ranged)
+    }
+
+    /// Waits until the cache has stored every blob of `img` (distribution stores in the
+    /// background after serving).
+    async fn cached(&self, img: &PushedImage) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !self.cache.holds(img) {
             assert!(Instant::now() < deadline, "the cache never stored {img:?}");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -158,6 +213,71 @@ async fn nodes_pulling_at_once_through_a_cold_cache() {
     // one the cache stores: it does not merge concurrent misses) are the cache's doing.
     fleet.asked_each_blob(&img, nodes.len());
     assert!(served >= size, "{served} < {size}");
+}
+
+/// Nodes fetching blobs in 8 MiB pieces, so that the 40 MiB layers below take ranged requests.
+const PIECES: &[&str] = &["--blob-chunk-size", "8388608"];
+
+/// Through a cache that stores what it serves, one node's cold pull costs the origin exactly one
+/// copy of the image, ranged requests and all; the next node's pull costs the origin nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cold_pull_through_a_cache_that_stores_what_it_serves_costs_the_origin_one_copy() {
+    let fleet = Fleet::behind_nginx();
+    let (img, r) = fleet.push("fleet-once", 2, 40).await;
+    let size = blob_bytes(&img);
+    let (a, b) = (fleet.node_with(PIECES).await, fleet.node_with(PIECES).await);
+
+    assert_eq!(pull(&a, &r, None).await.unwrap(), img.config_digest);
+    fleet.cached(&img).await;
+    let first = fleet.counting.total_blob_bytes();
+    let (gets, ranged) = fleet.gets(&img);
+    eprintln!(
+        "nginx cache, first node, cold: {gets} GETs for {} blobs, {ranged} of them ranges answered 206; the origin served {:.2}x the image's blobs ({first} of {size} bytes)",
+        img.blob_digests().len(),
+        first as f64 / size as f64
+    );
+    assert!(
+        ranged > img.blob_digests().len(),
+        "the node took its large blobs in pieces: {gets} GETs, {ranged} ranged"
+    );
+    assert_eq!(first, size, "one copy of the image from the origin");
+
+    fleet.edge.reset_stats();
+    assert_eq!(pull(&b, &r, None).await.unwrap(), img.config_digest);
+    let (gets, ranged) = fleet.gets(&img);
+    eprintln!("nginx cache, second node, warm: {gets} GETs, {ranged} ranges answered 206");
+    assert_eq!(
+        fleet.counting.total_blob_bytes(),
+        first,
+        "the second node's pull cost the origin blob bytes"
+    );
+}
+
+/// Nodes starting one image at once through a cache that makes concurrent misses wait for one
+/// fetch: the whole burst costs the origin one copy of the image.
+#[tokio::test(flavor = "multi_thread")]
+async fn nodes_pulling_at_once_through_a_cache_that_merges_misses_cost_the_origin_one_copy() {
+    let fleet = Fleet::behind_nginx();
+    let (img, r) = fleet.push("fleet-burst-once", 2, 40).await;
+    let size = blob_bytes(&img);
+    let nodes = [
+        fleet.node_with(PIECES).await,
+        fleet.node_with(PIECES).await,
+        fleet.node_with(PIECES).await,
+    ];
+    let pulls = nodes.iter().map(|n| pull(n, &r, None));
+    for result in futures::future::join_all(pulls).await {
+        assert_eq!(result.unwrap(), img.config_digest);
+    }
+    fleet.cached(&img).await;
+    let served = fleet.counting.total_blob_bytes();
+    let (gets, ranged) = fleet.gets(&img);
+    eprintln!(
+        "nginx cache, {} nodes at once, cold: {gets} GETs, {ranged} ranges answered 206; the origin served {:.2}x the image's blobs ({served} of {size} bytes)",
+        nodes.len(),
+        served as f64 / size as f64
+    );
+    assert_eq!(served, size, "one copy of the image from the origin");
 }
 
 /// What one pull of a large blob through the cache asked and cost: the requests for the blob
