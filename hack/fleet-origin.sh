@@ -3,9 +3,11 @@
 # minicri against containerd 1.6 (Debian's, its CRI plugin set up as on a node), in one run,
 # runtimes alternating, each pull with a fresh cache and a fresh runtime root.
 #
-# Usage (root): hack/fleet-origin.sh [--runs N] [--work DIR]
-#   --runs N   pulls per runtime (default 3)
-#   --work DIR scratch space (default /var/tmp/minicri-fleet-origin)
+# Usage (root): hack/fleet-origin.sh [--runs N] [--work DIR] [--cache-bin PATH]
+#   --runs N         pulls per runtime (default 3)
+#   --work DIR       scratch space (default /var/tmp/minicri-fleet-origin)
+#   --cache-bin PATH the cache's registry binary (default Debian's docker-registry, 2.8); a
+#                    build of distribution 3.x shows a cache that stores what it serves
 #
 # The origin is the project's registry (hack/start-registry.sh) on 127.0.0.1:5098 holding an
 # image of 2 x 16 MiB incompressible layers; the cache is Debian's docker-registry in proxy mode
@@ -21,10 +23,12 @@ cd "$(dirname "$0")/.."
 
 runs=3
 work=/var/tmp/minicri-fleet-origin
+cache_bin=()
 while [ $# -gt 0 ]; do
     case $1 in
         --runs) runs=$2; shift 2;;
         --work) work=$2; shift 2;;
+        --cache-bin) cache_bin=(--bin "$2"); shift 2;;
         -h|--help) awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; exit 0;;
         *) echo "fleet-origin: unknown argument $1" >&2; exit 2;;
     esac
@@ -66,7 +70,8 @@ printf 'server = "http://%s"\n\n[host."http://%s"]\n  capabilities = ["pull", "r
 
 start_cache() { # a fresh, empty pull-through cache of the origin
     rm -rf "$work/cache"
-    hack/start-registry.sh --port "${cache#*:}" --dir "$work/cache" --proxy-remote "http://$origin" >/dev/null
+    hack/start-registry.sh --port "${cache#*:}" --dir "$work/cache" --proxy-remote "http://$origin" \
+        "${cache_bin[@]}" >/dev/null
 }
 
 stop_cache() {
@@ -121,6 +126,7 @@ median() { sort -g | awk '{a[NR]=$1} END {if (NR % 2) print a[(NR+1)/2]; else pr
 
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "containerd: $(containerd --version)"
+echo "cache: $("${cache_bin[1]:-/usr/bin/docker-registry}" --version)"
 echo "image: $image_bytes bytes of blobs"
 printf '%-10s %4s %s\n' runtime run "origin bytes / image"
 declare -A results

@@ -4,7 +4,7 @@
 # /etc/docker/registry/config.yml is never used).
 #
 # Usage: hack/start-registry.sh [--port N] [--dir DIR] [--htpasswd USER:PASSWORD]
-#                              [--proxy-remote URL]
+#                              [--proxy-remote URL] [--bin PATH]
 #
 #   --port N                 TCP port on 127.0.0.1 (default 5000)
 #   --dir DIR                state directory: config.yml, storage/, registry.log, registry.pid
@@ -12,6 +12,8 @@
 #   --htpasswd USER:PASSWORD require HTTP basic auth with this one user
 #   --proxy-remote URL       run as a pull-through cache of the registry at URL (distribution's
 #                            proxy mode: what it lacks it fetches from there, serves and stores)
+#   --bin PATH               another build of distribution's registry (its 3.x, say) instead of
+#                            Debian's /usr/bin/docker-registry; it takes the same config
 #
 # Rerunnable: if the registry recorded in DIR/registry.pid is still alive, nothing is done.
 # The script returns once GET /v2/ answers (200, or 401 when auth is on).
@@ -40,6 +42,8 @@ while [[ $# -gt 0 ]]; do
         --htpasswd=*) htpasswd_cred=${1#*=}; shift ;;
         --proxy-remote) proxy_remote=${2:?--proxy-remote needs a URL}; shift 2 ;;
         --proxy-remote=*) proxy_remote=${1#*=}; shift ;;
+        --bin) REGISTRY_BIN=${2:?--bin needs a path}; shift 2 ;;
+        --bin=*) REGISTRY_BIN=${1#*=}; shift ;;
         -h|--help) usage 0 ;;
         *) echo "start-registry: unknown argument: $1" >&2; usage 2 >&2 ;;
     esac
