@@ -183,21 +183,9 @@ async fn a_name_starting_with_127_is_not_loopback() {
 }
 
 /// Pushes an image written by hand: `layer` (pushed once) listed `times` times in the manifest
-/// with the size `layer_size`, and `diff_ids` as the config's; returns its reference through the
-/// proxy.
+/// with the size `layer_size`, and `diff_ids` and `user` as the config's; returns its reference
+/// through the proxy.
 async fn push_by_hand(
-    e: &Env,
-    name: &str,
-    layer: &Layer,
-    layer_size: u64,
-    times: usize,
-    diff_ids: Vec<String>,
-) -> String {
-    push_by_hand_as(e, name, layer, layer_size, times, diff_ids, "").await
-}
-
-/// [`push_by_hand`] with `user` as the config's `User`.
-async fn push_by_hand_as(
     e: &Env,
     name: &str,
     layer: &Layer,
@@ -253,7 +241,7 @@ async fn a_malformed_diff_id_or_too_many_layers_is_a_failed_precondition() {
         .unwrap();
     // A diff_id in upper case: the image is wrong, not the node (it used to be INTERNAL).
     let upper = format!("sha256:{}", layer.diff_id[7..].to_uppercase());
-    let r = push_by_hand(&e, "upperdiff", &layer, layer.size, 1, vec![upper]).await;
+    let r = push_by_hand(&e, "upperdiff", &layer, layer.size, 1, vec![upper], "").await;
     let err = pull_within(&e, &r, Duration::from_secs(60))
         .await
         .unwrap_err();
@@ -268,6 +256,7 @@ async fn a_malformed_diff_id_or_too_many_layers_is_a_failed_precondition() {
         layer.size,
         501,
         vec![layer.diff_id.clone(); 501],
+        "",
     )
     .await;
     let err = pull_within(&e, &r, Duration::from_secs(60))
@@ -283,6 +272,7 @@ async fn a_malformed_diff_id_or_too_many_layers_is_a_failed_precondition() {
         layer.size,
         500,
         vec![layer.diff_id.clone(); 500],
+        "",
     )
     .await;
     pull_within(&e, &r, Duration::from_secs(300)).await.unwrap();
@@ -295,6 +285,7 @@ async fn a_malformed_diff_id_or_too_many_layers_is_a_failed_precondition() {
         i64::MAX as u64,
         1,
         vec![layer.diff_id.clone()],
+        "",
     )
     .await;
     let err = pull_within(&e, &r, Duration::from_secs(60))
@@ -306,7 +297,7 @@ async fn a_malformed_diff_id_or_too_many_layers_is_a_failed_precondition() {
     // exceed the kubelet's 16 MiB cap); refused before any layer is fetched.
     let diff_ids = vec![layer.diff_id.clone()];
     let long = "u".repeat(1 << 20);
-    let r = push_by_hand_as(&e, "longuser", &layer, layer.size, 1, diff_ids, &long).await;
+    let r = push_by_hand(&e, "longuser", &layer, layer.size, 1, diff_ids, &long).await;
     let err = pull_within(&e, &r, Duration::from_secs(60))
         .await
         .unwrap_err();
@@ -330,9 +321,10 @@ async fn images_giving_one_blob_different_sizes_do_not_share_its_download() {
         layer.size - 4096,
         1,
         diff_ids.clone(),
+        "",
     )
     .await;
-    let right = push_by_hand(&e, "rightsize", &layer, layer.size, 1, diff_ids).await;
+    let right = push_by_hand(&e, "rightsize", &layer, layer.size, 1, diff_ids, "").await;
     e.proxy.faults().set_rate_limit(Some(MIB));
     let first = spawn_pull(&e.daemon, &wrong, pod(1)).await;
     wait_until(
@@ -401,7 +393,7 @@ async fn a_layer_that_matches_its_digest_but_does_not_decode_is_a_failed_precond
     ] {
         let layer = layer.unwrap();
         let diff_ids = vec![layer.diff_id.clone()];
-        let r = push_by_hand(&e, name, &layer, layer.size, 1, diff_ids).await;
+        let r = push_by_hand(&e, name, &layer, layer.size, 1, diff_ids, "").await;
         let err = pull_within(&e, &r, Duration::from_secs(60))
             .await
             .unwrap_err();
