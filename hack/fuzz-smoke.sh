@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # fuzz-smoke.sh - builds every cargo-fuzz target in fuzz/ and runs each for a short while
 # (FUZZ_SECONDS, default 25) from its committed seed corpus, so a parser change that crashes on
-# the seeds or on what the fuzzer finds in half a minute shows up. Run by hand: it is not part of
-# hack/test.sh (fuzz/ is its own workspace, built with nightly flags). See docs/fuzzing.md.
+# the seeds or on what the fuzzer finds in half a minute shows up. hack/test.sh ends with it (10 s
+# each); longer runs are the same script with a larger FUZZ_SECONDS. See docs/fuzzing.md.
 #
 # Fails loudly when cargo-fuzz is missing (hack/install-fuzz.sh installs the pinned version).
-# New inputs the fuzzer finds go to a scratch directory, not into the committed corpus.
+# New inputs the fuzzer finds go to a scratch directory, not into the committed corpus, unless
+# FUZZ_KEEP_DIR names a directory to keep them in (DIR/TARGET, reused by the next run: long runs).
+# A target with a dictionary (fuzz/dicts/TARGET.dict: the tokens of its format) gets it.
 # Usage: hack/fuzz-smoke.sh [TARGET...]   (default: every target)
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
@@ -29,9 +31,14 @@ scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 failed=()
 for t in "${targets[@]}"; do
-    mkdir -p "$scratch/$t"
+    found="${FUZZ_KEEP_DIR:-$scratch}/$t"
+    mkdir -p "$found"
+    dict=()
+    if [[ -f dicts/$t.dict ]]; then
+        dict=(-dict="dicts/$t.dict")
+    fi
     echo "fuzz-smoke: $t for ${SECONDS_EACH}s"
-    if ! cargo fuzz run -O "$t" "$scratch/$t" "corpus/$t" -- \
+    if ! cargo fuzz run -O "$t" "$found" "corpus/$t" -- "${dict[@]}" \
         -max_total_time="$SECONDS_EACH" -malloc_limit_mb="$MALLOC_LIMIT_MB" \
         -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
         -artifact_prefix="$scratch/$t-" >"$scratch/$t.log" 2>&1; then
