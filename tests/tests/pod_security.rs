@@ -824,8 +824,28 @@ async fn pid_targets_stay_in_the_pod_and_refusals_leave_the_host_alone() {
     );
     let listed = list_containers(&mut c).await;
     assert!(!listed.iter().any(|x| x.pod_sandbox_id == b), "{listed:?}");
-    // Created while the target ran, started after it stopped: its pid may be anyone's by then.
+    // The host's PID namespace, asked by a container of a pod that does not share it: refused.
+    let host_pid = with_sc(
+        container_config("host-pid", &image, &["sleep", "1000"]),
+        cri::LinuxContainerSecurityContext {
+            namespace_options: Some(cri::NamespaceOption {
+                pid: cri::NamespaceMode::Node as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    let err = create_container(&mut c, &b, &pod_b, host_pid)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("pid namespace NODE"), "{err:?}");
+    // Created while the target ran, started after it stopped: its pid may be anyone's by then;
+    // or after it was removed.
     let late = create_container(&mut c, &a, &pod_a, joining("late"))
+        .await
+        .unwrap();
+    let later = create_container(&mut c, &a, &pod_a, joining("later"))
         .await
         .unwrap();
     stop_container(&mut c, &first, 0).await;
@@ -837,6 +857,19 @@ async fn pid_targets_stay_in_the_pod_and_refusals_leave_the_host_alone() {
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     assert!(err.message().contains("not running"), "{err:?}");
+    c.remove_container(cri::RemoveContainerRequest {
+        container_id: first.clone(),
+    })
+    .await
+    .unwrap();
+    let err = c
+        .start_container(cri::StartContainerRequest {
+            container_id: later.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("does not exist"), "{err:?}");
 
     // Refused late (an unknown capability), with a bidirectional volume whose source is missing
     // under a private mount.

@@ -522,7 +522,17 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
             }
         }
         Ok(cri::NamespaceMode::Container) => namespaces.push(namespace(T::Pid, None)),
-        Ok(cri::NamespaceMode::Node) => {}
+        // The host's PID namespace only for containers of a host-PID pod: anyone else would see
+        // and signal every process of the node.
+        Ok(cri::NamespaceMode::Node) => {
+            let pod_pid = super::namespaces::namespace_options(p.sandbox_config).map(|o| o.pid);
+            if pod_pid != Some(cri::NamespaceMode::Node as i32) {
+                return Err(OciError::invalid(
+                    "pid namespace NODE (the host's) for a container of a pod that does not use \
+                     the host's PID namespace",
+                ));
+            }
+        }
         Ok(cri::NamespaceMode::Target) => {
             let target = p
                 .target_pid_ns

@@ -381,6 +381,23 @@ fn namespaces_join_the_sandbox() {
     );
     let spec = build(&host, &cri::ContainerConfig::default()).unwrap();
     assert_eq!(ns_of(&spec), vec![(T::Mount, None), (T::Pid, None)]);
+    // The host's PID namespace: for a container of a host-PID pod, and no other.
+    let node_pid = with_sc(cri::LinuxContainerSecurityContext {
+        namespace_options: Some(cri::NamespaceOption {
+            pid: cri::NamespaceMode::Node as i32,
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    assert_eq!(
+        ns_of(&build(&host, &node_pid).unwrap()),
+        vec![(T::Mount, None)]
+    );
+    let e = build(&f, &node_pid).unwrap_err();
+    assert!(
+        matches!(&e, OciError::InvalidArgument(m) if m.contains("pid namespace NODE")),
+        "{e:?}"
+    );
     assert_eq!(
         mount_of(&spec, "/dev/shm").unwrap().source().as_deref(),
         Some(Path::new("/dev/shm"))

@@ -73,8 +73,18 @@ impl PodService {
         else {
             return Ok(None);
         };
+        if o.target_id.is_empty() {
+            return Err(Error::InvalidArgument(
+                "pid namespace TARGET needs a target_id".into(),
+            ));
+        }
+        // The container asking is there; what it names is not: a failed precondition, at
+        // CreateContainer and StartContainer alike.
         let t = self.store.container(&o.target_id).ok_or_else(|| {
-            Error::NotFound(format!("target container {:?} not found", o.target_id))
+            Error::FailedPrecondition(format!(
+                "target container {:?} of the PID namespace does not exist",
+                o.target_id
+            ))
         })?;
         if t.sandbox_id != sandbox_id {
             return Err(Error::InvalidArgument(format!(
