@@ -313,7 +313,8 @@ pub fn process_args(config: &cri::ContainerConfig, image: &ImageConfig) -> Resul
 /// `HOSTNAME`, the image's env, the CRI env (a later key replaces an earlier one, in place).
 /// An image entry without `=` unsets its name, as in Docker images. Entries the OCI runtime
 /// would refuse when it starts the container (a NUL byte, an empty name) are refused here, so
-/// the request fails with a status naming them rather than at StartContainer.
+/// the request fails with a status naming them rather than at StartContainer, and so are CRI
+/// keys with an `=`, which would set another variable than the one named.
 ///
 /// Keys are found through an index, not by scanning: an image config may hold hundreds of
 /// thousands of entries, and a scan per entry made CreateContainer take minutes.
@@ -350,9 +351,9 @@ pub fn process_env(
     }
     for (i, kv) in cri_env.iter().enumerate() {
         let value = String::from_utf8_lossy(&kv.value);
-        if kv.key.is_empty() || kv.key.contains('\0') || value.contains('\0') {
+        if kv.key.is_empty() || kv.key.contains(['\0', '=']) || value.contains('\0') {
             return Err(OciError::invalid(format!(
-                "envs[{i}] (key {:?}) has an empty key or holds a NUL byte",
+                "envs[{i}] (key {:?}) has an empty key, an `=` in its key or a NUL byte",
                 kv.key
             )));
         }

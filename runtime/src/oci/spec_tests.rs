@@ -216,7 +216,14 @@ fn environments_the_runtime_would_refuse_are_refused_when_created() {
         let e = spec::process_env("h", &image(bad), &[]).unwrap_err();
         assert!(matches!(e, OciError::InvalidArgument(_)), "{bad:?}: {e}");
     }
-    for bad in [kv("", "1"), kv("A\0", "1"), kv("A", "x\0y")] {
+    // A key with `=` would name another variable ("A=B" = "v" sets A to "B=v"), or none ("=A").
+    for bad in [
+        kv("", "1"),
+        kv("A\0", "1"),
+        kv("A", "x\0y"),
+        kv("=A", "1"),
+        kv("A=B", "v"),
+    ] {
         let e = spec::process_env("h", &[], std::slice::from_ref(&bad)).unwrap_err();
         assert!(e.to_string().contains("envs[0]"), "{bad:?}: {e}");
     }
