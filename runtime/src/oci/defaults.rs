@@ -244,10 +244,10 @@ pub fn allow_all_devices() -> Vec<LinuxDeviceCgroup> {
     vec![r]
 }
 
-/// Entries a walk of device directories looks at, at most, before it is refused: a pod's
-/// `host_path` may name any directory of the host (`/`, `/sys`), and the walk runs in
-/// CreateContainer.
-const MAX_DEVICE_WALK: usize = 65_536;
+/// Entries the device walks of one container look at, at most, before it is refused: a pod's
+/// `host_path` may name any directory of the host (`/`, `/sys`), as many times as it likes, and
+/// the walks run in CreateContainer. Each requested device counts one besides what its walk reads.
+pub const MAX_DEVICE_WALK: usize = 65_536;
 
 /// Names a walk of device directories leaves alone, as other runtimes do: pseudo-terminals,
 /// shared memory and message queues are the container's own, `fd` is a link to the daemon's
@@ -266,25 +266,27 @@ const SKIPPED_DEVICE_NAMES: [&str; 9] = [
 
 /// The device node at `host` (a symlink naming it is followed), to appear at `container`;
 /// directories are walked and yield every node below them, at the same relative path under
-/// `container`. The walk does not follow symlinks (in `/sys` they loop) and looks at no more
-/// than [`MAX_DEVICE_WALK`] entries. A path that is no device or directory is an invalid
-/// argument, as it comes from the pod's spec.
-pub fn host_devices(host: &Path, container: &Path) -> Result<Vec<LinuxDevice>> {
+/// `container`. The walk does not follow symlinks (in `/sys` they loop) and takes what it looks
+/// at from `budget` (one container's: start it at [`MAX_DEVICE_WALK`]), one entry for `host`
+/// itself included. A path that is no device or directory is an invalid argument, as it comes
+/// from the pod's spec, and so is running out of budget.
+pub fn host_devices(host: &Path, container: &Path, budget: &mut usize) -> Result<Vec<LinuxDevice>> {
+    let spent = || {
+        OciError::invalid(format!(
+            "the container's devices, up to {}, hold more than {MAX_DEVICE_WALK} entries",
+            host.display()
+        ))
+    };
+    *budget = budget.checked_sub(1).ok_or_else(spent)?;
     let meta = std::fs::metadata(host)
         .map_err(|e| OciError::invalid(format!("device {}: {e}", host.display())))?;
     if !meta.is_dir() {
         return device(host, container, &meta).map(|d| vec![d]);
     }
     let mut out = Vec::new();
-    let mut budget = MAX_DEVICE_WALK;
     std::fs::read_dir(host)
         .map_err(|e| OciError::invalid(format!("device directory {}: {e}", host.display())))?;
-    walk_devices(host, container, &mut budget, &mut out).map_err(|()| {
-        OciError::invalid(format!(
-            "device directory {} holds more than {MAX_DEVICE_WALK} entries",
-            host.display()
-        ))
-    })?;
+    walk_devices(host, container, budget, &mut out).map_err(|()| spent())?;
     Ok(out)
 }
 
@@ -447,7 +449,9 @@ mod tests {
 
     #[test]
     fn devices_from_host() {
-        let d = host_devices(Path::new("/dev/null"), Path::new("/dev/mynull")).unwrap();
+        let mut budget = MAX_DEVICE_WALK;
+        let budget = &mut budget;
+        let d = host_devices(Path::new("/dev/null"), Path::new("/dev/mynull"), budget).unwrap();
         assert_eq!(d.len(), 1);
         assert_eq!(
             (d[0].typ(), d[0].major(), d[0].minor()),
@@ -461,7 +465,7 @@ mod tests {
         );
         // Not a device, or missing: the pod's spec is wrong.
         for p in ["/etc/hostname", "/dev/nonexistent-device"] {
-            let e = host_devices(Path::new(p), Path::new("/x")).unwrap_err();
+            let e = host_devices(Path::new(p), Path::new("/x"), budget).unwrap_err();
             assert!(matches!(e, OciError::InvalidArgument(_)), "{p}: {e:?}");
         }
     }
@@ -475,14 +479,15 @@ mod tests {
         for (at, to) in [("sub/a", "."), ("sub/b", ".."), ("sub/null", "/dev/null")] {
             std::os::unix::fs::symlink(to, d.path().join(at)).unwrap();
         }
+        let mut budget = MAX_DEVICE_WALK;
         assert!(
-            host_devices(d.path(), Path::new("/dev/x"))
+            host_devices(d.path(), Path::new("/dev/x"), &mut budget)
                 .unwrap()
                 .is_empty()
         );
         // Real directories are walked: /dev's nodes, at their paths under `container`, but
         // not the container's own pseudo-terminals.
-        let found = host_devices(Path::new("/dev"), Path::new("/c")).unwrap();
+        let found = host_devices(Path::new("/dev"), Path::new("/c"), &mut budget).unwrap();
         assert!(found.iter().any(|d| d.path() == Path::new("/c/null")));
         assert!(!found.iter().any(|d| d.path().starts_with("/c/pts")));
     }
@@ -498,5 +503,18 @@ mod tests {
         assert!(walk_devices(d.path(), Path::new("/x"), &mut 9, &mut out).is_err());
         assert!(walk_devices(d.path(), Path::new("/x"), &mut 10, &mut out).is_ok());
         assert!(out.is_empty());
+        // One budget for all of a container's devices: the directory costs 11 (itself and its
+        // entries), so 21 pays for it once, not twice.
+        let mut budget = 21;
+        host_devices(d.path(), Path::new("/x"), &mut budget).unwrap();
+        let e = host_devices(d.path(), Path::new("/y"), &mut budget).unwrap_err();
+        assert!(
+            matches!(&e, OciError::InvalidArgument(m) if m.contains("more than")),
+            "{e:?}"
+        );
+        // Each device asked for counts, directory or not.
+        let mut budget = 1;
+        host_devices(Path::new("/dev/null"), Path::new("/x"), &mut budget).unwrap();
+        host_devices(Path::new("/dev/null"), Path::new("/y"), &mut budget).unwrap_err();
     }
 }

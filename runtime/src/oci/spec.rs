@@ -576,18 +576,31 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
     if sc.privileged {
         devices.extend(defaults::all_host_devices());
     }
+    let mut budget = defaults::MAX_DEVICE_WALK;
     for d in &c.devices {
-        let found = defaults::host_devices(Path::new(&d.host_path), Path::new(&d.container_path))?;
-        for dev in &found {
-            if !sc.privileged {
-                rules.push(defaults::device_rule(dev, &d.permissions));
-            }
+        let found = defaults::host_devices(
+            Path::new(&d.host_path),
+            Path::new(&d.container_path),
+            &mut budget,
+        )?;
+        if !sc.privileged {
+            rules.extend(
+                found
+                    .iter()
+                    .map(|dev| defaults::device_rule(dev, &d.permissions)),
+            );
         }
-        devices.retain(|x: &oci_spec::runtime::LinuxDevice| {
-            !found.iter().any(|f| f.path() == x.path())
-        });
         devices.extend(found);
     }
+    // Of devices at one path the last one asked for wins, in one pass.
+    let mut seen = HashSet::new();
+    let mut kept: Vec<_> = devices
+        .into_iter()
+        .rev()
+        .filter(|d| seen.insert(d.path().clone()))
+        .collect();
+    kept.reverse();
+    let devices = kept;
     resources.set_devices(Some(rules));
     let mut l = oci_spec::runtime::Linux::default();
     l.set_uid_mappings(userns.map(|u| vec![u.uid]));
