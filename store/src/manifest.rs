@@ -136,15 +136,24 @@ pub struct RootFs {
     pub diff_ids: Vec<String>,
 }
 
-/// `(uid, username)` from a config `User` (`uid`, `name`, `uid:gid`, `name:group`): a uid (0 to
-/// 2^32 - 1, what the container can run as) gives a uid, anything else a username, an empty one
-/// neither. A number out of range is no uid: the kubelet's runAsNonRoot check reads this, and
+/// The largest uid or gid a process can have: `(uid_t)-1`, 4294967295, is "no id" to the kernel,
+/// and setuid and setgid refuse it.
+pub const MAX_ID: u32 = u32::MAX - 1;
+
+/// A uid or gid written as a number, 0 to [`MAX_ID`].
+pub fn parse_id(s: &str) -> Option<u32> {
+    s.parse::<u32>().ok().filter(|n| *n <= MAX_ID)
+}
+
+/// `(uid, username)` from a config `User` (`uid`, `name`, `uid:gid`, `name:group`): a uid
+/// ([`parse_id`]: what the container can run as) gives a uid, anything else a username, an empty
+/// one neither. A number out of range is no uid: the kubelet's runAsNonRoot check reads this, and
 /// CreateContainer refuses such a user.
 pub fn user_of(user: &str) -> (Option<i64>, String) {
     let u = user.split(':').next().unwrap_or("");
     if u.is_empty() {
         (None, String::new())
-    } else if let Ok(n) = u.parse::<u32>() {
+    } else if let Some(n) = parse_id(u) {
         (Some(i64::from(n)), String::new())
     } else {
         (None, u.to_string())
@@ -163,7 +172,8 @@ mod tests {
         assert_eq!(user_of("www-data"), (None, "www-data".into()));
         assert_eq!(user_of("www-data:www"), (None, "www-data".into()));
         // Out of a uid's range: no uid to show as non-root.
-        assert_eq!(user_of("4294967295"), (Some(4294967295), String::new()));
+        assert_eq!(user_of("4294967294"), (Some(4294967294), String::new()));
+        assert_eq!(user_of("4294967295"), (None, "4294967295".into()));
         assert_eq!(user_of("4294967296"), (None, "4294967296".into()));
         assert_eq!(user_of("-1"), (None, "-1".into()));
     }

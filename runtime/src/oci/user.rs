@@ -20,6 +20,8 @@
 
 use std::path::{Component, Path, PathBuf};
 
+use minicri_store::manifest::{MAX_ID, parse_id};
+
 use super::error::{OciError, Result};
 
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -177,7 +179,10 @@ pub fn read_in_root(root: &Path, path: &str) -> Result<Option<String>> {
 }
 
 fn id_from_i64(v: i64, what: &str) -> Result<u32> {
-    u32::try_from(v).map_err(|_| OciError::invalid(format!("{what} {v} is out of range")))
+    u32::try_from(v)
+        .ok()
+        .filter(|n| *n <= MAX_ID)
+        .ok_or_else(|| OciError::invalid(format!("{what} {v} is out of range (0 to {MAX_ID})")))
 }
 
 /// Applies the rules of the module docs.
@@ -207,15 +212,14 @@ pub fn resolve_user(rootfs: &Path, req: &UserRequest<'_>) -> Result<ResolvedUser
         let (uid, mut gid, e) = user_part(user, &by_uid, &by_name)?;
         if let Some(g) = group.filter(|g| !g.is_empty()) {
             explicit_group = true;
-            gid = match g.parse::<u32>() {
-                Ok(n) => n,
-                Err(_) if looks_numeric(g) => {
+            gid = match parse_id(g) {
+                Some(n) => n,
+                None if looks_numeric(g) => {
                     return Err(OciError::invalid(format!(
-                        "image user group {g:?} is not a gid (0 to {}) nor a name",
-                        u32::MAX
+                        "image user group {g:?} is not a gid (0 to {MAX_ID}) nor a name"
                     )));
                 }
-                Err(_) => groups
+                None => groups
                     .iter()
                     .find(|x| x.name == g)
                     .map(|x| x.gid)
@@ -268,7 +272,7 @@ fn user_part<'p>(
     by_uid: &dyn Fn(u32) -> Option<&'p Passwd>,
     by_name: &dyn Fn(&str) -> Option<&'p Passwd>,
 ) -> Result<Lookup<'p>> {
-    if let Ok(uid) = user.parse::<u32>() {
+    if let Some(uid) = parse_id(user) {
         let e = by_uid(uid);
         return Ok((uid, e.map_or(0, |e| e.gid), e));
     }
@@ -276,8 +280,7 @@ fn user_part<'p>(
     // included, while ImageStatus (which the kubelet's runAsNonRoot check reads) showed no uid.
     if looks_numeric(user) {
         return Err(OciError::invalid(format!(
-            "user {user:?} is not a uid (0 to {}) nor a name",
-            u32::MAX
+            "user {user:?} is not a uid (0 to {MAX_ID}) nor a name"
         )));
     }
     let e = by_name(user)
@@ -358,7 +361,14 @@ mod tests {
             "4294967296:x:0:0::/root:/bin/sh\n-1:x:0:0::/root:/bin/sh\nbob:x:1000:1000::/home/bob:/bin/sh\n",
         )
         .unwrap();
-        for user in ["4294967296", "-1", "bob:4294967296", "bob:-1"] {
+        for user in [
+            "4294967296",
+            "4294967295",
+            "-1",
+            "bob:4294967296",
+            "bob:4294967295",
+            "bob:-1",
+        ] {
             let req = UserRequest {
                 image_user: user,
                 ..Default::default()
@@ -370,10 +380,10 @@ mod tests {
             );
         }
         let req = UserRequest {
-            image_user: "4294967295",
+            image_user: "4294967294",
             ..Default::default()
         };
-        assert_eq!(resolve_user(d.path(), &req).unwrap().uid, u32::MAX);
+        assert_eq!(resolve_user(d.path(), &req).unwrap().uid, MAX_ID);
     }
 
     fn r(req: UserRequest<'_>) -> Result<ResolvedUser> {
@@ -445,13 +455,16 @@ mod tests {
             })
             .is_err()
         );
-        assert!(
-            r(UserRequest {
-                run_as_user: Some(-1),
-                ..Default::default()
-            })
-            .is_err()
-        );
+        for id in [-1, 4294967295, 4294967296] {
+            assert!(
+                r(UserRequest {
+                    run_as_user: Some(id),
+                    ..Default::default()
+                })
+                .is_err(),
+                "{id}"
+            );
+        }
     }
 
     #[test]
