@@ -1,5 +1,6 @@
 //! The daemon's error type and the one place where errors become gRPC statuses.
 
+use minicri_store::registry::bounded_to;
 use minicri_store::{ErrorKind, StoreError};
 use tonic::{Code, Status};
 
@@ -101,9 +102,14 @@ impl From<minicri_snapshotter::Error> for Error {
     }
 }
 
+/// Most characters of a gRPC status message. Messages quote what pod specs and images hold (env
+/// entries, command lines, paths, references), and the kubelet copies a failed call's message
+/// into the pod's status and its events: a message of megabytes would make those updates fail.
+pub const MAX_STATUS_CHARS: usize = 4096;
+
 impl From<Error> for Status {
     fn from(e: Error) -> Status {
-        Status::new(e.code(), e.to_string())
+        Status::new(e.code(), bounded_to(e.to_string(), MAX_STATUS_CHARS))
     }
 }
 
@@ -156,5 +162,19 @@ mod tests {
             timeout: std::time::Duration::from_secs(55),
         }));
         assert!(status.message().contains("slow-ipam"), "{status:?}");
+    }
+
+    /// A status quotes at most [`MAX_STATUS_CHARS`] of what the error says, however much an
+    /// image or pod spec made it say.
+    #[test]
+    fn status_messages_are_bounded() {
+        let e = Error::InvalidArgument(format!("the image's Env entry {:?}", "x".repeat(5 << 20)));
+        let s: Status = e.into();
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert!(s.message().starts_with("the image's Env entry \"xxx"));
+        assert!(s.message().ends_with("… (cut)"), "{}", &s.message()[4000..]);
+        assert!(s.message().chars().count() <= MAX_STATUS_CHARS + 8);
+        let short: Status = Error::NotFound("container abc not found".into()).into();
+        assert_eq!(short.message(), "container abc not found");
     }
 }

@@ -28,6 +28,9 @@ pub fn deadline<R>(req: &tonic::Request<R>) -> Option<Duration> {
     })
 }
 
+/// Most characters of a call's object (the id or reference it names) in its log line.
+const MAX_LOGGED_OBJECT_CHARS: usize = 512;
+
 /// How loudly a call is logged when it succeeds.
 #[derive(Clone, Copy)]
 pub enum Verbosity {
@@ -99,7 +102,8 @@ where
     let start = Instant::now();
     let mut log = CallLog {
         method,
-        object: object.into(),
+        // A client names the object (an image reference, an id): a long one is cut for the log.
+        object: minicri_store::registry::bounded_to(object.into(), MAX_LOGGED_OBJECT_CHARS),
         start,
         deadline: deadline.map(|d| start + d),
         done: false,

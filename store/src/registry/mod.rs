@@ -98,8 +98,13 @@ fn describe(e: &(dyn std::error::Error + 'static)) -> String {
 
 /// `message` cut to [`MAX_MESSAGE_CHARS`] characters (also for other strangers' text in errors:
 /// CNI plugins' messages).
-pub fn bounded(mut message: String) -> String {
-    if let Some((at, _)) = message.char_indices().nth(MAX_MESSAGE_CHARS) {
+pub fn bounded(message: String) -> String {
+    bounded_to(message, MAX_MESSAGE_CHARS)
+}
+
+/// `message` cut to `max_chars` characters, marked as cut.
+pub fn bounded_to(mut message: String, max_chars: usize) -> String {
+    if let Some((at, _)) = message.char_indices().nth(max_chars) {
         message.truncate(at);
         message.push_str("… (cut)");
     }
