@@ -174,8 +174,9 @@ fn not_found(kind: &str, id: &str) -> Error {
     Error::NotFound(format!("{kind} {id} not found"))
 }
 
+/// The pod's cgroup parent, decoding nothing else of its config (called for every container).
 fn cgroup_parent(sb: Option<&SandboxRecord>) -> String {
-    sb.and_then(|s| s.config().linux.map(|l| l.cgroup_parent))
+    sb.and_then(|s| s.summary().linux.map(|l| l.cgroup_parent))
         .unwrap_or_default()
 }
 

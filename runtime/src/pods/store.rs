@@ -71,8 +71,8 @@ impl SandboxRecord {
     }
 }
 
-/// The fields of a `PodSandboxConfig` that lists and lookups read; decoding it skips the other
-/// fields' bytes. Tags as in the CRI's `api.proto`.
+/// The fields of a `PodSandboxConfig` that lists, lookups and container stats read; decoding it
+/// skips the other fields' bytes. Tags as in the CRI's `api.proto`.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct SandboxSummary {
     #[prost(message, optional, tag = "1")]
@@ -81,6 +81,15 @@ pub struct SandboxSummary {
     pub labels: HashMap<String, String>,
     #[prost(map = "string, string", tag = "7")]
     pub annotations: HashMap<String, String>,
+    #[prost(message, optional, tag = "8")]
+    pub linux: Option<LinuxSandboxSummary>,
+}
+
+/// Of a `LinuxPodSandboxConfig`: its `cgroup_parent`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct LinuxSandboxSummary {
+    #[prost(string, tag = "1")]
+    pub cgroup_parent: String,
 }
 
 /// `CONTAINER_CREATED` / `RUNNING` / `EXITED` / `UNKNOWN`.
@@ -688,7 +697,11 @@ mod tests {
             port_mappings: vec![Default::default()],
             labels: map("l", "3"),
             annotations: map("a", "4"),
-            linux: Some(Default::default()),
+            linux: Some(cri::LinuxPodSandboxConfig {
+                cgroup_parent: "/kubepods/pod-u".into(),
+                sysctls: map("net.core.somaxconn", "1024"),
+                ..Default::default()
+            }),
             ..Default::default()
         };
         let mut sb = sandbox("sb1", "p");
@@ -699,6 +712,7 @@ mod tests {
             (summary.labels, summary.annotations),
             (p.labels, p.annotations)
         );
+        assert_eq!(summary.linux.unwrap().cgroup_parent, "/kubepods/pod-u");
     }
 
     #[test]
