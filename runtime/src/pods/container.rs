@@ -225,11 +225,14 @@ impl PodService {
         let namespaces = SandboxNamespaces::of_infra(sb.infra_pid, &sb_config);
         let files_dir = self.sandbox_dir(sandbox_id).join("files");
         let shm = files_dir.join("shm");
+        // Reads the node's whole mount table: off the async workers.
+        let shm =
+            blocking(move || Ok(oci::propagation::is_mountpoint(&shm).then_some(shm))).await?;
         let files = SandboxFiles {
             hostname: Some(files_dir.join("hostname")),
             resolv_conf: Some(files_dir.join("resolv.conf")),
             hosts: Some(files_dir.join("hosts")),
-            shm: oci::propagation::is_mountpoint(&shm).then_some(shm),
+            shm,
         };
         // The spec first: building it checks all the rest of the request and changes nothing
         // on the host, so a refused request leaves no bind source made or made shared. It reads
