@@ -292,17 +292,39 @@ async fn a_malformed_diff_id_or_too_many_layers_is_a_failed_precondition() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
-    assert!(err.message().contains("more than"), "{}", err.message());
+    assert!(
+        err.message().contains("a blob may have"),
+        "{}",
+        err.message()
+    );
     // A User of 1 MiB: it would be in every ListImages answer (a few such images and those
     // exceed the kubelet's 16 MiB cap); refused before any layer is fetched.
-    let diff_ids = vec![layer.diff_id.clone()];
+    let unfetched = LayerBuilder::new()
+        .file("g", b"y".to_vec(), 0o644)
+        .build(Compression::Gzip)
+        .unwrap();
+    let diff_ids = vec![unfetched.diff_id.clone()];
     let long = "u".repeat(1 << 20);
-    let r = push_by_hand(&e, "longuser", &layer, layer.size, 1, diff_ids, &long).await;
+    let r = push_by_hand(
+        &e,
+        "longuser",
+        &unfetched,
+        unfetched.size,
+        1,
+        diff_ids,
+        &long,
+    )
+    .await;
     let err = pull_within(&e, &r, Duration::from_secs(60))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     assert!(err.message().contains("User"), "{}", err.message());
+    assert_eq!(
+        e.proxy.bytes_served(&unfetched.digest),
+        0,
+        "a layer was fetched for an image refused by its config"
+    );
 }
 
 /// Two images giving one layer different sizes: the download of the one that came first is not
