@@ -200,44 +200,51 @@ impl Frame {
 }
 
 /// Splits a byte stream into [`Frame`]s, whatever the read boundaries (no I/O of its own, so
-/// the shim's threads and the daemon's tasks share it).
+/// the shim's threads and the daemon's tasks share it). Frames are taken from a cursor and the
+/// consumed bytes dropped once per [`FrameDecoder::feed`], so many small frames in one read cost
+/// time linear in the read.
 #[derive(Debug, Default)]
 pub struct FrameDecoder {
     buf: Vec<u8>,
+    /// Where the next frame starts in `buf`.
+    start: usize,
 }
 
 impl FrameDecoder {
     /// Adds bytes read from the connection.
     pub fn feed(&mut self, bytes: &[u8]) {
+        self.buf.drain(..self.start);
+        self.start = 0;
         self.buf.extend_from_slice(bytes);
     }
 
     /// The next complete frame, `Ok(None)` when more bytes are needed; an error for an unknown
     /// kind or an oversized frame (the connection is then unusable).
     pub fn next_frame(&mut self) -> std::io::Result<Option<Frame>> {
-        if self.buf.len() < 5 {
+        let buf = &self.buf[self.start..];
+        if buf.len() < 5 {
             return Ok(None);
         }
-        let kind = FrameKind::from_u8(self.buf[0]).ok_or_else(|| {
-            std::io::Error::other(format!("unknown attach frame kind {}", self.buf[0]))
+        let kind = FrameKind::from_u8(buf[0]).ok_or_else(|| {
+            std::io::Error::other(format!("unknown attach frame kind {}", buf[0]))
         })?;
-        let len = u32::from_be_bytes(self.buf[1..5].try_into().expect("4 bytes")) as usize;
+        let len = u32::from_be_bytes(buf[1..5].try_into().expect("4 bytes")) as usize;
         if len > MAX_FRAME {
             return Err(std::io::Error::other(format!(
                 "attach frame of {len} bytes (at most {MAX_FRAME})"
             )));
         }
-        if self.buf.len() < 5 + len {
+        if buf.len() < 5 + len {
             return Ok(None);
         }
-        let data = self.buf[5..5 + len].to_vec();
-        self.buf.drain(..5 + len);
+        let data = buf[5..5 + len].to_vec();
+        self.start += 5 + len;
         Ok(Some(Frame { kind, data }))
     }
 
     /// Bytes received that do not make a whole frame yet.
     pub fn pending(&self) -> usize {
-        self.buf.len()
+        self.buf.len() - self.start
     }
 }
 
@@ -342,6 +349,31 @@ mod tests {
         let mut d = FrameDecoder::default();
         d.feed(&[2, 0, 0]);
         assert_eq!(d.next_frame().unwrap(), None);
+    }
+
+    /// Many small frames in one read are decoded in time linear in the read (each used to
+    /// shift the rest of the buffer).
+    #[test]
+    fn many_small_frames_in_one_read_decode_in_linear_time() {
+        let one = Frame::new(FrameKind::Stdout, vec![7]).encode();
+        let mut d = FrameDecoder::default();
+        let start = std::time::Instant::now();
+        d.feed(&one.repeat(200_000));
+        d.feed(&one[..3]);
+        let mut n = 0;
+        while let Some(f) = d.next_frame().unwrap() {
+            assert_eq!(f.data, [7]);
+            n += 1;
+        }
+        assert_eq!((n, d.pending()), (200_000, 3));
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        d.feed(&one[3..]);
+        assert_eq!(d.next_frame().unwrap().unwrap().data, [7]);
+        assert_eq!(d.pending(), 0);
     }
 
     #[test]

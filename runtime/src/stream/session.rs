@@ -307,7 +307,23 @@ async fn copy_out(r: Option<BoxRead>, mut w: Option<Output>) {
 }
 
 /// The terminal size messages of the `resize` channel: `{"Width":W,"Height":H}`, one per line.
+///
+/// A client may send a megabyte of lines in one message: they are read in one pass (linear in
+/// what arrived), and of the sizes one read brings only the last is applied, so the terminal gets
+/// one resize (an ioctl and a SIGWINCH) per read, not one per line.
 async fn apply_resizes(mut rx: mpsc::Receiver<Vec<u8>>, resize: Resize) {
+    let mut buf = Vec::new();
+    while let Some(chunk) = rx.recv().await {
+        buf.extend_from_slice(&chunk);
+        if let Some((width, height)) = last_size(&mut buf) {
+            resize(width, height);
+        }
+    }
+}
+
+/// The last well-formed size among the complete lines of `buf`, which keeps only what follows
+/// them (dropped once past 4 KiB: no size message is that long).
+fn last_size(buf: &mut Vec<u8>) -> Option<(u16, u16)> {
     #[derive(serde::Deserialize)]
     struct Size {
         #[serde(rename = "Width")]
@@ -315,20 +331,24 @@ async fn apply_resizes(mut rx: mpsc::Receiver<Vec<u8>>, resize: Resize) {
         #[serde(rename = "Height")]
         height: u16,
     }
-    let mut buf = Vec::new();
-    while let Some(chunk) = rx.recv().await {
-        buf.extend_from_slice(&chunk);
-        while let Some(end) = buf.iter().position(|b| *b == b'\n') {
-            let line: Vec<u8> = buf.drain(..=end).collect();
-            match serde_json::from_slice::<Size>(&line) {
-                Ok(s) => resize(s.width, s.height),
-                Err(e) => tracing::debug!(error = %e, "bad terminal size message"),
-            }
+    let mut last = None;
+    let mut start = 0;
+    while let Some(len) = buf[start..].iter().position(|b| *b == b'\n') {
+        let line = &buf[start..start + len];
+        start += len + 1;
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
         }
-        if buf.len() > 4096 {
-            buf.clear();
+        match serde_json::from_slice::<Size>(line) {
+            Ok(s) => last = Some((s.width, s.height)),
+            Err(e) => tracing::debug!(error = %e, "bad terminal size message"),
         }
     }
+    buf.drain(..start);
+    if buf.len() > 4096 {
+        buf.clear();
+    }
+    last
 }
 
 /// Ends the output channels, reports `outcome` on the error channel (if anything is to be
@@ -367,5 +387,42 @@ async fn close_channels(ch: &Channels) {
         .chain(&ch.inputs)
     {
         s.close().await;
+    }
+}
+
+#[cfg(test)]
+mod resize_tests {
+    use super::last_size;
+
+    /// Sizes are read line by line across reads; of one read's sizes the last is applied.
+    #[test]
+    fn the_last_size_of_each_read_is_applied() {
+        let mut buf = br#"{"Width":80,"Height":24}
+{"Width":100,"Height":30}
+{"Width":1"#
+            .to_vec();
+        assert_eq!(last_size(&mut buf), Some((100, 30)));
+        assert_eq!(buf, br#"{"Width":1"#);
+        buf.extend_from_slice(b"20,\"Height\":40}\nnot json\n\n");
+        assert_eq!(last_size(&mut buf), Some((120, 40)));
+        assert!(buf.is_empty());
+        buf.extend_from_slice(b"garbage\n");
+        assert_eq!(last_size(&mut buf), None);
+    }
+
+    /// A megabyte of lines in one message is read in one pass: it used to shift the rest of the
+    /// buffer for every line, minutes of a worker's time per message.
+    #[test]
+    fn a_megabyte_of_lines_is_read_in_linear_time() {
+        let mut buf = vec![b'\n'; 1 << 20];
+        buf.extend_from_slice(b"{\"Width\":7,\"Height\":9}\n");
+        let start = std::time::Instant::now();
+        assert_eq!(last_size(&mut buf), Some((7, 9)));
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(buf.is_empty());
     }
 }
