@@ -520,3 +520,53 @@ async fn an_exited_container_leaves_the_runtime_and_keeps_its_status() {
     stop_and_remove_pod(&mut c, &sb).await;
     assert!(env.stray_state().is_empty(), "{:?}", env.stray_state());
 }
+
+/// A stop waiting out a long grace period (the container's PID 1 ignores SIGTERM) ends as soon
+/// as a later stop asks for a shorter one, as when the kubelet shortens a pod's grace period or
+/// a pod is deleted with force: the later stop does not queue behind the whole grace period.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shorter_stop_cuts_a_long_grace_period() {
+    let Some((env, image, mut c)) = with_busybox().await else {
+        return;
+    };
+    let pod = pod_config("graceful", env.logs.path());
+    let sb = run_pod(&mut c, &pod).await;
+    // PID 1 without a handler: SIGTERM does nothing.
+    let id = run_container(
+        &mut c,
+        &sb,
+        &pod,
+        sh_container_config("stubborn", &image, "exec sleep 100000"),
+    )
+    .await;
+    let mut long = c.clone();
+    let long_stop = {
+        let id = id.clone();
+        tokio::spawn(async move {
+            long.stop_container(cri::StopContainerRequest {
+                container_id: id,
+                timeout: 3600,
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!long_stop.is_finished(), "SIGTERM stopped the container");
+    let forced = c.stop_container(cri::StopContainerRequest {
+        container_id: id.clone(),
+        timeout: 0,
+    });
+    tokio::time::timeout(Duration::from_secs(30), forced)
+        .await
+        .expect("the forced stop waited behind the grace period")
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(30), long_stop)
+        .await
+        .expect("the long stop ended with the forced one")
+        .unwrap()
+        .unwrap();
+    let st = container_status(&mut c, &id).await;
+    assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
+    assert_eq!(st.exit_code, 137, "{st:?}");
+    stop_and_remove_pod(&mut c, &sb).await;
+}

@@ -516,7 +516,13 @@ impl PodService {
             .map_err(|e| Error::Internal(format!("StopContainer task: {e}")))?
     }
 
+    /// The stop signal, then SIGKILL at the earliest deadline of all stops of the container
+    /// under way: a stop waiting out a long grace period holds the container's lock, and a later
+    /// one with a shorter timeout brings its SIGKILL forward rather than waiting behind it.
     pub(crate) async fn stop_container_inner(&self, id: &str, timeout: i64) -> Result<()> {
+        let mut stop = self
+            .stop_deadlines
+            .join(id, super::stopping::deadline_after(timeout));
         let _guard = self.store.op_lock(id).await;
         let Some(rec) = self.store.container(id) else {
             return Ok(());
@@ -528,18 +534,18 @@ impl PodService {
             return Ok(());
         };
         let runtime = self.runtime(&rec.runtime_handler)?;
-        if timeout > 0 {
+        if !stop.expired() {
             if let Err(e) = runtime.kill(id, rec.stop_signal, false).await {
                 tracing::debug!(container = %id, error = %e, "stop signal");
             }
-            if let Ok(Ok(exit)) = tokio::time::timeout(
-                Duration::from_secs(timeout as u64),
-                self.monitors.wait(&shim),
-            )
-            .await
-            {
-                self.record_exit(id, &exit).await;
-                return Ok(());
+            tokio::select! {
+                exit = self.monitors.wait(&shim) => {
+                    if let Ok(exit) = exit {
+                        self.record_exit(id, &exit).await;
+                        return Ok(());
+                    }
+                }
+                () = stop.reached() => {}
             }
         }
         // In the pod's shared PID namespace other processes outlive the init: kill them all.

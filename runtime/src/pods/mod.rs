@@ -10,6 +10,7 @@
 //! - [`cgroups`]: what the kernel says about a container's or pod's cgroup (OOM kills, CPU,
 //!   memory and process counters);
 //! - [`stats`]: ContainerStats, ListContainerStats, PodSandboxStats, ListPodSandboxStats;
+//! - [`stopping`]: the SIGKILL deadlines of containers being stopped, shared by their stops;
 //! - [`streaming`]: exec and attach for the streaming server (its `ExecBackend`);
 //! - [`undo`]: multi-step operations, their undo steps and the on-disk journal of them.
 //!
@@ -39,6 +40,7 @@ pub mod exec;
 pub mod inspect;
 pub mod sandbox;
 pub mod stats;
+pub mod stopping;
 pub mod store;
 pub mod streaming;
 pub mod undo;
@@ -85,6 +87,8 @@ pub struct PodService {
     pub pulls: Arc<PullManager>,
     /// Samples the stats RPCs keep between calls.
     pub stats: stats::StatsState,
+    /// Deadlines of the containers being stopped, which later stops can bring forward.
+    stop_deadlines: stopping::StopDeadlines,
     infra: Mutex<Option<crate::pause::InfraRootfs>>,
 }
 
@@ -225,6 +229,7 @@ impl PodService {
             snapshotter,
             pulls,
             stats: stats::StatsState::new(config.root.clone()),
+            stop_deadlines: Default::default(),
             infra: Mutex::new(None),
         });
         svc.recover();
