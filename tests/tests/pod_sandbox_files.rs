@@ -107,6 +107,20 @@ async fn sandbox_files_sysctls_shm_and_resource_updates() {
     let shm = out("grep ' /dev/shm ' /proc/mounts").await;
     assert_eq!(shm.split_whitespace().nth(2), Some("tmpfs"), "{shm:?}");
 
+    // What a container writes into its /etc/hosts (a bind mount of the pod's file) stays on the
+    // pod's own small tmpfs: it cannot fill the state directory's filesystem (/run, memory).
+    let (code, _, err) = exec_text(
+        &mut c.clone(),
+        &a,
+        &["sh", "-c", "dd if=/dev/zero of=/etc/hosts bs=1M count=16"],
+        30,
+    )
+    .await;
+    assert_ne!(code, 0, "16 MiB fit into /etc/hosts");
+    assert!(err.contains("No space left"), "{err}");
+    let written: u64 = out("wc -c < /etc/hosts").await.trim().parse().unwrap();
+    assert!(written <= 1 << 21, "{written} bytes in /etc/hosts");
+
     // One /dev/shm per pod: what one container writes there, the other reads.
     out("echo shared-by-the-pod > /dev/shm/note").await;
     let (code, seen, _) = exec_text(&mut c, &b, &["cat", "/dev/shm/note"], 10).await;

@@ -121,11 +121,19 @@ fn write(path: &Path, contents: &[u8]) -> Result<()> {
     crate::fsutil::write_atomic(path, contents, 0o644).map_err(|e| OciError::io("write", path, e))
 }
 
+/// Room a sandbox's files get beyond what they hold when written: containers may write to their
+/// `/etc/hosts`, `/etc/resolv.conf` and `/etc/hostname` (bind mounts of these files), and what
+/// they write must not fill the filesystem of the state directory (`/run`, memory), which no
+/// storage accounting of theirs sees.
+pub const FILES_HEADROOM: u64 = 1 << 20;
+
 impl SandboxFiles {
-    /// Writes `hostname`, `resolv.conf` and `hosts` into `dir` and mounts the shm tmpfs
-    /// (`dir/shm`, 64 MiB) when the sandbox has its own IPC namespace. Host-network sandboxes get
-    /// the host's hostname and `/etc/hosts`; without a DNS config, the host's resolv.conf.
+    /// Writes `hostname`, `resolv.conf` and `hosts` into `dir`, on a tmpfs of its own sized to
+    /// them plus [`FILES_HEADROOM`], and mounts the shm tmpfs (`dir/shm`, 64 MiB) when the
+    /// sandbox has its own IPC namespace. Host-network sandboxes get the host's hostname and
+    /// `/etc/hosts`; without a DNS config, the host's resolv.conf.
     pub fn prepare(dir: &Path, config: &cri::PodSandboxConfig) -> Result<Self> {
+        use nix::mount::{MsFlags, mount};
         std::fs::create_dir_all(dir).map_err(|e| OciError::io("create", dir, e))?;
         let o = namespace_options(config);
         let host_net = mode(o, |o| o.network) == cri::NamespaceMode::Node;
@@ -143,24 +151,46 @@ impl SandboxFiles {
             hosts: Some(dir.join("hosts")),
             shm: (mode(o, |o| o.ipc) != cri::NamespaceMode::Node).then(|| dir.join("shm")),
         };
-        write(&dir.join("hostname"), format!("{hostname}\n").as_bytes())?;
         let resolv = match &config.dns_config {
             Some(d) if !(d.servers.is_empty() && d.searches.is_empty() && d.options.is_empty()) => {
                 resolv_conf(d).into_bytes()
             }
             _ => std::fs::read("/etc/resolv.conf").unwrap_or_default(),
         };
-        write(&dir.join("resolv.conf"), &resolv)?;
         let hosts = if host_net {
             std::fs::read("/etc/hosts").unwrap_or_default()
         } else {
             hosts_file(&hostname).into_bytes()
         };
+        let hostname = format!("{hostname}\n").into_bytes();
+        if !is_mountpoint(dir) {
+            // Owned and moded as the directory was made (user namespace pods reach into it).
+            use std::os::unix::fs::MetadataExt;
+            let m = std::fs::metadata(dir).map_err(|e| OciError::io("stat", dir, e))?;
+            let held = (hostname.len() + resolv.len() + hosts.len()) as u64;
+            let size = (held + FILES_HEADROOM).div_ceil(4096) * 4096;
+            let options = format!(
+                "mode={:o},uid={},gid={},size={size}",
+                m.mode() & 0o7777,
+                m.uid(),
+                m.gid()
+            );
+            let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+            mount(
+                Some("minicri-files"),
+                dir,
+                Some("tmpfs"),
+                flags,
+                Some(options.as_str()),
+            )
+            .map_err(|e| OciError::io("mount a tmpfs on", dir, e.into()))?;
+        }
+        write(&dir.join("hostname"), &hostname)?;
+        write(&dir.join("resolv.conf"), &resolv)?;
         write(&dir.join("hosts"), &hosts)?;
         if let Some(shm) = &files.shm {
             std::fs::create_dir_all(shm).map_err(|e| OciError::io("create", shm, e))?;
             if !is_mountpoint(shm) {
-                use nix::mount::{MsFlags, mount};
                 let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
                 mount(
                     Some("shm"),
@@ -175,13 +205,14 @@ impl SandboxFiles {
         Ok(files)
     }
 
-    /// Unmounts the shm tmpfs of a sandbox directory (idempotent; the directory is left to the
-    /// caller to remove).
+    /// Unmounts the shm tmpfs of a sandbox directory, then the directory's own tmpfs
+    /// (idempotent; the directory is left to the caller to remove).
     pub fn cleanup(dir: &Path) -> Result<()> {
-        let shm = dir.join("shm");
-        while is_mountpoint(&shm) {
-            nix::mount::umount2(&shm, nix::mount::MntFlags::MNT_DETACH)
-                .map_err(|e| OciError::io("unmount", &shm, e.into()))?;
+        for m in [dir.join("shm"), dir.to_path_buf()] {
+            while is_mountpoint(&m) {
+                nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH)
+                    .map_err(|e| OciError::io("unmount", &m, e.into()))?;
+            }
         }
         Ok(())
     }
