@@ -20,8 +20,11 @@
 //! streams' entries never interleave inside a line; [`CriLogFile::reopen`] opens the path afresh
 //! (the kubelet renames the old file first when it rotates logs).
 
+use std::ffi::{CString, OsStr};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
@@ -155,30 +158,116 @@ pub fn container_log_path(log_directory: &str, log_path: &str) -> Result<Option<
 /// The log file of one container, shared by its stdout and stderr pumps (wrap it in a mutex).
 #[derive(Debug)]
 pub struct CriLogFile {
+    /// The pod's log directory, which the path lies in.
+    root: PathBuf,
     path: PathBuf,
     file: File,
     scratch: Vec<u8>,
 }
 
-/// Opens a log for appending; a symlink in the log's place is not followed (the daemon, as
-/// root, would append to whatever it points at), and anything but a regular file there is
+/// The directory of `path`, which lies in `root`, walked from `root` one component at a time
+/// without following a symlink and created where missing (0755 before the umask); and the
+/// file's name in it. The daemon and the shims write logs as root: whoever can write into the
+/// pod's log directory (a pod with a hostPath on /var/log) could otherwise make a directory of
+/// the log's path a symlink to anywhere on the host, and have the container's output appended
+/// to a file created there.
+fn dir_beneath<'p>(root: &Path, path: &'p Path) -> io::Result<(OwnedFd, &'p OsStr)> {
+    use std::path::Component;
+    let outside = || {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is not a file inside {}", path.display(), root.display()),
+        )
+    };
+    let rel = path.strip_prefix(root).map_err(|_| outside())?;
+    let mut names = rel
+        .components()
+        .map(|c| match c {
+            Component::Normal(n) => Ok(n),
+            _ => Err(outside()),
+        })
+        .collect::<io::Result<Vec<_>>>()?;
+    let name = names.pop().ok_or_else(outside)?;
+    let mut dir = OwnedFd::from(
+        OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+            .open(root)?,
+    );
+    for n in names {
+        let c = c_name(n)?;
+        // SAFETY: a valid descriptor and a NUL-terminated name.
+        if unsafe { libc::mkdirat(dir.as_raw_fd(), c.as_ptr(), 0o755) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EEXIST) {
+                return Err(e);
+            }
+        }
+        let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+        // SAFETY: as above; the descriptor returned is owned here.
+        let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags) };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            // O_DIRECTORY answers a symlink with ENOTDIR: say what it is.
+            if e.raw_os_error() == Some(libc::ENOTDIR)
+                && file_type_at(&dir, &c) == Some(libc::S_IFLNK)
+            {
+                return Err(io::Error::from_raw_os_error(libc::ELOOP));
+            }
+            return Err(e);
+        }
+        // SAFETY: `fd` was just opened and nothing else owns it.
+        dir = unsafe { OwnedFd::from_raw_fd(fd) };
+    }
+    Ok((dir, name))
+}
+
+/// The type bits (`S_IFMT`) of `name` in `dir`, not following a symlink; `None` when it is
+/// not there.
+fn file_type_at(dir: &OwnedFd, name: &CString) -> Option<libc::mode_t> {
+    // SAFETY: a zeroed stat is a valid out-parameter; the descriptor and name are valid.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    let flags = libc::AT_SYMLINK_NOFOLLOW;
+    let r = unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), &mut st, flags) };
+    (r == 0).then_some(st.st_mode & libc::S_IFMT)
+}
+
+fn c_name(n: &OsStr) -> io::Result<CString> {
+    CString::new(n.as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
+}
+
+/// Creates the directories between `root` and the log at `path` as [`CriLogFile::open`] would,
+/// without opening the log.
+pub fn create_log_dirs(root: &Path, path: &Path) -> io::Result<()> {
+    dir_beneath(root, path).map(drop)
+}
+
+/// Opens the log at `path` (in `root`, see [`dir_beneath`]) for appending; a symlink in the
+/// log's place is not followed either (`ELOOP`), and anything but a regular file there is
 /// refused without blocking on it: opening a FIFO for writing waits for a reader, which froze the
 /// container's output (the shim holds the log's lock while it reopens) and StartContainer.
-fn open_log(path: &Path) -> io::Result<File> {
+fn open_log(root: &Path, path: &Path) -> io::Result<File> {
     let not_regular = || io::Error::other(format!("{} is not a regular file", path.display()));
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_symlink() => {
-            return Err(io::Error::from_raw_os_error(libc::ELOOP));
-        }
-        Ok(m) if !m.is_file() => return Err(not_regular()),
-        _ => {}
+    let (dir, name) = dir_beneath(root, path)?;
+    let c = c_name(name)?;
+    match file_type_at(&dir, &c) {
+        Some(libc::S_IFLNK) => return Err(io::Error::from_raw_os_error(libc::ELOOP)),
+        None | Some(libc::S_IFREG) => {}
+        Some(_) => return Err(not_regular()),
     }
-    let file = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o640)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-        .open(path)?;
+    let flags = libc::O_WRONLY
+        | libc::O_CREAT
+        | libc::O_APPEND
+        | libc::O_NOFOLLOW
+        | libc::O_CLOEXEC
+        | libc::O_NONBLOCK;
+    // SAFETY: as above; the descriptor returned is owned by the File.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags, 0o640 as libc::c_uint) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and nothing else owns it.
+    let file = unsafe { File::from_raw_fd(fd) };
     // Replaced between the check and the open.
     if !file.metadata()?.is_file() {
         return Err(not_regular());
@@ -187,11 +276,13 @@ fn open_log(path: &Path) -> io::Result<File> {
 }
 
 impl CriLogFile {
-    /// Opens (creating if needed) `path` for appending.
-    pub fn open(path: &Path) -> io::Result<Self> {
+    /// Opens (creating if needed) the log at `path`, in the pod's log directory `root`, for
+    /// appending.
+    pub fn open(root: &Path, path: &Path) -> io::Result<Self> {
         Ok(CriLogFile {
+            root: root.to_path_buf(),
             path: path.to_path_buf(),
-            file: open_log(path)?,
+            file: open_log(root, path)?,
             scratch: Vec::new(),
         })
     }
@@ -203,7 +294,7 @@ impl CriLogFile {
     /// Opens the path again: after a rename by the kubelet's log rotation, entries go to a new
     /// file. On failure the old file stays in use.
     pub fn reopen(&mut self) -> io::Result<()> {
-        self.file = open_log(&self.path)?;
+        self.file = open_log(&self.root, &self.path)?;
         Ok(())
     }
 
@@ -308,23 +399,61 @@ mod tests {
         std::fs::write(&target, "precious\n").unwrap();
         let log = d.path().join("0.log");
         std::os::unix::fs::symlink(&target, &log).unwrap();
-        let e = CriLogFile::open(&log).unwrap_err();
+        let e = CriLogFile::open(d.path(), &log).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::ELOOP), "{e}");
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious\n");
+    }
+
+    /// No directory between the pod's log directory and the log is followed if it is a symlink
+    /// (a pod writing into the log directory could point one at any host directory); the log
+    /// directory itself may be one.
+    #[test]
+    fn no_symlink_below_the_log_directory_is_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let pod = d.path().join("pod");
+        let host = d.path().join("host-etc");
+        std::fs::create_dir_all(&pod).unwrap();
+        std::fs::create_dir_all(&host).unwrap();
+        std::os::unix::fs::symlink(&host, pod.join("app")).unwrap();
+        let log = pod.join("app/0.log");
+        let e = CriLogFile::open(&pod, &log).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ELOOP), "{e}");
+        assert_eq!(
+            create_log_dirs(&pod, &pod.join("app/deeper/0.log"))
+                .unwrap_err()
+                .raw_os_error(),
+            Some(libc::ELOOP)
+        );
+        assert_eq!(
+            std::fs::read_dir(&host).unwrap().count(),
+            0,
+            "wrote into the host's"
+        );
+        // Directories are made as needed; a symlinked log directory is fine.
+        let linked = d.path().join("linked-pod");
+        std::os::unix::fs::symlink(&pod, &linked).unwrap();
+        let mut f = CriLogFile::open(&linked, &linked.join("web/1/0.log")).unwrap();
+        f.write_entry(Stream::Stdout, false, b"hi").unwrap();
+        assert!(pod.join("web/1/0.log").is_file());
+        // Only paths inside the directory.
+        for outside in ["/etc/passwd", "/tmp"] {
+            let e = CriLogFile::open(&pod, Path::new(outside)).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{outside}: {e}");
+        }
     }
 
     #[test]
     fn a_fifo_or_device_in_the_logs_place_is_refused_without_blocking() {
         let d = tempfile::tempdir().unwrap();
         let log = d.path().join("0.log");
-        let mut f = CriLogFile::open(&log).unwrap();
+        let mut f = CriLogFile::open(d.path(), &log).unwrap();
         // The kubelet's rotation renames the log; a FIFO appears in its place.
         std::fs::rename(&log, d.path().join("0.log.1")).unwrap();
         nix::unistd::mkfifo(&log, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
         let t = std::time::Instant::now();
         let e = f.reopen().unwrap_err();
         assert!(e.to_string().contains("not a regular file"), "{e}");
-        assert!(CriLogFile::open(&log).is_err());
+        assert!(CriLogFile::open(d.path(), &log).is_err());
         assert!(t.elapsed() < std::time::Duration::from_secs(1));
         // The old file stays in use.
         f.write_entry(Stream::Stdout, false, b"still here").unwrap();
@@ -334,7 +463,7 @@ mod tests {
                 .contains("still here")
         );
         // A device.
-        assert!(CriLogFile::open(Path::new("/dev/null")).is_err());
+        assert!(CriLogFile::open(Path::new("/dev"), Path::new("/dev/null")).is_err());
     }
 
     fn split(max: usize, chunks: &[&[u8]]) -> Vec<(Vec<u8>, bool)> {
@@ -458,7 +587,7 @@ mod tests {
     fn file_reopen_after_rename() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("0.log");
-        let mut f = CriLogFile::open(&path).unwrap();
+        let mut f = CriLogFile::open(dir.path(), &path).unwrap();
         f.write_entry(Stream::Stdout, false, b"one").unwrap();
         std::fs::rename(&path, dir.path().join("0.log.1")).unwrap();
         f.write_entry(Stream::Stdout, false, b"two").unwrap();

@@ -102,7 +102,11 @@ fn spawner_helper() {
     let s = |k: &str| v[k].as_str().unwrap().to_string();
     let runc = minicri::oci::Runc::new(s("runtime"), s("runtime_root"));
     let mut cfg = minicri::shim::ShimConfig::new(s("id"), s("bundle"), runc.command(), s("binary"));
-    cfg.log_path = Some(s("log").into());
+    let log = std::path::PathBuf::from(s("log"));
+    cfg.log = Some(minicri::shim::LogTarget {
+        dir: log.parent().unwrap().to_path_buf(),
+        path: log,
+    });
     let handle = spawn_shim_blocking(&cfg).unwrap();
     println!("{}", serde_json::to_string(&handle).unwrap());
     std::io::Write::flush(&mut std::io::stdout()).unwrap();

@@ -15,8 +15,8 @@ use minicri_tests::pod_env::{
     skip_reason, with_busybox,
 };
 use minicri_tests::pod_rpc::{
-    container_status, exec_text, list_pod_sandboxes, pod_sandbox_status, run_container, run_pod,
-    sh_container_config, stop_and_remove_pod, stop_container,
+    container_status, create_container, exec_text, list_pod_sandboxes, pod_sandbox_status,
+    run_container, run_pod, sh_container_config, stop_and_remove_pod, stop_container,
 };
 
 /// One CRI log entry.
@@ -568,5 +568,42 @@ async fn a_shorter_stop_cuts_a_long_grace_period() {
     let st = container_status(&mut c, &id).await;
     assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
     assert_eq!(st.exit_code, 137, "{st:?}");
+    stop_and_remove_pod(&mut c, &sb).await;
+}
+
+/// No directory between the pod's log directory and a container's log is followed if it is a
+/// symlink: a pod that can write into its log directory (a hostPath on /var/log) could otherwise
+/// point one at any host directory and have its output appended to a file created there, by
+/// root. StartContainer refuses, and the host directory stays untouched.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_symlinked_log_directory_is_not_followed() {
+    let Some((env, image, mut c)) = with_busybox().await else {
+        return;
+    };
+    let pod = pod_config("log-link", env.logs.path());
+    let sb = run_pod(&mut c, &pod).await;
+    let host = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(host.path(), env.logs.path().join("linked")).unwrap();
+    let id = create_container(
+        &mut c,
+        &sb,
+        &pod,
+        sh_container_config("linked", &image, "echo escaped"),
+    )
+    .await
+    .unwrap();
+    let err = c
+        .start_container(cri::StartContainerRequest {
+            container_id: id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("symlink"), "{err:?}");
+    assert_eq!(
+        std::fs::read_dir(host.path()).unwrap().count(),
+        0,
+        "a log was created in the host directory"
+    );
     stop_and_remove_pod(&mut c, &sb).await;
 }

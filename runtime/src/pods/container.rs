@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::oci::{
     self, ContainerSpecParams, ExecOpts, ImageConfig, SandboxFiles, SandboxNamespaces,
 };
-use crate::shim::{ExitRecord, ShimConfig, ShimHandle};
+use crate::shim::{ExitRecord, LogTarget, ShimConfig, ShimHandle};
 
 /// How long StopContainer waits for the exit after SIGKILL.
 const KILL_WAIT: Duration = Duration::from_secs(10);
@@ -339,19 +339,35 @@ impl PodService {
         // exited since CreateContainer, that pid may be another process's by now.
         let config = rec.config();
         self.target_pid_namespace(&rec.sandbox_id, &config)?;
-        // The pod's log directory is the kubelet's, on whatever filesystem it chose: off the
-        // async workers.
-        if let Some(parent) = rec.log_path.as_ref().and_then(|p| p.parent()) {
-            let parent = parent.to_path_buf();
+        // The directories between the pod's log directory and the log, none of them a symlink
+        // (crate::logs::create_log_dirs). The log directory is the kubelet's, on whatever
+        // filesystem it chose: off the async workers.
+        let log = match (&rec.log_path, self.store.sandbox(&rec.sandbox_id)) {
+            (Some(path), Some(sb)) => Some(LogTarget {
+                dir: PathBuf::from(sb.config().log_directory),
+                path: path.clone(),
+            }),
+            _ => None,
+        };
+        if let Some(log) = log.clone() {
             blocking(move || {
-                std::fs::create_dir_all(&parent)
-                    .map_err(|e| Error::Internal(format!("creating {}: {e}", parent.display())))
+                crate::logs::create_log_dirs(&log.dir, &log.path).map_err(|e| {
+                    let what = format!("creating the directories of {}", log.path.display());
+                    if e.raw_os_error() == Some(libc::ELOOP) {
+                        Error::FailedPrecondition(format!(
+                            "{what}: a directory below {} is a symlink",
+                            log.dir.display()
+                        ))
+                    } else {
+                        Error::Internal(format!("{what}: {e}"))
+                    }
+                })
             })
             .await?;
         }
         let runtime = self.runtime(&rec.runtime_handler)?;
         let mut cfg = ShimConfig::new(id, &rec.bundle, runtime.command(), &self.shim_binary);
-        cfg.log_path = rec.log_path.clone();
+        cfg.log = log;
         cfg.stdin = config.stdin;
         cfg.stdin_once = config.stdin_once;
         cfg.tty = config.tty;

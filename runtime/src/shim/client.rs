@@ -32,6 +32,14 @@ const READY_FD: i32 = 3;
 /// Longest unix socket path (`sun_path` holds 108 bytes with the terminating NUL).
 const MAX_SOCKET_PATH: usize = 107;
 
+/// Where a shim writes its container's CRI log: `path`, in the pod's log directory `dir`; nothing
+/// below `dir` is followed if it is a symlink ([`crate::logs::CriLogFile::open`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogTarget {
+    pub dir: PathBuf,
+    pub path: PathBuf,
+}
+
 /// What to start a shim for.
 #[derive(Debug, Clone)]
 pub struct ShimConfig {
@@ -40,8 +48,8 @@ pub struct ShimConfig {
     pub bundle: PathBuf,
     /// How the shim runs the container's OCI runtime ([`crate::oci::OciRuntime::command`]).
     pub runtime: RuntimeCommand,
-    /// The CRI log path; `None` discards the output (the sandbox infra process).
-    pub log_path: Option<PathBuf>,
+    /// The CRI log; `None` discards the output (the sandbox infra process).
+    pub log: Option<LogTarget>,
     /// The minicri executable (normally `std::env::current_exe()`).
     pub shim_binary: PathBuf,
     /// How long to wait for the container to be created.
@@ -65,7 +73,7 @@ impl ShimConfig {
             id: id.into(),
             bundle: bundle.into(),
             runtime,
-            log_path: None,
+            log: None,
             shim_binary: shim_binary.into(),
             ready_timeout: Duration::from_secs(120),
             stdin: false,
@@ -121,8 +129,11 @@ pub fn spawn_shim_blocking(cfg: &ShimConfig) -> Result<ShimHandle> {
     if cfg.runtime.systemd_cgroup {
         cmd.arg("--systemd-cgroup");
     }
-    if let Some(log) = &cfg.log_path {
-        cmd.arg("--log-path").arg(log);
+    if let Some(log) = &cfg.log {
+        cmd.arg("--log-path")
+            .arg(&log.path)
+            .arg("--log-dir")
+            .arg(&log.dir);
     }
     if cfg.stdin {
         cmd.arg("--stdin");

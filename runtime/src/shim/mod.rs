@@ -4,7 +4,7 @@
 //! # Lifecycle
 //! 1. The daemon writes `<bundle>/config.json` and calls [`spawn_shim`]. That runs
 //!    `minicri shim --id ID --bundle DIR --runtime BIN --runtime-root DIR [--systemd-cgroup]
-//!    [--log-path FILE] [--stdin [--stdin-once]] [--tty] --ready-fd 3` with stdout/stderr on `<bundle>/shim.log` and a pipe as
+//!    [--log-path FILE --log-dir DIR] [--stdin [--stdin-once]] [--tty] --ready-fd 3` with stdout/stderr on `<bundle>/shim.log` and a pipe as
 //!    fd 3. The shim forks at once (its first process exits, so the daemon keeps no zombie),
 //!    starts a new session, closes every inherited descriptor but stdio and fd 3, and becomes a
 //!    child subreaper. Reparented to init, it survives the daemon being killed or restarted.
@@ -60,7 +60,9 @@ mod oom;
 mod output;
 pub mod protocol;
 
-pub use client::{ShimAttach, ShimConfig, ShimHandle, Shims, spawn_shim, spawn_shim_blocking};
+pub use client::{
+    LogTarget, ShimAttach, ShimConfig, ShimHandle, Shims, spawn_shim, spawn_shim_blocking,
+};
 pub use monitor::{ShimArgs, main};
 pub use protocol::{ExitRecord, Request, Response, ShimPaths, read_exit_file};
 

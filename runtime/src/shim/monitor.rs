@@ -52,8 +52,12 @@ pub struct ShimArgs {
     #[arg(long)]
     pub systemd_cgroup: bool,
     /// The CRI log file; without it the container's output is discarded.
-    #[arg(long)]
+    #[arg(long, requires = "log_dir")]
     pub log_path: Option<PathBuf>,
+    /// The pod's log directory, which the log file lies in: nothing below it is followed if it
+    /// is a symlink.
+    #[arg(long, requires = "log_path")]
+    pub log_dir: Option<PathBuf>,
     /// Inherited descriptor to report readiness on (one JSON line, then closed).
     #[arg(long)]
     pub ready_fd: Option<i32>,
@@ -170,9 +174,11 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
     let shim_pid = std::process::id() as i32;
     std::fs::write(paths.shim_pid(), shim_pid.to_string())
         .map_err(|e| format!("write shim.pid: {e}"))?;
-    let log: SharedLog = Arc::new(Mutex::new(match &args.log_path {
-        Some(p) => Some(CriLogFile::open(p).map_err(|e| format!("open log {}: {e}", p.display()))?),
-        None => None,
+    let log: SharedLog = Arc::new(Mutex::new(match (&args.log_dir, &args.log_path) {
+        (Some(dir), Some(p)) => {
+            Some(CriLogFile::open(dir, p).map_err(|e| format!("open log {}: {e}", p.display()))?)
+        }
+        _ => None,
     }));
     let listener = UnixListener::bind(paths.socket())
         .map_err(|e| format!("bind {}: {e}", paths.socket().display()))?;

@@ -118,9 +118,13 @@ impl TestEnv {
         }
     }
 
+    /// A shim's configuration; `log` is written in its parent directory.
     pub fn shim_config(&self, id: &str, bundle: &Path, log: Option<PathBuf>) -> ShimConfig {
         let mut c = ShimConfig::new(id, bundle, self.runc.command(), minicri_binary());
-        c.log_path = log;
+        c.log = log.map(|path| minicri::shim::LogTarget {
+            dir: path.parent().expect("a log in a directory").to_path_buf(),
+            path,
+        });
         c.ready_timeout = Duration::from_secs(60);
         c
     }
