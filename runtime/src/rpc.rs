@@ -105,7 +105,8 @@ where
         // A client names the object (an image reference, an id): a long one is cut for the log.
         object: minicri_store::registry::bounded_to(object.into(), MAX_LOGGED_OBJECT_CHARS),
         start,
-        deadline: deadline.map(|d| start + d),
+        // A client's deadline of centuries is none (`Instant` cannot hold it).
+        deadline: deadline.and_then(|d| start.checked_add(d)),
         done: false,
     };
     let result = match deadline {
@@ -186,6 +187,16 @@ mod tests {
         )
         .await;
         assert_eq!(r.unwrap_err().code(), Code::DeadlineExceeded);
+    }
+
+    /// A deadline too far to reckon (a non-conforming `grpc-timeout` of 10^16 hours) is no
+    /// deadline, not a panic.
+    #[tokio::test]
+    async fn a_deadline_beyond_reckoning_is_none() {
+        let d = deadline(&req_with("9999999999999999H")).unwrap();
+        let r: Result<Response<u8>, Status> =
+            call("Far", "x", Some(d), Verbosity::Normal, async { Ok(7) }).await;
+        assert_eq!(r.unwrap().into_inner(), 7);
     }
 
     /// An empty id is refused by the field's name before the body runs; a present one reaches it.
