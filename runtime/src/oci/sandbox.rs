@@ -163,7 +163,9 @@ impl SandboxFiles {
             hosts_file(&hostname).into_bytes()
         };
         let hostname = format!("{hostname}\n").into_bytes();
-        if !is_mountpoint(dir) {
+        // The daemon runs as root; only its unit tests, with a fake runtime, do not, and they
+        // cannot mount.
+        if !is_mountpoint(dir) && nix::unistd::geteuid().is_root() {
             // Owned and moded as the directory was made (user namespace pods reach into it).
             use std::os::unix::fs::MetadataExt;
             let m = std::fs::metadata(dir).map_err(|e| OciError::io("stat", dir, e))?;
