@@ -25,6 +25,7 @@ use super::host::{CgroupDriver, HostInfo, cgroups_path};
 use super::namespaces::{namespace, namespace_options};
 use super::propagation::is_mountpoint;
 use super::seccomp::select_seccomp;
+use super::user::id_from_i64;
 
 /// `oom_score_adj` asked for the infra process (the kubelet's value for pause containers);
 /// clamped like any other.
@@ -335,21 +336,15 @@ pub fn sandbox_spec(p: &SandboxSpecParams<'_>) -> Result<Spec> {
     // default 65535 need not be mapped.
     let default_id = if userns.is_some() { 0 } else { INFRA_UID };
     let mut user = User::default();
-    let uid = sc
-        .run_as_user
-        .map_or(Ok(default_id), |v| u32::try_from(v.value))
-        .map_err(|_| OciError::invalid("run_as_user out of range"))?;
-    let gid = sc
-        .run_as_group
-        .map_or(
-            Ok(if sc.run_as_user.is_some() {
-                0
-            } else {
-                default_id
-            }),
-            |v| u32::try_from(v.value),
-        )
-        .map_err(|_| OciError::invalid("run_as_group out of range"))?;
+    let uid = match &sc.run_as_user {
+        Some(v) => id_from_i64(v.value, "run_as_user")?,
+        None => default_id,
+    };
+    let gid = match &sc.run_as_group {
+        Some(v) => id_from_i64(v.value, "run_as_group")?,
+        None if sc.run_as_user.is_some() => 0,
+        None => default_id,
+    };
     user.set_uid(uid);
     user.set_gid(gid);
     let mut process = Process::default();

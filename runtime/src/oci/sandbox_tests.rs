@@ -57,6 +57,28 @@ fn sandbox_spec_shape() {
     let p = spec.process().as_ref().unwrap();
     assert_eq!(p.args().as_ref().unwrap(), &["/minicri", "pause"]);
     assert_eq!((p.user().uid(), p.user().gid()), (65535, 65535));
+    // The infra's user: ids as anywhere else, 0 to 4294967294.
+    for (user, group) in [
+        (Some(4294967295), None),
+        (Some(1), Some(-1)),
+        (Some(-5), None),
+    ] {
+        let mut odd = sandbox.clone();
+        odd.linux.as_mut().unwrap().security_context = Some(cri::LinuxSandboxSecurityContext {
+            run_as_user: user.map(|value| cri::Int64Value { value }),
+            run_as_group: group.map(|value| cri::Int64Value { value }),
+            ..Default::default()
+        });
+        let e = sandbox_spec(&SandboxSpecParams {
+            config: &odd,
+            ..params
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&e, OciError::InvalidArgument(m) if m.contains("out of range")),
+            "{user:?} {group:?}: {e:?}"
+        );
+    }
     assert_eq!(
         p.oom_score_adj(),
         Some(0),

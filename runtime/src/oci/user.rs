@@ -70,8 +70,8 @@ fn parse_passwd(text: &str) -> Vec<Passwd> {
             }
             Some(Passwd {
                 name: f[0].to_string(),
-                uid: f[2].parse().ok()?,
-                gid: f[3].parse().ok()?,
+                uid: parse_id(f[2])?,
+                gid: parse_id(f[3])?,
                 home: f.get(5).unwrap_or(&"").to_string(),
             })
         })
@@ -94,7 +94,7 @@ fn parse_group(text: &str) -> Vec<Group> {
             });
             Some(Group {
                 name: f[0].to_string(),
-                gid: f[2].parse().ok()?,
+                gid: parse_id(f[2])?,
                 members: members.unwrap_or_default(),
             })
         })
@@ -178,7 +178,8 @@ pub fn read_in_root(root: &Path, path: &str) -> Result<Option<String>> {
     }
 }
 
-fn id_from_i64(v: i64, what: &str) -> Result<u32> {
+/// A uid or gid a request gives as an integer, 0 to [`MAX_ID`]; `what` names the field.
+pub fn id_from_i64(v: i64, what: &str) -> Result<u32> {
     u32::try_from(v)
         .ok()
         .filter(|n| *n <= MAX_ID)
@@ -384,6 +385,24 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(resolve_user(d.path(), &req).unwrap().uid, MAX_ID);
+        // Entries of the image's account files with ids out of range are no entries.
+        std::fs::write(
+            d.path().join("etc/passwd"),
+            "app:x:4294967295:1000::/home/app:/bin/sh\nweb:x:1000:4294967295::/:/bin/sh\n",
+        )
+        .unwrap();
+        std::fs::write(d.path().join("etc/group"), "grp:x:4294967295:\n").unwrap();
+        for user in ["app", "web", "0:grp"] {
+            let req = UserRequest {
+                image_user: user,
+                ..Default::default()
+            };
+            let e = resolve_user(d.path(), &req).unwrap_err();
+            assert!(
+                matches!(&e, OciError::InvalidArgument(m) if m.contains("not found")),
+                "{user}: {e:?}"
+            );
+        }
     }
 
     fn r(req: UserRequest<'_>) -> Result<ResolvedUser> {
