@@ -480,9 +480,7 @@ impl RuntimeService for RuntimeHandler {
             req,
             ("container_id", |r| r.container_id.clone()),
             |r| async move {
-                if r.cmd.is_empty() {
-                    return Err(Error::InvalidArgument("cmd is required".into()));
-                }
+                crate::pods::exec::check_cmd(&r.cmd)?;
                 if !(r.stdin || r.stdout || r.stderr) {
                     return Err(Error::InvalidArgument(
                         "one of stdin, stdout or stderr must be set".into(),

@@ -136,6 +136,19 @@ impl PodService {
                 "container config metadata.name is required".into(),
             ));
         }
+        // The name is in every ListContainers, stats and event answer, and in logs: a long one
+        // (Kubernetes' are DNS labels, at most 63) would push relists past the kubelet's 16 MiB.
+        if meta.name.len() > 253
+            || meta
+                .name
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control() || c == '/')
+        {
+            return Err(Error::InvalidArgument(format!(
+                "container config metadata.name {:?} is not a Kubernetes name (at most 253 characters, none of whitespace, control characters, '/')",
+                meta.name
+            )));
+        }
         super::validate_labels_and_annotations(
             "container config",
             &config.labels,
@@ -759,9 +772,7 @@ impl PodService {
         timeout: i64,
     ) -> Result<cri::ExecSyncResponse> {
         let r = self.running(id)?;
-        if cmd.is_empty() {
-            return Err(Error::InvalidArgument("cmd is required".into()));
-        }
+        super::exec::check_cmd(&cmd)?;
         let mut process = super::exec::bundle_process(id, &r.bundle)?;
         process.set_args(Some(cmd));
         process.set_terminal(Some(false));

@@ -33,6 +33,29 @@ pub(crate) fn bundle_process(
     Ok(spec.process().clone().unwrap_or_default())
 }
 
+/// Most bytes of an exec's command line, its arguments with their terminating NULs: the kernel
+/// takes about 2 MiB at most for a process's arguments and environment together, and until it
+/// runs, a streaming exec's command waits with its token (up to a minute, a thousand at once).
+pub const MAX_EXEC_CMD_BYTES: usize = 1 << 20;
+
+/// Checks the command of an Exec or ExecSync request: present, at most [`MAX_EXEC_CMD_BYTES`],
+/// no NUL byte (the OCI runtime would refuse it, as an internal error).
+pub fn check_cmd(cmd: &[String]) -> Result<()> {
+    if cmd.is_empty() {
+        return Err(Error::InvalidArgument("cmd is required".into()));
+    }
+    let bytes: usize = cmd.iter().map(|a| a.len() + 1).sum();
+    if bytes > MAX_EXEC_CMD_BYTES {
+        return Err(Error::InvalidArgument(format!(
+            "cmd is {bytes} bytes long, more than the {MAX_EXEC_CMD_BYTES} an exec may have"
+        )));
+    }
+    if let Some(i) = cmd.iter().position(|a| a.contains('\0')) {
+        return Err(Error::InvalidArgument(format!("cmd[{i}] holds a NUL byte")));
+    }
+    Ok(())
+}
+
 impl PodService {
     /// The container `id` if it exists and is running: NOT_FOUND or FAILED_PRECONDITION naming
     /// it otherwise.
@@ -74,9 +97,7 @@ impl PodService {
         terminal: bool,
     ) -> Result<oci_spec::runtime::Process> {
         let r = self.exec_target(id)?;
-        if cmd.is_empty() {
-            return Err(Error::InvalidArgument("cmd is required".into()));
-        }
+        check_cmd(&cmd)?;
         let mut process = bundle_process(id, &r.bundle)?;
         process.set_args(Some(cmd));
         process.set_terminal(Some(terminal));

@@ -462,3 +462,42 @@ async fn an_update_during_a_start_waits_for_it_and_reaches_the_running_container
     assert!(node.fake.called("update c1"), "{:?}", node.fake.calls());
     assert_eq!(std::fs::read(&config).unwrap(), written, "bundle rewritten");
 }
+
+/// Names and commands a relist or an exec would carry to every caller are bounded and refused
+/// by name before anything is looked up or created.
+#[tokio::test]
+async fn long_container_names_and_exec_commands_are_refused() {
+    let node = Node::new();
+    let svc = node.service();
+    let sb = run(&svc, "names").await;
+    for name in ["x".repeat(254), "a b".into(), "a/b".into(), "tab\t".into()] {
+        let config = cri::ContainerConfig {
+            metadata: Some(cri::ContainerMetadata {
+                name: name.clone(),
+                attempt: 0,
+            }),
+            ..Default::default()
+        };
+        let e = svc
+            .create_container(sb.clone(), config, None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("metadata.name")),
+            "{name:?}: {e:?}"
+        );
+    }
+    let huge = vec!["x".repeat(1 << 16); 17];
+    for (cmd, says) in [
+        (vec![], "required"),
+        (huge, "more than"),
+        (vec!["sh".into(), "a\0b".into()], "cmd[1]"),
+    ] {
+        let e = super::exec::check_cmd(&cmd).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains(says)),
+            "{says}: {e:?}"
+        );
+    }
+    super::exec::check_cmd(&vec!["x".repeat(1 << 16); 15]).unwrap();
+}

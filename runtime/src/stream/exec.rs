@@ -120,16 +120,18 @@ pub async fn run_session(
     let started = Instant::now();
     let (outcome, client_gone) = run(&req, &mut channels, &mut link, backend.as_ref()).await;
     let ms = format!("{:.1}", started.elapsed().as_secs_f64() * 1e3);
+    // The client's command, up to a megabyte: its start is enough for a log line.
+    let cmd = minicri_store::registry::bounded_to(format!("{:?}", req.cmd), 512);
     match &outcome {
         Outcome::Error(e) => {
-            tracing::warn!(container = %req.container_id, cmd = ?req.cmd, error = %e, duration_ms = ms, "exec failed")
+            tracing::warn!(container = %req.container_id, cmd, error = %e, duration_ms = ms, "exec failed")
         }
         o => {
             let code = match o {
                 Outcome::ExitCode(c) => *c,
                 _ => 0,
             };
-            tracing::info!(container = %req.container_id, cmd = ?req.cmd, exit_code = code, client_gone, protocol = protocol.name(), duration_ms = ms, "exec finished")
+            tracing::info!(container = %req.container_id, cmd, exit_code = code, client_gone, protocol = protocol.name(), duration_ms = ms, "exec finished")
         }
     }
     if client_gone {
