@@ -190,6 +190,12 @@ fn propagation(p: i32) -> Result<&'static str> {
 /// `rro` option, `mount_setattr(2)` with `AT_RECURSIVE`); it requires `readonly` and private
 /// propagation, as the CRI says, and a host that can do it ([`HostInfo::recursive_read_only`]).
 fn check_mount(m: &cri::Mount, host: &HostInfo) -> Result<&'static str> {
+    if m.container_path.contains('\0') || m.host_path.contains('\0') {
+        return Err(OciError::invalid(format!(
+            "mount {:?} (host_path {:?}) holds a NUL byte",
+            m.container_path, m.host_path
+        )));
+    }
     if !m.container_path.starts_with('/') {
         return Err(OciError::invalid(format!(
             "mount container_path {:?} is not absolute",
@@ -578,6 +584,18 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
     }
     let mut budget = defaults::MAX_DEVICE_WALK;
     for d in &c.devices {
+        if d.host_path.contains('\0') || d.container_path.contains('\0') {
+            return Err(OciError::invalid(format!(
+                "device {:?} (host_path {:?}) holds a NUL byte",
+                d.container_path, d.host_path
+            )));
+        }
+        if !d.permissions.chars().all(|c| matches!(c, 'r' | 'w' | 'm')) {
+            return Err(OciError::invalid(format!(
+                "device {:?}: permissions {:?} are not some of r, w and m",
+                d.container_path, d.permissions
+            )));
+        }
         let found = defaults::host_devices(
             Path::new(&d.host_path),
             Path::new(&d.container_path),

@@ -722,6 +722,42 @@ fn devices() {
         ..Default::default()
     };
     assert!(build(&f, &bad).is_err());
+    // What runc would refuse at start is refused here: NUL bytes, permissions beyond r, w, m.
+    for (container_path, host_path, permissions, says) in [
+        ("/dev/x\0", "/dev/null", "rw", "NUL"),
+        ("/dev/x", "/dev/null\0", "rw", "NUL"),
+        ("/dev/x", "/dev/null", "rwx", "permissions"),
+    ] {
+        let c = cri::ContainerConfig {
+            devices: vec![cri::Device {
+                container_path: container_path.into(),
+                host_path: host_path.into(),
+                permissions: permissions.into(),
+            }],
+            ..Default::default()
+        };
+        let e = build(&f, &c).unwrap_err();
+        assert!(
+            matches!(&e, OciError::InvalidArgument(m) if m.contains(says)),
+            "{says}: {e:?}"
+        );
+    }
+    for (container_path, host_path) in [("/m\0", "/h"), ("/m", "/h\0")] {
+        let c = cri::ContainerConfig {
+            mounts: vec![cri::Mount {
+                container_path: container_path.into(),
+                host_path: host_path.into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let e = build(&f, &c).unwrap_err();
+        assert!(
+            matches!(&e, OciError::InvalidArgument(m) if m.contains("NUL")),
+            "{e:?}"
+        );
+        assert!(spec::validate_mounts(&c.mounts, &f.host).is_err());
+    }
 }
 
 #[test]
