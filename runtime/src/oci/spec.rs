@@ -113,11 +113,72 @@ pub fn capability_set(
     Ok(set)
 }
 
+/// What the kernel refuses when the OCI runtime writes the cgroup, refused here by name: CFS
+/// periods are 1 ms to 1 s and quotas -1 (none) or at least 1 ms, in microseconds; hugepage
+/// limits fit the OCI runtime's signed field and page sizes read like `2MB`; cpusets are lists
+/// of numbers and ranges (`0-3,7`). Otherwise StartContainer or UpdateContainerResources failed
+/// in the runtime, as INTERNAL.
+fn check_resources(r: &cri::LinuxContainerResources) -> Result<()> {
+    let bad = |what: String| Err(OciError::invalid(what));
+    if r.cpu_period != 0 && !(1_000..=1_000_000).contains(&r.cpu_period) {
+        return bad(format!(
+            "cpu_period {} is not 1000 to 1000000 microseconds",
+            r.cpu_period
+        ));
+    }
+    if r.cpu_quota != 0 && r.cpu_quota != -1 && r.cpu_quota < 1_000 {
+        return bad(format!(
+            "cpu_quota {} is neither -1 nor at least 1000 microseconds",
+            r.cpu_quota
+        ));
+    }
+    for (field, v) in [
+        ("cpuset_cpus", &r.cpuset_cpus),
+        ("cpuset_mems", &r.cpuset_mems),
+    ] {
+        let list = |v: &str| {
+            v.split(',').all(|part| {
+                let mut ends = part.splitn(2, '-');
+                let num = |n: Option<&str>| n.is_some_and(|n| n.parse::<u32>().is_ok());
+                let first = ends.next();
+                match ends.next() {
+                    Some(last) => num(first) && num(Some(last)),
+                    None => num(first),
+                }
+            })
+        };
+        if !v.is_empty() && (v.len() > 4096 || !list(v)) {
+            return bad(format!("{field} {v:?} is not a list of numbers and ranges"));
+        }
+    }
+    for (i, h) in r.hugepage_limits.iter().enumerate() {
+        if h.limit > i64::MAX as u64 {
+            return bad(format!(
+                "hugepage_limits[{i}].limit {} is too large",
+                h.limit
+            ));
+        }
+        let digits = h.page_size.trim_end_matches(['K', 'M', 'G', 'B']);
+        if digits.is_empty()
+            || digits.len() > 20
+            || !digits.bytes().all(|b| b.is_ascii_digit())
+            || !matches!(&h.page_size[digits.len()..], "KB" | "MB" | "GB")
+        {
+            return bad(format!(
+                "hugepage_limits[{i}].page_size {:?} is not a size like 2MB",
+                h.page_size
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Cgroup resources from the CRI (zero means unset, as in the CRI).
 pub fn linux_resources(
     r: &cri::LinuxContainerResources,
     host: &HostInfo,
 ) -> Result<LinuxResources> {
+    check_resources(r)?;
     let mut out = LinuxResources::default();
     let mut cpu = LinuxCpu::default();
     if r.cpu_shares > 0 {

@@ -760,6 +760,47 @@ fn devices() {
     }
 }
 
+/// Resource values the kernel would refuse when the runtime writes the cgroup are refused by
+/// name when the spec is built (at CreateContainer and UpdateContainerResources).
+#[test]
+fn resources_the_kernel_would_refuse_are_refused() {
+    let ok = cri::LinuxContainerResources {
+        cpu_quota: -1,
+        cpu_period: 1_000_000,
+        cpuset_cpus: "0-3,7".into(),
+        cpuset_mems: "0".into(),
+        hugepage_limits: vec![cri::HugepageLimit {
+            page_size: "1GB".into(),
+            limit: 1 << 30,
+        }],
+        ..Default::default()
+    };
+    let host = fixture().host;
+    spec::linux_resources(&ok, &host).unwrap();
+    type Change = fn(&mut cri::LinuxContainerResources);
+    let cases: [(&str, Change); 8] = [
+        ("cpu_period", |r| r.cpu_period = 999),
+        ("cpu_period", |r| r.cpu_period = 1_000_001),
+        ("cpu_quota", |r| r.cpu_quota = 999),
+        ("cpu_quota", |r| r.cpu_quota = -2),
+        ("cpuset_cpus", |r| r.cpuset_cpus = "0-".into()),
+        ("cpuset_mems", |r| r.cpuset_mems = "a".into()),
+        ("limit", |r| r.hugepage_limits[0].limit = u64::MAX),
+        ("page_size", |r| {
+            r.hugepage_limits[0].page_size = "2XB".into()
+        }),
+    ];
+    for (field, change) in cases {
+        let mut r = ok.clone();
+        change(&mut r);
+        let e = spec::linux_resources(&r, &host).unwrap_err();
+        assert!(
+            matches!(&e, OciError::InvalidArgument(m) if m.contains(field)),
+            "{field}: {e:?}"
+        );
+    }
+}
+
 #[test]
 fn resources_and_oom_clamp() {
     let f = fixture();
