@@ -179,32 +179,9 @@ impl PodNetwork {
         )
     }
 
-    /// The bandwidth limits from the pod's annotations, if any.
+    /// The bandwidth limits from the pod's annotations, if any ([`bandwidth_of`]).
     pub fn bandwidth(&self) -> Result<Option<Bandwidth>, String> {
-        let get = |key: &str| -> Result<Option<u64>, String> {
-            match self.annotations.get(key) {
-                None => Ok(None),
-                Some(v) => {
-                    let bits = parse_quantity(v).map_err(|e| format!("annotation {key}: {e}"))?;
-                    // The kubelet's accepted range for these annotations.
-                    if !(1_000..=1_000_000_000_000_000).contains(&bits) {
-                        return Err(format!("annotation {key}: {v:?} is not between 1k and 1P"));
-                    }
-                    Ok(Some(bits))
-                }
-            }
-        };
-        let ingress = get(INGRESS_BANDWIDTH_ANNOTATION)?;
-        let egress = get(EGRESS_BANDWIDTH_ANNOTATION)?;
-        if ingress.is_none() && egress.is_none() {
-            return Ok(None);
-        }
-        Ok(Some(Bandwidth {
-            ingress_rate: ingress,
-            ingress_burst: ingress.map(|_| UNLIMITED_BURST),
-            egress_rate: egress,
-            egress_burst: egress.map(|_| UNLIMITED_BURST),
-        }))
+        bandwidth_of(|key| self.annotations.get(key).map(String::as_str))
     }
 
     /// Every capability argument this pod has, by capability name (CNI conventions). Each plugin
@@ -278,6 +255,38 @@ pub fn parse_quantity(s: &str) -> Result<u64, String> {
             .ok_or_else(|| format!("{s:?} is too large"))?;
     }
     Ok(value)
+}
+
+/// The bandwidth limits a pod's annotations ask for, if any, read through `annotation`; an
+/// error names the annotation whose value is not a quantity from 1k to 1P. RunPodSandbox checks
+/// them before anything is created.
+pub fn bandwidth_of<'a>(
+    annotation: impl Fn(&str) -> Option<&'a str>,
+) -> Result<Option<Bandwidth>, String> {
+    let get = |key: &str| -> Result<Option<u64>, String> {
+        match annotation(key) {
+            None => Ok(None),
+            Some(v) => {
+                let bits = parse_quantity(v).map_err(|e| format!("annotation {key}: {e}"))?;
+                // The kubelet's accepted range for these annotations.
+                if !(1_000..=1_000_000_000_000_000).contains(&bits) {
+                    return Err(format!("annotation {key}: {v:?} is not between 1k and 1P"));
+                }
+                Ok(Some(bits))
+            }
+        }
+    };
+    let ingress = get(INGRESS_BANDWIDTH_ANNOTATION)?;
+    let egress = get(EGRESS_BANDWIDTH_ANNOTATION)?;
+    if ingress.is_none() && egress.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(Bandwidth {
+        ingress_rate: ingress,
+        ingress_burst: ingress.map(|_| UNLIMITED_BURST),
+        egress_rate: egress,
+        egress_burst: egress.map(|_| UNLIMITED_BURST),
+    }))
 }
 
 #[cfg(test)]

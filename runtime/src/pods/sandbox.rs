@@ -55,6 +55,9 @@ fn validate_metadata(config: &cri::PodSandboxConfig) -> Result<&cri::PodSandboxM
     }
     super::validate_labels_and_annotations("sandbox config", &config.labels, &config.annotations)?;
     validate_port_mappings(config)?;
+    // Read by the CNI ADD, which runs beside the infra's creation: a bad one is refused first.
+    crate::cni::pod::bandwidth_of(|key| config.annotations.get(key).map(String::as_str))
+        .map_err(|e| Error::InvalidArgument(format!("sandbox config {e}")))?;
     Ok(m)
 }
 
@@ -631,5 +634,18 @@ mod tests {
         ] {
             invalid(&with(bad), want);
         }
+    }
+
+    /// Bandwidth annotations, read by the CNI ADD that runs beside the infra's creation, are
+    /// checked with the rest of the config, before anything is created.
+    #[test]
+    fn bandwidth_annotations_are_checked_before_anything_is_created() {
+        let with = |v: &str| cri::PodSandboxConfig {
+            annotations: [("kubernetes.io/ingress-bandwidth".to_string(), v.to_string())].into(),
+            ..meta("web", "default", "u")
+        };
+        validate_metadata(&with("10M")).unwrap();
+        invalid(&with("1x"), "kubernetes.io/ingress-bandwidth");
+        invalid(&with("1"), "not between 1k and 1P");
     }
 }
