@@ -32,10 +32,26 @@ use super::runtime::{
 /// A running exec with piped stdio (`runc exec` stays its parent and relays its status).
 pub struct ExecProcess {
     pub child: Child,
-    scratch: Vec<PathBuf>,
-    log: PathBuf,
+    scratch: ExecScratch,
     binary: String,
     id: String,
+}
+
+/// The files of one `exec`: process.json (the container's environment), the pid file and the
+/// runtime's JSON log, under [`Runc::scratch_dir`]. Removed when dropped, on every path: an
+/// exec whose spawn or wait failed left them in `/run`.
+struct ExecScratch {
+    process: PathBuf,
+    pid: PathBuf,
+    log: PathBuf,
+}
+
+impl Drop for ExecScratch {
+    fn drop(&mut self) {
+        for f in [&self.process, &self.pid, &self.log] {
+            let _ = std::fs::remove_file(f);
+        }
+    }
 }
 
 impl ExecProcess {
@@ -43,7 +59,7 @@ impl ExecProcess {
     /// once it runs (killing `runc exec` itself would leave that process running). Removed by
     /// [`ExecProcess::wait`].
     pub fn pid_file(&self) -> Option<PathBuf> {
-        self.scratch.get(1).cloned()
+        Some(self.scratch.pid.clone())
     }
 
     /// Waits for the process and returns its exit code; a failure of the runtime itself (e.g.
@@ -54,10 +70,8 @@ impl ExecProcess {
             .wait()
             .await
             .map_err(|e| OciError::io("wait for", "runc exec", e))?;
-        let runtime_error = read_runtime_log(&self.log);
-        for f in self.scratch.iter().chain([&self.log]) {
-            let _ = std::fs::remove_file(f);
-        }
+        let runtime_error = read_runtime_log(&self.scratch.log);
+        drop(self.scratch);
         if let Some(message) = runtime_error {
             return Err(classify(&self.binary, "exec", &self.id, message));
         }
@@ -226,38 +240,44 @@ impl Runc {
         Ok(path)
     }
 
-    /// Writes process.json and builds the `exec` command with a pid file and a JSON log.
+    /// Writes process.json (off the async workers: it holds the container's whole environment)
+    /// and builds the `exec` command with a pid file and a JSON log.
     fn exec_command(
         &self,
         id: &str,
         process: &Process,
         detach: bool,
-    ) -> Result<(Command, Vec<PathBuf>, PathBuf)> {
-        let json = serde_json::to_vec(process)
-            .map_err(|e| OciError::Other(format!("process.json: {e}")))?;
-        let process_file = self.scratch_file(id, "process", &json)?;
+    ) -> Result<(Command, ExecScratch)> {
+        let process_file = crate::fsutil::off_async(|| {
+            let json = serde_json::to_vec(process)
+                .map_err(|e| OciError::Other(format!("process.json: {e}")))?;
+            self.scratch_file(id, "process", &json)
+        })?;
         let dir = self.scratch_dir();
         let n = SCRATCH_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let pid_file = dir.join(format!("{id}.pid.{}.{n}", std::process::id()));
-        let log = dir.join(format!("{id}.log.{}.{n}", std::process::id()));
+        let scratch = ExecScratch {
+            process: process_file,
+            pid: dir.join(format!("{id}.pid.{}.{n}", std::process::id())),
+            log: dir.join(format!("{id}.log.{}.{n}", std::process::id())),
+        };
         let mut c = Command::new(&self.binary);
         c.args(self.global_args())
             .args([
                 "--log".as_ref(),
-                log.as_os_str(),
+                scratch.log.as_os_str(),
                 "--log-format".as_ref(),
                 "json".as_ref(),
             ])
             .arg("exec")
             .arg("--process")
-            .arg(&process_file)
+            .arg(&scratch.process)
             .arg("--pid-file")
-            .arg(&pid_file);
+            .arg(&scratch.pid);
         if detach {
             c.arg("--detach");
         }
         c.arg(id).kill_on_drop(self.kill_on_drop);
-        Ok((c, vec![process_file, pid_file], log))
+        Ok((c, scratch))
     }
 }
 
@@ -304,10 +324,14 @@ pub fn read_runtime_log(path: &Path) -> Option<String> {
     }
 }
 
+/// A runtime's failure as [`OciError::NotFound`] when it says the container is unknown: runc's
+/// "does not exist", or crun's missing `<root>/<id>/status` file (not any missing file whose
+/// name holds "status": an exec of a missing `/app/status.sh` is no missing container).
 fn classify(binary: &str, op: &'static str, id: &str, message: String) -> OciError {
     let m = message.to_ascii_lowercase();
+    let state_file = format!("/{}/status", id.to_ascii_lowercase());
     if m.contains("does not exist")
-        || (m.contains("no such file or directory") && m.contains("status"))
+        || (m.contains("no such file or directory") && m.contains(&state_file))
     {
         return OciError::NotFound(id.to_string());
     }
@@ -471,7 +495,7 @@ impl OciRuntime for Runc {
 
     fn exec<'a>(&'a self, opts: ExecOpts) -> BoxFuture<'a, Result<ExecOutput>> {
         Box::pin(async move {
-            let (mut c, scratch, log) = self.exec_command(&opts.id, &opts.process, false)?;
+            let (mut c, scratch) = self.exec_command(&opts.id, &opts.process, false)?;
             c.stdin(if opts.stdin.is_some() {
                 Stdio::piped()
             } else {
@@ -500,7 +524,7 @@ impl OciRuntime for Runc {
                         // process. Then `runc exec` itself: it copies the output until every
                         // holder of it has closed it, so a process the command left in the
                         // background would keep it (and this call) alive.
-                        if let Some(pid) = std::fs::read_to_string(&scratch[1])
+                        if let Some(pid) = std::fs::read_to_string(&scratch.pid)
                             .ok()
                             .and_then(|s| s.trim().parse().ok())
                         {
@@ -527,10 +551,8 @@ impl OciRuntime for Runc {
                 drain(out, grace, &opts.id, "stdout"),
                 drain(err, grace, &opts.id, "stderr")
             );
-            let runtime_error = read_runtime_log(&log);
-            for f in scratch.iter().chain([&log]) {
-                let _ = std::fs::remove_file(f);
-            }
+            let runtime_error = read_runtime_log(&scratch.log);
+            drop(scratch);
             if let Some(message) = runtime_error.filter(|_| !timed_out) {
                 return Err(classify(&self.name(), "exec", &opts.id, message));
             }
@@ -551,7 +573,7 @@ impl OciRuntime for Runc {
 
     fn exec_detached<'a>(&'a self, id: &'a str, process: Process) -> BoxFuture<'a, Result<i32>> {
         Box::pin(async move {
-            let (mut c, scratch, log) = self.exec_command(id, &process, true)?;
+            let (mut c, scratch) = self.exec_command(id, &process, true)?;
             c.stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
@@ -559,13 +581,11 @@ impl OciRuntime for Runc {
                 .status()
                 .await
                 .map_err(|e| OciError::io("run", &self.binary, e))?;
-            let pid = std::fs::read_to_string(&scratch[1])
+            let pid = std::fs::read_to_string(&scratch.pid)
                 .ok()
                 .and_then(|s| s.trim().parse().ok());
-            let message = read_runtime_log(&log);
-            for f in scratch.iter().chain([&log]) {
-                let _ = std::fs::remove_file(f);
-            }
+            let message = read_runtime_log(&scratch.log);
+            drop(scratch);
             match (status.success(), pid) {
                 (true, Some(pid)) => Ok(pid),
                 _ => Err(classify(
@@ -648,7 +668,7 @@ impl OciRuntime for Runc {
         stdout: Stdio,
         stderr: Stdio,
     ) -> Result<ExecProcess> {
-        let (mut c, scratch, log) = self.exec_command(&opts.id, &opts.process, false)?;
+        let (mut c, scratch) = self.exec_command(&opts.id, &opts.process, false)?;
         c.stdin(stdin).stdout(stdout).stderr(stderr);
         let child = c
             .spawn()
@@ -656,7 +676,6 @@ impl OciRuntime for Runc {
         Ok(ExecProcess {
             child,
             scratch,
-            log,
             binary: self.name(),
             id: opts.id,
         })
@@ -689,7 +708,12 @@ mod tests {
         assert_eq!(runtime_message(runc), "container does not exist");
         assert!(classify("runc", "state", "x", runtime_message(runc)).is_not_found());
         let crun = b"error opening file `/tmp/rt/nope/status`: No such file or directory\n";
-        assert!(classify("crun", "state", "x", runtime_message(crun)).is_not_found());
+        assert!(classify("crun", "state", "nope", runtime_message(crun)).is_not_found());
+        // A missing file of the container's own is the container's business, not a missing
+        // container.
+        let exec = "exec failed: unable to start container process: exec: \"/app/status.sh\": \
+                    stat /app/status.sh: no such file or directory";
+        assert!(!classify("runc", "exec", "x", exec.into()).is_not_found());
         let other = classify(
             "runc",
             "start",
@@ -749,6 +773,28 @@ mod tests {
             "{tty:?}"
         );
         assert_eq!(r.scratch_dir(), PathBuf::from("/run/minicri/runc.tmp"));
+    }
+
+    /// An exec whose runtime cannot even be spawned leaves none of its files (process.json
+    /// holds the container's environment) behind.
+    #[tokio::test]
+    async fn a_failed_exec_leaves_no_scratch_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = Runc::new(dir.path().join("no-such-runtime"), dir.path().join("root"));
+        let opts = || ExecOpts {
+            id: "c1".into(),
+            process: Process::default(),
+            stdin: None,
+            timeout: Some(Duration::from_secs(5)),
+        };
+        assert!(r.exec(opts()).await.is_err());
+        assert!(r.exec_spawn(opts()).await.is_err());
+        assert!(r.exec_detached("c1", Process::default()).await.is_err());
+        let left: Vec<_> = std::fs::read_dir(r.scratch_dir())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
     }
 
     #[test]
