@@ -413,10 +413,14 @@ impl PodService {
             // Nothing of its containers outlives the pod.
             svc.finish_teardowns(Some(&id)).await?;
             let _guard = svc.store.op_lock(&id).await;
-            let files = svc.sandbox_dir(&id).join("files");
-            SandboxFiles::cleanup(&files)?;
-            super::remove_dir(&svc.sandbox_dir(&id))?;
-            super::remove_dir(&svc.bundle_dir(&id))?;
+            // Unmounts (reading the mount table) and tree removals: off the async workers.
+            let (dir, bundle) = (svc.sandbox_dir(&id), svc.bundle_dir(&id));
+            blocking(move || {
+                SandboxFiles::cleanup(&dir.join("files"))?;
+                super::remove_dir(&dir)?;
+                super::remove_dir(&bundle)
+            })
+            .await?;
             svc.store.delete_sandbox(&id)?;
             if let Some(m) = rec_metadata {
                 svc.pulls.reopen_pod(&m.uid, m.attempt);

@@ -188,8 +188,12 @@ impl PodService {
                     .await
                     .map_err(|e| Error::Internal(e.to_string()))??
             }
-            Undo::SandboxFiles(dir) => crate::oci::SandboxFiles::cleanup(&dir)?,
-            Undo::RemoveDir(d) => remove_dir(&d)?,
+            // Mount tables are read and trees removed: off the async workers, as every step
+            // of an undo that touches files.
+            Undo::SandboxFiles(dir) => {
+                blocking(move || Ok(crate::oci::SandboxFiles::cleanup(&dir)?)).await?
+            }
+            Undo::RemoveDir(d) => blocking(move || remove_dir(&d)).await?,
             Undo::DeleteContainer { id, shim, handler } => {
                 let shim = shim.or_else(|| self.monitors.load(&id, &self.bundle_dir(&id)).ok());
                 if let Some(s) = &shim {
@@ -201,8 +205,10 @@ impl PodService {
                     self.reap_shim(&s).await;
                 }
             }
-            Undo::Unmount(p) => unmount_all(&p)?,
-            Undo::RemoveIdmapped(p) => crate::oci::userns::remove_idmapped(&p)?,
+            Undo::Unmount(p) => blocking(move || unmount_all(&p)).await?,
+            Undo::RemoveIdmapped(p) => {
+                blocking(move || Ok(crate::oci::userns::remove_idmapped(&p)?)).await?
+            }
             Undo::RemoveSnapshot(key) => {
                 let snap = self.snapshotter.clone();
                 blocking(move || match snap.remove(&key) {
