@@ -252,6 +252,17 @@ async fn capabilities_in_the_kernel() {
             );
         }
     }
+    // Ambient capabilities reach a process that is not root (the kernel raises an ambient
+    // capability only if it is inheritable too).
+    let mut ambient = cap(&["NET_ADMIN"], &[]);
+    if let Some(c) = ambient.capabilities.as_mut() {
+        c.add_ambient_capabilities = vec!["NET_ADMIN".into()];
+    }
+    ambient.run_as_user = Some(cri::Int64Value { value: 1000 });
+    let id = run_container(&mut c, &sb, &pod, caps_of("ambient", ambient)).await;
+    let st = ok(&mut c, &id, "cat /proc/1/status").await;
+    assert_eq!(cap_mask(&st, "CapAmb:"), bits(&[12]), "{st}");
+    assert_eq!(cap_mask(&st, "CapEff:"), bits(&[12]), "{st}");
     // The kernel enforces them: without NET_ADMIN no interface changes, with it they work.
     let weak = run_container(&mut c, &sb, &pod, caps_of("weak", cap(&[], &[]))).await;
     let (code, _, _) = sh(&mut c, &weak, "ip link set lo mtu 1400").await;

@@ -387,7 +387,7 @@ pub fn all_host_devices() -> Vec<LinuxDevice> {
     out
 }
 
-/// Bounding, permitted and effective sets are `set`; inheritable is empty; ambient as asked.
+/// Bounding, permitted and effective sets are `set`; ambient as asked, and inheritable the same.
 pub fn linux_capabilities(
     set: &HashSet<Capability>,
     ambient: &[String],
@@ -396,7 +396,6 @@ pub fn linux_capabilities(
     c.set_bounding(Some(set.clone()));
     c.set_permitted(Some(set.clone()));
     c.set_effective(Some(set.clone()));
-    c.set_inheritable(Some(HashSet::new()));
     let amb: HashSet<Capability> = ambient
         .iter()
         .map(|a| parse_capability(a))
@@ -406,6 +405,9 @@ pub fn linux_capabilities(
             "ambient capabilities must also be added to the bounding set",
         ));
     }
+    // The kernel raises an ambient capability only when it is permitted and inheritable:
+    // inheritable holds exactly the ambient ones (empty without them).
+    c.set_inheritable(Some(amb.clone()));
     c.set_ambient(Some(amb));
     Ok(c)
 }
