@@ -35,8 +35,9 @@ pub(crate) fn bundle_process(
 
 /// Most bytes of an exec's command line, its arguments with their terminating NULs: the kernel
 /// takes about 2 MiB at most for a process's arguments and environment together, and until it
-/// runs, a streaming exec's command waits with its token (up to a minute, a thousand at once).
-pub const MAX_EXEC_CMD_BYTES: usize = 1 << 20;
+/// runs, a streaming exec's command waits with its token (up to a minute, a thousand at once:
+/// 256 MiB at most).
+pub const MAX_EXEC_CMD_BYTES: usize = 256 << 10;
 
 /// Checks the command of an Exec or ExecSync request: present, at most [`MAX_EXEC_CMD_BYTES`],
 /// no NUL byte (the OCI runtime would refuse it, as an internal error).
