@@ -53,6 +53,27 @@ async fn container_stats(c: &mut RuntimeClient, id: &str) -> cri::ContainerStats
     .unwrap()
 }
 
+/// The container's writable layer once the daemon's background measurement shows at least
+/// `bytes` (stats calls never walk a layer: the first has no figures, and figures are reused for
+/// five seconds).
+async fn writable_layer_of_at_least(
+    c: &mut RuntimeClient,
+    id: &str,
+    bytes: u64,
+) -> cri::FilesystemUsage {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let layer = container_stats(c, id).await.writable_layer;
+        match layer {
+            Some(l) if val(&l.used_bytes) >= bytes => return l,
+            _ if std::time::Instant::now() > deadline => {
+                panic!("writable layer of {id} never reached {bytes} bytes: {layer:?}")
+            }
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
 async fn pod_stats(c: &mut RuntimeClient, id: &str) -> cri::PodSandboxStats {
     c.pod_sandbox_stats(cri::PodSandboxStatsRequest {
         pod_sandbox_id: id.into(),
@@ -161,16 +182,11 @@ async fn container_and_pod_stats() {
     assert!(mem.major_page_faults.is_some());
     // No memory limit: nothing to be available against.
     assert_eq!(mem.available_bytes, None);
-    let layer = s.writable_layer.clone().expect("writable layer");
+    let layer = writable_layer_of_at_least(&mut c, &burner, WRITTEN).await;
     assert!(layer.timestamp > 0);
     assert_eq!(
         layer.fs_id.unwrap().mountpoint,
         env.daemon.root().display().to_string()
-    );
-    assert!(
-        val(&layer.used_bytes) >= WRITTEN,
-        "writable layer {:?} < {WRITTEN}",
-        layer.used_bytes
     );
     assert!(val(&layer.inodes_used) >= 1);
 
@@ -301,6 +317,7 @@ async fn container_and_pod_stats() {
     let s = container_stats(&mut c, &burner).await;
     assert_eq!(s.attributes.unwrap().id, burner);
     assert!(val(&s.writable_layer.expect("writable layer").used_bytes) >= WRITTEN);
+    writable_layer_of_at_least(&mut c, &burner, WRITTEN).await;
 
     for pod in [&pod_a, &pod_b] {
         remove_pod_sandbox(&mut c, pod).await;

@@ -86,7 +86,7 @@ pub struct PodService {
     pub snapshotter: Arc<dyn Snapshotter>,
     pub pulls: Arc<PullManager>,
     /// Samples the stats RPCs keep between calls.
-    pub stats: stats::StatsState,
+    pub stats: Arc<stats::StatsState>,
     /// Deadlines of the containers being stopped, which later stops can bring forward.
     stop_deadlines: stopping::StopDeadlines,
     infra: Mutex<Option<crate::pause::InfraRootfs>>,
@@ -214,6 +214,10 @@ impl PodService {
         let Seams { handlers, monitors } = seams(&host)?;
         let store = Store::open(&state.join("pods"))?;
         std::fs::create_dir_all(state.join("pods/inflight"))?;
+        let stats = Arc::new(stats::StatsState::new(
+            config.root.clone(),
+            snapshotter.clone(),
+        ));
         let svc = Arc::new(PodService {
             store,
             cni: Arc::new(cni),
@@ -228,7 +232,7 @@ impl PodService {
             content,
             snapshotter,
             pulls,
-            stats: stats::StatsState::new(config.root.clone()),
+            stats,
             stop_deadlines: Default::default(),
             infra: Mutex::new(None),
         });

@@ -5,8 +5,11 @@
 //!   of the pod: its own cgroup (the sandbox's cgroup parent) when the sandbox names one, else
 //!   the sum of its containers' and its infra's cgroups;
 //! - the writable layer: the snapshotter's usage of the container's active snapshot (key = the
-//!   container id), measured at most once per [`LAYER_USAGE_TTL`] per container (the kubelet
-//!   asks for the same containers through several RPCs in a row); its `fs_id` is the image
+//!   container id), a walk of a tree the container fills as it likes (millions of files take
+//!   seconds). No stats call walks: each answers with the last measurement (none before the
+//!   first) and queues a layer whose measurement is missing or older than [`LAYER_USAGE_TTL`]
+//!   for one background thread, which measures the queue one layer at a time. The figures are
+//!   thus up to one kubelet stats period old, as ImageFsInfo's are. Its `fs_id` is the image
 //!   filesystem ImageFsInfo reports (the daemon's root), which holds the snapshots;
 //! - the pod's network counters: `/proc/<infra pid>/net/dev`, which lists the interfaces of the
 //!   infra's network namespace, read only while that namespace is the pod's pinned one (so a
@@ -25,13 +28,13 @@
 //!
 //! Everything here reads files: the async entry points run on the blocking pool.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_snapshotter::Usage;
+use minicri_snapshotter::{Snapshotter, Usage};
 
 use super::cgroups::{self, Counters, Hierarchy};
 use super::store::{ContainerRecord, SandboxRecord, SandboxState};
@@ -89,11 +92,30 @@ struct LayerSample {
 pub struct StatsState {
     /// The image filesystem's mount point, the writable layers' `fs_id`.
     image_fs: PathBuf,
+    snapshotter: Arc<dyn Snapshotter>,
     cpu: Mutex<HashMap<String, CpuSample>>,
     layers: Mutex<HashMap<String, LayerSample>>,
-    /// Containers whose writable layer is being measured now: one walk per layer at a time,
-    /// however many stats calls (and kubelet retries after timeouts) ask meanwhile.
-    pub(super) measuring: Mutex<HashSet<String>>,
+    /// Writable layers waiting for (or under) a measurement.
+    queue: Mutex<LayerQueue>,
+}
+
+/// The background measurer's work: each layer once, however many stats calls (and kubelet
+/// retries) ask for it meanwhile, and one walk at a time.
+#[derive(Default)]
+pub(super) struct LayerQueue {
+    waiting: VecDeque<String>,
+    /// Everything in `waiting`, and the layer being measured.
+    queued: HashSet<String>,
+    /// Whether the measuring thread runs; it ends when `waiting` is empty.
+    running: bool,
+}
+
+#[cfg(test)]
+impl LayerQueue {
+    /// Whether nothing is waiting or being measured.
+    pub(super) fn is_idle(&self) -> bool {
+        self.queued.is_empty() && !self.running
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -101,12 +123,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl StatsState {
-    pub fn new(image_fs: PathBuf) -> StatsState {
+    pub fn new(image_fs: PathBuf, snapshotter: Arc<dyn Snapshotter>) -> StatsState {
         StatsState {
             image_fs,
+            snapshotter,
             cpu: Mutex::new(HashMap::new()),
             layers: Mutex::new(HashMap::new()),
-            measuring: Mutex::new(HashSet::new()),
+            queue: Mutex::new(LayerQueue::default()),
         }
     }
 
@@ -122,6 +145,75 @@ impl StatsState {
     fn retain(&self, live: &HashSet<String>) {
         lock(&self.cpu).retain(|k, _| live.contains(k));
         lock(&self.layers).retain(|k, _| live.contains(k));
+    }
+
+    pub(super) fn queue(&self) -> MutexGuard<'_, LayerQueue> {
+        lock(&self.queue)
+    }
+
+    /// The last measurement of `id`'s writable layer, if any; queues a new one when there is
+    /// none or it is older than [`LAYER_USAGE_TTL`]. Never walks the layer itself.
+    fn layer_sample(self: &Arc<Self>, id: &str) -> Option<LayerSample> {
+        let last = lock(&self.layers).get(id).copied();
+        if last.is_none_or(|s| s.measured.elapsed() >= LAYER_USAGE_TTL) {
+            self.queue_measurement(id);
+        }
+        last
+    }
+
+    fn queue_measurement(self: &Arc<Self>, id: &str) {
+        let mut q = self.queue();
+        if !q.queued.insert(id.to_string()) {
+            return;
+        }
+        q.waiting.push_back(id.to_string());
+        if q.running {
+            return;
+        }
+        q.running = true;
+        let me = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("layer-usage".into())
+            .spawn(move || me.measure_queued());
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "starting the writable-layer measurer");
+            q.running = false;
+            q.waiting.clear();
+            q.queued.clear();
+        }
+    }
+
+    /// The measuring thread: walks the queued layers one at a time until none waits.
+    fn measure_queued(&self) {
+        loop {
+            let id = {
+                // Checked and cleared under the lock that queueing takes: no layer is left
+                // waiting with nobody to measure it.
+                let mut q = self.queue();
+                match q.waiting.pop_front() {
+                    Some(id) => id,
+                    None => {
+                        q.running = false;
+                        return;
+                    }
+                }
+            };
+            match self.snapshotter.usage(&id) {
+                Ok(usage) => {
+                    let s = LayerSample {
+                        measured: Instant::now(),
+                        at_ns: now_ns(),
+                        usage,
+                    };
+                    lock(&self.layers).insert(id.clone(), s);
+                }
+                Err(minicri_snapshotter::Error::NotFound { .. }) => {
+                    lock(&self.layers).remove(&id);
+                }
+                Err(e) => tracing::debug!(container = %id, error = %e, "writable layer usage"),
+            }
+            self.queue().queued.remove(&id);
+        }
     }
 }
 
@@ -326,39 +418,10 @@ impl PodService {
         (stats, counters)
     }
 
-    /// The writable layer's usage, measured at most once per [`LAYER_USAGE_TTL`]; `None` once
-    /// the snapshot is gone. While one call measures a layer (a walk of its tree, seconds for
-    /// millions of files), the others answer with the previous measurement (or none yet).
+    /// The writable layer's usage as last measured in the background (see the module's doc);
+    /// `None` before the first measurement and once the snapshot is gone.
     pub(super) fn writable_layer(&self, id: &str) -> Option<cri::FilesystemUsage> {
-        let last = lock(&self.stats.layers).get(id).copied();
-        let sample = match last {
-            Some(s) if s.measured.elapsed() < LAYER_USAGE_TTL => s,
-            stale if !lock(&self.stats.measuring).insert(id.to_string()) => stale?,
-            _ => {
-                struct Done<'a>(&'a Mutex<HashSet<String>>, &'a str);
-                impl Drop for Done<'_> {
-                    fn drop(&mut self) {
-                        lock(self.0).remove(self.1);
-                    }
-                }
-                let _done = Done(&self.stats.measuring, id);
-                let usage = match self.snapshotter.usage(id) {
-                    Ok(u) => u,
-                    Err(minicri_snapshotter::Error::NotFound { .. }) => return None,
-                    Err(e) => {
-                        tracing::debug!(container = %id, error = %e, "writable layer usage");
-                        return None;
-                    }
-                };
-                let s = LayerSample {
-                    measured: Instant::now(),
-                    at_ns: now_ns(),
-                    usage,
-                };
-                lock(&self.stats.layers).insert(id.to_string(), s);
-                s
-            }
-        };
+        let sample = self.stats.layer_sample(id)?;
         Some(cri::FilesystemUsage {
             timestamp: sample.at_ns,
             fs_id: Some(cri::FilesystemIdentifier {
@@ -545,7 +608,14 @@ Inter-|   Receive                                                |  Transmit
 
     #[test]
     fn state_forgets_removed_objects() {
-        let st = StatsState::new("/var/lib/minicri".into());
+        let dir = tempfile::tempdir().unwrap();
+        let snap = minicri_snapshotter::LocalSnapshotter::open(
+            dir.path(),
+            minicri_snapshotter::Backend::Copy,
+            Default::default(),
+        )
+        .unwrap();
+        let st = StatsState::new("/var/lib/minicri".into(), Arc::new(snap));
         assert_eq!(st.cpu_rate("a", 0, 1), None);
         assert_eq!(st.cpu_rate("b", 0, 1), None);
         st.retain(&["a".to_string()].into());

@@ -374,22 +374,62 @@ async fn handlers_are_chosen_by_name_and_refused_with_their_reason() {
     assert_nothing_left(&node, &svc);
 }
 
-/// One walk of a writable layer at a time: while one call measures it, the others answer with
-/// the previous measurement, or none yet, instead of starting walks of their own.
+/// A stats call never walks a writable layer (a tree the container fills as it likes): the
+/// first answers with nothing and queues the layer; the background measurer fills in the figures,
+/// once however often it is asked meanwhile, and stops when nothing waits.
 #[tokio::test]
-async fn a_writable_layer_is_measured_by_one_call_at_a_time() {
+async fn a_writable_layer_is_measured_in_the_background() {
     use minicri_snapshotter::Snapshotter;
     let node = Node::new();
     let svc = node.service();
-    node.snapshotter.prepare("c1", None).unwrap();
-    // Another call is measuring it: this one does not walk, and has nothing to show yet.
-    svc.stats.measuring.lock().unwrap().insert("c1".into());
-    assert!(svc.writable_layer("c1").is_none());
-    svc.stats.measuring.lock().unwrap().remove("c1");
-    // Nobody is: this call measures, and leaves nobody marked.
-    let u = svc.writable_layer("c1").expect("measured");
-    assert!(u.inodes_used.is_some_and(|v| v.value >= 1), "{u:?}");
-    assert!(svc.stats.measuring.lock().unwrap().is_empty());
+    let m = node.snapshotter.prepare("c1", None).unwrap();
+    let upper = std::path::PathBuf::from(&m.source);
+    for i in 0..2000 {
+        std::fs::write(upper.join(format!("f{i}")), b"x").unwrap();
+    }
+    assert!(
+        svc.writable_layer("c1").is_none(),
+        "measured inside the call"
+    );
+    for _ in 0..10 {
+        assert!(
+            svc.writable_layer("c1")
+                .is_none_or(|u| u.inodes_used.is_some())
+        );
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let u = loop {
+        if let Some(u) = svc.writable_layer("c1") {
+            break u;
+        }
+        assert!(std::time::Instant::now() < deadline, "never measured");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(u.inodes_used.is_some_and(|v| v.value >= 2000), "{u:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !svc.stats.queue().is_idle() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the measurer never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Once stale, the last figures are served while the layer is measured again; a layer that
+    // is gone is forgotten.
+    node.snapshotter.remove("c1").unwrap();
+    tokio::time::sleep(super::stats::LAYER_USAGE_TTL).await;
+    assert!(
+        svc.writable_layer("c1").is_some(),
+        "stale figures are served"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while svc.writable_layer("c1").is_some() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a removed layer stays measured"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// At start, the undo of an interrupted RunPodSandbox hangs in the runtime's delete: the daemon
