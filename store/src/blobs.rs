@@ -792,14 +792,14 @@ async fn fetch(
     if let Err(e) = outcome {
         // The writer's own error (too many bytes, disk full) explains more.
         return Err(match written {
-            Err(we) => discard_on_size_error(content, &digest, we),
+            Err(we) => discard_on_size_error(content, &digest, we).await,
             Ok(_) => e,
         });
     }
     debug_assert!(pieces.into_inner().unwrap().iter().all(|p| p.pos >= p.end));
     let (ingest, guard) = match written {
         Ok(i) => i,
-        Err(e) => return Err(discard_on_size_error(content, &digest, e)),
+        Err(e) => return Err(discard_on_size_error(content, &digest, e).await),
     };
     // Every byte is on disk now: readers following the ingest may read to its end.
     progress.set_state(BlobState::Verifying);
@@ -831,10 +831,16 @@ fn committed(content: &ContentStore, progress: &BlobProgress) -> Option<Result<(
     Some(Ok(()))
 }
 
-/// Bytes beyond the descriptor's size mean the partial data is not a prefix of the blob: drop it.
-fn discard_on_size_error(content: &ContentStore, digest: &Digest, e: StoreError) -> StoreError {
+/// Bytes beyond the descriptor's size mean the partial data is not a prefix of the blob: drop it,
+/// on a blocking thread (it can be as large as the descriptor claims).
+async fn discard_on_size_error(
+    content: &Arc<ContentStore>,
+    digest: &Digest,
+    e: StoreError,
+) -> StoreError {
     if matches!(e, StoreError::SizeMismatch { .. }) {
-        let _ = content.remove_ingest(digest);
+        let (c, d) = (content.clone(), digest.clone());
+        let _ = tokio::task::spawn_blocking(move || c.remove_ingest(&d)).await;
     }
     e
 }
