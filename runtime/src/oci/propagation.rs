@@ -89,6 +89,7 @@ pub fn needs_shared(m: &MountInfo, propagation: cri::MountPropagation) -> bool {
 pub fn prepare_bind_sources(mounts: &[cri::Mount]) -> Result<Vec<PathBuf>> {
     use std::os::unix::fs::DirBuilderExt;
     let mut made_shared = Vec::new();
+    let mut table: Option<Vec<MountInfo>> = None;
     for m in mounts.iter().filter(|m| m.host_path.starts_with('/')) {
         let src = Path::new(&m.host_path);
         if let Err(e) = std::fs::symlink_metadata(src) {
@@ -110,10 +111,17 @@ pub fn prepare_bind_sources(mounts: &[cri::Mount]) -> Result<Vec<PathBuf>> {
         let canon = src
             .canonicalize()
             .map_err(|e| OciError::io("resolve mount source", src, e))?;
-        let info = std::fs::read_to_string("/proc/self/mountinfo")
-            .map_err(|e| OciError::io("read", "/proc/self/mountinfo", e))?;
-        let mounts = parse_mountinfo(&info);
-        let Some(host_mount) = mount_of(&mounts, &canon) else {
+        // Read once per container, not once per mount: the table can be large, and so can the
+        // list of mounts.
+        let table = match &mut table {
+            Some(t) => t,
+            None => {
+                let info = std::fs::read_to_string("/proc/self/mountinfo")
+                    .map_err(|e| OciError::io("read", "/proc/self/mountinfo", e))?;
+                table.insert(parse_mountinfo(&info))
+            }
+        };
+        let Some(host_mount) = mount_of(table, &canon) else {
             return Err(OciError::invalid(format!(
                 "no mount holds {} in /proc/self/mountinfo",
                 canon.display()
@@ -137,7 +145,13 @@ pub fn prepare_bind_sources(mounts: &[cri::Mount]) -> Result<Vec<PathBuf>> {
             propagation = ?prop,
             "made the mount holding a propagated volume shared"
         );
-        made_shared.push(host_mount.mount_point.clone());
+        let point = host_mount.mount_point.clone();
+        // What the kernel now says of it, for the mounts below that share it.
+        table
+            .iter_mut()
+            .filter(|t| t.mount_point == point)
+            .for_each(|t| t.shared = true);
+        made_shared.push(point);
     }
     Ok(made_shared)
 }

@@ -308,10 +308,23 @@ fn check_mount(m: &cri::Mount, host: &HostInfo) -> Result<&'static str> {
 /// [`super::userns::check_volume_mappings`] checks): CreateContainer calls it before it
 /// prepares their sources on the host, so that a refused request changes nothing there.
 pub fn validate_mounts(mounts: &[cri::Mount], host: &HostInfo) -> Result<()> {
+    if mounts.len() > MAX_MOUNTS {
+        return Err(OciError::invalid(format!(
+            "{} mounts, at most {MAX_MOUNTS} are taken",
+            mounts.len()
+        )));
+    }
     mounts
         .iter()
         .try_for_each(|m| check_mount(m, host).map(drop))
 }
+
+/// The most mounts a container may ask for. Each costs the runtime a mount at every start (and a
+/// lookup in the host's mount table when propagated); in a pod with its own user namespace each
+/// is an idmapped mount kept in the host's mount namespace, whose size the kernel caps for
+/// everybody (`fs.mount-max`). A pod's volumes, the kubelet's own files and the service account
+/// token stay far below it.
+pub const MAX_MOUNTS: usize = 1024;
 
 /// The CRI mounts as OCI bind mounts, parents first, and the rootfs propagation they need
 /// (`rshared` when any mount is bidirectional, else `rslave` when any is host-to-container:

@@ -1036,6 +1036,28 @@ fn recursive_read_only_mounts() {
     }
 }
 
+/// Each mount costs a mount at every start (and, in a pod user namespace, one kept in the host's
+/// mount namespace): a spec listing thousands is refused, naming the count.
+#[test]
+fn the_number_of_mounts_is_capped() {
+    let f = fixture();
+    let mounts = |n: usize| -> Vec<cri::Mount> {
+        (0..n)
+            .map(|i| cri::Mount {
+                container_path: format!("/m/{i}"),
+                host_path: "/tmp".into(),
+                ..Default::default()
+            })
+            .collect()
+    };
+    spec::validate_mounts(&mounts(spec::MAX_MOUNTS), &f.host).unwrap();
+    let err = spec::validate_mounts(&mounts(spec::MAX_MOUNTS + 1), &f.host).unwrap_err();
+    assert!(
+        matches!(&err, crate::oci::OciError::InvalidArgument(m) if m.contains("1025 mounts, at most 1024")),
+        "{err:?}"
+    );
+}
+
 #[test]
 fn bidirectional_wins_over_host_to_container() {
     let f = fixture();
