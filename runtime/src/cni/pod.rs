@@ -17,6 +17,9 @@ pub const INGRESS_BANDWIDTH_ANNOTATION: &str = "kubernetes.io/ingress-bandwidth"
 /// Pod annotation holding the pod's egress bandwidth limit (a resource quantity, bits/s).
 pub const EGRESS_BANDWIDTH_ANNOTATION: &str = "kubernetes.io/egress-bandwidth";
 
+/// The interface the pod's network is attached as (CNI_IFNAME), its default interface.
+pub const POD_IF_NAME: &str = "eth0";
+
 /// Everything needed to attach one pod sandbox to the network, or detach it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct PodNetwork {
@@ -120,7 +123,7 @@ impl PodNetwork {
             name: meta.name,
             namespace: meta.namespace,
             uid: meta.uid,
-            if_name: "eth0".into(),
+            if_name: POD_IF_NAME.into(),
             port_mappings: config
                 .port_mappings
                 .iter()
@@ -138,7 +141,7 @@ impl PodNetwork {
     /// The interface name, `eth0` when unset.
     pub fn if_name(&self) -> &str {
         if self.if_name.is_empty() {
-            "eth0"
+            POD_IF_NAME
         } else {
             &self.if_name
         }

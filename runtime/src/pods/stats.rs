@@ -39,7 +39,6 @@ use minicri_snapshotter::{Snapshotter, Usage};
 use super::cgroups::{self, Counters, Hierarchy};
 use super::store::{ContainerRecord, SandboxRecord, SandboxState};
 use super::{PodService, blocking, now_ns};
-use crate::cni::PodNetwork;
 use crate::error::{Error, Result};
 
 /// Samples closer than this repeat the previous rate instead of making a new one.
@@ -433,12 +432,9 @@ impl PodService {
     }
 
     fn one_pod_stats(&self, sb: &SandboxRecord) -> cri::PodSandboxStats {
-        let config = sb.config();
-        let parent = config
-            .linux
-            .as_ref()
-            .map(|l| l.cgroup_parent.clone())
-            .unwrap_or_default();
+        // Only the summary: the whole config (port mappings, DNS, sysctls) is not needed here.
+        let config = sb.summary();
+        let parent = cgroup_parent(Some(sb));
         let mut recs = self.store.containers_of(&sb.id);
         recs.sort_by_key(|r| r.created_at);
         let mut sum = self.cgroup_counters(&parent, &sb.id);
@@ -456,14 +452,14 @@ impl PodService {
         cri::PodSandboxStats {
             attributes: Some(cri::PodSandboxAttributes {
                 id: sb.id.clone(),
-                metadata: config.metadata.clone(),
-                labels: config.labels.clone(),
-                annotations: config.annotations.clone(),
+                metadata: config.metadata,
+                labels: config.labels,
+                annotations: config.annotations,
             }),
             linux: Some(cri::LinuxPodSandboxStats {
                 cpu: self.cpu_usage(&sb.id, at, &counters),
                 memory: memory_usage(at, &counters),
-                network: self.network_usage(sb, &config, at),
+                network: self.network_usage(sb, at),
                 process: counters.pids.map(|n| cri::ProcessUsage {
                     timestamp: at,
                     process_count: value(n),
@@ -476,12 +472,7 @@ impl PodService {
     }
 
     /// The pod's interfaces, from its infra's `/proc/<pid>/net/dev`.
-    fn network_usage(
-        &self,
-        sb: &SandboxRecord,
-        config: &cri::PodSandboxConfig,
-        at: i64,
-    ) -> Option<cri::NetworkUsage> {
+    fn network_usage(&self, sb: &SandboxRecord, at: i64) -> Option<cri::NetworkUsage> {
         let netns = sb.netns.as_ref()?;
         if sb.state != SandboxState::Ready || sb.infra_pid <= 0 {
             return None;
@@ -491,9 +482,7 @@ impl PodService {
             return None;
         }
         let text = std::fs::read_to_string(proc_dir.join("net/dev")).ok()?;
-        let default_name = PodNetwork::from_sandbox_config(&sb.id, netns.clone(), config)
-            .if_name()
-            .to_string();
+        let default_name = crate::cni::pod::POD_IF_NAME;
         let interfaces: Vec<cri::NetworkInterfaceUsage> = parse_net_dev(&text)
             .into_iter()
             .map(|i| cri::NetworkInterfaceUsage {
