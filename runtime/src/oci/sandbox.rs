@@ -280,11 +280,37 @@ pub fn validate_dns_and_hostname(config: &cri::PodSandboxConfig) -> Result<()> {
     Ok(())
 }
 
-/// Checks that `sysctls` are namespaced and that their namespace is the sandbox's own.
+/// The most sysctls a pod may set, and the longest name and value: the kernel's own names are
+/// far shorter, a value is written to `/proc/sys` in one page, and Kubernetes' safe set plus an
+/// administrator's allowed unsafe ones number a few dozen.
+pub const MAX_SYSCTLS: usize = 256;
+pub const MAX_SYSCTL_NAME: usize = 256;
+pub const MAX_SYSCTL_VALUE: usize = 4096;
+
+/// Checks that `sysctls` are few and short, namespaced, and that their namespace is the
+/// sandbox's own.
 pub fn validate_sysctls(config: &cri::PodSandboxConfig) -> Result<()> {
     let Some(linux) = &config.linux else {
         return Ok(());
     };
+    if linux.sysctls.len() > MAX_SYSCTLS {
+        return Err(OciError::invalid(format!(
+            "{} sysctls, at most {MAX_SYSCTLS} are taken",
+            linux.sysctls.len()
+        )));
+    }
+    if let Some((k, v)) = linux
+        .sysctls
+        .iter()
+        .find(|(k, v)| k.len() > MAX_SYSCTL_NAME || v.len() > MAX_SYSCTL_VALUE)
+    {
+        return Err(OciError::invalid(format!(
+            "sysctl {:?} ({} bytes, value {} bytes): names are at most {MAX_SYSCTL_NAME} bytes, values {MAX_SYSCTL_VALUE}",
+            k.chars().take(64).collect::<String>(),
+            k.len(),
+            v.len()
+        )));
+    }
     let o = namespace_options(config);
     let host_net = mode(o, |o| o.network) == cri::NamespaceMode::Node;
     let host_ipc = mode(o, |o| o.ipc) == cri::NamespaceMode::Node;

@@ -300,3 +300,38 @@ fn resolv_conf_and_hostname_cannot_gain_lines() {
         );
     }
 }
+
+/// Sysctls are few and short: thousands of them, a name longer than any the kernel has, or a
+/// value longer than the page it is written in are refused, naming the problem.
+#[test]
+fn sysctls_are_few_and_short() {
+    use super::sandbox::{MAX_SYSCTL_NAME, MAX_SYSCTL_VALUE, MAX_SYSCTLS, validate_sysctls};
+    let with = |sysctls: HashMap<String, String>| {
+        let mut c = sandbox_config();
+        c.linux.as_mut().unwrap().sysctls = sysctls;
+        validate_sysctls(&c)
+    };
+    let many = |n: usize| {
+        (0..n)
+            .map(|i| (format!("net.ipv4.conf.x{i}.forwarding"), "1".to_string()))
+            .collect::<HashMap<_, _>>()
+    };
+    with(many(MAX_SYSCTLS)).unwrap();
+    let err = with(many(MAX_SYSCTLS + 1)).unwrap_err().to_string();
+    assert!(err.contains("257 sysctls, at most 256"), "{err}");
+    let name = format!("net.{}", "a".repeat(MAX_SYSCTL_NAME));
+    let err = with(HashMap::from([(name, "1".into())]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("names are at most 256 bytes"), "{err}");
+    let value = "1".repeat(MAX_SYSCTL_VALUE + 1);
+    let err = with(HashMap::from([("net.ipv4.ip_forward".into(), value)]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("value 4097 bytes"), "{err}");
+    with(HashMap::from([(
+        "net.ipv4.ip_forward".into(),
+        "1".repeat(MAX_SYSCTL_VALUE),
+    )]))
+    .unwrap();
+}
