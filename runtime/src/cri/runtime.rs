@@ -492,9 +492,10 @@ impl RuntimeService for RuntimeHandler {
                             .into(),
                     ));
                 }
-                self.daemon.pods.exec_target(&r.container_id)?;
+                let target = self.daemon.pods.exec_target(&r.container_id)?;
                 let url = self.daemon.streaming.register_exec(ExecRequest {
                     container_id: r.container_id,
+                    sandbox_id: target.sandbox_id,
                     cmd: r.cmd,
                     tty: r.tty,
                     stdin: r.stdin,
@@ -519,7 +520,8 @@ impl RuntimeService for RuntimeHandler {
             ("container_id", |r| r.container_id.clone()),
             |r| async move {
                 let id = r.container_id;
-                let config = self.daemon.pods.exec_target(&id)?.config();
+                let target = self.daemon.pods.exec_target(&id)?;
+                let config = target.config();
                 if !(r.stdin || r.stdout || r.stderr) {
                     return Err(Error::InvalidArgument(
                         "one of stdin, stdout or stderr must be set".into(),
@@ -538,6 +540,7 @@ impl RuntimeService for RuntimeHandler {
                 }
                 let url = self.daemon.streaming.register_attach(AttachRequest {
                     container_id: id,
+                    sandbox_id: target.sandbox_id,
                     tty: r.tty,
                     stdin: r.stdin,
                     stdout: r.stdout,

@@ -43,6 +43,8 @@ const PIPE: usize = 64 * 1024;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttachRequest {
     pub container_id: String,
+    /// The container's pod: its sessions share the pod's [`super::MAX_POD_SESSIONS`].
+    pub sandbox_id: String,
     pub tty: bool,
     pub stdin: bool,
     pub stdout: bool,

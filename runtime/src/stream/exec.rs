@@ -34,6 +34,8 @@ use super::session::{self, Channels, Link, Pumps};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExecRequest {
     pub container_id: String,
+    /// The container's pod: its sessions share the pod's [`super::MAX_POD_SESSIONS`].
+    pub sandbox_id: String,
     pub cmd: Vec<String>,
     pub tty: bool,
     pub stdin: bool,

@@ -30,7 +30,7 @@ use super::remotecommand::{
     ACCEPTED_PROTOCOLS_HEADER, Negotiated, PROTOCOL_HEADER, Protocol, SUPPORTED, WS_SUPPORTED,
     negotiate, offered,
 };
-use super::{Pending, StreamServer, attach, ws};
+use super::{Pending, Refused, StreamServer, attach, ws};
 
 /// The `Upgrade` token of SPDY/3.1.
 pub const SPDY_31: &str = "SPDY/3.1";
@@ -171,13 +171,10 @@ pub(super) fn no_common_protocol(up: &Upgrade, client: &[String], supported: &[&
 }
 
 /// 503: [`super::MAX_SESSIONS`] sessions run already; the token is left for a retry.
-fn too_many_sessions() -> Reply {
+fn too_many_sessions(why: &str) -> Reply {
     text(
         StatusCode::SERVICE_UNAVAILABLE,
-        format!(
-            "{} streaming sessions are running already; try again later",
-            super::MAX_SESSIONS
-        ),
+        format!("{why}; try again later"),
     )
 }
 
@@ -209,12 +206,10 @@ pub async fn handle(
             format!("{kind} streams are opened with POST or GET"),
         ));
     }
-    let Some(slot) = server.session_slot() else {
-        return Ok(too_many_sessions());
-    };
-    let session = match server.take(token) {
-        Some(p @ Pending::Exec(_)) if kind == "exec" => p,
-        Some(p @ Pending::Attach(_)) if kind == "attach" => p,
+    let (slot, session) = match server.start_session(token) {
+        Ok((slot, p @ Pending::Exec(_))) if kind == "exec" => (slot, p),
+        Ok((slot, p @ Pending::Attach(_))) if kind == "attach" => (slot, p),
+        Err(Refused::Busy(why)) => return Ok(too_many_sessions(&why)),
         _ => {
             return Ok(text(
                 StatusCode::NOT_FOUND,
@@ -280,11 +275,9 @@ fn port_forward(mut req: Request<Incoming>, token: &str, server: &StreamServer) 
             "port-forward streams are opened with POST or GET",
         );
     }
-    let Some(slot) = server.session_slot() else {
-        return too_many_sessions();
-    };
-    let pf = match server.take(token) {
-        Some(Pending::PortForward(r)) => r,
+    let (slot, pf) = match server.start_session(token) {
+        Ok((slot, Pending::PortForward(r))) => (slot, r),
+        Err(Refused::Busy(why)) => return too_many_sessions(&why),
         _ => {
             return text(
                 StatusCode::NOT_FOUND,

@@ -56,6 +56,10 @@ pub const MAX_PENDING: usize = 1000;
 /// connection, its tasks and buffers, and often a process; one past this is answered 503 and its
 /// token stays valid for a retry.
 pub const MAX_SESSIONS: usize = 256;
+/// Sessions into one pod (exec and attach into its containers, port-forward into its network)
+/// running at once, at most: whoever may exec into one pod cannot take every session of the
+/// node from the other pods' users. One past this is answered 503, its token kept.
+pub const MAX_POD_SESSIONS: usize = 32;
 
 /// A request waiting for its client.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,6 +67,45 @@ pub enum Pending {
     Exec(ExecRequest),
     Attach(AttachRequest),
     PortForward(PortForwardRequest),
+}
+
+impl Pending {
+    /// The pod the session goes into.
+    fn pod(&self) -> &str {
+        match self {
+            Pending::Exec(r) => &r.sandbox_id,
+            Pending::Attach(r) => &r.sandbox_id,
+            Pending::PortForward(r) => &r.sandbox_id,
+        }
+    }
+}
+
+/// Why a token does not start a session now.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// Unknown, already used or expired.
+    Unknown,
+    /// Too many sessions on the node or in the pod (the reason); the token is kept for a retry.
+    Busy(String),
+}
+
+/// A running session's place in the node's and its pod's counts, given back when dropped.
+pub struct SessionSlot {
+    _node: tokio::sync::OwnedSemaphorePermit,
+    pod: String,
+    pods: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+impl Drop for SessionSlot {
+    fn drop(&mut self) {
+        let mut pods = self.pods.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = pods.get_mut(&self.pod) {
+            *n -= 1;
+            if *n == 0 {
+                pods.remove(&self.pod);
+            }
+        }
+    }
 }
 
 /// The streaming server: bound at daemon start, serving once [`StreamServer::spawn`]ed.
@@ -73,6 +116,9 @@ pub struct StreamServer {
     ttl: Duration,
     /// One permit per running session ([`MAX_SESSIONS`]).
     sessions: Arc<tokio::sync::Semaphore>,
+    /// Running sessions per pod, and their most ([`MAX_POD_SESSIONS`]).
+    pod_sessions: Arc<Mutex<HashMap<String, usize>>>,
+    max_pod_sessions: usize,
 }
 
 impl StreamServer {
@@ -87,6 +133,8 @@ impl StreamServer {
             pending: Mutex::new(HashMap::new()),
             ttl: TOKEN_TTL,
             sessions: Arc::new(tokio::sync::Semaphore::new(MAX_SESSIONS)),
+            pod_sessions: Arc::new(Mutex::new(HashMap::new())),
+            max_pod_sessions: MAX_POD_SESSIONS,
         })
     }
 
@@ -127,15 +175,38 @@ impl StreamServer {
         Ok(token)
     }
 
-    /// A running session's permit, or `None` at [`MAX_SESSIONS`].
-    fn session_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        self.sessions.clone().try_acquire_owned().ok()
-    }
-
-    /// Takes the request under `token`: each token works once, and not after it expired.
-    pub fn take(&self, token: &str) -> Option<Pending> {
-        let (expires, p) = self.pending.lock().unwrap().remove(token)?;
-        (expires > Instant::now()).then_some(p)
+    /// Takes the request under `token` with a place for its session, if the node and its pod
+    /// have one; else the token stays (until it expires) for a retry.
+    fn start_session(&self, token: &str) -> std::result::Result<(SessionSlot, Pending), Refused> {
+        let mut pending = self.pending.lock().unwrap();
+        let Some((expires, p)) = pending.get(token) else {
+            return Err(Refused::Unknown);
+        };
+        if *expires <= Instant::now() {
+            pending.remove(token);
+            return Err(Refused::Unknown);
+        }
+        let pod = p.pod().to_string();
+        let mut pods = self.pod_sessions.lock().unwrap();
+        let running = pods.get(&pod).copied().unwrap_or(0);
+        if running >= self.max_pod_sessions {
+            return Err(Refused::Busy(format!(
+                "{running} streaming sessions into pod {pod} are running already"
+            )));
+        }
+        let Ok(node) = self.sessions.clone().try_acquire_owned() else {
+            return Err(Refused::Busy(format!(
+                "{MAX_SESSIONS} streaming sessions are running already"
+            )));
+        };
+        *pods.entry(pod.clone()).or_default() += 1;
+        let (_, p) = pending.remove(token).expect("looked up above");
+        let slot = SessionSlot {
+            _node: node,
+            pod,
+            pods: self.pod_sessions.clone(),
+        };
+        Ok((slot, p))
     }
 
     /// Starts serving; sessions run their processes through `backend`. Runs until the returned

@@ -14,6 +14,7 @@ use super::*;
 fn exec_request(cmd: &[&str]) -> ExecRequest {
     ExecRequest {
         container_id: "c1".into(),
+        sandbox_id: "sb".into(),
         cmd: cmd.iter().map(|s| s.to_string()).collect(),
         tty: false,
         stdin: false,
@@ -58,6 +59,11 @@ async fn request(url: &str, method: &str, headers: &[&str]) -> (TcpStream, u16, 
 
 const UPGRADE: [&str; 2] = ["Connection: Upgrade", "Upgrade: SPDY/3.1"];
 
+/// The request under `token`, if it starts a session (whose place is given back at once).
+fn take(s: &StreamServer, token: &str) -> Option<Pending> {
+    s.start_session(token).ok().map(|(_slot, p)| p)
+}
+
 #[test]
 fn tokens_are_single_use_and_expire() {
     let mut s = StreamServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
@@ -66,11 +72,18 @@ fn tokens_are_single_use_and_expire() {
     let token = url.strip_prefix(&prefix).unwrap();
     assert_eq!(token.len(), 32);
     assert_ne!(s.address().port(), 0);
-    assert_eq!(s.take(token), Some(Pending::Exec(exec_request(&["true"]))));
-    assert_eq!(s.take(token), None, "single use");
+    assert_eq!(
+        take(&s, token),
+        Some(Pending::Exec(exec_request(&["true"])))
+    );
+    assert_eq!(take(&s, token), None, "single use");
     s.ttl = Duration::ZERO;
     let url = s.register_exec(exec_request(&["true"])).unwrap();
-    assert_eq!(s.take(url.strip_prefix(&prefix).unwrap()), None, "expired");
+    assert_eq!(
+        take(&s, url.strip_prefix(&prefix).unwrap()),
+        None,
+        "expired"
+    );
     assert_ne!(
         s.register_exec(exec_request(&["true"])).unwrap(),
         s.register_exec(exec_request(&["true"])).unwrap()
@@ -141,6 +154,53 @@ async fn running_sessions_are_bounded() {
         assert!(Instant::now() < deadline, "the first session never let go");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// One pod's sessions have a share of the node's: past it, a session into that pod waits (its
+/// token kept) while other pods' start; one ending makes room.
+#[test]
+fn one_pod_cannot_take_every_session() {
+    let mut s = StreamServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    s.max_pod_sessions = 2;
+    let token = |url: String| url.rsplit_once('/').unwrap().1.to_string();
+    let into = |pod: &str| {
+        token(
+            s.register_exec(ExecRequest {
+                sandbox_id: pod.into(),
+                ..exec_request(&["true"])
+            })
+            .unwrap(),
+        )
+    };
+    let (a1, a2, a3, b1) = (into("a"), into("a"), into("a"), into("b"));
+    let first = s.start_session(&a1).unwrap().0;
+    let _second = s.start_session(&a2).unwrap().0;
+    let Err(Refused::Busy(why)) = s.start_session(&a3) else {
+        panic!("a third session into pod a started")
+    };
+    assert!(why.contains("2 streaming sessions into pod a"), "{why}");
+    let port_forward = token(
+        s.register_port_forward(PortForwardRequest {
+            sandbox_id: "a".into(),
+            netns: None,
+        })
+        .unwrap(),
+    );
+    assert!(matches!(
+        s.start_session(&port_forward),
+        Err(Refused::Busy(_))
+    ));
+    let _b = s.start_session(&b1).expect("another pod's session");
+    drop(first);
+    let (_third, p) = s
+        .start_session(&a3)
+        .expect("the kept token, once there is room");
+    assert!(matches!(p, Pending::Exec(r) if r.sandbox_id == "a"));
+    assert_eq!(
+        s.start_session(&a3).err(),
+        Some(Refused::Unknown),
+        "single use"
+    );
 }
 
 #[tokio::test]

@@ -86,6 +86,7 @@ async fn shim_frames(shim: &mut UnixStream, n: usize) -> Vec<crate::shim::protoc
 fn request(stdin: bool) -> AttachRequest {
     AttachRequest {
         container_id: "c1".into(),
+        sandbox_id: "sb".into(),
         tty: false,
         stdin,
         stdout: true,

@@ -16,6 +16,7 @@ use crate::stream::testing::LocalBackend;
 fn request(cmd: &[&str], stdin: bool) -> ExecRequest {
     ExecRequest {
         container_id: "c1".into(),
+        sandbox_id: "sb".into(),
         cmd: cmd.iter().map(|s| s.to_string()).collect(),
         tty: false,
         stdin,
@@ -297,6 +298,7 @@ async fn a_terminal_gets_input_resizes_and_merged_output() {
     });
     let req = ExecRequest {
         container_id: "c1".into(),
+        sandbox_id: "sb".into(),
         cmd: [
             "sh",
             "-c",
