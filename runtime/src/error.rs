@@ -22,6 +22,8 @@ pub enum Error {
     FailedPrecondition(String),
     #[error("{0}")]
     Unavailable(String),
+    #[error("{0}")]
+    ResourceExhausted(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -36,6 +38,7 @@ impl Error {
             Error::AlreadyExists(_) => Code::AlreadyExists,
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::Unavailable(_) => Code::Unavailable,
+            Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::Store(e) => match e.kind() {
                 ErrorKind::InvalidArgument => Code::InvalidArgument,
                 ErrorKind::NotFound => Code::NotFound,

@@ -154,6 +154,11 @@ impl PodService {
             &config.labels,
             &config.annotations,
         )?;
+        self.check_node_metadata(
+            super::Listed::Containers,
+            &config.labels,
+            &config.annotations,
+        )?;
         let image_name = config
             .image
             .as_ref()

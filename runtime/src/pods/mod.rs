@@ -115,15 +115,72 @@ pub fn now_ns() -> i64 {
 /// 16 MiB.
 pub const MAX_METADATA_BYTES: usize = (256 + 16) << 10;
 
+/// Most bytes of labels and annotations of all the node's pods together, and of all its
+/// containers: each relist (and stats list) carries all of one kind in one message, which the
+/// kubelet caps at 16 MiB; past it the relist fails and the node goes NotReady. The per-object
+/// cap alone allows that from about 30 pods. Half of the message leaves room for the rest of
+/// each entry.
+pub const MAX_NODE_METADATA_BYTES: usize = 8 << 20;
+
+type Strings = std::collections::HashMap<String, String>;
+
+/// The bytes (keys and values) of `map`.
+fn map_bytes(map: &Strings) -> usize {
+    map.iter().map(|(k, v)| k.len() + v.len()).sum()
+}
+
+/// Whose labels and annotations a node budget counts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Listed {
+    Pods,
+    Containers,
+}
+
+impl PodService {
+    /// Refuses a new pod or container whose labels and annotations would bring those of its
+    /// kind on the node past [`MAX_NODE_METADATA_BYTES`] (RESOURCE_EXHAUSTED: room comes back
+    /// as others are removed).
+    pub(crate) fn check_node_metadata(
+        &self,
+        of: Listed,
+        labels: &Strings,
+        annotations: &Strings,
+    ) -> Result<()> {
+        let held: usize = match of {
+            Listed::Pods => (self.store.sandboxes().iter())
+                .map(|r| r.summary())
+                .map(|s| map_bytes(&s.labels) + map_bytes(&s.annotations))
+                .sum(),
+            Listed::Containers => (self.store.containers().iter())
+                .map(|r| r.summary())
+                .map(|s| map_bytes(&s.labels) + map_bytes(&s.annotations))
+                .sum(),
+        };
+        let adding = map_bytes(labels) + map_bytes(annotations);
+        if held + adding > MAX_NODE_METADATA_BYTES {
+            let what = match of {
+                Listed::Pods => "pods",
+                Listed::Containers => "containers",
+            };
+            return Err(Error::ResourceExhausted(format!(
+                "its labels and annotations ({adding} bytes) would bring those of the node's \
+                 {what} to {} bytes, past {MAX_NODE_METADATA_BYTES}: every relist carries them all",
+                held + adding
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Refuses labels or annotations of `what` ("sandbox config", "container config") over
 /// [`MAX_METADATA_BYTES`].
 pub(crate) fn validate_labels_and_annotations(
     what: &str,
-    labels: &std::collections::HashMap<String, String>,
-    annotations: &std::collections::HashMap<String, String>,
+    labels: &Strings,
+    annotations: &Strings,
 ) -> Result<()> {
     for (field, map) in [("labels", labels), ("annotations", annotations)] {
-        let bytes: usize = map.iter().map(|(k, v)| k.len() + v.len()).sum();
+        let bytes = map_bytes(map);
         if bytes > MAX_METADATA_BYTES {
             return Err(Error::InvalidArgument(format!(
                 "{what} {field} are {bytes} bytes; at most {MAX_METADATA_BYTES} are accepted"

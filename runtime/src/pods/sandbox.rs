@@ -119,6 +119,7 @@ impl PodService {
     ) -> Result<String> {
         let started = std::time::Instant::now();
         let meta = validate_metadata(&config)?.clone();
+        self.check_node_metadata(super::Listed::Pods, &config.labels, &config.annotations)?;
         let handler = self.handler_for_new_pod(&runtime_handler).await?;
         let host = self.host_for(handler);
         oci::sandbox::validate_sysctls(&config)?;

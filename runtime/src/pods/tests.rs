@@ -541,3 +541,41 @@ async fn long_container_names_and_exec_commands_are_refused() {
     }
     super::exec::check_cmd(&vec!["x".repeat(1 << 16); 3]).unwrap();
 }
+
+/// The labels and annotations of all the node's pods stay within what one relist can carry:
+/// past the node's budget a new pod is refused (RESOURCE_EXHAUSTED, naming the budget), and
+/// room comes back when a pod is removed.
+#[tokio::test]
+async fn the_pods_of_a_node_share_a_metadata_budget() {
+    let node = Node::new();
+    let svc = node.service();
+    let big = |name: &str| {
+        let mut c = host_pod(name);
+        c.annotations
+            .insert("note".into(), "x".repeat(super::MAX_METADATA_BYTES - 16));
+        c
+    };
+    let fit = super::MAX_NODE_METADATA_BYTES / super::MAX_METADATA_BYTES;
+    let mut ids = Vec::new();
+    for i in 0..fit {
+        let id = svc
+            .run_pod_sandbox(big(&format!("p{i}")), String::new())
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+    let err = svc
+        .run_pod_sandbox(big("one-more"), String::new())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
+    assert!(err.to_string().contains("past 8388608"), "{err}");
+    // A small pod still fits.
+    let small = svc.run_pod_sandbox(host_pod("small"), String::new()).await;
+    small.unwrap();
+    svc.stop_pod_sandbox(ids[0].clone()).await.unwrap();
+    svc.remove_pod_sandbox(ids[0].clone()).await.unwrap();
+    svc.run_pod_sandbox(big("one-more"), String::new())
+        .await
+        .unwrap();
+}
