@@ -109,10 +109,10 @@ impl Daemon {
 
     /// Verbose ImageStatus info: the image config and where the image came from, as JSON.
     pub fn image_info(&self, rec: &ImageRecord) -> Result<String> {
-        let config: serde_json::Value = serde_json::from_slice(&self.content.read(&rec.config)?)
-            .map_err(|e| {
-                Error::Internal(format!("image config {} is not JSON: {e}", rec.config))
-            })?;
+        let bytes = crate::fsutil::off_async(|| self.content.read(&rec.config))?;
+        let config: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
+            Error::Internal(format!("image config {} is not JSON: {e}", rec.config))
+        })?;
         let info = serde_json::json!({
             "id": rec.id,
             "manifestDigest": rec.manifest,

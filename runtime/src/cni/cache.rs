@@ -102,7 +102,7 @@ impl Cache {
     /// back to the current configuration).
     pub fn read(&self, id: &str) -> Option<CacheEntry> {
         let path = self.path(id);
-        let bytes = match std::fs::read(&path) {
+        let bytes = match crate::fsutil::off_async(|| std::fs::read(&path)) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return None,
             Err(e) => {
@@ -137,7 +137,7 @@ impl Cache {
 
     /// Removes the entry of `id`; fine when there is none.
     pub fn remove(&self, id: &str) -> Result<(), CniError> {
-        match std::fs::remove_file(self.path(id)) {
+        match crate::fsutil::off_async(|| std::fs::remove_file(self.path(id))) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(self.io_err(id)(e)),

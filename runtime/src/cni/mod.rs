@@ -178,9 +178,10 @@ impl CniManager {
         &self.cache
     }
 
-    /// Reads the configuration directories now.
+    /// Reads the configuration directories now (off the async workers: Status calls it every
+    /// few seconds, and the directories are the administrator's).
     pub fn load_config(&self) -> (Option<NetworkConfigList>, LoadReport) {
-        config::load(&self.opts.conf_dirs)
+        crate::fsutil::off_async(|| config::load(&self.opts.conf_dirs))
     }
 
     /// NetworkReady: `Ok(file in use)` when a valid configuration exists, else `Err(why not)`

@@ -606,7 +606,7 @@ impl OciRuntime for Runc {
         Box::pin(async move {
             let json = serde_json::to_vec(resources)
                 .map_err(|e| OciError::Other(format!("resources: {e}")))?;
-            let file = self.scratch_file(id, "resources", &json)?;
+            let file = crate::fsutil::off_async(|| self.scratch_file(id, "resources", &json))?;
             let r = self
                 .run(
                     "update",

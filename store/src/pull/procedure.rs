@@ -145,7 +145,7 @@ impl PullManager {
         let handle = self.acquire_part(job, 0, session)?;
         handle.wait().await?;
         drop(handle);
-        let config_bytes = self.content.read(&config_digest)?;
+        let config_bytes = crate::fsutil::off_async(|| self.content.read(&config_digest))?;
         let config: ImageConfigDoc = serde_json::from_slice(&config_bytes)
             .map_err(|e| malformed(reference, "image config", e.to_string()))?;
         let diff_ids = config
