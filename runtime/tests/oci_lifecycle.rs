@@ -367,3 +367,40 @@ async fn runtime_default_seccomp_blocks_namespace_creation() {
         "unshare(CLONE_NEWUSER) is denied: {out:?}"
     );
 }
+
+/// A container's idmapped mounts (a layer or volume each, sometimes stacked, with mounts below
+/// them) are all unmounted, with the mount table read once, and their directory removed.
+#[test]
+fn idmapped_mounts_are_unmounted_however_many_are_stacked() {
+    require_root!();
+    use nix::mount::{MsFlags, mount};
+    let d = tempfile::tempdir().unwrap();
+    let layers = d.path().join("layers");
+    let tmpfs = |at: &std::path::Path| {
+        mount(
+            Some("tmpfs"),
+            at,
+            Some("tmpfs"),
+            MsFlags::empty(),
+            None::<&str>,
+        )
+        .unwrap()
+    };
+    for n in ["0", "1"] {
+        std::fs::create_dir_all(layers.join(n)).unwrap();
+    }
+    tmpfs(&layers.join("0"));
+    tmpfs(&layers.join("0"));
+    std::fs::create_dir(layers.join("0/sub")).unwrap();
+    tmpfs(&layers.join("0/sub"));
+    tmpfs(&layers.join("1"));
+    std::fs::write(layers.join("not-a-mount"), "").unwrap();
+    minicri::oci::userns::unmount_idmapped(&layers).unwrap();
+    assert!(!layers.exists());
+    let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let canon = d.path().canonicalize().unwrap();
+    assert!(
+        !table.contains(canon.to_str().unwrap()),
+        "mounts left under {canon:?}"
+    );
+}

@@ -409,9 +409,16 @@ pub fn unmount_idmapped(layers_dir: &Path) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(OciError::io("list", layers_dir, e)),
     };
+    // The mount table is read once, not once per entry: a container can have many (a layer
+    // each, a volume each), and so can the table.
+    let stacked = mounts_stacked_in(layers_dir)?;
     for e in entries.flatten() {
         let p = e.path();
-        while super::propagation::is_mountpoint(&p) {
+        let here = layers_dir
+            .canonicalize()
+            .map(|d| d.join(e.file_name()))
+            .unwrap_or_else(|_| p.clone());
+        for _ in 0..stacked.get(&here).copied().unwrap_or(0) {
             nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH)
                 .map_err(|e| OciError::io("unmount", &p, e.into()))?;
         }
@@ -423,6 +430,23 @@ pub fn unmount_idmapped(layers_dir: &Path) -> Result<()> {
         removed.map_err(|e| OciError::io("remove", &p, e))?;
     }
     std::fs::remove_dir(layers_dir).map_err(|e| OciError::io("remove", layers_dir, e))
+}
+
+/// How many mounts are stacked on each entry of `dir` (mounts on deeper paths go with the
+/// entry's when it is detached).
+fn mounts_stacked_in(dir: &Path) -> Result<std::collections::HashMap<PathBuf, usize>> {
+    let canon = dir
+        .canonicalize()
+        .map_err(|e| OciError::io("resolve", dir, e))?;
+    let info = std::fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|e| OciError::io("read", "/proc/self/mountinfo", e))?;
+    let mut stacked = std::collections::HashMap::new();
+    for m in super::propagation::parse_mountinfo(&info) {
+        if m.mount_point.parent() == Some(canon.as_path()) {
+            *stacked.entry(m.mount_point).or_insert(0) += 1;
+        }
+    }
+    Ok(stacked)
 }
 
 /// Removes what [`mount_rootfs`] and [`idmap_volumes`] made under a container's `dir` (given
