@@ -382,10 +382,22 @@ impl ImageStore {
     pub fn finish_removal(&self, removed: &Removed, content: &ContentStore) -> Result<()> {
         let mut gone = Vec::new();
         {
+            // Records change only under `ops`, so what is unused now stays unused while the
+            // blobs are renamed away; `state` is let go first, for ListImages and ImageStatus.
             let _ops = self.ops();
-            let st = self.state.lock().unwrap();
-            let used: BTreeSet<&Digest> = st.images.values().flat_map(|r| r.blobs.iter()).collect();
-            for b in removed.freed_blobs.iter().filter(|b| !used.contains(b)) {
+            let unused: Vec<&Digest> = {
+                let st = self.state.lock().unwrap();
+                let used: BTreeSet<&Digest> =
+                    st.images.values().flat_map(|r| r.blobs.iter()).collect();
+                removed
+                    .freed_blobs
+                    .iter()
+                    .filter(|b| !used.contains(b))
+                    .collect()
+            };
+            for b in unused {
+                #[cfg(test)]
+                tests::BEFORE_TAKE_OUT.with(|h| h.borrow_mut().as_mut().map(|f| f()));
                 gone.extend(content.take_out(b)?);
             }
         }
@@ -492,6 +504,51 @@ mod tests {
             0,
             "journal dropped"
         );
+    }
+
+    thread_local! {
+        /// Run by `finish_removal` before each blob it renames away.
+        pub(super) static BEFORE_TAKE_OUT: std::cell::RefCell<Option<Box<dyn FnMut()>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    #[test]
+    fn listing_images_does_not_wait_for_freed_blobs_to_be_taken_out() {
+        let (f, images) = fixture();
+        let images = std::sync::Arc::new(images);
+        let other = blob(&f.content, b"config b");
+        images
+            .add(
+                record(&f.config, "x.io/a:1", &[&f.config, &f.own]),
+                &f.content,
+            )
+            .unwrap();
+        images
+            .add(record(&other, "x.io/b:1", &[&other]), &f.content)
+            .unwrap();
+        let removed = images.remove("x.io/a:1").unwrap();
+        let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let (lister, sink) = (images.clone(), seen.clone());
+        BEFORE_TAKE_OUT.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move || {
+                // While a blob is being taken out, another thread lists the images (ListImages).
+                let (tx, rx) = std::sync::mpsc::channel();
+                let lister = lister.clone();
+                std::thread::spawn(move || tx.send(lister.list().len()));
+                let answer = rx.recv_timeout(std::time::Duration::from_secs(5));
+                sink.borrow_mut().push(answer);
+            }))
+        });
+        images.finish_removal(&removed, &f.content).unwrap();
+        BEFORE_TAKE_OUT.with(|h| h.borrow_mut().take());
+        let seen = seen.borrow();
+        assert_eq!(seen.len(), 2, "one listing per freed blob: {seen:?}");
+        assert!(
+            seen.iter().all(|r| *r == Ok(1)),
+            "ListImages waited on the removal (or saw the removed image): {seen:?}"
+        );
+        assert!(f.content.size(&f.own).is_none());
+        assert!(f.content.size(&other).is_some());
     }
 
     #[test]
