@@ -178,7 +178,7 @@ pub async fn run(
 
 /// The client for the kubeconfig's current context.
 async fn client(cfg: &WatchConfig) -> Result<kube::Client> {
-    let kubeconfig = Kubeconfig::read_from(&cfg.kubeconfig)
+    let kubeconfig = crate::fsutil::off_async(|| Kubeconfig::read_from(&cfg.kubeconfig))
         .with_context(|| format!("reading kubeconfig {}", cfg.kubeconfig.display()))?;
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
