@@ -1,6 +1,7 @@
 //! Low-level filesystem helpers: durable atomic file replacement ([`write_atomic`], the one every
 //! record writer of the daemon uses), extended attributes, device nodes, timestamps, ownership, tree copies
-//! that keep everything (owners, modes, xattrs, hardlinks, devices, times), removal and disk usage.
+//! that keep everything (owners, modes, xattrs, hardlinks, devices, times). Removal and disk usage
+//! of trees a container shaped are in `tree`, re-exported here.
 //!
 //! Invariant: nothing here follows a symlink at the last component of a path it is given. Callers pass
 //! paths whose parent components they have checked are real directories.
@@ -16,6 +17,8 @@ use std::path::{Path, PathBuf};
 
 use nix::sys::stat::{Mode, SFlag, UtimensatFlags};
 use nix::sys::time::TimeSpec;
+
+pub(crate) use crate::tree::{disk_usage, remove_all};
 
 /// The xattr overlayfs reads to tell an opaque directory.
 pub(crate) const OVERLAY_OPAQUE: &str = "trusted.overlay.opaque";
@@ -346,17 +349,6 @@ fn copy_dir_contents(
     Ok(())
 }
 
-/// Removes `path` whatever it is (a directory recursively), without following symlinks.
-/// Missing paths are fine.
-pub(crate) fn remove_all(path: &Path) -> io::Result<()> {
-    match fs::symlink_metadata(path) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e),
-        Ok(m) if m.is_dir() => fs::remove_dir_all(path),
-        Ok(_) => fs::remove_file(path),
-    }
-}
-
 /// lstat that answers None for a missing path.
 pub(crate) fn lstat(path: &Path) -> io::Result<Option<Metadata>> {
     match fs::symlink_metadata(path) {
@@ -365,121 +357,6 @@ pub(crate) fn lstat(path: &Path) -> io::Result<Option<Metadata>> {
         Err(e) => Err(e),
     }
 }
-
-/// Disk space and inodes a directory tree takes. Hardlinked files count once.
-///
-/// The tree may be a container's writable layer, shaped by whatever runs there: directories are
-/// read as they are walked (an open iterator per level, up to [`OPEN_DIRS`] deep; deeper ones
-/// wait as paths relative to `root`), so a directory of ten million entries costs one entry at a
-/// time, not a path for each, and a deep chain of directories no more than 64 descriptors. Each
-/// directory is opened from its parent's descriptor, and a deferred one one component at a time
-/// from `root`, never following a symlink: a tree deeper than `PATH_MAX` allows (a container can
-/// make one with relative `mkdir`s) is measured like any other. What disappears or is replaced
-/// during the walk is skipped.
-pub(crate) fn disk_usage(root: &Path) -> io::Result<(u64, u64)> {
-    use nix::dir::{Dir, OwningIter};
-    use nix::errno::Errno;
-    use nix::fcntl::{AtFlags, OFlag};
-    use nix::sys::stat::{FileStat, fstatat};
-    use std::os::fd::{AsRawFd, BorrowedFd};
-
-    /// A directory being read, and its name in its parent.
-    struct Level {
-        entries: OwningIter,
-        name: OsString,
-    }
-    let is_dir =
-        |st: &FileStat| SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFDIR;
-    // Gone, or replaced by something that is not a directory, since it was listed.
-    let vanished = |e: Errno| matches!(e, Errno::ENOENT | Errno::ENOTDIR | Errno::ELOOP);
-    let mut seen = std::collections::HashSet::new();
-    let mut bytes = 0u64;
-    let mut inodes = 0u64;
-    let mut count = |st: &FileStat| {
-        if st.st_nlink > 1 && !is_dir(st) && !seen.insert((st.st_dev, st.st_ino)) {
-            return;
-        }
-        inodes += 1;
-        bytes += st.st_blocks as u64 * 512;
-    };
-    let st = match nix::sys::stat::lstat(root) {
-        Ok(st) => st,
-        Err(Errno::ENOENT) => return Ok((0, 0)),
-        Err(e) => return Err(e.into()),
-    };
-    count(&st);
-    if !is_dir(&st) {
-        return Ok((bytes, inodes));
-    }
-    let root_fd = open_dir_nofollow(None, root)?;
-    let level = |fd: OwnedFd, name: OsString| -> io::Result<Level> {
-        Ok(Level {
-            entries: Dir::from_fd(fd)?.into_iter(),
-            name,
-        })
-    };
-    // The current walk starts at `base` (relative to `root`): open[0] is that directory.
-    let mut base = PathBuf::new();
-    let mut open = vec![level(root_fd.try_clone()?, OsString::new())?];
-    let mut later: Vec<PathBuf> = Vec::new();
-    loop {
-        let Some(dir) = open.last_mut() else {
-            match later.pop() {
-                Some(rel) => {
-                    if let Some(fd) = open_beneath(&root_fd, &rel)? {
-                        open.push(level(fd, OsString::new())?);
-                        base = rel;
-                    }
-                }
-                None => break,
-            }
-            continue;
-        };
-        let entry = match dir.entries.next() {
-            None => {
-                open.pop();
-                continue;
-            }
-            Some(Ok(e)) => e,
-            Some(Err(e)) if vanished(e) => continue,
-            Some(Err(e)) => return Err(e.into()),
-        };
-        let name = entry.file_name();
-        if name == c"." || name == c".." {
-            continue;
-        }
-        // SAFETY: the descriptor belongs to `dir.entries`, which is neither dropped nor moved
-        // while this borrow is used (the borrow ends before `open` changes).
-        let at = unsafe { BorrowedFd::borrow_raw(dir.entries.as_raw_fd()) };
-        let st = match fstatat(at, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
-            Ok(st) => st,
-            Err(e) if vanished(e) => continue,
-            Err(e) => return Err(e.into()),
-        };
-        count(&st);
-        if !is_dir(&st) {
-            continue;
-        }
-        let name = OsStr::from_bytes(name.to_bytes()).to_os_string();
-        if open.len() < OPEN_DIRS {
-            let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-            match nix::fcntl::openat(at, name.as_os_str(), flags, Mode::empty()) {
-                Ok(fd) => open.push(level(fd, name)?),
-                Err(e) if vanished(e) => {}
-                Err(e) => return Err(e.into()),
-            }
-        } else {
-            let mut rel = base.clone();
-            rel.extend(open[1..].iter().map(|l| &l.name));
-            rel.push(name);
-            later.push(rel);
-        }
-    }
-    Ok((bytes, inodes))
-}
-
-/// Directories [`disk_usage`] keeps open at once.
-const OPEN_DIRS: usize = 64;
 
 /// Writes `bytes` to `path` through a temporary file beside it (`<path>.tmp`, created with
 /// `mode`), fsynced, renamed over `path`, and the directory fsynced: readers see the old contents
@@ -520,59 +397,6 @@ pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A chain deeper than the directories kept open, and a wide directory at its bottom: every
-    /// inode counted once.
-    #[test]
-    fn disk_usage_walks_deep_and_wide_trees() {
-        let t = tempfile::tempdir().unwrap();
-        let root = t.path().join("layer");
-        let mut deep = root.clone();
-        for _ in 0..(OPEN_DIRS * 3) {
-            deep.push("d");
-        }
-        fs::create_dir_all(&deep).unwrap();
-        for i in 0..1000 {
-            fs::write(deep.join(format!("f{i}")), b"").unwrap();
-        }
-        fs::create_dir(deep.join("sub")).unwrap();
-        fs::write(deep.join("sub/x"), b"x").unwrap();
-        fs::hard_link(deep.join("sub/x"), root.join("link")).unwrap();
-        std::os::unix::fs::symlink("/", root.join("to-root")).unwrap();
-        let (bytes, inodes) = disk_usage(&root).unwrap();
-        // root, 192 directories, 1000 files, sub, x (and its link once), the symlink.
-        assert_eq!(inodes, 1 + (OPEN_DIRS as u64 * 3) + 1000 + 2 + 1);
-        assert!(bytes > 0);
-        assert_eq!(disk_usage(&t.path().join("absent")).unwrap(), (0, 0));
-    }
-
-    /// A chain of directories whose path is longer than `PATH_MAX`, made as a container makes
-    /// one (each `mkdir` relative to the last): every directory and the file at the bottom are
-    /// counted.
-    #[test]
-    fn disk_usage_measures_a_tree_deeper_than_path_max() {
-        let t = tempfile::tempdir().unwrap();
-        let root = t.path().join("layer");
-        fs::create_dir(&root).unwrap();
-        let name = "d".repeat(20);
-        let depth = 500; // 21 bytes a level: over 10,000 bytes of path
-        let mut dir = open_dir_nofollow(None, &root).unwrap();
-        for _ in 0..depth {
-            nix::sys::stat::mkdirat(&dir, name.as_str(), Mode::from_bits_truncate(0o755)).unwrap();
-            dir = open_dir_nofollow(Some(&dir), Path::new(&name)).unwrap();
-        }
-        let f = nix::fcntl::openat(
-            &dir,
-            "f",
-            nix::fcntl::OFlag::O_CREAT | nix::fcntl::OFlag::O_WRONLY,
-            Mode::from_bits_truncate(0o644),
-        )
-        .unwrap();
-        drop(f);
-        let (bytes, inodes) = disk_usage(&root).unwrap();
-        assert_eq!(inodes, 1 + depth + 1);
-        assert!(bytes > 0);
-    }
 
     #[test]
     fn copy_tree_keeps_links_modes_xattrs_and_times() {

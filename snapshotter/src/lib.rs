@@ -23,6 +23,7 @@ mod pipeline;
 mod snapshotter;
 mod store;
 mod stream;
+mod tree;
 
 pub use apply::{MAX_LONG_NAME, MAX_PATH_BYTES, MAX_PAX_BYTES, MAX_SPARSE_MAP_BYTES, unpack_into};
 pub use backend::overlay::check_support as overlay_supported;
