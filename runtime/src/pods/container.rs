@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
+use minicri_store::registry::bounded_to;
 use prost::Message;
 
 use super::store::{ContainerRecord, ContainerState, SandboxState};
@@ -154,7 +155,7 @@ impl PodService {
             &config.labels,
             &config.annotations,
         )?;
-        self.check_node_metadata(
+        let _claim = self.check_node_metadata(
             super::Listed::Containers,
             &config.labels,
             &config.annotations,
@@ -406,7 +407,7 @@ impl PodService {
         let shim = match started {
             Ok(s) => s,
             Err(e) => {
-                let msg = e.to_string();
+                let msg = bounded_to(e.to_string(), crate::error::MAX_STATUS_CHARS);
                 self.store.update_container(id, |r| {
                     r.state = ContainerState::Exited;
                     r.exit_code = 128;

@@ -90,6 +90,8 @@ pub struct PodService {
     /// Deadlines of the containers being stopped, which later stops can bring forward.
     stop_deadlines: stopping::StopDeadlines,
     infra: Mutex<Option<crate::pause::InfraRootfs>>,
+    /// Label and annotation bytes of the pods and containers being created, not recorded yet.
+    metadata_claims: Mutex<Claimed>,
 }
 
 /// The service's process seams: each runtime handler's OCI runtime and the containers'
@@ -136,17 +138,56 @@ pub(crate) enum Listed {
     Containers,
 }
 
+/// Bytes claimed from the node budgets by creations in progress.
+#[derive(Debug, Default)]
+struct Claimed {
+    pods: usize,
+    containers: usize,
+}
+
+impl Claimed {
+    fn of(&mut self, of: Listed) -> &mut usize {
+        match of {
+            Listed::Pods => &mut self.pods,
+            Listed::Containers => &mut self.containers,
+        }
+    }
+}
+
+/// A creation's share of a node budget, from its check until it is dropped (after the record
+/// is stored, which then counts it): creations running side by side cannot all pass a check
+/// that only counts what is recorded.
+#[must_use = "the claim must live until the record is stored"]
+pub(crate) struct MetadataClaim<'a> {
+    svc: &'a PodService,
+    of: Listed,
+    bytes: usize,
+}
+
+impl Drop for MetadataClaim<'_> {
+    fn drop(&mut self) {
+        let mut claimed = self.svc.metadata_claims.lock().unwrap();
+        let n = claimed.of(self.of);
+        *n = n.saturating_sub(self.bytes);
+    }
+}
+
 impl PodService {
     /// Refuses a new pod or container whose labels and annotations would bring those of its
-    /// kind on the node past [`MAX_NODE_METADATA_BYTES`] (RESOURCE_EXHAUSTED: room comes back
-    /// as others are removed).
+    /// kind on the node (recorded, or claimed by creations in progress) past
+    /// [`MAX_NODE_METADATA_BYTES`] (RESOURCE_EXHAUSTED: room comes back as others are removed).
+    /// Keep the claim until the record is stored.
     pub(crate) fn check_node_metadata(
         &self,
         of: Listed,
         labels: &Strings,
         annotations: &Strings,
-    ) -> Result<()> {
-        let held: usize = match of {
+    ) -> Result<MetadataClaim<'_>> {
+        let adding = map_bytes(labels) + map_bytes(annotations);
+        // Held while the recorded ones are counted, so that two checks cannot both pass on
+        // the same room.
+        let mut claimed = self.metadata_claims.lock().unwrap();
+        let recorded: usize = match of {
             Listed::Pods => (self.store.sandboxes().iter())
                 .map(|r| r.summary())
                 .map(|s| map_bytes(&s.labels) + map_bytes(&s.annotations))
@@ -156,7 +197,7 @@ impl PodService {
                 .map(|s| map_bytes(&s.labels) + map_bytes(&s.annotations))
                 .sum(),
         };
-        let adding = map_bytes(labels) + map_bytes(annotations);
+        let held = recorded + *claimed.of(of);
         if held + adding > MAX_NODE_METADATA_BYTES {
             let what = match of {
                 Listed::Pods => "pods",
@@ -168,7 +209,12 @@ impl PodService {
                 held + adding
             )));
         }
-        Ok(())
+        *claimed.of(of) += adding;
+        Ok(MetadataClaim {
+            svc: self,
+            of,
+            bytes: adding,
+        })
     }
 }
 
@@ -292,6 +338,7 @@ impl PodService {
             stats,
             stop_deadlines: Default::default(),
             infra: Mutex::new(None),
+            metadata_claims: Mutex::new(Claimed::default()),
         });
         svc.recover();
         Ok(svc)

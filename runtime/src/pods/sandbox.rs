@@ -61,9 +61,21 @@ fn validate_metadata(config: &cri::PodSandboxConfig) -> Result<&cri::PodSandboxM
     Ok(m)
 }
 
+/// Host ports one pod may publish: each is a set of NAT rules the portmap plugin writes into the
+/// node's tables, for every pod's traffic to walk.
+pub(crate) const MAX_HOST_PORTS: usize = 1024;
+
 /// Port mappings that publish a host port go to the CNI portmap plugin: checked here, so a bad
 /// one is refused by name before anything is created (not an INTERNAL from the plugin after).
+/// At most [`MAX_HOST_PORTS`] of them; mappings without a host port publish nothing and are not
+/// counted.
 fn validate_port_mappings(config: &cri::PodSandboxConfig) -> Result<()> {
+    let published = config.port_mappings.iter().filter(|p| p.host_port != 0);
+    if published.count() > MAX_HOST_PORTS {
+        return Err(Error::InvalidArgument(format!(
+            "sandbox config port_mappings: more than {MAX_HOST_PORTS} publish a host port"
+        )));
+    }
     for (i, p) in config.port_mappings.iter().enumerate() {
         let bad = |why: String| {
             Err(Error::InvalidArgument(format!(
@@ -119,7 +131,8 @@ impl PodService {
     ) -> Result<String> {
         let started = std::time::Instant::now();
         let meta = validate_metadata(&config)?.clone();
-        self.check_node_metadata(super::Listed::Pods, &config.labels, &config.annotations)?;
+        let _claim =
+            self.check_node_metadata(super::Listed::Pods, &config.labels, &config.annotations)?;
         let handler = self.handler_for_new_pod(&runtime_handler).await?;
         let host = self.host_for(handler);
         oci::sandbox::validate_sysctls(&config)?;
@@ -639,6 +652,22 @@ mod tests {
         ] {
             invalid(&with(bad), want);
         }
+        let many = |n: usize, host_port: i32| cri::PodSandboxConfig {
+            port_mappings: vec![
+                cri::PortMapping {
+                    host_port,
+                    ..good.clone()
+                };
+                n
+            ],
+            ..meta("web", "default", "u")
+        };
+        validate_metadata(&many(MAX_HOST_PORTS, 5353)).unwrap();
+        validate_metadata(&many(MAX_HOST_PORTS * 4, 0)).unwrap();
+        invalid(
+            &many(MAX_HOST_PORTS + 1, 5353),
+            "more than 1024 publish a host port",
+        );
     }
 
     /// Bandwidth annotations, read by the CNI ADD that runs beside the infra's creation, are

@@ -503,6 +503,45 @@ async fn an_update_during_a_start_waits_for_it_and_reaches_the_running_container
     assert_eq!(std::fs::read(&config).unwrap(), written, "bundle rewritten");
 }
 
+/// A runtime's start error goes into the container's record (ContainerStatus' message, and the
+/// kubelet's events) cut to what a status carries: runc quotes the command it could not find,
+/// which a pod spec or an image config can make megabytes long.
+#[tokio::test]
+async fn a_start_error_is_recorded_cut_to_a_status_message() {
+    use super::store::{ContainerRecord, ContainerState};
+    let node = Node::new();
+    let svc = node.service();
+    let sandbox_id = run(&svc, "web").await;
+    let bundle = node.dir.path().join("bundle-c1");
+    std::fs::create_dir_all(&bundle).unwrap();
+    oci_spec::runtime::Spec::default()
+        .save(bundle.join("config.json"))
+        .unwrap();
+    let mut rec = ContainerRecord::exited("c1", "c1_web");
+    rec.sandbox_id = sandbox_id;
+    rec.state = ContainerState::Created;
+    rec.bundle = bundle;
+    svc.store.put_container(rec).unwrap();
+    let huge = format!(
+        "exec: \"{}\": executable file not found",
+        "x".repeat(4 << 20)
+    );
+    node.fake.fail("start", &huge);
+    svc.start_container("c1".into()).await.unwrap_err();
+    let rec = svc.store.container("c1").unwrap();
+    assert_eq!(rec.reason, "StartError");
+    assert!(
+        rec.message.contains("exec: \"xxx"),
+        "{}",
+        &rec.message[..64]
+    );
+    let chars = rec.message.chars().count();
+    assert!(
+        chars <= crate::error::MAX_STATUS_CHARS + 16,
+        "{chars} characters"
+    );
+}
+
 /// Names and commands a relist or an exec would carry to every caller are bounded and refused
 /// by name before anything is looked up or created.
 #[tokio::test]
@@ -540,6 +579,33 @@ async fn long_container_names_and_exec_commands_are_refused() {
         );
     }
     super::exec::check_cmd(&vec!["x".repeat(1 << 16); 3]).unwrap();
+}
+
+/// Pods created side by side (a scale-up onto one node) share the budget too: each claims its
+/// bytes at its check, so the ones past the budget are refused although none is recorded yet.
+#[tokio::test]
+async fn pods_created_at_once_cannot_all_take_the_same_room() {
+    let node = Node::new();
+    let svc = node.service();
+    let fit = super::MAX_NODE_METADATA_BYTES / super::MAX_METADATA_BYTES;
+    let runs = (0..fit + 4).map(|i| {
+        let mut c = host_pod(&format!("p{i}"));
+        c.annotations
+            .insert("note".into(), "x".repeat(super::MAX_METADATA_BYTES - 16));
+        svc.run_pod_sandbox(c, String::new())
+    });
+    let results = futures::future::join_all(runs).await;
+    let refused: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert_eq!(results.len() - refused.len(), fit, "{refused:?}");
+    assert!(
+        refused
+            .iter()
+            .all(|e| e.code() == tonic::Code::ResourceExhausted),
+        "{refused:?}"
+    );
+    // The claims of the refused and of the recorded ones are all given back: only recorded
+    // pods hold room now.
+    assert_eq!(svc.metadata_claims.lock().unwrap().pods, 0);
 }
 
 /// The labels and annotations of all the node's pods stay within what one relist can carry:
