@@ -208,33 +208,40 @@ async fn expire(pairs: &mut HashMap<String, (Instant, Pair)>) {
 }
 
 /// Connects to `localhost:port` in `netns` (the host's when `None`): 127.0.0.1, then ::1.
+///
+/// The two sockets are made in the namespace (by a thread that joins it for that moment: a
+/// socket stays in the namespace it was made in) and connect from the async workers, each within
+/// [`CONNECT_TIMEOUT`]: a port whose listener never answers (a full backlog drops the SYNs) holds
+/// no thread while it is tried, so clients cannot fill the blocking pool with dials.
 pub async fn connect(netns: Option<PathBuf>, port: u16) -> Result<TcpStream, String> {
-    let dial = move || -> Result<std::net::TcpStream, String> {
-        let v4 = std::net::TcpStream::connect_timeout(
-            &(std::net::Ipv4Addr::LOCALHOST, port).into(),
-            CONNECT_TIMEOUT,
-        );
-        let e4 = match v4 {
-            Ok(s) => return Ok(s),
-            Err(e) => e,
-        };
-        std::net::TcpStream::connect_timeout(
-            &(std::net::Ipv6Addr::LOCALHOST, port).into(),
-            CONNECT_TIMEOUT,
-        )
-        .map_err(|e6| format!("IPv4: {e4}; IPv6: {e6}"))
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
+    // A namespace without IPv6 cannot make the second one; that is its dial's error.
+    type Made = nix::Result<std::net::TcpStream>;
+    let make = || -> [Made; 2] {
+        let flags = SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC;
+        [AddressFamily::Inet, AddressFamily::Inet6]
+            .map(|family| socket(family, SockType::Stream, flags, None).map(Into::into))
     };
-    let std_stream = tokio::task::spawn_blocking(move || match &netns {
-        // A dedicated thread joins the namespace and dies with it; the socket stays there.
-        Some(path) => crate::netns::run_in(path, dial).map_err(|e| e.to_string())?,
-        None => dial(),
+    let [v4, v6] = tokio::task::spawn_blocking(move || match &netns {
+        Some(path) => crate::netns::run_in(path, make).map_err(|e| e.to_string()),
+        None => Ok(make()),
     })
     .await
     .map_err(|e| format!("connecting: {e}"))??;
-    std_stream
-        .set_nonblocking(true)
-        .map_err(|e| format!("socket: {e}"))?;
-    TcpStream::from_std(std_stream).map_err(|e| format!("socket: {e}"))
+    let dial = |socket: Made, ip: std::net::IpAddr| async move {
+        let socket = tokio::net::TcpSocket::from_std_stream(socket.map_err(|e| e.to_string())?);
+        match tokio::time::timeout(CONNECT_TIMEOUT, socket.connect((ip, port).into())).await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("no answer in {CONNECT_TIMEOUT:?}")),
+        }
+    };
+    let e4 = match dial(v4, std::net::Ipv4Addr::LOCALHOST.into()).await {
+        Ok(s) => return Ok(s),
+        Err(e) => e,
+    };
+    dial(v6, std::net::Ipv6Addr::LOCALHOST.into())
+        .await
+        .map_err(|e6| format!("IPv4: {e4}; IPv6: {e6}"))
 }
 
 /// Connects to `localhost:port` in the pod of `req`; the error is the text a client shows.
@@ -371,6 +378,54 @@ mod tests {
     use crate::stream::spdy::headers::Headers;
     use crate::stream::spdy::test_peer::Peer;
     use crate::stream::spdy::{FLAG_FIN, Frame};
+
+    /// A listener that never accepts, with a full backlog, drops the SYNs sent to it: a dial
+    /// there waits for its timeout. It waits on the async workers, not on a blocking thread, so
+    /// a client dialling such a port by the hundred leaves the blocking pool (record writes,
+    /// unpacks, removals) free.
+    #[test]
+    fn a_dial_that_gets_no_answer_holds_no_blocking_thread() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .max_blocking_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+            let listener = socket.listen(0).unwrap();
+            let addr = listener.local_addr().unwrap();
+            let mut queued = Vec::new();
+            for _ in 0..3 {
+                let c = tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(addr));
+                if let Ok(Ok(c)) = c.await {
+                    queued.push(c);
+                }
+            }
+            assert!(!queued.is_empty(), "the backlog takes one connection");
+            let dials: Vec<_> = (0..4)
+                .map(|_| tokio::spawn(connect(None, addr.port())))
+                .collect();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert!(
+                dials.iter().all(|d| !d.is_finished()),
+                "the dials wait for an answer"
+            );
+            let free = tokio::time::timeout(
+                Duration::from_secs(2),
+                tokio::task::spawn_blocking(|| "free"),
+            )
+            .await;
+            assert!(
+                matches!(free, Ok(Ok("free"))),
+                "a dial holds the only blocking thread"
+            );
+            for d in dials {
+                d.abort();
+            }
+        });
+    }
 
     #[test]
     fn ports_are_checked() {
