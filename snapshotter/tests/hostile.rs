@@ -19,6 +19,7 @@ both_backends!(
     implicit_dirs_count_against_the_entry_cap,
     byte_cap,
     byte_cap_counts_a_gzip_bomb,
+    byte_cap_counts_hardlink_copy_ups,
     byte_cap_counts_sparse_holes,
     gnu_sparse_is_written_sparsely,
     pax_sparse_formats_are_written_sparsely,
@@ -229,6 +230,50 @@ fn byte_cap(b: Backend) {
     tar.extend(std::iter::repeat_n(0u8, 2 << 20));
     let err = try_apply(&s, None, &tar, None).unwrap_err();
     limit_err(&err, "max_layer_bytes");
+}
+
+/// A hardlink to a file of a lower layer makes the overlay backend copy that file up (both names
+/// must live in one layer): a layer of a few hardlink headers could make the daemon write every
+/// lower layer's files again, in each of 500 layers. The copies count against the layer's bytes.
+/// (The copy backend copies its parent whole when the snapshot is prepared, whatever the layer
+/// holds; its hardlinks copy nothing.)
+fn byte_cap_counts_hardlink_copy_ups(b: Backend) {
+    let (_d, s) = open_with(
+        b,
+        Options {
+            max_layer_bytes: 1 << 20,
+            ..Default::default()
+        },
+    );
+    let mut l = Layer::new();
+    l.file("a", &vec![1u8; 768 << 10]);
+    let first = apply(&s, None, &l.finish());
+    let mut l = Layer::new();
+    l.file("b", &vec![2u8; 768 << 10]);
+    let second = apply(&s, Some(&first), &l.finish());
+    let mut l = Layer::new();
+    l.hardlink("ha", "a").hardlink("hb", "b");
+    let links = l.finish();
+    match b {
+        Backend::Overlay => {
+            let err = try_apply(&s, Some(&second), &links, None).unwrap_err();
+            limit_err(&err, "max_layer_bytes");
+            assert!(err.to_string().contains("copies up b"), "{err}");
+        }
+        Backend::Copy => {
+            let chain = apply(&s, Some(&second), &links);
+            with_view(&s, &chain, |root| {
+                assert_eq!(fs::read(root.join("hb")).unwrap(), vec![2u8; 768 << 10]);
+            });
+        }
+    }
+    // One copy up fits.
+    let mut l = Layer::new();
+    l.hardlink("ha", "a");
+    let chain = apply(&s, Some(&second), &l.finish());
+    with_view(&s, &chain, |root| {
+        assert_eq!(fs::read(root.join("ha")).unwrap(), vec![1u8; 768 << 10]);
+    });
 }
 
 fn byte_cap_counts_a_gzip_bomb(b: Backend) {

@@ -95,6 +95,8 @@ enum EntryError {
     Path(PathError),
     Stream(io::Error),
     Io(&'static str, io::Error),
+    /// Past a limit of the layer, already naming it.
+    Layer(Error),
 }
 
 impl From<PathError> for EntryError {
@@ -112,6 +114,7 @@ impl EntryError {
             EntryError::Path(PathError::Io(e)) => Error::io(format!("layer entry {entry:?}"), e),
             EntryError::Stream(source) => Error::LayerStream { source },
             EntryError::Io(what, e) => Error::io(format!("layer entry {entry:?}: {what}"), e),
+            EntryError::Layer(e) => e,
         }
     }
 }
@@ -265,7 +268,18 @@ impl Applier {
                 let tparent = self
                     .resolver
                     .resolve_dir(t, target.parent().unwrap_or(Path::new("")))?;
-                let src = t.link_source(&tparent.join(tname))?;
+                let source = tparent.join(tname);
+                let copied = t
+                    .copy_up_bytes(&source)
+                    .at("looking up the hardlink target")?;
+                data.charge(copied, || {
+                    format!(
+                        "a hardlink copies up {} ({copied} bytes) from a lower layer",
+                        source.display()
+                    )
+                })
+                .map_err(EntryError::Layer)?;
+                let src = t.link_source(&source)?;
                 if src != path {
                     create(t, &mut self.resolver, &rel, false, || {
                         fs::hard_link(&src, &path)

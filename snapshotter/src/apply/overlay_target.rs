@@ -391,6 +391,16 @@ impl Target for OverlayTarget {
         fsutil::set_opaque(&self.upper.join(dir))
     }
 
+    fn copy_up_bytes(&self, rel: &Path) -> io::Result<u64> {
+        Ok(match self.lookup_for(rel, Probe::Exact)? {
+            // What the copy will hold on disk: its holes stay holes.
+            Some((path, m)) if !m.is_dir() && path != self.upper.join(rel) => m
+                .len()
+                .min(std::os::unix::fs::MetadataExt::blocks(&m).saturating_mul(512)),
+            _ => 0,
+        })
+    }
+
     fn link_source(&mut self, rel: &Path) -> Result<PathBuf, PathError> {
         let Some((path, m)) = self.lookup_for(rel, Probe::Exact)? else {
             return Err(PathError::Invalid(format!(

@@ -135,7 +135,7 @@ impl<R: Read> TarReader<R> {
     }
 
     /// Charges `n` more bytes against `max_bytes`.
-    fn charge(&mut self, n: u64, what: impl FnOnce() -> String) -> Result<(), Error> {
+    pub(crate) fn charge(&mut self, n: u64, what: impl FnOnce() -> String) -> Result<(), Error> {
         self.charged = self.charged.saturating_add(n);
         if self.charged > self.limits.max_bytes {
             return Err(Error::LayerLimit {

@@ -74,6 +74,11 @@ pub(crate) trait Target {
     fn opaque(&mut self, dir: &Path) -> io::Result<()>;
     /// The writable-tree path of the non-directory `rel` shows, for a hardlink to it.
     fn link_source(&mut self, rel: &Path) -> Result<PathBuf, PathError>;
+    /// The bytes [`Target::link_source`] would copy into this layer for `rel` (a file of a lower
+    /// layer is copied up, so both names live in this one): charged to the layer before the copy.
+    fn copy_up_bytes(&self, _rel: &Path) -> io::Result<u64> {
+        Ok(0)
+    }
     /// Records that this layer wrote `rel`.
     fn created(&mut self, rel: &Path);
     /// Xattrs of an existing directory that survive when a directory entry replaces its metadata.
