@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use minicri_store::registry::{
     Credentials, FetchedManifest, MAX_MANIFEST_BYTES, MAX_MESSAGE_CHARS, MAX_TOKEN_BYTES, Registry,
-    realm_may_get_credentials,
+    realm_may_be_asked, realm_may_get_credentials,
 };
 use minicri_store::{Digest, ErrorKind, Reference, RegistryHosts, StoreError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -703,6 +703,29 @@ async fn a_partial_answer_that_starts_elsewhere_is_refused() {
         .expect("refused");
     let err = session.fold_errors("blob", err);
     assert!(err.to_string().contains("starting at Some(0)"), "{err}");
+}
+
+/// A registry reached over https cannot send the daemon to a plain-http token realm (a cloud's
+/// metadata service, say, whose error answers a failed token request would quote), unless the
+/// realm is a loopback IP literal; a plain-http registry may, as may any https realm.
+#[test]
+fn plain_http_realms_are_asked_only_for_plain_http_registries() {
+    let u = |s: &str| reqwest::Url::parse(s).unwrap();
+    let tls = u("https://registry.example/v2/a/manifests/1");
+    let plain = u("http://10.0.0.5:5000/v2/a/manifests/1");
+    let metadata = u("http://169.254.169.254/latest/meta-data/iam/security-credentials/");
+    let err = realm_may_be_asked(&metadata, &tls).unwrap_err();
+    assert!(
+        err.contains("refusing the token realm http://169.254.169.254/"),
+        "{err}"
+    );
+    assert!(err.contains("plain http"), "{err}");
+    realm_may_be_asked(&u("http://auth.example/token"), &tls).unwrap_err();
+    realm_may_be_asked(&u("https://auth.example/token"), &tls).unwrap();
+    realm_may_be_asked(&u("http://127.0.0.1:5001/token"), &tls).unwrap();
+    realm_may_be_asked(&u("http://[::1]:5001/token"), &tls).unwrap();
+    realm_may_be_asked(&u("http://10.0.0.5:5001/token"), &plain).unwrap();
+    realm_may_be_asked(&u("https://auth.example/token"), &plain).unwrap();
 }
 
 #[test]

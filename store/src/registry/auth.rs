@@ -87,6 +87,24 @@ impl Credentials {
     }
 }
 
+/// Whether a token realm may be asked at all, for a registry reached at `endpoint`: over https,
+/// or over plain http only when the registry itself is (the operator said `http://`, or it is a
+/// loopback IP literal) or the realm is a loopback IP literal. The rule of redirects: a registry
+/// reached over https cannot send the daemon to a plain-http address, such as a cloud's metadata
+/// service on 169.254.169.254, whose answers a token request's error would quote.
+pub fn realm_may_be_asked(realm: &Url, endpoint: &Url) -> Result<(), String> {
+    match realm.scheme() {
+        "https" => Ok(()),
+        "http" if endpoint.scheme() == "http" || realm.host_str().is_some_and(is_loopback_ip) => {
+            Ok(())
+        }
+        "http" => Err(format!(
+            "refusing the token realm {realm}: plain http, for a registry reached over https"
+        )),
+        other => Err(format!("refusing the token realm {realm}: scheme {other}")),
+    }
+}
+
 /// May credentials for the hosts `allowed` be sent to the token realm `realm`? Only over https
 /// (or plain http to a loopback IP literal), and only to one of those hosts or to a host of the
 /// same site: the parent domain of an allowed host (at least two labels) or a subdomain of it,
@@ -332,6 +350,7 @@ impl EndpointCreds {
                 .ok()
                 .filter(|u| matches!(u.scheme(), "http" | "https"))
                 .ok_or_else(|| unauthenticated(format!("bad token realm {realm:?}")))?;
+            realm_may_be_asked(&realm_url, endpoint_url).map_err(unauthenticated)?;
             let (offered, withheld) = if matches!(self.offered, Offered::None)
                 || realm_may_get_credentials(realm, &self.cred_hosts)
             {

@@ -32,7 +32,7 @@ use futures::stream::BoxStream;
 use reqwest::header::{self, HeaderMap, HeaderValue};
 use reqwest::{StatusCode, Url};
 
-pub use auth::{Credentials, MAX_TOKEN_BYTES, realm_may_get_credentials};
+pub use auth::{Credentials, MAX_TOKEN_BYTES, realm_may_be_asked, realm_may_get_credentials};
 
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
