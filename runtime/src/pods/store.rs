@@ -189,8 +189,8 @@ mod hex_bytes {
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<[u8]>, D::Error> {
         let s = String::deserialize(d)?;
-        if s.len() % 2 != 0 {
-            return Err(serde::de::Error::custom("odd hex length"));
+        if s.len() % 2 != 0 || !s.is_ascii() {
+            return Err(serde::de::Error::custom("not hex: odd length or not ASCII"));
         }
         (0..s.len())
             .step_by(2)
@@ -626,6 +626,26 @@ mod tests {
         for dir in ["sandboxes", "containers", REMOVING] {
             assert!(!d.path().join(dir).join("x.json.tmp").exists(), "{dir}");
         }
+    }
+
+    /// A record whose config is not hex (a hand edit, a corrupted disk) is skipped at open
+    /// with a warning like any unreadable record; a multi-byte character across a pair of digits
+    /// used to panic the daemon's start.
+    #[test]
+    fn a_record_with_a_config_that_is_not_hex_is_skipped_at_open() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path()).unwrap();
+        s.put_sandbox(sandbox("id1", "n")).unwrap();
+        s.put_sandbox(sandbox("id2", "m")).unwrap();
+        drop(s);
+        let path = d.path().join("sandboxes").join("id2.json");
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        v["config"] = "a\u{e9}b".into(); // 4 bytes, the 2nd and 3rd one character
+        std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+        let s = Store::open(d.path()).unwrap();
+        assert!(s.sandbox("id1").is_some());
+        assert!(s.sandbox("id2").is_none());
     }
 
     #[test]

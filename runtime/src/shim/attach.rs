@@ -85,7 +85,7 @@ impl Attachments {
                 return true;
             }
             if s.queued.load(Ordering::Relaxed) + data.len() > ATTACH_QUEUE_BYTES {
-                eprintln!(
+                note!(
                     "minicri shim: attach session {} is {ATTACH_QUEUE_BYTES} bytes behind: cut off",
                     s.id
                 );
@@ -97,7 +97,7 @@ impl Attachments {
                     true
                 }
                 Err(std::sync::mpsc::TrySendError::Full(_)) => {
-                    eprintln!(
+                    note!(
                         "minicri shim: attach session {} is {ATTACH_QUEUE} chunks behind: cut off",
                         s.id
                     );
@@ -126,7 +126,7 @@ impl Attachments {
         if let Some(f) = stdin.as_mut()
             && let Err(e) = f.write_all(data)
         {
-            eprintln!("minicri shim: write to the container's stdin: {e}");
+            note!("minicri shim: write to the container's stdin: {e}");
             *stdin = None;
         }
     }
@@ -151,7 +151,7 @@ impl Attachments {
         if let Some(master) = self.terminal.lock().unwrap().as_ref()
             && let Err(e) = crate::stream::pty::resize(master, width, height)
         {
-            eprintln!("minicri shim: resize the terminal: {e}");
+            note!("minicri shim: resize the terminal: {e}");
         }
     }
 }
@@ -242,7 +242,7 @@ fn read_input(mut conn: UnixStream, a: &Attachments, id: u64, with_stdin: bool) 
                 },
                 Ok(None) => break,
                 Err(e) => {
-                    eprintln!("minicri shim: attach session {id}: {e}");
+                    note!("minicri shim: attach session {id}: {e}");
                     break 'read;
                 }
             }

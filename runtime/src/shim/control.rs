@@ -28,7 +28,7 @@ pub(super) fn serve(listener: UnixListener, shared: Arc<Shared>) {
         let shared = shared.clone();
         std::thread::spawn(move || {
             if let Err(e) = handle(conn, &shared) {
-                eprintln!("minicri shim: control connection: {e}");
+                note!("minicri shim: control connection: {e}");
             }
         });
     }

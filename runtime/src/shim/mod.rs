@@ -51,6 +51,16 @@
 //! the shim watches while the container runs, [`oom`]). SIGUSR1 to the shim also reopens the
 //! log. Once the shim is gone, `exit.json` is the record; a shim gone without one was killed.
 
+/// A line to the shim's own log (its stderr, a file in the state directory). Unlike `eprintln!`,
+/// a log that cannot be written (a full `/run`) loses the line instead of panicking the thread,
+/// which may hold a lock the container's output needs.
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 pub mod attach;
 pub mod client;
 pub mod console;

@@ -114,7 +114,7 @@ pub fn main(args: ShimArgs) -> ExitCode {
             Ok(nix::unistd::ForkResult::Parent { .. }) => return ExitCode::SUCCESS,
             Ok(nix::unistd::ForkResult::Child) => {}
             Err(e) => {
-                eprintln!("minicri shim: fork: {e}");
+                note!("minicri shim: fork: {e}");
                 return ExitCode::FAILURE;
             }
         }
@@ -129,7 +129,7 @@ pub fn main(args: ShimArgs) -> ExitCode {
     match run(&args, &mut ready) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("minicri shim {}: {e}", args.id);
+            note!("minicri shim {}: {e}", args.id);
             report(
                 &mut ready,
                 &Ready {
@@ -361,7 +361,7 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
     };
     let json = serde_json::to_vec(&record).map_err(|e| e.to_string())?;
     if let Err(e) = write_atomic(&paths.exit_file(), &json, 0o600) {
-        eprintln!("minicri shim {}: write exit file: {e}", args.id);
+        note!("minicri shim {}: write exit file: {e}", args.id);
     }
     *shared.exited.lock().unwrap() = Some(record);
     shared.cond.notify_all();

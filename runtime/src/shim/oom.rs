@@ -44,12 +44,12 @@ impl OomWatch {
         let inotify = match Inotify::init(InitFlags::IN_CLOEXEC) {
             Ok(i) => i,
             Err(e) => {
-                eprintln!("oom watch: inotify: {e}");
+                note!("oom watch: inotify: {e}");
                 return None;
             }
         };
         if let Err(e) = inotify.add_watch(file, AddWatchFlags::IN_MODIFY) {
-            eprintln!("oom watch: {}: {e}", file.display());
+            note!("oom watch: {}: {e}", file.display());
             return None;
         }
         let kills = Arc::new(AtomicU64::new(0));
@@ -77,7 +77,7 @@ impl OomWatch {
                         Some(n) => {
                             kills.fetch_max(n, Ordering::SeqCst);
                         }
-                        None => eprintln!(
+                        None => note!(
                             "oom watch: {} changed but could not be read (its cgroup is gone?)",
                             file.display()
                         ),

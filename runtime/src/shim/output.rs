@@ -29,7 +29,7 @@ pub(super) fn pump(fd: OwnedFd, stream: Stream, log: &SharedLog, attach: &Attach
             // disk) must not add a line there for every entry the container writes.
             failures += 1;
             if failures.is_power_of_two() {
-                eprintln!(
+                note!(
                     "minicri shim: write {}: {e} ({failures} {} entries lost so far)",
                     f.path().display(),
                     stream.as_str()
@@ -47,7 +47,7 @@ pub(super) fn pump(fd: OwnedFd, stream: Stream, log: &SharedLog, attach: &Attach
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) if e.raw_os_error() == Some(libc::EIO) => break,
             Err(e) => {
-                eprintln!("minicri shim: read {}: {e}", stream.as_str());
+                note!("minicri shim: read {}: {e}", stream.as_str());
                 break;
             }
         }
@@ -69,7 +69,7 @@ pub(super) fn signal_loop(signals: SigSet, log: SharedLog) {
         match signals.wait() {
             Ok(Signal::SIGUSR1) => {
                 if let Err(e) = reopen(&log) {
-                    eprintln!("minicri shim: {e}");
+                    note!("minicri shim: {e}");
                 }
             }
             Ok(_) => {}
