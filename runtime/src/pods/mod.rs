@@ -478,7 +478,8 @@ impl PodService {
 
     /// The handler a new pod asked for (`""`: the default), known and working here.
     pub(crate) async fn handler_for_new_pod(&self, name: &str) -> Result<&Arc<Handler>> {
-        let env = self.probe_env()?;
+        // The first call (or every call while it keeps failing) sets up the infra rootfs on disk.
+        let env = crate::fsutil::off_async(|| self.probe_env())?;
         Ok(self.handlers.for_new_pod(name, &env).await?)
     }
 
