@@ -142,8 +142,21 @@ impl Daemon {
         if refresh {
             let me = self.clone();
             let walk = tokio::task::spawn_blocking(move || {
-                let (cb, ci) = me.content.usage();
-                let snap = me.snapshotter.total_usage();
+                // A panic in the walks (a bug) must still end the refresh, or none would start
+                // again and every later ImageFsInfo would answer the same old figures.
+                let walked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    (me.content.usage(), me.snapshotter.total_usage())
+                }));
+                let ((cb, ci), snap) = walked.unwrap_or_else(|_| {
+                    let panicked = std::io::Error::other("the walk panicked");
+                    (
+                        (0, 0),
+                        Err(minicri_snapshotter::Error::Io {
+                            context: "measuring the image filesystem".into(),
+                            source: panicked,
+                        }),
+                    )
+                });
                 let mut u = me.fs_usage.lock().unwrap();
                 u.refreshing = false;
                 match snap {
