@@ -455,25 +455,32 @@ async fn an_undo_that_hangs_at_start_does_not_keep_the_daemon_from_serving() {
     assert_nothing_left(&node, &svc);
 }
 
+/// A pod "web" and, in it, the container `id` as CreateContainer leaves it (recorded as created,
+/// with a bundle holding a default spec): returns the bundle's config.json.
+async fn created_container(node: &Node, svc: &Arc<PodService>, id: &str) -> std::path::PathBuf {
+    use super::store::{ContainerRecord, ContainerState};
+    let sandbox_id = run(svc, "web").await;
+    let bundle = node.dir.path().join(format!("bundle-{id}"));
+    std::fs::create_dir_all(&bundle).unwrap();
+    let config = bundle.join("config.json");
+    oci_spec::runtime::Spec::default().save(&config).unwrap();
+    let mut rec = ContainerRecord::exited(id, &format!("{id}_web"));
+    rec.sandbox_id = sandbox_id;
+    rec.state = ContainerState::Created;
+    rec.bundle = bundle;
+    svc.store.put_container(rec).unwrap();
+    config
+}
+
 /// UpdateContainerResources of a container that StartContainer is starting waits for the start
 /// (the container's op lock): the update then goes to the running container through the
 /// runtime, instead of into a bundle the runtime has already read, where it would be lost.
 #[tokio::test]
 async fn an_update_during_a_start_waits_for_it_and_reaches_the_running_container() {
-    use super::store::{ContainerRecord, ContainerState};
     let node = Node::new();
     let svc = node.service();
-    let sandbox_id = run(&svc, "web").await;
-    let bundle = node.dir.path().join("bundle-c1");
-    std::fs::create_dir_all(&bundle).unwrap();
-    let config = bundle.join("config.json");
-    oci_spec::runtime::Spec::default().save(&config).unwrap();
+    let config = created_container(&node, &svc, "c1").await;
     let written = std::fs::read(&config).unwrap();
-    let mut rec = ContainerRecord::exited("c1", "c1_web");
-    rec.sandbox_id = sandbox_id;
-    rec.state = ContainerState::Created;
-    rec.bundle = bundle.clone();
-    svc.store.put_container(rec).unwrap();
 
     node.fake.hang("start");
     let start = tokio::spawn({
@@ -508,20 +515,9 @@ async fn an_update_during_a_start_waits_for_it_and_reaches_the_running_container
 /// which a pod spec or an image config can make megabytes long.
 #[tokio::test]
 async fn a_start_error_is_recorded_cut_to_a_status_message() {
-    use super::store::{ContainerRecord, ContainerState};
     let node = Node::new();
     let svc = node.service();
-    let sandbox_id = run(&svc, "web").await;
-    let bundle = node.dir.path().join("bundle-c1");
-    std::fs::create_dir_all(&bundle).unwrap();
-    oci_spec::runtime::Spec::default()
-        .save(bundle.join("config.json"))
-        .unwrap();
-    let mut rec = ContainerRecord::exited("c1", "c1_web");
-    rec.sandbox_id = sandbox_id;
-    rec.state = ContainerState::Created;
-    rec.bundle = bundle;
-    svc.store.put_container(rec).unwrap();
+    created_container(&node, &svc, "c1").await;
     let huge = format!(
         "exec: \"{}\": executable file not found",
         "x".repeat(4 << 20)
