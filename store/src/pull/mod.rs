@@ -958,8 +958,16 @@ impl PullManager {
             let min_speed = self.config.min_speed;
             tokio::spawn(async move { mgr.watchdog(job, t, min_speed).await })
         });
+        // A panic in the pull (a bug) fails this job like an error: left to unwind, it would
+        // leave the job listed with no result, and every later pull of the image would join it.
+        let content = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
+            self.pull_content(&job, &session, &top),
+        ));
         let result = tokio::select! {
-            r = self.pull_content(&job, &session, &top) => r,
+            r = content => r.unwrap_or_else(|_| Err(StoreError::io(
+                format!("pulling {}", job.reference),
+                std::io::Error::other("the pull panicked (a bug: see the daemon's log)"),
+            ))),
             _ = job.cancel.cancelled() => Err(StoreError::Cancelled(format!("pull of {} stopped: no requester left", job.reference))),
         };
         if let Some(w) = watchdog {
