@@ -87,22 +87,18 @@ impl Credentials {
     }
 }
 
-/// Whether a token realm may be asked at all, for a registry reached at `endpoint`: over https,
-/// or over plain http only when the registry itself is (the operator said `http://`, or it is a
-/// loopback IP literal) or the realm is a loopback IP literal. The rule of redirects: a registry
+/// Whether a token realm (already checked to be http or https) may be asked, for a registry
+/// reached at `endpoint`: over https, or over plain http only when the registry itself is (the
+/// operator said `http://`, or it is a loopback IP literal) or the realm is a loopback IP literal. The rule of redirects: a registry
 /// reached over https cannot send the daemon to a plain-http address, such as a cloud's metadata
 /// service on 169.254.169.254, whose answers a token request's error would quote.
 pub fn realm_may_be_asked(realm: &Url, endpoint: &Url) -> Result<(), String> {
-    match realm.scheme() {
-        "https" => Ok(()),
-        "http" if endpoint.scheme() == "http" || realm.host_str().is_some_and(is_loopback_ip) => {
-            Ok(())
-        }
-        "http" => Err(format!(
+    if http::is_downgrade(endpoint, realm) {
+        return Err(format!(
             "refusing the token realm {realm}: plain http, for a registry reached over https"
-        )),
-        other => Err(format!("refusing the token realm {realm}: scheme {other}")),
+        ));
     }
+    Ok(())
 }
 
 /// May credentials for the hosts `allowed` be sent to the token realm `realm`? Only over https
