@@ -114,25 +114,7 @@ fn check_name(name: &str) -> io::Result<()> {
 /// reused. On any failure nothing is left behind.
 pub fn create(dir: &Path, name: &str) -> Result<PathBuf> {
     check_name(name).map_err(err("create", &dir.join(name)))?;
-    prepare_dir(dir)?;
-    let path = dir.join(name);
-    if exists(&path) {
-        return Err(err("create", &path)(io::Error::new(
-            io::ErrorKind::AlreadyExists,
-            "a network namespace is already mounted there",
-        )));
-    }
-    // The mount point: an empty file, as `ip netns add` makes it.
-    match OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o444)
-        .open(&path)
-    {
-        Ok(_) => {}
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(err("create mount point", &path)(e)),
-    }
+    let path = mount_point(dir, name, "create")?;
     let target = path.clone();
     let made = std::thread::Builder::new()
         .name("netns-create".into())
@@ -161,24 +143,7 @@ pub fn pin(dir: &Path, name: &str, ns_file: &Path) -> Result<PathBuf> {
             "not a namespace file",
         )));
     }
-    prepare_dir(dir)?;
-    let path = dir.join(name);
-    if exists(&path) {
-        return Err(err("pin", &path)(io::Error::new(
-            io::ErrorKind::AlreadyExists,
-            "a network namespace is already mounted there",
-        )));
-    }
-    match OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o444)
-        .open(&path)
-    {
-        Ok(_) => {}
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(err("create mount point", &path)(e)),
-    }
+    let path = mount_point(dir, name, "pin")?;
     if let Err(e) = mount(
         Some(ns_file),
         &path,
@@ -190,6 +155,30 @@ pub fn pin(dir: &Path, name: &str, ns_file: &Path) -> Result<PathBuf> {
         return Err(err("pin", &path)(errno(e)));
     }
     Ok(path)
+}
+
+/// Prepares `dir` and makes `<dir>/<name>` the mount point for a namespace (`op` names the caller
+/// in errors): an empty file, as `ip netns add` makes it. AlreadyExists when a live namespace is
+/// pinned there; a leftover plain file (a crash between making it and mounting onto it) is reused.
+fn mount_point(dir: &Path, name: &str, op: &'static str) -> Result<PathBuf> {
+    prepare_dir(dir)?;
+    let path = dir.join(name);
+    if exists(&path) {
+        return Err(err(op, &path)(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "a network namespace is already mounted there",
+        )));
+    }
+    match OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o444)
+        .open(&path)
+    {
+        Ok(_) => Ok(path),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(path),
+        Err(e) => Err(err("create mount point", &path)(e)),
+    }
 }
 
 /// Runs on its own thread, which exits afterwards: only this thread enters the new namespace.

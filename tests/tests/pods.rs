@@ -113,18 +113,30 @@ async fn pod_and_container_lifecycle() {
     assert_eq!(running.state, cri::ContainerState::ContainerRunning as i32);
     assert!(running.started_at > 0);
     assert_eq!(running.log_path, log.display().to_string());
-    let listed = c
-        .list_containers(cri::ListContainersRequest {
-            filter: Some(cri::ContainerFilter {
-                pod_sandbox_id: sb.clone(),
-                ..Default::default()
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
-    assert_eq!(listed.len(), 1);
+    // Listing by pod and by labels: every pair of the selector must match.
+    let hash = "io.kubernetes.container.hash";
+    for (selector, want) in [
+        (vec![(hash, "1234")], 1),
+        (vec![(hash, "4321")], 0),
+        (vec![(hash, "1234"), ("app", "x")], 0),
+    ] {
+        let listed = c
+            .list_containers(cri::ListContainersRequest {
+                filter: Some(cri::ContainerFilter {
+                    pod_sandbox_id: sb.clone(),
+                    label_selector: selector
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .containers;
+        assert_eq!(listed.len(), want, "containers listed for {selector:?}");
+    }
     let shims = processes_mentioning(&cid);
     assert!(!shims.is_empty(), "a shim for the container");
 

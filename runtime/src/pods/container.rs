@@ -749,11 +749,7 @@ impl PodService {
                     image_id: r.image_id.clone(),
                 }
             })
-            .filter(|c| {
-                f.label_selector
-                    .iter()
-                    .all(|(k, v)| c.labels.get(k) == Some(v))
-            })
+            .filter(|c| super::labels_match(&f.label_selector, &c.labels))
             .collect();
         out.sort_by_key(|c| c.created_at);
         out

@@ -131,6 +131,12 @@ fn map_bytes(map: &Strings) -> usize {
     map.iter().map(|(k, v)| k.len() + v.len()).sum()
 }
 
+/// Whether `labels` carry every pair of a list filter's `selector` (CRI: an empty selector
+/// matches everything).
+pub(crate) fn labels_match(selector: &Strings, labels: &Strings) -> bool {
+    selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
 /// Whose labels and annotations a node budget counts.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Listed {

@@ -470,11 +470,7 @@ impl PodService {
                 }
             })
             .filter(|s| f.state.as_ref().is_none_or(|v| v.state == s.state))
-            .filter(|s| {
-                f.label_selector
-                    .iter()
-                    .all(|(k, v)| s.labels.get(k) == Some(v))
-            })
+            .filter(|s| super::labels_match(&f.label_selector, &s.labels))
             .collect();
         out.sort_by_key(|s| s.created_at);
         out

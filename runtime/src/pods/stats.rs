@@ -312,12 +312,7 @@ impl PodService {
                 .into_iter()
                 .filter(|r| r.id.starts_with(&f.id))
                 .filter(|r| r.sandbox_id.starts_with(&f.pod_sandbox_id))
-                .filter(|r| {
-                    let labels = r.summary().labels;
-                    f.label_selector
-                        .iter()
-                        .all(|(k, v)| labels.get(k) == Some(v))
-                })
+                .filter(|r| super::labels_match(&f.label_selector, &r.summary().labels))
                 .collect();
             recs.sort_by_key(|r| r.created_at);
             let mut parents: HashMap<String, String> = HashMap::new();
@@ -359,12 +354,7 @@ impl PodService {
                 .sandboxes()
                 .into_iter()
                 .filter(|r| r.id.starts_with(&f.id))
-                .filter(|r| {
-                    let labels = r.summary().labels;
-                    f.label_selector
-                        .iter()
-                        .all(|(k, v)| labels.get(k) == Some(v))
-                })
+                .filter(|r| super::labels_match(&f.label_selector, &r.summary().labels))
                 .collect();
             recs.sort_by_key(|r| r.created_at);
             Ok(recs.iter().map(|r| svc.one_pod_stats(r)).collect())
