@@ -144,23 +144,14 @@ impl Daemon {
             let walk = tokio::task::spawn_blocking(move || {
                 // A panic in the walks (a bug) must still end the refresh, or none would start
                 // again and every later ImageFsInfo would answer the same old figures.
-                let walked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    (me.content.usage(), me.snapshotter.total_usage())
-                }));
-                let ((cb, ci), snap) = walked.unwrap_or_else(|_| {
-                    let panicked = std::io::Error::other("the walk panicked");
-                    (
-                        (0, 0),
-                        Err(minicri_snapshotter::Error::Io {
-                            context: "measuring the image filesystem".into(),
-                            source: panicked,
-                        }),
-                    )
+                let walked = crate::pods::walk_caught("the image filesystem", || {
+                    let content = me.content.usage();
+                    me.snapshotter.total_usage().map(|s| (content, s))
                 });
                 let mut u = me.fs_usage.lock().unwrap();
                 u.refreshing = false;
-                match snap {
-                    Ok(s) => {
+                match walked {
+                    Ok(((cb, ci), s)) => {
                         u.value = Some(Measure {
                             at: std::time::Instant::now(),
                             wall: std::time::SystemTime::now(),

@@ -198,15 +198,7 @@ impl StatsState {
                 }
             };
             // A panic in the walk (a bug) costs this layer's figures, not the measurer.
-            let usage = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.snapshotter.usage(&id)
-            }))
-            .unwrap_or_else(|_| {
-                Err(minicri_snapshotter::Error::Io {
-                    context: format!("measuring {id}: the walk panicked"),
-                    source: std::io::Error::other("panic"),
-                })
-            });
+            let usage = super::walk_caught(&id, || self.snapshotter.usage(&id));
             match usage {
                 Ok(usage) => {
                     let s = LayerSample {
