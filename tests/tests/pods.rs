@@ -137,6 +137,20 @@ async fn pod_and_container_lifecycle() {
             .containers;
         assert_eq!(listed.len(), want, "containers listed for {selector:?}");
     }
+    for (value, want) in [("web", 1), ("other", 0)] {
+        let pods = c
+            .list_pod_sandbox(cri::ListPodSandboxRequest {
+                filter: Some(cri::PodSandboxFilter {
+                    label_selector: [("app".to_string(), value.to_string())].into(),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .items;
+        assert_eq!(pods.len(), want, "pods listed for app={value}");
+    }
     let shims = processes_mentioning(&cid);
     assert!(!shims.is_empty(), "a shim for the container");
 

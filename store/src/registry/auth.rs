@@ -87,11 +87,12 @@ impl Credentials {
     }
 }
 
-/// Whether a token realm (already checked to be http or https) may be asked, for a registry
-/// reached at `endpoint`: over https, or over plain http only when the registry itself is (the
-/// operator said `http://`, or it is a loopback IP literal) or the realm is a loopback IP literal. The rule of redirects: a registry
-/// reached over https cannot send the daemon to a plain-http address, such as a cloud's metadata
-/// service on 169.254.169.254, whose answers a token request's error would quote.
+/// Whether a token realm (its caller has checked it is http or https) may be asked, for a
+/// registry reached at `endpoint`: over https, or over plain http only when the registry itself
+/// is (the operator said `http://`, or it is a loopback IP literal) or the realm is a loopback IP
+/// literal. The rule of redirects (`http::is_downgrade`): a registry reached over https cannot
+/// send the daemon to a plain-http address, such as a cloud's metadata service on
+/// 169.254.169.254, whose answers a token request's error would quote.
 pub fn realm_may_be_asked(realm: &Url, endpoint: &Url) -> Result<(), String> {
     if http::is_downgrade(endpoint, realm) {
         return Err(format!(

@@ -99,13 +99,13 @@ impl Request {
     }
 }
 
-/// Whether `a` and `b` share scheme, host and port.
 /// Whether going from `from` to `to` drops from https to plain http, to anything but a loopback IP
 /// literal: refused for redirects and token realms alike.
 pub(super) fn is_downgrade(from: &Url, to: &Url) -> bool {
     to.scheme() == "http" && from.scheme() == "https" && !to.host_str().is_some_and(is_loopback_ip)
 }
 
+/// Whether `a` and `b` share scheme, host and port.
 pub(super) fn same_origin(a: &Url, b: &Url) -> bool {
     a.scheme() == b.scheme()
         && a.host_str() == b.host_str()
