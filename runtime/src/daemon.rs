@@ -144,7 +144,7 @@ impl Daemon {
             let walk = tokio::task::spawn_blocking(move || {
                 // A panic in the walks (a bug) must still end the refresh, or none would start
                 // again and every later ImageFsInfo would answer the same old figures.
-                let walked = crate::pods::walk_caught("the image filesystem", || {
+                let walked = crate::fsutil::walk_caught("the image filesystem", || {
                     let content = me.content.usage();
                     me.snapshotter.total_usage().map(|s| (content, s))
                 });

@@ -1,12 +1,27 @@
 //! Small filesystem helpers the daemon's modules share: replacing a file atomically and making a
 //! directory's entries durable (the store crate's one implementation of each, re-exported for
 //! the daemon's modules), reading a file someone else wrote without blocking or reading without
-//! end ([`read_regular`]), and the modes of the daemon's directories ([`private_layout`]).
+//! end ([`read_regular`]), the modes of the daemon's directories ([`private_layout`]), and a disk
+//! usage walk whose panic is an error ([`walk_caught`]).
 
 pub use minicri_store::fsutil::{off_async, sync_dir, write_atomic};
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+
+/// Runs a disk usage walk, turning a panic in it (a bug) into an error about measuring `what`, so
+/// the bookkeeping around the walk (a refresh flag, a measuring queue) still moves on.
+pub fn walk_caught<T>(
+    what: &str,
+    walk: impl FnOnce() -> minicri_snapshotter::Result<T>,
+) -> minicri_snapshotter::Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(walk)).unwrap_or_else(|_| {
+        Err(minicri_snapshotter::Error::Io {
+            context: format!("measuring {what}"),
+            source: std::io::Error::other("the walk panicked (a bug: see the daemon's log)"),
+        })
+    })
+}
 
 /// Why [`read_regular`] returned no bytes.
 #[derive(Debug)]
@@ -148,6 +163,17 @@ mod tests {
 
     fn mode(p: &Path) -> u32 {
         std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    /// A usage walk that panics becomes that walk's error, and the measurer can go on.
+    #[test]
+    fn a_panicking_usage_walk_is_an_error_naming_what_it_measured() {
+        let r: minicri_snapshotter::Result<()> =
+            super::walk_caught("layer abc", || panic!("a bug in the walk"));
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("measuring layer abc"), "{e}");
+        assert!(e.contains("the walk panicked"), "{e}");
+        assert_eq!(super::walk_caught("layer abc", || Ok(7)).unwrap(), 7);
     }
 
     #[test]

@@ -250,20 +250,6 @@ pub(crate) async fn blocking<T: Send + 'static>(
         .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
 }
 
-/// Runs a disk usage walk, turning a panic in it (a bug) into an error about measuring `what`, so
-/// the bookkeeping around the walk (a refresh flag, a measuring queue) still moves on.
-pub(crate) fn walk_caught<T>(
-    what: &str,
-    walk: impl FnOnce() -> minicri_snapshotter::Result<T>,
-) -> minicri_snapshotter::Result<T> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(walk)).unwrap_or_else(|_| {
-        Err(minicri_snapshotter::Error::Io {
-            context: format!("measuring {what}"),
-            source: std::io::Error::other("the walk panicked (a bug: see the daemon's log)"),
-        })
-    })
-}
-
 impl PodService {
     /// Opens the records under `<state>/pods` and re-attaches to the shims of running
     /// containers (their exits are recorded as they happen); containers whose shim is gone get

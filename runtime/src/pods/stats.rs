@@ -198,7 +198,7 @@ impl StatsState {
                 }
             };
             // A panic in the walk (a bug) costs this layer's figures, not the measurer.
-            let usage = super::walk_caught(&id, || self.snapshotter.usage(&id));
+            let usage = crate::fsutil::walk_caught(&id, || self.snapshotter.usage(&id));
             match usage {
                 Ok(usage) => {
                     let s = LayerSample {

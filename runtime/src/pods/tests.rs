@@ -432,17 +432,6 @@ async fn a_writable_layer_is_measured_in_the_background() {
     }
 }
 
-/// A usage walk that panics becomes that walk's error, and the measurer can go on.
-#[test]
-fn a_panicking_usage_walk_is_an_error_naming_what_it_measured() {
-    let r: minicri_snapshotter::Result<()> =
-        super::walk_caught("layer abc", || panic!("a bug in the walk"));
-    let e = r.unwrap_err().to_string();
-    assert!(e.contains("measuring layer abc"), "{e}");
-    assert!(e.contains("the walk panicked"), "{e}");
-    assert_eq!(super::walk_caught("layer abc", || Ok(7)).unwrap(), 7);
-}
-
 /// At start, the undo of an interrupted RunPodSandbox hangs in the runtime's delete: the daemon
 /// goes on (to serve the CRI) after the limit, keeping the journal; the next start finishes it.
 #[tokio::test]
