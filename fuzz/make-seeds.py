@@ -214,6 +214,55 @@ p10 = b"".join(pax_record(k, v) for k, v in [(b"GNU.sparse.major", b"1"), (b"GNU
                                              (b"GNU.sparse.name", b"real"), (b"GNU.sparse.realsize", b"100000")])
 m10 = pad(b"1\n50000\n10\n") + b"E" * 10
 layers["pax-sparse-10"] = header(b"P", ord("x"), len(p10)) + pad(p10) + header(b"GNUSparseFile.1/real", ord("0"), len(m10)) + pad(m10) + END
+
+
+def near_misses(key):
+    """Keys that a byte-by-byte comparison with `key` rejects at each step: every proper prefix,
+    `key` plus a byte, and `key` with each byte changed."""
+    out = [key[:n] for n in range(1, len(key))] + [key + b"x"]
+    out += [key[:i] + bytes([key[i] ^ 1]) + key[i + 1:] for i in range(len(key))]
+    return out
+
+
+def pax_entry(records, entry=None):
+    body = b"".join(pax_record(k, v) for k, v in records)
+    entry = entry or header(b"f", ord("0"), 0)
+    return header(b"P", ord("x"), len(body)) + pad(body) + entry
+
+
+# Keys next to the ones the reader knows (the session-21 fuzz round took 2 h to find these
+# branches of the key comparisons by mutation), each family before a plain entry.
+plain_keys = [b"path", b"linkpath", b"size", b"uid", b"gid", b"mtime"]
+layers["pax-key-near-misses"] = pax_entry([(k, b"1") for pk in plain_keys for k in near_misses(pk)]) + END
+sparse_keys = [b"major", b"minor", b"name", b"realsize", b"size", b"numblocks", b"map", b"offset", b"numbytes"]
+layers["pax-sparse-key-near-misses"] = pax_entry(
+    [(b"GNU.sparse." + k, b"1") for sk in sparse_keys for k in near_misses(sk)]
+    + [(k, b"1") for k in near_misses(b"GNU.sparse.")]) + END
+# Overlay's own xattrs are dropped; names around that prefix are kept.
+layers["pax-overlay-xattrs"] = pax_entry(
+    [(b"SCHILY.xattr.trusted.overlay." + s, b"y") for s in (b"opaque", b"origin", b"")]
+    + [(b"SCHILY.xattr." + k, b"v") for k in near_misses(b"trusted.overlay.")]
+    + [(k + b"user.a", b"v") for k in near_misses(b"SCHILY.xattr.")]) + END
+# A PAX size before each kind of extension header: the size is the entry's, not the extension's.
+size3 = pax_record(b"size", b"3")
+for flag in b"xgLK":
+    ext_body = pax_record(b"comment", b"c") if flag in b"xg" else b"longname"
+    ext = header(b"E", flag, len(ext_body), magic=b"ustar  \x00" if flag in b"LK" else b"ustar\x0000")
+    layers["pax-size-then-" + chr(flag)] = (header(b"P", ord("x"), len(size3)) + pad(size3) + ext
+                                             + pad(ext_body) + header(b"f", ord("0"), 0) + pad(b"abc") + END)
+# Every typeflag the reader names, and some it does not, as one-entry layers.
+for flag in b"01234567SDMNVAZ\x00\xff":
+    link = {ord("1"): b"h0", ord("2"): b"t"}.get(flag, b"")
+    first = header(b"h0", ord("0"), 0) if flag == ord("1") else b""
+    layers["typeflag-%02x" % flag] = first + header(b"e", flag, 0, fields={157: link}) + END
+# Whiteouts of what the same layer wrote: a file, a symlink, a directory with contents, a
+# directory's child, and the opaque marker after the directory's own files.
+layers["whiteout-own"] = tar_of([("file", "f", b"1"), ("file", ".wh.f", b""),
+                                 ("sym", "s", "f"), ("file", ".wh.s", b""),
+                                 ("dir", "d"), ("file", "d/x", b"1"), ("dir", "d/e"), ("file", "d/e/y", b"2"),
+                                 ("file", ".wh.d", b""), ("dir", "o"), ("file", "o/z", b"1"),
+                                 ("file", "o/.wh..wh..opq", b""), ("file", "o/.wh.z", b""),
+                                 ("file", ".wh.missing", b""), ("file", "o/.wh.", b"")])
 for name, data in layers.items():
     assert len(data) < 64 * 1024, name
     put("layer_apply", name, data)
