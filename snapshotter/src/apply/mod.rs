@@ -430,6 +430,9 @@ mod tests {
         );
         assert_eq!(parse_pax_time("12.000000001999"), Some((12, 1)));
         assert_eq!(parse_pax_time("-1.5"), Some((-2, 500_000_000)));
+        assert_eq!(parse_pax_time("-0.5"), Some((-1, 500_000_000)));
+        assert_eq!(parse_pax_time("-0.000000001"), Some((-1, 999_999_999)));
+        assert_eq!(parse_pax_time("-0"), Some((0, 0)));
         assert_eq!(parse_pax_time("x"), None);
     }
 }

@@ -889,7 +889,8 @@ pub(crate) fn parse_pax_time(s: &str) -> Option<(i64, u32)> {
     } else {
         format!("{digits:0<9}").parse().ok()?
     };
-    if secs < 0 && nanos > 0 {
+    // The sign is the text's, not the seconds' ("-0.5" has 0 seconds and is before the epoch).
+    if s.starts_with('-') && nanos > 0 {
         // -1.5 means 1.5 seconds before the epoch.
         Some((secs.checked_sub(1)?, 1_000_000_000 - nanos))
     } else {
