@@ -238,6 +238,19 @@ sparse_keys = [b"major", b"minor", b"name", b"realsize", b"size", b"numblocks", 
 layers["pax-sparse-key-near-misses"] = pax_entry(
     [(b"GNU.sparse." + k, b"1") for sk in sparse_keys for k in near_misses(sk)]
     + [(k, b"1") for k in near_misses(b"GNU.sparse.")]) + END
+# Every key twice (the later value replaces the earlier one, which is dropped), before a header
+# with a name and link name of its own for the PAX ones to replace (the eighth round's last find,
+# 95 minutes in, was a second `linkpath`).
+layers["pax-keys-twice"] = pax_entry(
+    [(k, v) for k, v in [(b"path", b"p"), (b"linkpath", b"l"), (b"size", b"0"), (b"uid", b"1"),
+                         (b"gid", b"1"), (b"mtime", b"1.5"), (b"SCHILY.xattr.user.a", b"v")]
+     for _ in range(2)],
+    header(b"own-name", ord("2"), 0, fields={157: b"own-link"})) + END
+layers["pax-sparse-keys-twice"] = pax_entry(
+    [(b"GNU.sparse." + k, v) for k, v in [(b"major", b"1"), (b"minor", b"0"), (b"name", b"n"),
+                                          (b"realsize", b"10"), (b"size", b"10"), (b"numblocks", b"1"),
+                                          (b"map", b"0,1")] for _ in range(2)]
+    + [(b"GNU.sparse.offset", b"0"), (b"GNU.sparse.offset", b"1")]) + END
 # Overlay's own xattrs are dropped; names around that prefix are kept.
 layers["pax-overlay-xattrs"] = pax_entry(
     [(b"SCHILY.xattr.trusted.overlay." + s, b"y") for s in (b"opaque", b"origin", b"")]
