@@ -280,8 +280,7 @@ async fn a_second_pod_keeps_the_transfer_and_starts_once_the_download_completes(
     sim.delete_pod(&a.uid);
     sim.wait_gone(&a.uid, LONG).await.unwrap();
     // At 40 MiB/s that is a quarter of a second; a loaded CI machine once moved less than 10 MiB
-    // in the one second this used to wait, so it waits for the bytes rather than for a second. A
-    // transfer stopped with a's hold moves nothing more.
+    // in the one second this used to wait, so it waits for the bytes rather than for a second.
     let before = e.proxy.bytes_served(&layer);
     let went_on = Instant::now();
     while e.proxy.bytes_served(&layer) <= before + 10 * MIB {
@@ -292,6 +291,10 @@ async fn a_second_pod_keeps_the_transfer_and_starts_once_the_download_completes(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The bytes came from the same job: a transfer stopped with a's hold and started again by
+    // b's next pull call would show up as a new job here.
+    let now: Vec<u64> = list_pulls(&e).await.iter().map(|j| j.id).collect();
+    assert_eq!(now, vec![jobs[0].id], "the one job went on for pod b");
 
     // The rest at full speed; b starts at its next sync after the image is complete.
     e.proxy.faults().set_link_rate(None);
