@@ -26,6 +26,9 @@ MALLOC_LIMIT_MB=512
 
 mapfile -t targets < <(if [[ $# -gt 0 ]]; then printf '%s\n' "$@"; else cargo fuzz list; fi)
 start=$(date +%s)
+# The fix-ups the targets apply to their inputs before the code under test (fuzz/harness) have
+# their own unit tests, against an independent tar reader.
+cargo test -q -p minicri-fuzz-harness
 cargo fuzz build -O
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
