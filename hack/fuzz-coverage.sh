@@ -98,22 +98,24 @@ if $compare; then
             if (!(fn in oc) || oc[fn] == 0) {
                 g = origin(nf[fn])
                 add[g " (newly reached functions)"] += nc[fn]
-                if (g ~ /^project:/) where[sprintf("  %s: %d edges of a newly reached function", rel(nf[fn]), nc[fn])] = 1
+                if (g ~ /^project:/) reached[sprintf("  %s: %%d edges of newly reached functions", rel(nf[fn]))] += nc[fn]
                 continue
             }
             for (g in seen) {
                 d = ou[fn, g] - nu[fn, g]
                 if (d != 0) add[g] += d
             }
-            # Which lines of the project the new edges are on.
+            # Which lines of the project the new edges are on, summed over the functions that
+            # share a place (the copies of a generic function).
             for (l in lines) {
                 d = ol[fn, l] - nl[fn, l]
-                if (d != 0) where[sprintf("  %s: %+d (in the function at %s)", rel(l), d, rel(nf[fn]))] = 1
+                if (d != 0) moved[sprintf("  %s: %%+d (in the function at %s)", rel(l), rel(nf[fn]))] += d
             }
         }
         for (g in add) if (add[g] != 0) { printf "%-28s %+7d edges\n", g, add[g]; all += add[g] }
         printf "%-28s %+7d\n", "total", all
-        for (w in where) print "~" w
+        for (w in reached) printf "~" w "\n", reached[w]
+        for (w in moved) if (moved[w] != 0) printf "~" w "\n", moved[w]
     }' "$old" "$new" | LC_ALL=C sort | sed 's/^~//'
     exit 0
 fi
