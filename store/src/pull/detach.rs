@@ -246,13 +246,22 @@ impl PullManager {
         reference: &Reference,
         creds: &Credentials,
     ) -> Result<StoreError, ()> {
-        let (record, sandbox) = {
+        let sandbox = {
             let mut reqs = job.requesters.lock().unwrap();
             // Checked under the lock run_job takes the holds under, after it sends the result.
             if job.finished() {
                 return Err(());
             }
             let e = reqs.get_mut(&jref.key).expect("a call's entry");
+            // The sandbox was stopped (or its pod deleted) as the window closed: its reference
+            // was dropped under this lock, and a hold taken now would outlive the sandbox.
+            if e.abort.is_cancelled() {
+                let why = e.reason.lock().unwrap().clone();
+                let why = why.unwrap_or_else(|| "aborted".into());
+                return Ok(StoreError::Cancelled(format!(
+                    "pull of {reference} stopped: {why}"
+                )));
+            }
             let first = e.hold.is_none();
             let file = self.hold_path(&jref.key, &job.key);
             let hold = e.hold.get_or_insert_with(|| Hold {
@@ -262,18 +271,17 @@ impl PullManager {
                 file,
             });
             let added = hold.names.insert(reference.to_string());
-            let record = match &hold.file {
-                Some(f) if first || added => Some((f.clone(), record_of(&e.info, job, hold))),
-                _ => None,
-            };
-            (record, e.info.sandbox_id.clone().unwrap_or_default())
+            // Submitted under the lock: an abort taking this hold submits its removal only
+            // after this write, so the file never outlives the hold.
+            if let Some(f) = hold.file.clone().filter(|_| first || added) {
+                let rec = record_of(&e.info, job, hold);
+                submit(FileOp::Write(
+                    f,
+                    serde_json::to_vec_pretty(&rec).expect("plain data serialises"),
+                ));
+            }
+            e.info.sandbox_id.clone().unwrap_or_default()
         };
-        if let Some((path, rec)) = record {
-            submit(FileOp::Write(
-                path,
-                serde_json::to_vec_pretty(&rec).expect("plain data serialises"),
-            ));
-        }
         self.counters.detached.fetch_add(1, Ordering::Relaxed);
         let message = self.detach_message(job, reference, &sandbox);
         tracing::info!(job = job.id, image = %reference, sandbox = %sandbox, %message, "PullImage detached; the download continues for the sandbox");
