@@ -25,6 +25,7 @@ pub mod manifest;
 pub mod pull;
 pub mod reference;
 pub mod registry;
+pub mod sched;
 pub mod unpack;
 
 pub use content::ContentStore;
