@@ -66,10 +66,17 @@ pub struct ServeArgs {
     #[arg(long, value_name = "BACKEND")]
     pub snapshotter: Option<String>,
 
-    /// Requests downloading blob bytes at once on the whole node; a blob fetched over several
-    /// ranged requests holds one per request. [default: 8]
+    /// Requests downloading bytes of large blobs at once on the whole node, shared fairly
+    /// between the pods and calls that want downloads (docs/pulls.md); a blob fetched over
+    /// several ranged requests holds one per request. Small blobs have as many again of their
+    /// own. [default: 8]
     #[arg(long, value_name = "N")]
     pub max_concurrent_transfers: Option<usize>,
+
+    /// Blobs of at most this many bytes (configs, small layers) are fetched in a lane of their
+    /// own and never wait behind large transfers. [default: 4194304]
+    #[arg(long, value_name = "BYTES")]
+    pub small_blob_size: Option<u64>,
 
     /// Ranged requests one large blob is fetched over at once (1: one stream per blob). [default: 6]
     #[arg(long, value_name = "N")]
@@ -181,6 +188,13 @@ pub struct ServeArgs {
     #[arg(long = "pod-annotation", value_name = "PATTERN")]
     #[serde(default)]
     pub pod_annotations: Vec<String>,
+
+    /// Namespaces whose pods may raise their share of the node's transfer connections with the
+    /// annotation `pull.minicri.io/priority: high` (any pod may lower its own with `low`;
+    /// repeatable). [default: none]
+    #[arg(long = "pull-priority-namespace", value_name = "NAMESPACE")]
+    #[serde(default)]
+    pub pull_priority_namespaces: Vec<String>,
 }
 
 /// A `[runtimes.NAME]` table of the configuration file.
@@ -229,6 +243,7 @@ pub struct Config {
     pub max_concurrent_downloads: usize,
     pub max_concurrent_unpacks: usize,
     pub max_concurrent_transfers: usize,
+    pub small_blob_size: u64,
     /// How a large blob is fetched over several ranged requests.
     pub ranged_fetch: minicri_store::blobs::RangedFetch,
     pub snapshotter: String,
@@ -257,6 +272,7 @@ pub struct Config {
     pub stream_address: std::net::SocketAddr,
     /// Which pod annotations reach the OCI spec.
     pub pod_annotations: crate::oci::annotations::AnnotationPolicy,
+    pub pull_priority_namespaces: Vec<String>,
 }
 
 impl ServeArgs {
@@ -294,6 +310,7 @@ impl ServeArgs {
             max_concurrent_transfers: self
                 .max_concurrent_transfers
                 .or(base.max_concurrent_transfers),
+            small_blob_size: self.small_blob_size.or(base.small_blob_size),
             blob_connections: self.blob_connections.or(base.blob_connections),
             blob_chunk_size: self.blob_chunk_size.or(base.blob_chunk_size),
             snapshotter: self.snapshotter.or(base.snapshotter),
@@ -334,6 +351,11 @@ impl ServeArgs {
             } else {
                 self.pod_annotations
             },
+            pull_priority_namespaces: if self.pull_priority_namespaces.is_empty() {
+                base.pull_priority_namespaces
+            } else {
+                self.pull_priority_namespaces
+            },
         }
     }
 
@@ -364,6 +386,9 @@ impl ServeArgs {
         if max_concurrent_transfers == 0 {
             bail!("max_concurrent_transfers must be at least 1");
         }
+        let small_blob_size = self
+            .small_blob_size
+            .unwrap_or(minicri_store::blobs::DEFAULT_SMALL_BLOB_BYTES);
         let ranged_default = minicri_store::blobs::RangedFetch::default();
         let ranged_fetch = minicri_store::blobs::RangedFetch {
             connections: self.blob_connections.unwrap_or(ranged_default.connections),
@@ -517,6 +542,7 @@ impl ServeArgs {
             max_concurrent_downloads,
             max_concurrent_unpacks,
             max_concurrent_transfers,
+            small_blob_size,
             ranged_fetch,
             snapshotter,
             pull_progress_timeout,
@@ -543,6 +569,7 @@ impl ServeArgs {
             metrics_address,
             stream_address,
             pod_annotations,
+            pull_priority_namespaces: self.pull_priority_namespaces,
         })
     }
 }

@@ -6,7 +6,9 @@
 //! - `ingest/<hex>/data`: a blob being downloaded, each byte at its offset in the blob. A later
 //!   download of the same blob continues from what is there: it re-hashes the contiguous prefix and
 //!   fetches only the missing ranges. `ingest/<hex>/meta.json` records the expected size and when
-//!   the download started.
+//!   the download started, and the endpoints (registries, mirrors) that wrote its bytes: a later
+//!   pull of the same digest resumes them whichever registry it asks, and the digest check at
+//!   the end decides whether they were right.
 //! - `ingest/<hex>/ranges.json`: written before the first byte lands beyond the contiguous prefix
 //!   (a blob fetched over several ranged requests at once), and then after every
 //!   [`CHECKPOINT_BYTES`] written and when the writer stops. While it exists it says what is on
@@ -41,11 +43,18 @@ pub struct ContentStore {
     ingest_locks: crate::keyed::KeyedLocks<Digest>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct IngestMeta {
     expected_size: u64,
     started_at: chrono::DateTime<chrono::Utc>,
+    /// The endpoints whose bytes are on disk, in the order they first wrote (at most
+    /// [`MAX_WRITERS`]; the oldest are forgotten first).
+    #[serde(default)]
+    written_by: Vec<String>,
 }
+
+/// Endpoints an ingest remembers as writers of its bytes.
+const MAX_WRITERS: usize = 8;
 
 /// What `ranges.json` records: the contiguous prefix and the ranges written beyond it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,6 +96,8 @@ pub struct IngestStatus {
     pub offset: u64,
     pub expected_size: u64,
     pub updated_at: std::time::SystemTime,
+    /// The endpoints that wrote its bytes, oldest first.
+    pub written_by: Vec<String>,
 }
 
 impl ContentStore {
@@ -242,16 +253,24 @@ impl ContentStore {
         let dir = self.ingest_dir(d);
         fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
         let meta_path = dir.join("meta.json");
-        if !meta_path.exists() {
-            let meta = IngestMeta {
-                expected_size,
-                started_at: chrono::Utc::now(),
-            };
-            write_synced(
-                &meta_path,
-                &serde_json::to_vec(&meta).expect("serialisable"),
-            )?;
-        }
+        let meta = match fs::read(&meta_path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<IngestMeta>(&b).ok())
+        {
+            Some(m) => m,
+            None => {
+                let meta = IngestMeta {
+                    expected_size,
+                    started_at: chrono::Utc::now(),
+                    written_by: Vec::new(),
+                };
+                write_synced(
+                    &meta_path,
+                    &serde_json::to_vec(&meta).expect("serialisable"),
+                )?;
+                meta
+            }
+        };
         let data = dir.join("data");
         let file = OpenOptions::new()
             .read(true)
@@ -291,6 +310,7 @@ impl ContentStore {
             beyond: ranges.beyond,
             recorded: valid,
             unrecorded: 0,
+            meta,
         };
         ingest.hash_from_file(ranges.prefix)?;
         Ok(ingest)
@@ -317,11 +337,14 @@ impl ContentStore {
                 Err(_) => (0, std::time::UNIX_EPOCH),
             };
             let offset = IngestRanges::read(&e.path()).map_or(len, |r| r.bytes().min(len));
+            let (expected_size, written_by) =
+                meta.map_or((0, Vec::new()), |m| (m.expected_size, m.written_by));
             out.push(IngestStatus {
                 digest,
                 offset,
-                expected_size: meta.map(|m| m.expected_size).unwrap_or(0),
+                expected_size,
                 updated_at,
+                written_by,
             });
         }
         Ok(out)
@@ -390,6 +413,7 @@ pub struct Ingest {
     recorded: bool,
     /// Bytes written since `ranges.json` was last written.
     unrecorded: u64,
+    meta: IngestMeta,
 }
 
 impl Ingest {
@@ -425,6 +449,32 @@ impl Ingest {
 
     pub fn expected_size(&self) -> u64 {
         self.expected_size
+    }
+
+    /// The endpoints whose bytes are on disk (oldest first).
+    pub fn written_by(&self) -> &[String] {
+        &self.meta.written_by
+    }
+
+    /// Records that `endpoint` writes bytes from now on (`meta.json`, written when the list
+    /// changes).
+    pub fn record_writer(&mut self, endpoint: &str) -> Result<()> {
+        if self.meta.written_by.iter().any(|w| w == endpoint) {
+            return Ok(());
+        }
+        if self.meta.written_by.len() >= MAX_WRITERS {
+            self.meta.written_by.remove(0);
+        }
+        self.meta.written_by.push(endpoint.to_string());
+        self.write_meta()
+    }
+
+    fn write_meta(&self) -> Result<()> {
+        let tmp = self.dir.join("meta.json.tmp");
+        fs::write(&tmp, serde_json::to_vec(&self.meta).expect("serialisable"))
+            .ctx(|| format!("writing {}", tmp.display()))?;
+        let dst = self.dir.join("meta.json");
+        fs::rename(&tmp, &dst).ctx(|| format!("writing {}", dst.display()))
     }
 
     /// Appends downloaded bytes at the end of the prefix.
@@ -543,7 +593,11 @@ impl Ingest {
         self.beyond.clear();
         self.unrecorded = 0;
         self.hasher = Sha256::new();
-        Ok(())
+        // What comes next is the whole blob from the endpoint that wrote last (recorded as it
+        // began to answer); the others' bytes are gone.
+        let current = self.meta.written_by.pop();
+        self.meta.written_by = current.into_iter().collect();
+        self.write_meta()
     }
 
     /// Verifies size and digest and moves the blob into `blobs/`. On a digest mismatch the partial

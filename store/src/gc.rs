@@ -150,6 +150,7 @@ mod tests {
             offset: 10,
             expected_size: 100,
             updated_at: now - Duration::from_secs(age_secs),
+            written_by: Vec::new(),
         }
     }
 
@@ -159,7 +160,7 @@ mod tests {
     fn a_locked_ingest_is_not_collected() {
         let dir = tempfile::tempdir().unwrap();
         let content = Arc::new(ContentStore::open(dir.path()).unwrap());
-        let blobs = BlobDownloads::new(content.clone(), 1, Default::default());
+        let blobs = BlobDownloads::new(content.clone(), Default::default(), Default::default());
         let gc = IngestGc::new(content.clone(), blobs, Duration::ZERO);
         let data = b"some blob".to_vec();
         let d = Digest::of(&data);
@@ -221,7 +222,7 @@ mod tests {
         let mut ing = content.open_ingest(&d, 100).unwrap();
         ing.append(b"old").unwrap();
         drop(ing);
-        let blobs = BlobDownloads::new(content.clone(), 1, Default::default());
+        let blobs = BlobDownloads::new(content.clone(), Default::default(), Default::default());
         let mut gc = IngestGc::new(content.clone(), blobs, Duration::from_secs(3600));
         // Whatever this machine's disk looks like, only the TTL is under test here.
         gc.min_free_ratio = 0.0;

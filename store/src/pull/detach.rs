@@ -306,6 +306,10 @@ impl PullManager {
                     human_bytes(b.rate),
                     human_duration(b.total.saturating_sub(b.done) as f64 / b.rate)
                 ));
+            } else if b.connections == 0 {
+                s.push_str(
+                    ", waiting for a transfer connection (the node's are shared between pods)",
+                );
             } else {
                 s.push_str(", waiting for bytes");
             }

@@ -393,7 +393,7 @@ impl PullManager {
         // The job's own session first, then those of requesters that joined from elsewhere.
         let mut sessions = vec![session.clone()];
         sessions.extend(job.sessions.lock().unwrap().iter().cloned());
-        let handle = self.blobs.acquire(&digest, size, &sessions)?;
+        let handle = self.blobs.acquire(&digest, size, &sessions, &job.demand)?;
         job.parts.lock().unwrap()[i].progress = Some(handle.progress().clone());
         job.parts_changed.notify_waiters();
         Ok(handle)
