@@ -23,6 +23,27 @@ pub struct Sample<'a> {
     pub counters: &'a PullCounters,
     pub jobs: &'a [JobSnapshot],
     pub blob_transfers: usize,
+    /// The transfer scheduler's lanes: name, slots, granted, waiting, revocations so far.
+    pub lanes: Vec<Lane>,
+}
+
+/// One lane of the transfer scheduler, as scraped.
+pub struct Lane {
+    pub name: &'static str,
+    pub snapshot: minicri_store::sched::SchedSnapshot,
+    pub granted: u64,
+    pub revoked: u64,
+}
+
+impl Lane {
+    pub fn of(name: &'static str, s: &minicri_store::sched::Scheduler) -> Lane {
+        Lane {
+            name,
+            snapshot: s.snapshot(),
+            granted: s.counters().granted.load(Ordering::Relaxed),
+            revoked: s.counters().revoked.load(Ordering::Relaxed),
+        }
+    }
 }
 
 fn metric(out: &mut String, name: &str, kind: &str, help: &str, lines: &[(String, u64)]) {
@@ -84,6 +105,13 @@ pub fn render(s: &Sample) -> String {
         "counter",
         "Bytes finished pull jobs found on disk from earlier attempts and did not download again.",
         &one(get(&c.bytes_resumed)),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_refetched_bytes_total",
+        "counter",
+        "Bytes finished pull jobs downloaded again from byte 0 after resumed partial data failed the digest.",
+        &one(get(&c.bytes_refetched)),
     );
     metric(
         &mut out,
@@ -167,6 +195,47 @@ pub fn render(s: &Sample) -> String {
         "Blob downloads in progress on the node (shared between jobs).",
         &one(s.blob_transfers as u64),
     );
+    let per_lane = |f: &dyn Fn(&Lane) -> u64| -> Vec<(String, u64)> {
+        s.lanes
+            .iter()
+            .map(|l| (format!("{{lane=\"{}\"}}", l.name), f(l)))
+            .collect()
+    };
+    metric(
+        &mut out,
+        "minicri_transfer_slots",
+        "gauge",
+        "Transfer slots of each lane of the fair scheduler (max_concurrent_transfers).",
+        &per_lane(&|l| l.snapshot.capacity as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_transfer_slots_in_use",
+        "gauge",
+        "Transfer slots held by a connection now.",
+        &per_lane(&|l| l.snapshot.granted as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_transfer_waiting",
+        "gauge",
+        "Connections waiting for a transfer slot now.",
+        &per_lane(&|l| l.snapshot.waiting as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_transfer_grants_total",
+        "counter",
+        "Transfer slots granted to a connection.",
+        &per_lane(&|l| l.granted),
+    );
+    metric(
+        &mut out,
+        "minicri_transfer_revocations_total",
+        "counter",
+        "Connections whose transfer slot was taken back for a fairer share (they resume later).",
+        &per_lane(&|l| l.revoked),
+    );
     out
 }
 
@@ -185,6 +254,10 @@ fn respond(daemon: &Daemon, req: &Request<hyper::body::Incoming>) -> Response<Fu
         counters: pulls.counters(),
         jobs: &jobs,
         blob_transfers: pulls.blobs().active().len(),
+        lanes: {
+            let (large, small) = pulls.blobs().schedulers();
+            vec![Lane::of("large", large), Lane::of("small", small)]
+        },
     });
     Response::builder()
         .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
@@ -232,6 +305,7 @@ mod tests {
             counters: &c,
             jobs: &[],
             blob_transfers: 2,
+            lanes: vec![],
         });
         assert!(text.contains("\nminicri_pull_calls_total 10\n"), "{text}");
         assert!(text.contains("\nminicri_pull_calls_joined_total 9\n"));
