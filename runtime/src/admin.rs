@@ -74,8 +74,15 @@ impl Pulls for PullsHandler {
     ) -> Result<Response<admin::ListPullsResponse>, Status> {
         let dl = deadline(&req);
         call("ListPulls", "", dl, Verbosity::Poll, async {
+            let i = self.daemon.content.ingest_usage();
             Ok(admin::ListPullsResponse {
                 jobs: self.daemon.pulls.list().into_iter().map(to_proto).collect(),
+                ingests: Some(admin::IngestUsage {
+                    active: i.active as u32,
+                    active_bytes: i.active_bytes,
+                    idle: i.idle as u32,
+                    idle_bytes: i.idle_bytes,
+                }),
             })
         })
         .await

@@ -14,6 +14,7 @@ use std::sync::atomic::Ordering;
 use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::{Request, Response, StatusCode};
+use minicri_store::content::IngestUsage;
 use minicri_store::{JobSnapshot, PullCounters};
 
 use crate::daemon::Daemon;
@@ -23,6 +24,10 @@ pub struct Sample<'a> {
     pub counters: &'a PullCounters,
     pub jobs: &'a [JobSnapshot],
     pub blob_transfers: usize,
+    /// Partial downloads on disk (from memory: a scrape walks no directory).
+    pub ingests: IngestUsage,
+    /// Writes refused by the image filesystem's reserve.
+    pub reserve_refusals: u64,
 }
 
 fn metric(out: &mut String, name: &str, kind: &str, help: &str, lines: &[(String, u64)]) {
@@ -167,6 +172,33 @@ pub fn render(s: &Sample) -> String {
         "Blob downloads in progress on the node (shared between jobs).",
         &one(s.blob_transfers as u64),
     );
+    let by_state = |active: u64, idle: u64| {
+        vec![
+            ("{state=\"active\"}".to_string(), active),
+            ("{state=\"idle\"}".to_string(), idle),
+        ]
+    };
+    metric(
+        &mut out,
+        "minicri_ingest_bytes",
+        "gauge",
+        "Bytes of partial downloads on disk: active (a download is writing them) or idle (kept for a resume).",
+        &by_state(s.ingests.active_bytes, s.ingests.idle_bytes),
+    );
+    metric(
+        &mut out,
+        "minicri_ingests",
+        "gauge",
+        "Partial downloads on disk: active (a download is writing them) or idle (kept for a resume).",
+        &by_state(s.ingests.active, s.ingests.idle),
+    );
+    metric(
+        &mut out,
+        "minicri_image_fs_reserve_refusals_total",
+        "counter",
+        "Downloads and unpacks stopped (or refused before their first byte) to keep the image filesystem's reserve free (image_fs_reserve).",
+        &one(s.reserve_refusals),
+    );
     out
 }
 
@@ -185,6 +217,8 @@ fn respond(daemon: &Daemon, req: &Request<hyper::body::Incoming>) -> Response<Fu
         counters: pulls.counters(),
         jobs: &jobs,
         blob_transfers: pulls.blobs().active().len(),
+        ingests: daemon.content.ingest_usage(),
+        reserve_refusals: daemon.space.iter().map(|b| b.refusals()).sum(),
     });
     Response::builder()
         .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
@@ -232,6 +266,13 @@ mod tests {
             counters: &c,
             jobs: &[],
             blob_transfers: 2,
+            ingests: IngestUsage {
+                active: 1,
+                active_bytes: 300,
+                idle: 2,
+                idle_bytes: 40,
+            },
+            reserve_refusals: 3,
         });
         assert!(text.contains("\nminicri_pull_calls_total 10\n"), "{text}");
         assert!(text.contains("\nminicri_pull_calls_joined_total 9\n"));
@@ -240,6 +281,10 @@ mod tests {
         assert!(text.contains("\nminicri_pull_downloaded_bytes_total 1234\n"));
         assert!(text.contains("\nminicri_blob_transfers_active 2\n"));
         assert!(text.contains("# TYPE minicri_pull_jobs_active gauge\n"));
+        assert!(text.contains("\nminicri_ingest_bytes{state=\"active\"} 300\n"));
+        assert!(text.contains("\nminicri_ingest_bytes{state=\"idle\"} 40\n"));
+        assert!(text.contains("\nminicri_ingests{state=\"idle\"} 2\n"));
+        assert!(text.contains("\nminicri_image_fs_reserve_refusals_total 3\n"));
         // Every sample line is `name[{labels}] value`.
         for l in text.lines().filter(|l| !l.starts_with('#')) {
             let (name, v) = l.rsplit_once(' ').unwrap();
