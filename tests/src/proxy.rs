@@ -149,6 +149,15 @@ impl<T> Rule<T> {
     }
 }
 
+/// The value of the first live rule matching `info`, consuming one of its times.
+fn take_rule<T: Copy>(rules: &mut [Rule<T>], info: &ReqInfo) -> Option<T> {
+    let rule = rules
+        .iter_mut()
+        .find(|r| r.live() && info.matches(&r.target))?;
+    rule.consume();
+    Some(rule.value)
+}
+
 #[derive(Debug, Default)]
 struct FaultState {
     rate_limit: Option<u64>,
@@ -340,24 +349,12 @@ impl Faults {
 
     /// Takes a failure rule for this request, if one matches.
     fn take_failure(&self, info: &ReqInfo) -> Option<u16> {
-        let mut st = self.state();
-        let rule = st
-            .failures
-            .iter_mut()
-            .find(|r| r.live() && info.matches(&r.target))?;
-        rule.consume();
-        Some(rule.value)
+        take_rule(&mut self.state().failures, info)
     }
 
     /// Takes an append-after-body rule for this request, if one matches.
     fn take_overlong(&self, info: &ReqInfo) -> Option<u64> {
-        let mut st = self.state();
-        let rule = st
-            .overlong
-            .iter_mut()
-            .find(|r| r.live() && info.matches(&r.target))?;
-        rule.consume();
-        Some(rule.value)
+        take_rule(&mut self.state().overlong, info)
     }
 
     fn ignore_range(&self, info: &ReqInfo) -> bool {
