@@ -87,9 +87,16 @@ impl Pulls for PullsHandler {
                     waiting: snap.waiting as u32,
                 }
             };
+            let i = self.daemon.content.ingest_usage();
             Ok(admin::ListPullsResponse {
                 jobs: self.daemon.pulls.list().into_iter().map(to_proto).collect(),
                 lanes: vec![lane("large blobs", large), lane("small blobs", small)],
+                ingests: Some(admin::IngestUsage {
+                    active: i.active as u32,
+                    active_bytes: i.active_bytes,
+                    idle: i.idle as u32,
+                    idle_bytes: i.idle_bytes,
+                }),
             })
         })
         .await

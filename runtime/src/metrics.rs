@@ -14,6 +14,7 @@ use std::sync::atomic::Ordering;
 use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::{Request, Response, StatusCode};
+use minicri_store::content::IngestUsage;
 use minicri_store::{JobSnapshot, PullCounters};
 
 use crate::daemon::Daemon;
@@ -25,6 +26,10 @@ pub struct Sample<'a> {
     pub blob_transfers: usize,
     /// The transfer scheduler's lanes: name, slots, granted, waiting, revocations so far.
     pub lanes: Vec<Lane>,
+    /// Partial downloads on disk (from memory: a scrape walks no directory).
+    pub ingests: IngestUsage,
+    /// Writes refused by the image filesystem's reserve.
+    pub reserve_refusals: u64,
 }
 
 /// One lane of the transfer scheduler, as scraped.
@@ -236,6 +241,33 @@ pub fn render(s: &Sample) -> String {
         "Connections whose transfer slot was taken back for a fairer share (they resume later).",
         &per_lane(&|l| l.revoked),
     );
+    let by_state = |active: u64, idle: u64| {
+        vec![
+            ("{state=\"active\"}".to_string(), active),
+            ("{state=\"idle\"}".to_string(), idle),
+        ]
+    };
+    metric(
+        &mut out,
+        "minicri_ingest_bytes",
+        "gauge",
+        "Bytes of partial downloads on disk: active (a download is writing them) or idle (kept for a resume).",
+        &by_state(s.ingests.active_bytes, s.ingests.idle_bytes),
+    );
+    metric(
+        &mut out,
+        "minicri_ingests",
+        "gauge",
+        "Partial downloads on disk: active (a download is writing them) or idle (kept for a resume).",
+        &by_state(s.ingests.active, s.ingests.idle),
+    );
+    metric(
+        &mut out,
+        "minicri_image_fs_reserve_refusals_total",
+        "counter",
+        "Downloads and unpacks stopped (or refused before their first byte) to keep the image filesystem's reserve free (image_fs_reserve).",
+        &one(s.reserve_refusals),
+    );
     out
 }
 
@@ -258,6 +290,8 @@ fn respond(daemon: &Daemon, req: &Request<hyper::body::Incoming>) -> Response<Fu
             let (large, small) = pulls.blobs().schedulers();
             vec![Lane::of("large", large), Lane::of("small", small)]
         },
+        ingests: daemon.content.ingest_usage(),
+        reserve_refusals: daemon.space.iter().map(|b| b.refusals()).sum(),
     });
     Response::builder()
         .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
@@ -306,6 +340,13 @@ mod tests {
             jobs: &[],
             blob_transfers: 2,
             lanes: vec![],
+            ingests: IngestUsage {
+                active: 1,
+                active_bytes: 300,
+                idle: 2,
+                idle_bytes: 40,
+            },
+            reserve_refusals: 3,
         });
         assert!(text.contains("\nminicri_pull_calls_total 10\n"), "{text}");
         assert!(text.contains("\nminicri_pull_calls_joined_total 9\n"));
@@ -314,6 +355,10 @@ mod tests {
         assert!(text.contains("\nminicri_pull_downloaded_bytes_total 1234\n"));
         assert!(text.contains("\nminicri_blob_transfers_active 2\n"));
         assert!(text.contains("# TYPE minicri_pull_jobs_active gauge\n"));
+        assert!(text.contains("\nminicri_ingest_bytes{state=\"active\"} 300\n"));
+        assert!(text.contains("\nminicri_ingest_bytes{state=\"idle\"} 40\n"));
+        assert!(text.contains("\nminicri_ingests{state=\"idle\"} 2\n"));
+        assert!(text.contains("\nminicri_image_fs_reserve_refusals_total 3\n"));
         // Every sample line is `name[{labels}] value`.
         for l in text.lines().filter(|l| !l.starts_with('#')) {
             let (name, v) = l.rsplit_once(' ').unwrap();

@@ -96,6 +96,7 @@ pub async fn run(args: PullsArgs) -> anyhow::Result<()> {
                 .into_inner();
             print!("{}", render(&list.jobs));
             print!("{}", render_lanes(&list.lanes));
+            print!("{}", render_ingests(&list.ingests.unwrap_or_default()));
             Ok(())
         }
     }
@@ -214,6 +215,17 @@ pub fn render(jobs: &[admin::PullJob]) -> String {
         }
     }
     out
+}
+
+/// The line on partial downloads: what the content store's ingest area holds on disk.
+pub fn render_ingests(i: &admin::IngestUsage) -> String {
+    format!(
+        "partial downloads on disk: {} downloading ({}), {} kept for a resume ({})\n",
+        i.active,
+        human(i.active_bytes as f64),
+        i.idle,
+        human(i.idle_bytes as f64)
+    )
 }
 
 /// The message after a layer's bar: its state, the daemon's measured speed while it moves, and
@@ -385,6 +397,16 @@ mod tests {
             started_at: 0,
         };
         let out = render(&[job]);
+        let ingests = render_ingests(&admin::IngestUsage {
+            active: 1,
+            active_bytes: 3 << 20,
+            idle: 2,
+            idle_bytes: 1536,
+        });
+        assert_eq!(
+            ingests,
+            "partial downloads on disk: 1 downloading (3.0 MiB), 2 kept for a resume (1.5 KiB)\n"
+        );
         assert!(
             out.contains("pod default/web-0 (uid uid-web-0, attempt 0) sandbox web-001234567 [held by the sandbox for 42s]"),
             "{out}"

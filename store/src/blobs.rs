@@ -427,7 +427,14 @@ impl BlobDownloads {
                         progress.refetching.store(true, Ordering::Relaxed);
                         tracing::warn!(blob = %progress.digest, resumed_bytes = progress.resumed_from(), error = %e, refetch_from = %me.sessions.lock().unwrap()[0].reference(), "resumed partial data failed the digest; dropped, fetching the blob again from byte 0");
                     }
-                    Err(e) if next && !matches!(e, StoreError::Cancelled(_)) => {
+                    // Another registry helps with neither a stop nor a full disk.
+                    Err(e)
+                        if next
+                            && !matches!(
+                                e,
+                                StoreError::Cancelled(_) | StoreError::ImageFsReserve { .. }
+                            ) =>
+                    {
                         used += 1;
                         tracing::warn!(blob = %progress.digest, failed = %session.reference(), next = %me.sessions.lock().unwrap()[used].reference(), error = %e, "blob download failed for one requester; going on with another's registry session");
                     }

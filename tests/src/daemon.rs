@@ -145,8 +145,19 @@ impl Daemon {
             .arg("--cni-conf-dir")
             .arg(self.dir.path().join("cni"))
             .arg("--log-level")
-            .arg("info,minicri=debug,minicri_store=debug")
-            .args(&self.extra_args);
+            .arg("info,minicri=debug,minicri_store=debug");
+        // The test daemons' roots share this machine's disk with everything else on it: with
+        // the default reserve (15%) every pull would fail once the machine itself fell under
+        // 15% free, whatever the test. The reserve is off unless a test sets it (the tests of
+        // the reserve put the root on a filesystem of its own).
+        if !self
+            .extra_args
+            .iter()
+            .any(|a| a.starts_with("--image-fs-reserve"))
+        {
+            cmd.args(["--image-fs-reserve", "0"]);
+        }
+        cmd.args(&self.extra_args);
         cmd
     }
 

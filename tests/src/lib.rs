@@ -8,8 +8,9 @@
 //! kubelet simulator (pod workers, image pullers, back-off, deletion) that drives the daemon as
 //! the kubelet does in [`kubelet_sim`], with the environment its tests share in [`sim_env`],
 //! a minimal Kubernetes API server (pods list and watch) in [`apiserver`], an address whose
-//! connections hang in [`blackhole`], and how tests whose
-//! prerequisites are missing skip, or fail when CI must run them, in [`prereq`].
+//! connections hang in [`blackhole`], a daemon root on a small filesystem of its own in
+//! [`small_disk`], and how tests whose prerequisites are missing skip, or fail when CI must run
+//! them, in [`prereq`].
 
 pub mod apiserver;
 pub mod blackhole;
@@ -27,5 +28,6 @@ pub mod registry;
 pub mod remotecommand;
 pub mod server;
 pub mod sim_env;
+pub mod small_disk;
 pub mod spdy;
 pub mod websocket;

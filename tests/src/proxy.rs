@@ -11,7 +11,8 @@
 //! rate limit, cut a connection after N body bytes, stall until released, ignore `Range`,
 //! corrupt a byte, fail with an HTTP status N times, refuse requests without a header (a mirror
 //! that wants its own key), serve the API under another root than `/v2` (a mirror behind a
-//! path; the root is rewritten to `/v2` upstream). A blob GET is
+//! path; the root is rewritten to `/v2` upstream), send bytes past the end of a body (a
+//! registry serving a blob longer than it is, or endless bytes). A blob GET is
 //! `GET /v2/<name>/blobs/sha256:<hex>`; the body faults count bytes of each response body
 //! (a `Range` response body starts at 0 too).
 //!
@@ -148,6 +149,15 @@ impl<T> Rule<T> {
     }
 }
 
+/// The value of the first live rule matching `info`, consuming one of its times.
+fn take_rule<T: Copy>(rules: &mut [Rule<T>], info: &ReqInfo) -> Option<T> {
+    let rule = rules
+        .iter_mut()
+        .find(|r| r.live() && info.matches(&r.target))?;
+    rule.consume();
+    Some(rule.value)
+}
+
 #[derive(Debug, Default)]
 struct FaultState {
     rate_limit: Option<u64>,
@@ -158,6 +168,7 @@ struct FaultState {
     cuts: Vec<Rule<u64>>,
     corrupts: Vec<Rule<u64>>,
     failures: Vec<Rule<u16>>,
+    overlong: Vec<Rule<u64>>,
     stall: Option<(Target, u64)>,
     stalled_now: usize,
     stall_hits: u64,
@@ -247,6 +258,19 @@ impl Faults {
         });
     }
 
+    /// Sends `extra` bytes (0xee) after the end of a matching successful response body, with no
+    /// Content-Length (a chunked body): a registry serving a blob longer than it is, or, with a
+    /// large `extra`, endless bytes. The body's last 100 bytes and the first 100 extra ones go
+    /// out in one small chunk, so a reader gets bytes past the end in the same read as the
+    /// body's last ones. Used up when it fires.
+    pub fn append_after_body(&self, target: Target, extra: u64, times: Times) {
+        self.state().overlong.push(Rule {
+            target,
+            remaining: times.remaining(),
+            value: extra,
+        });
+    }
+
     /// Matching response bodies stop after `bytes` body bytes until [`Faults::release_stall`].
     /// Replaces an earlier stall.
     pub fn stall_after(&self, target: Target, bytes: u64) {
@@ -315,6 +339,7 @@ impl Faults {
             st.cuts.clear();
             st.corrupts.clear();
             st.failures.clear();
+            st.overlong.clear();
             st.stall = None;
             st.required_header = None;
             st.api_root = None;
@@ -324,13 +349,12 @@ impl Faults {
 
     /// Takes a failure rule for this request, if one matches.
     fn take_failure(&self, info: &ReqInfo) -> Option<u16> {
-        let mut st = self.state();
-        let rule = st
-            .failures
-            .iter_mut()
-            .find(|r| r.live() && info.matches(&r.target))?;
-        rule.consume();
-        Some(rule.value)
+        take_rule(&mut self.state().failures, info)
+    }
+
+    /// Takes an append-after-body rule for this request, if one matches.
+    fn take_overlong(&self, info: &ReqInfo) -> Option<u64> {
+        take_rule(&mut self.state().overlong, info)
     }
 
     fn ignore_range(&self, info: &ReqInfo) -> bool {
@@ -436,7 +460,7 @@ pub struct RequestRecord {
     /// Whether the whole body went out.
     pub completed: bool,
     /// Faults that hit this request: "fail", "range-ignored", "stall", "corrupt", "cut",
-    /// "rate-limit", "link-rate", "upstream-error".
+    /// "rate-limit", "link-rate", "upstream-error", "overlong".
     pub faults: Vec<String>,
 }
 
@@ -862,6 +886,16 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBo
     }
     record.status = parts.status.as_u16();
     let faultable = parts.status.is_success();
+    let overlong = if faultable {
+        shared.faults.take_overlong(&info).unwrap_or(0)
+    } else {
+        0
+    };
+    if overlong > 0 {
+        // The body's end is where the stream ends: hyper sends it chunked.
+        parts.headers.remove(header::CONTENT_LENGTH);
+        record.faults.push("overlong".into());
+    }
     let blob = info
         .blob_get()
         .filter(|_| parts.status.is_success())
@@ -898,6 +932,8 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBo
         idx,
         expected_len,
         rate_window: None,
+        overlong,
+        tail: None,
     };
     let stream = futures::stream::unfold(state, |mut st| async move {
         let item = st.next_frame().await?;
@@ -932,7 +968,15 @@ struct BodyState {
     expected_len: Option<u64>,
     /// (rate, start, bytes sent since start) of the current rate-limited stretch.
     rate_window: Option<(u64, Instant, u64)>,
+    /// Bytes still to send after the upstream body's end ([`Faults::append_after_body`]).
+    overlong: u64,
+    /// The body's last bytes with the first extra ones, sent after `pending`.
+    tail: Option<Bytes>,
 }
+
+/// Bytes of the body, and of the extra bytes, that [`Faults::append_after_body`] sends in one
+/// chunk.
+const OVERLONG_TAIL: u64 = 100;
 
 impl BodyState {
     async fn next_frame(&mut self) -> Option<Result<Frame<Bytes>, BoxError>> {
@@ -940,8 +984,19 @@ impl BodyState {
             return None;
         }
         loop {
+            if self.pending.is_empty()
+                && let Some(tail) = self.tail.take()
+            {
+                self.pending = tail;
+                continue;
+            }
             if self.pending.is_empty() {
                 match self.body.frame().await {
+                    None if self.overlong > 0 => {
+                        let n = self.overlong.min(64 * 1024);
+                        self.overlong -= n;
+                        self.pending = Bytes::from(vec![0xee; n as usize]);
+                    }
                     None => {
                         self.done = true;
                         self.stats.complete(self.idx);
@@ -952,6 +1007,20 @@ impl BodyState {
                         return Some(Err(Box::new(e)));
                     }
                     Some(Ok(frame)) => match frame.into_data() {
+                        Ok(data)
+                            if self.overlong > 0
+                                && hyper::body::Body::is_end_stream(&self.body) =>
+                        {
+                            // The last bytes of the body with the first extra ones, in a frame
+                            // of their own.
+                            let keep = data.len().saturating_sub(OVERLONG_TAIL as usize);
+                            let n = self.overlong.min(OVERLONG_TAIL);
+                            self.overlong -= n;
+                            let mut tail = BytesMut::from(&data[keep..]);
+                            tail.extend(std::iter::repeat_n(0xee, n as usize));
+                            self.tail = Some(tail.freeze());
+                            self.pending = data.slice(..keep);
+                        }
                         Ok(data) => self.pending = data,
                         // Trailers are not forwarded (registries send none).
                         Err(_) => continue,

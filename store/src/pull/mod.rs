@@ -27,6 +27,7 @@
 
 pub mod detach;
 mod procedure;
+pub use procedure::{DEFAULT_MAX_BLOB_SIZE, MAX_BLOB_BYTES};
 
 pub use procedure::{MAX_CONFIG_BYTES, MAX_LAYERS, parse_manifest};
 
@@ -88,6 +89,8 @@ pub struct PullConfig {
     /// Where holds are recorded so that a restarted daemon resumes their downloads (`None`:
     /// not recorded).
     pub holds_dir: Option<PathBuf>,
+    /// Largest blob a descriptor may claim; a larger one is refused before any byte is fetched.
+    pub max_blob_size: u64,
 }
 
 impl Default for PullConfig {
@@ -102,6 +105,7 @@ impl Default for PullConfig {
             min_speed: Some(DEFAULT_MIN_SPEED),
             detach_after: Some(Duration::from_secs(30)),
             holds_dir: None,
+            max_blob_size: DEFAULT_MAX_BLOB_SIZE,
         }
     }
 }
