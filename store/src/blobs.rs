@@ -787,7 +787,6 @@ impl Transfer<'_> {
                 busy: true,
             }];
         }
-        let sole = self.pieces.lock().unwrap().len() == 1;
         loop {
             let next = tokio::select! {
                 biased;
@@ -801,9 +800,10 @@ impl Transfer<'_> {
             })?;
             let Piece { pos, end, .. } = self.piece(i);
             let n = chunk.len() as u64;
-            // A body longer than the range asked for stops at its end; past the blob's end
-            // (one piece), the ingest refuses the bytes and says so.
-            if pos + n > end && !(sole && end == self.progress.total) {
+            // A body longer than the range asked for (or than the blob, for a registry that
+            // sends endless bytes) is cut at its end, wherever the read boundaries fall: the
+            // digest decides whether the bytes before the cut are the blob.
+            if pos + n > end {
                 chunk.truncate((end - pos) as usize);
             }
             let n = chunk.len() as u64;

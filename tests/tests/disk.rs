@@ -167,13 +167,19 @@ async fn a_download_stops_at_the_reserve_keeps_it_free_and_resumes() {
     let err = call.await.unwrap().unwrap_err();
     let low = low.stop();
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
-    for part in [
+    // The layer unpacks as it downloads, so the download or the unpack following it reaches the
+    // reserve first, whichever claims its next bytes then; either way the download stops and
+    // keeps what it has.
+    let stopped = [
         format!("download of blob {}", layer.digest),
-        "kept for a resume".into(),
-        "free".into(),
-        "image_fs_reserve = 25% of".into(),
-    ] {
-        assert!(err.message().contains(&part), "{part:?} not in {err:?}");
+        format!("unpacking layer {}", layer.digest),
+    ];
+    assert!(
+        stopped.iter().any(|s| err.message().contains(s.as_str())),
+        "{err:?}"
+    );
+    for part in ["free", "image_fs_reserve = 25% of"] {
+        assert!(err.message().contains(part), "{part:?} not in {err:?}");
     }
     assert!(
         low >= reserve,
@@ -297,12 +303,10 @@ async fn a_blob_over_max_blob_size_is_refused_with_no_byte_fetched() {
 }
 
 /// A registry that sends endless bytes after a blob (1 GiB past each body, chunked, the first
-/// ones in the same read as the body's last): fetched as one stream, the download is cut at the
-/// descriptor's size with DATA_LOSS naming the blob and its size, no file of it ever grew past
-/// the size, the partial data is dropped (its bytes came with ones no blob has), and the
-/// registry got to send only what the daemon's buffers hold beyond it. Fetched as ranged pieces,
-/// each answer is cut at its piece's end: the blob's bytes are all there and verified, and the
-/// pull completes.
+/// ones in the same read as the body's last): each answer is cut at the end of what was asked
+/// for, so no file of the blob ever grows past its size, the registry gets to send only what
+/// the daemon's buffers hold beyond it, and the blob's bytes are verified against its digest and
+/// used. Fetched as one stream and as ranged pieces.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_registry_serving_endless_bytes_is_cut_at_the_blob_size() {
     const ENDLESS: u64 = 1 << 30;
@@ -314,16 +318,11 @@ async fn a_registry_serving_endless_bytes_is_cut_at_the_blob_size() {
         .faults()
         .append_after_body(Target::Blob(layer.digest.clone()), ENDLESS, Times::Always);
     let high = Watch::blob_file(&e.daemon.root(), &layer.digest);
-    let err = pull(&e.daemon, &image, None).await.unwrap_err();
-    let high = high.stop();
-    assert_eq!(err.code(), tonic::Code::DataLoss, "{err:?}");
-    assert!(
-        err.message().contains(&layer.digest)
-            && err
-                .message()
-                .contains(&format!("its descriptor says {}", layer.size)),
-        "{err:?}"
+    assert_eq!(
+        pull(&e.daemon, &image, None).await.unwrap(),
+        img.config_digest
     );
+    let high = high.stop();
     assert!(high <= layer.size, "a file of the blob grew to {high}");
     let served = e.proxy.bytes_served(&layer.digest);
     assert!(
@@ -331,11 +330,7 @@ async fn a_registry_serving_endless_bytes_is_cut_at_the_blob_size() {
         "{served} bytes served for a blob of {}",
         layer.size
     );
-    assert_eq!(
-        ingest_bytes(&e.daemon.root()),
-        0,
-        "bytes of no blob are kept"
-    );
+    assert_eq!(ingest_bytes(&e.daemon.root()), 0);
     drop(e);
 
     // Ranged pieces of 1 MiB over 4 connections.
