@@ -8,12 +8,14 @@
 //! kubelet simulator (pod workers, image pullers, back-off, deletion) that drives the daemon as
 //! the kubelet does in [`kubelet_sim`], with the environment its tests share in [`sim_env`],
 //! a minimal Kubernetes API server (pods list and watch) in [`apiserver`], an address whose
-//! connections hang in [`blackhole`], and how tests whose
+//! connections hang in [`blackhole`], an address that is not the node's in [`far_host`], and how
+//! tests whose
 //! prerequisites are missing skip, or fail when CI must run them, in [`prereq`].
 
 pub mod apiserver;
 pub mod blackhole;
 pub mod daemon;
+pub mod far_host;
 pub mod images;
 pub mod kubelet_sim;
 pub mod nginx_cache;

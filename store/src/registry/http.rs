@@ -5,19 +5,25 @@
 //! - the endpoint's `Authorization` and its hosts.toml `header`s go only to the endpoint's own
 //!   origin (scheme, host and port), never to where a redirect points (a blob store's signed
 //!   URL, or anyone a registry names);
-//! - a redirect from https down to plain http is refused (except to a loopback IP literal);
+//! - every hop (a token realm, each redirect) goes where [`dest`] allows: a destination on the
+//!   node itself only when the session trusts it, any other through a client whose resolver
+//!   drops the node's addresses;
+//! - a redirect from https down to plain http is refused, except to a loopback IP literal the
+//!   session trusts ([`dest::Trusted::allows_plain_http_to`]);
 //! - at most [`MAX_REDIRECTS`] hops; only GET requests are redirected.
 //!
 //! Bodies the client buffers (manifests, tokens, error bodies) are read with [`read_capped`],
 //! which stops at a limit whatever the response says about its length.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::header::{self, HeaderMap};
 use reqwest::{Method, StatusCode, Url};
 
 use super::RemoteKind;
-use crate::hosts::{Endpoint, is_loopback_ip};
+use super::dest::{self, Route};
+use crate::hosts::Endpoint;
 
 /// Redirects followed per request.
 pub(super) const MAX_REDIRECTS: usize = 10;
@@ -53,10 +59,12 @@ pub(super) struct Timeouts {
 }
 
 /// A client for `endpoint`'s TLS settings. It follows no redirects itself ([`send`] does).
+/// A `guarded` one resolves names with [`dest::GuardedResolver`].
 pub(super) fn client(
     endpoint: &Endpoint,
     tls: &Tls,
     timeouts: &Timeouts,
+    guarded: bool,
 ) -> reqwest::Result<reqwest::Client> {
     let certs = tls
         .ca
@@ -73,7 +81,19 @@ pub(super) fn client(
     if let Some(pem) = &tls.identity {
         builder = builder.identity(reqwest::Identity::from_pem(pem)?);
     }
+    if guarded {
+        builder = builder.dns_resolver(dest::GuardedResolver);
+    }
     builder.build()
+}
+
+/// How one endpoint session reaches the network: a client per [`Route`] (both with the
+/// endpoint's TLS settings) and the destinations the session trusts.
+#[derive(Clone)]
+pub(super) struct Net {
+    pub direct: reqwest::Client,
+    pub guarded: reqwest::Client,
+    pub trusted: Arc<dest::Trusted>,
 }
 
 /// One request to send: `scoped` headers go only to `origin`'s scheme, host and port; `always`
@@ -85,6 +105,8 @@ pub(super) struct Request {
     pub scoped: HeaderMap,
     /// A form body (POST).
     pub form: Option<Vec<(String, String)>>,
+    /// What the first hop is, for a refusal's message: "the request", "the token realm".
+    pub first_hop: &'static str,
 }
 
 impl Request {
@@ -95,14 +117,27 @@ impl Request {
             always: HeaderMap::new(),
             scoped: HeaderMap::new(),
             form: None,
+            first_hop: "the request",
         }
     }
 }
 
-/// Whether going from `from` to `to` drops from https to plain http, to anything but a loopback IP
-/// literal: refused for redirects and token realms alike.
-pub(super) fn is_downgrade(from: &Url, to: &Url) -> bool {
-    to.scheme() == "http" && from.scheme() == "https" && !to.host_str().is_some_and(is_loopback_ip)
+/// Whether going from `from` to `to` drops from https to plain http, to anything but a loopback
+/// IP literal `trusted` allows: refused for redirects and token realms alike.
+pub(super) fn is_downgrade(from: &Url, to: &Url, trusted: &dest::Trusted) -> bool {
+    to.scheme() == "http" && from.scheme() == "https" && !trusted.allows_plain_http_to(to)
+}
+
+/// The [`dest::Refused`] among the causes of a request error: the guarded resolver's answer.
+fn refused_in<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a dest::Refused> {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if let Some(r) = c.downcast_ref::<dest::Refused>() {
+            return Some(r);
+        }
+        cause = c.source();
+    }
+    None
 }
 
 /// Whether `a` and `b` share scheme, host and port.
@@ -112,14 +147,35 @@ pub(super) fn same_origin(a: &Url, b: &Url) -> bool {
         && a.port_or_known_default() == b.port_or_known_default()
 }
 
-/// Sends `req` with `client`, following redirects as the module says.
+/// Sends `req` through `net`, following redirects as the module says.
 pub(super) async fn send(
-    client: &reqwest::Client,
+    net: &Net,
     req: Request,
 ) -> Result<reqwest::Response, (RemoteKind, String)> {
     let origin = req.url.clone();
     let mut url = req.url.clone();
-    for _ in 0..=MAX_REDIRECTS {
+    // Where the current hop came from (a refusal names it) and what it is.
+    let mut from: Option<Url> = None;
+    for hop in 0..=MAX_REDIRECTS {
+        let what = if hop == 0 {
+            req.first_hop
+        } else {
+            "the redirect"
+        };
+        let refusal = |r: &dest::Refused| {
+            let at = from
+                .as_ref()
+                .map_or(String::new(), |f| format!("GET {f}: "));
+            (
+                RemoteKind::Refused,
+                format!("{at}refusing {what} to {url}: {r}"),
+            )
+        };
+        let client = match dest::route(&url, &net.trusted) {
+            Ok(Route::Direct) => &net.direct,
+            Ok(Route::Guarded) => &net.guarded,
+            Err(r) => return Err(refusal(&r)),
+        };
         let mut headers = req.always.clone();
         if same_origin(&url, &origin) {
             for (name, value) in &req.scoped {
@@ -133,6 +189,9 @@ pub(super) async fn send(
             builder = builder.form(form);
         }
         let resp = builder.send().await.map_err(|e| {
+            if let Some(r) = refused_in(&e) {
+                return refusal(r);
+            }
             let mut message = format!("{} {url}: {}", req.method, super::describe(&e));
             // The alerts a server sends when it wants a client certificate it did not get.
             if ["BadCertificate", "CertificateRequired"]
@@ -152,8 +211,8 @@ pub(super) async fn send(
         let Some(location) = resp.headers().get(header::LOCATION) else {
             return Ok(resp);
         };
-        url = next_hop(&url, location.to_str().unwrap_or(""))
-            .map_err(|m| (RemoteKind::Unavailable, m))?;
+        let next = next_hop(&url, location.to_str().unwrap_or(""), &net.trusted)?;
+        from = Some(std::mem::replace(&mut url, next));
     }
     Err((
         RemoteKind::Unavailable,
@@ -161,20 +220,29 @@ pub(super) async fn send(
     ))
 }
 
-/// Where a redirect from `url` to `location` goes, unless the module's rules refuse it.
-fn next_hop(url: &Url, location: &str) -> Result<Url, String> {
-    let next = url
-        .join(location)
-        .map_err(|_| format!("GET {url}: redirect to an invalid location"))?;
+/// Where a redirect from `url` to `location` goes, unless the module's rules on schemes refuse
+/// it (the destination's address is checked when the hop is sent).
+fn next_hop(
+    url: &Url,
+    location: &str,
+    trusted: &dest::Trusted,
+) -> Result<Url, (RemoteKind, String)> {
+    let next = url.join(location).map_err(|_| {
+        (
+            RemoteKind::Unavailable,
+            format!("GET {url}: redirect to an invalid location"),
+        )
+    })?;
     if !matches!(next.scheme(), "http" | "https") {
-        return Err(format!(
-            "GET {url}: refusing a redirect to {}",
-            next.scheme()
+        return Err((
+            RemoteKind::Refused,
+            format!("GET {url}: refusing a redirect to {}", next.scheme()),
         ));
     }
-    if is_downgrade(url, &next) {
-        return Err(format!(
-            "GET {url}: refusing a redirect from https to {next}"
+    if is_downgrade(url, &next, trusted) {
+        return Err((
+            RemoteKind::Refused,
+            format!("GET {url}: refusing a redirect from https to {next}"),
         ));
     }
     Ok(next)
@@ -288,26 +356,41 @@ mod tests {
     #[test]
     fn redirects() {
         let u = |s: &str| Url::parse(s).unwrap();
+        let ep = |host: &str, plain_http: bool| Endpoint {
+            plain_http,
+            ..crate::hosts::default_endpoint(host)
+        };
+        // r.example over https, with a mirror hosts.toml configures on 127.0.0.1:5000.
+        let trusted = dest::Trusted::new(
+            "r.example",
+            &[ep("127.0.0.1:5000", true), ep("r.example", false)],
+        );
         let from = u("https://r.example/v2/a/blobs/sha256:1");
+        let hop = |from: &Url, to: &str| next_hop(from, to, &trusted);
         assert_eq!(
-            next_hop(&from, "https://s3.example/x?sig=1").unwrap(),
+            hop(&from, "https://s3.example/x?sig=1").unwrap(),
             u("https://s3.example/x?sig=1")
         );
-        assert_eq!(
-            next_hop(&from, "/other").unwrap(),
-            u("https://r.example/other")
-        );
+        assert_eq!(hop(&from, "/other").unwrap(), u("https://r.example/other"));
         for refused in [
             "http://s3.example/x",
             "http://localhost/x",
             "ftp://r.example/x",
+            // Loopback IP literals, but not ones the session trusts.
+            "http://127.0.0.1:5001/x",
+            "http://[::1]:5000/x",
         ] {
-            assert!(next_hop(&from, refused).is_err(), "{refused}");
+            let (kind, message) = hop(&from, refused).unwrap_err();
+            assert_eq!(kind, RemoteKind::Refused, "{refused}");
+            assert!(message.contains("refusing a redirect"), "{message}");
         }
-        assert!(next_hop(&from, "http://127.0.0.1:5000/x").is_ok());
-        assert!(next_hop(&from, "http://[::1]:5000/x").is_ok());
+        assert!(hop(&from, "http://127.0.0.1:5000/x").is_ok());
         let plain = u("http://127.0.0.1:5000/v2/a");
-        assert!(next_hop(&plain, "http://10.0.0.1/x").is_ok());
+        assert!(hop(&plain, "http://10.0.0.1/x").is_ok());
+        assert_eq!(
+            hop(&from, "http://[").unwrap_err().0,
+            RemoteKind::Unavailable
+        );
     }
 
     #[test]

@@ -18,9 +18,11 @@
 //!   the pull's watchdog (`pull_min_speed`) and to their descriptor's size by the ingest;
 //! - manifests are read up to [`MAX_MANIFEST_BYTES`], token responses up to [`MAX_TOKEN_BYTES`]
 //!   and error bodies up to 64 KiB, each refused as soon as it goes past, while it is read;
-//! - error messages built from a registry's answer are cut to [`MAX_MESSAGE_CHARS`].
+//! - error messages built from a registry's answer are cut to [`MAX_MESSAGE_CHARS`];
+//! - redirects and token realms reach the node's own addresses only where [`dest`] allows.
 
 pub mod auth;
+pub mod dest;
 mod http;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -49,7 +51,6 @@ pub const MAX_MANIFEST_BYTES: u64 = 4 << 20;
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(60);
 /// Most characters of a registry's answer kept in an error message.
 pub const MAX_MESSAGE_CHARS: usize = 1024;
-
 /// Manifest media types minicri accepts, best first.
 pub const MANIFEST_MEDIA_TYPES: &[&str] = &[
     "application/vnd.oci.image.index.v1+json",
@@ -68,6 +69,9 @@ pub enum RemoteKind {
     /// The registry sent more than a limit allows (a manifest over [`MAX_MANIFEST_BYTES`], a
     /// token response over [`MAX_TOKEN_BYTES`]).
     TooLarge,
+    /// The registry sent the daemon somewhere it does not go: a redirect or token realm on the
+    /// node itself ([`dest`]), down to plain http, or to another scheme.
+    Refused,
 }
 
 /// A failure at one endpoint.
@@ -124,6 +128,8 @@ struct ClientKey {
     /// sha256 of the CA certificates and the client certificate and key.
     tls: [u8; 32],
     dial_timeout: Option<Duration>,
+    /// The client for destinations the session does not trust ([`dest::Route::Guarded`]).
+    guarded: bool,
 }
 
 /// Most cached clients kept; the cache is emptied when it would grow past this.
@@ -211,14 +217,15 @@ impl Registry {
         self
     }
 
-    /// The HTTP client for `ep`'s TLS settings (`tls`, read from them).
-    fn client(&self, ep: &Endpoint, tls: &http::Tls) -> Result<reqwest::Client> {
+    /// The HTTP client for `ep`'s TLS settings (`tls`, read from them), `guarded` or not.
+    fn client(&self, ep: &Endpoint, tls: &http::Tls, guarded: bool) -> Result<reqwest::Client> {
         let key = ClientKey {
             host: ep.host.clone(),
             plain_http: ep.plain_http,
             skip_verify: ep.skip_verify,
             tls: tls.fingerprint(),
             dial_timeout: ep.dial_timeout,
+            guarded,
         };
         if let Some((c, used)) = self.clients.lock().unwrap().get_mut(&key) {
             *used = Instant::now();
@@ -228,10 +235,11 @@ impl Registry {
             connect: self.connect_timeout,
             read: self.read_timeout,
         };
-        let client = http::client(ep, tls, &timeouts).map_err(|e| StoreError::HostsConfig {
-            path: ep.ca.first().cloned().unwrap_or_default(),
-            reason: format!("building the HTTP client for {ep}: {}", describe(&e)),
-        })?;
+        let client =
+            http::client(ep, tls, &timeouts, guarded).map_err(|e| StoreError::HostsConfig {
+                path: ep.ca.first().cloned().unwrap_or_default(),
+                reason: format!("building the HTTP client for {ep}: {}", describe(&e)),
+            })?;
         let mut cache = self.clients.lock().unwrap();
         if cache.len() >= MAX_CACHED_CLIENTS {
             cache.clear();
@@ -267,12 +275,17 @@ impl Registry {
             cred_hosts.push("registry-1.docker.io".into());
         }
         cred_hosts.extend(endpoints.iter().map(|e| e.host.clone()));
+        let trusted = std::sync::Arc::new(dest::Trusted::new(&reference.domain, &endpoints));
         let mut sessions = Vec::new();
         for ep in endpoints {
             let creds =
                 EndpointCreds::new(creds, &basic, &ep, &reference.domain, cred_hosts.clone());
             let tls = read_tls(&ep)?;
-            let client = self.client(&ep, &tls)?;
+            let net = http::Net {
+                direct: self.client(&ep, &tls, false)?,
+                guarded: self.client(&ep, &tls, true)?,
+                trusted: trusted.clone(),
+            };
             let base = format!(
                 "{}://{}{}/",
                 if ep.plain_http { "http" } else { "https" },
@@ -293,7 +306,7 @@ impl Registry {
                 headers: ep.headers.clone(),
                 endpoint: ep,
                 base,
-                client,
+                net,
                 creds,
                 auth: tokio::sync::Mutex::new(state),
                 request_deadline: self.request_deadline,
@@ -347,7 +360,7 @@ struct EndpointSession {
     repository: String,
     /// hosts.toml headers, sent to the endpoint's own origin.
     headers: HeaderMap,
-    client: reqwest::Client,
+    net: http::Net,
     creds: EndpointCreds,
     auth: tokio::sync::Mutex<AuthState>,
     request_deadline: Duration,
@@ -408,7 +421,7 @@ impl EndpointSession {
             if let Some(a) = &authorization {
                 req.scoped.insert(header::AUTHORIZATION, a.clone());
             }
-            let resp = http::send(&self.client, req)
+            let resp = http::send(&self.net, req)
                 .await
                 .map_err(|(kind, m)| self.err(kind, m))?;
             if resp.status().is_success() {
@@ -430,7 +443,7 @@ impl EndpointSession {
                 let answer = self
                     .creds
                     .answer(
-                        &self.client,
+                        &self.net,
                         &self.base,
                         &self.headers,
                         &challenges,
@@ -751,6 +764,7 @@ impl Session {
             .collect::<Vec<_>>()
             .join("; ");
         let all = |k| !errors.is_empty() && errors.iter().all(|e| e.kind == k);
+        let any = |k| errors.iter().any(|e| e.kind == k);
         if all(RemoteKind::NotFound) {
             StoreError::RemoteNotFound {
                 reference,
@@ -760,6 +774,12 @@ impl Session {
                     .map(|e| e.endpoint.clone())
                     .collect::<Vec<_>>()
                     .join(", "),
+            }
+        } else if any(RemoteKind::Refused) {
+            // Where a registry sends the daemon is its answer, the same at every retry.
+            StoreError::Refused {
+                reference,
+                reason: format!("{what}: {detail}"),
             }
         } else if let Some(e) = errors
             .iter()
