@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use minicri_store::hosts::default_endpoint;
 use minicri_store::registry::dest::Trusted;
 use minicri_store::registry::{
-    Credentials, FetchedManifest, MAX_MANIFEST_BYTES, MAX_MESSAGE_CHARS, MAX_TOKEN_BYTES, Registry,
+    Credentials, FetchedManifest, MAX_EXCERPT_CHARS, MAX_MANIFEST_BYTES, MAX_TOKEN_BYTES, Registry,
     realm_may_be_asked, realm_may_get_credentials,
 };
 use minicri_store::{Digest, ErrorKind, Reference, RegistryHosts, StoreError};
@@ -522,9 +522,13 @@ async fn credentials_go_over_plain_http_only_to_a_loopback_ip() {
 
 #[tokio::test]
 async fn an_error_body_does_not_flood_the_error_message() {
+    // A 1 MiB body of lines, escape sequences and bidirectional overrides: what reaches the
+    // message is one line, its first MAX_EXCERPT_CHARS characters.
+    let mut body = b"first\r\n\x1b[31mred\x1b[0m\t\xe2\x80\xaeevil\n".to_vec();
+    body.resize(1 << 20, b'e');
     let server = Server::start(
         "127.0.0.1",
-        open_registry(|| Reply::ok(vec![b'e'; 1 << 20]).status(500)),
+        open_registry(move || Reply::ok(body.clone()).status(500)),
     )
     .await;
     let err = fetch(&registry(), &server.addr, &Credentials::default())
@@ -532,8 +536,42 @@ async fn an_error_body_does_not_flood_the_error_message() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("eeee"), "{msg}");
-    assert!(msg.len() < MAX_MESSAGE_CHARS + 1024, "{} bytes", msg.len());
+    assert!(
+        msg.contains(": 500 Internal Server Error: first [31mred [0m evil eee"),
+        "{msg}"
+    );
+    assert!(msg.ends_with("… (cut)"), "{msg}");
+    assert!(!msg.chars().any(char::is_control), "{msg:?}");
+    assert!(!msg.contains('\u{202e}'), "{msg:?}");
+    let quoted = msg.split("Internal Server Error: ").nth(1).unwrap();
+    assert_eq!(
+        quoted.chars().count(),
+        MAX_EXCERPT_CHARS + "… (cut)".chars().count(),
+        "{quoted}"
+    );
+}
+
+#[tokio::test]
+async fn distribution_errors_are_quoted_by_code_and_message() {
+    let body = format!(
+        r#"{{"errors":[{{"code":"UNAVAILABLE","message":"try\nlater","detail":{{"x":"{}"}}}},{{"code":"TOOMANYREQUESTS","message":"slow down"}}]}}"#,
+        "d".repeat(4000)
+    );
+    let server = Server::start(
+        "127.0.0.1",
+        open_registry(move || Reply::ok(body.clone()).status(503)),
+    )
+    .await;
+    let err = fetch(&registry(), &server.addr, &Credentials::default())
+        .await
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.ends_with(
+            ": 503 Service Unavailable: UNAVAILABLE try later; TOOMANYREQUESTS slow down"
+        ),
+        "{msg}"
+    );
 }
 
 /// A hosts directory sending `registry` to `server_url` with the top-level `extra` lines (the

@@ -13,7 +13,9 @@
 //! - at most [`MAX_REDIRECTS`] hops; only GET requests are redirected.
 //!
 //! Bodies the client buffers (manifests, tokens, error bodies) are read with [`read_capped`],
-//! which stops at a limit whatever the response says about its length.
+//! which stops at a limit whatever the response says about its length. An error response is
+//! reported by [`error_of`] as its status and a short excerpt of its body ([`excerpt`]): the
+//! message reaches the pod's events, which whoever owns the pod reads.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -296,12 +298,26 @@ async fn read_prefix(mut resp: reqwest::Response, max: u64) -> Vec<u8> {
     out
 }
 
-/// How a registry's error response is classified, and what it said: the status, then the
-/// distribution error codes and messages of its body (read up to [`MAX_ERROR_BODY_BYTES`]).
+/// Most bytes of an error body written to the daemon's log, at debug level.
+const MAX_LOGGED_BODY_BYTES: usize = 4096;
+
+/// How a registry's error response is classified, and what it said: the status, then a short
+/// excerpt of its body (read up to [`MAX_ERROR_BODY_BYTES`]): the distribution error codes and
+/// messages when the body is the spec's `{"errors": [{"code", "message"}]}`, else its text, with
+/// control characters and line breaks made spaces, at most [`super::MAX_EXCERPT_CHARS`]
+/// characters. The message reaches the pod's events, readable by whoever owns the pod, and the
+/// body may be anyone's: a service the registry sent the daemon to, a proxy's error page. The
+/// body itself goes to the daemon's log at debug level, its first [`MAX_LOGGED_BODY_BYTES`].
 pub(super) async fn error_of(resp: reqwest::Response) -> (RemoteKind, String) {
     let status = resp.status();
     let url = resp.url().clone();
     let body = read_prefix(resp, MAX_ERROR_BODY_BYTES).await;
+    tracing::debug!(
+        %url,
+        %status,
+        body = %String::from_utf8_lossy(&body[..body.len().min(MAX_LOGGED_BODY_BYTES)]).escape_debug(),
+        "registry error response"
+    );
     #[derive(serde::Deserialize)]
     struct Envelope {
         #[serde(default)]
@@ -335,17 +351,21 @@ pub(super) async fn error_of(resp: reqwest::Response) -> (RemoteKind, String) {
     } else {
         RemoteKind::Unavailable
     };
-    let mut message = format!("GET {url}: {status}");
-    if codes.is_empty() {
-        let text = String::from_utf8_lossy(&body);
-        let text = text.trim();
-        if !text.is_empty() {
-            message = format!("{message}: {text}");
-        }
-    }
-    for e in &codes {
-        message = format!("{message}: {} {}", e.code, e.message);
-    }
+    let said = if codes.is_empty() {
+        String::from_utf8_lossy(&body).into_owned()
+    } else {
+        codes
+            .iter()
+            .map(|e| format!("{} {}", e.code, e.message))
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    let said = super::excerpt(&said, super::MAX_EXCERPT_CHARS);
+    let message = if said.is_empty() {
+        format!("GET {url}: {status}")
+    } else {
+        format!("GET {url}: {status}: {said}")
+    };
     (kind, message)
 }
 

@@ -18,7 +18,9 @@
 //!   the pull's watchdog (`pull_min_speed`) and to their descriptor's size by the ingest;
 //! - manifests are read up to [`MAX_MANIFEST_BYTES`], token responses up to [`MAX_TOKEN_BYTES`]
 //!   and error bodies up to 64 KiB, each refused as soon as it goes past, while it is read;
-//! - error messages built from a registry's answer are cut to [`MAX_MESSAGE_CHARS`];
+//! - error messages built from a registry's answer are cut to [`MAX_MESSAGE_CHARS`], and what
+//!   they quote of an error body to a short excerpt ([`MAX_EXCERPT_CHARS`], [`excerpt`]), with
+//!   no control characters: they reach the pod's events;
 //! - redirects and token realms reach the node's own addresses only where [`dest`] allows.
 
 pub mod auth;
@@ -51,6 +53,11 @@ pub const MAX_MANIFEST_BYTES: u64 = 4 << 20;
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(60);
 /// Most characters of a registry's answer kept in an error message.
 pub const MAX_MESSAGE_CHARS: usize = 1024;
+/// Most characters of a registry's error body quoted in an error message (which reaches the
+/// pod's events): enough for the distribution spec's error codes and messages, or the first
+/// line of an error page, too little to carry much of whatever a service answered.
+pub const MAX_EXCERPT_CHARS: usize = 200;
+
 /// Manifest media types minicri accepts, best first.
 pub const MANIFEST_MEDIA_TYPES: &[&str] = &[
     "application/vnd.oci.image.index.v1+json",
@@ -113,6 +120,36 @@ pub fn bounded_to(mut message: String, max_chars: usize) -> String {
         message.push_str("… (cut)");
     }
     message
+}
+
+/// Whether `c` may change how the text around it is shown: control characters (line breaks,
+/// escape sequences) and Unicode's bidirectional and zero-width formatting characters.
+fn is_formatting(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{feff}')
+}
+
+/// A stranger's `text` made fit for one line of an error message: every run of whitespace and
+/// formatting characters one space, trimmed, cut to `max_chars` characters (marked as cut).
+pub fn excerpt(text: &str, max_chars: usize) -> String {
+    let mut out = String::new();
+    let mut gap = false;
+    for c in text.chars() {
+        if c.is_whitespace() || is_formatting(c) {
+            gap = !out.is_empty();
+            continue;
+        }
+        if gap {
+            out.push(' ');
+            gap = false;
+        }
+        out.push(c);
+        // Enough to know whether it must be cut.
+        if out.len() > max_chars * 4 + 4 {
+            break;
+        }
+    }
+    bounded_to(out, max_chars)
 }
 
 /// Clients are cached per endpoint TLS setting: building one loads the TLS roots, which takes
@@ -371,7 +408,7 @@ impl EndpointSession {
         RemoteError {
             kind,
             endpoint: self.endpoint.to_string(),
-            message: bounded(message),
+            message: excerpt(&message, MAX_MESSAGE_CHARS),
         }
     }
 
@@ -822,6 +859,23 @@ mod tests {
         assert_eq!(
             cut.chars().count(),
             MAX_MESSAGE_CHARS + "… (cut)".chars().count()
+        );
+    }
+
+    #[test]
+    fn excerpts_are_one_short_line() {
+        assert_eq!(
+            excerpt("  a\r\n\tb  \u{1b}[2Jc\u{202e}d\u{0}", 10),
+            "a b [2Jc d"
+        );
+        assert_eq!(excerpt("\n\n", 10), "");
+        assert_eq!(excerpt("abcdef", 3), "abc… (cut)");
+        // Cut by characters, not bytes; a huge input is not copied whole.
+        let long = format!("{}\n{}", "é".repeat(150), "x".repeat(1 << 20));
+        let cut = excerpt(&long, MAX_EXCERPT_CHARS);
+        assert_eq!(
+            cut,
+            format!("{} {}… (cut)", "é".repeat(150), "x".repeat(49))
         );
     }
 }
