@@ -799,6 +799,9 @@ fn plain_http_realms_are_asked_only_for_plain_http_registries() {
         err.contains("refusing the token realm http://169.254.169.254/"),
         "{err}"
     );
+    // Its address says the most about why.
+    assert!(err.contains("link-local"), "{err}");
+    let err = realm_may_be_asked(&u("http://auth.example/token"), &tls, &tls_trusts).unwrap_err();
     assert!(err.contains("plain http"), "{err}");
     for refused in [
         "http://auth.example/token",
@@ -949,10 +952,10 @@ async fn each_node_target_is_refused(
             let what = if realm {
                 "the token realm"
             } else {
-                "the redirect"
+                "the redirect to"
             };
             assert!(
-                msg.contains(&format!("refusing {what} to http://")),
+                msg.contains(&format!("refusing {what} http://")),
                 "{t}: {msg}"
             );
             assert!(

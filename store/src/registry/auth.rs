@@ -24,7 +24,7 @@ use reqwest::Url;
 use reqwest::header::{self, HeaderMap, HeaderValue};
 
 use super::RemoteKind;
-use super::dest::Trusted;
+use super::dest::{self, Trusted};
 use super::http::{self, Request};
 use crate::hosts::{Endpoint, is_loopback_ip};
 
@@ -95,8 +95,10 @@ impl Credentials {
 /// http only when the registry itself is (the operator said `http://`, or it is a loopback IP
 /// literal) or the realm is a loopback IP literal the session trusts. The rule of redirects
 /// (`http::is_downgrade`): a registry reached over https cannot send the daemon to a plain-http
-/// address. Where the realm's address is on the node, `dest` decides when it is asked.
+/// address. Before that, a realm on the node must be one the session trusts ([`dest::route`]:
+/// the address says more about why than the scheme does).
 pub fn realm_may_be_asked(realm: &Url, endpoint: &Url, trusted: &Trusted) -> Result<(), String> {
+    dest::route(realm, trusted).map_err(|r| format!("refusing the token realm {realm}: {r}"))?;
     if http::is_downgrade(endpoint, realm, trusted) {
         return Err(format!(
             "refusing the token realm {realm}: plain http, for a registry reached over https"

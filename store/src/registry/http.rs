@@ -107,7 +107,7 @@ pub(super) struct Request {
     pub scoped: HeaderMap,
     /// A form body (POST).
     pub form: Option<Vec<(String, String)>>,
-    /// What the first hop is, for a refusal's message: "the request", "the token realm".
+    /// What the first hop is, for a refusal's message ("refusing the token realm URL: ...").
     pub first_hop: &'static str,
 }
 
@@ -119,7 +119,7 @@ impl Request {
             always: HeaderMap::new(),
             scoped: HeaderMap::new(),
             form: None,
-            first_hop: "the request",
+            first_hop: "the request to",
         }
     }
 }
@@ -156,27 +156,23 @@ pub(super) async fn send(
 ) -> Result<reqwest::Response, (RemoteKind, String)> {
     let origin = req.url.clone();
     let mut url = req.url.clone();
-    // Where the current hop came from (a refusal names it) and what it is.
+    // Where the current hop came from, for a redirect (a refusal names it).
     let mut from: Option<Url> = None;
-    for hop in 0..=MAX_REDIRECTS {
-        let what = if hop == 0 {
-            req.first_hop
-        } else {
-            "the redirect"
-        };
-        let refusal = |r: &dest::Refused| {
-            let at = from
-                .as_ref()
-                .map_or(String::new(), |f| format!("GET {f}: "));
+    for _ in 0..=MAX_REDIRECTS {
+        let refusal = |why: &dyn std::fmt::Display| {
+            let (at, what) = match &from {
+                Some(f) => (format!("GET {f}: "), "the redirect to"),
+                None => (String::new(), req.first_hop),
+            };
             (
                 RemoteKind::Refused,
-                format!("{at}refusing {what} to {url}: {r}"),
+                format!("{at}refusing {what} {url}: {why}"),
             )
         };
-        let client = match dest::route(&url, &net.trusted) {
+        let client = match hop_route(from.as_ref(), &url, &net.trusted) {
             Ok(Route::Direct) => &net.direct,
             Ok(Route::Guarded) => &net.guarded,
-            Err(r) => return Err(refusal(&r)),
+            Err(why) => return Err(refusal(&why)),
         };
         let mut headers = req.always.clone();
         if same_origin(&url, &origin) {
@@ -192,7 +188,7 @@ pub(super) async fn send(
         }
         let resp = builder.send().await.map_err(|e| {
             if let Some(r) = refused_in(&e) {
-                return refusal(r);
+                return refusal(&r);
             }
             let mut message = format!("{} {url}: {}", req.method, super::describe(&e));
             // The alerts a server sends when it wants a client certificate it did not get.
@@ -213,7 +209,7 @@ pub(super) async fn send(
         let Some(location) = resp.headers().get(header::LOCATION) else {
             return Ok(resp);
         };
-        let next = next_hop(&url, location.to_str().unwrap_or(""), &net.trusted)?;
+        let next = next_hop(&url, location.to_str().unwrap_or(""))?;
         from = Some(std::mem::replace(&mut url, next));
     }
     Err((
@@ -222,13 +218,24 @@ pub(super) async fn send(
     ))
 }
 
-/// Where a redirect from `url` to `location` goes, unless the module's rules on schemes refuse
-/// it (the destination's address is checked when the hop is sent).
-fn next_hop(
+/// How the hop to `url` goes out ([`dest::route`]), coming from `from` for a redirect, or why
+/// it may not: on the node where the session does not trust it, or down from https to plain
+/// http (a token realm's scheme is checked by `auth::realm_may_be_asked`).
+fn hop_route(
+    from: Option<&Url>,
     url: &Url,
-    location: &str,
     trusted: &dest::Trusted,
-) -> Result<Url, (RemoteKind, String)> {
+) -> Result<Route, Box<dyn std::fmt::Display>> {
+    let route = dest::route(url, trusted).map_err(|r| Box::new(r) as _)?;
+    if from.is_some_and(|from| is_downgrade(from, url, trusted)) {
+        return Err(Box::new("it goes from https down to plain http"));
+    }
+    Ok(route)
+}
+
+/// Where a redirect from `url` to `location` goes, unless it is not an http(s) URL (where it
+/// may go is [`hop_route`]'s to say).
+fn next_hop(url: &Url, location: &str) -> Result<Url, (RemoteKind, String)> {
     let next = url.join(location).map_err(|_| {
         (
             RemoteKind::Unavailable,
@@ -238,13 +245,7 @@ fn next_hop(
     if !matches!(next.scheme(), "http" | "https") {
         return Err((
             RemoteKind::Refused,
-            format!("GET {url}: refusing a redirect to {}", next.scheme()),
-        ));
-    }
-    if is_downgrade(url, &next, trusted) {
-        return Err((
-            RemoteKind::Refused,
-            format!("GET {url}: refusing a redirect from https to {next}"),
+            format!("GET {url}: refusing the redirect to {}", next.scheme()),
         ));
     }
     Ok(next)
@@ -386,30 +387,45 @@ mod tests {
             &[ep("127.0.0.1:5000", true), ep("r.example", false)],
         );
         let from = u("https://r.example/v2/a/blobs/sha256:1");
-        let hop = |from: &Url, to: &str| next_hop(from, to, &trusted);
+        let hop = |from: &Url, to: &str| {
+            let next = next_hop(from, to).map_err(|(_, m)| m)?;
+            hop_route(Some(from), &next, &trusted)
+                .map(|route| (next, route))
+                .map_err(|why| why.to_string())
+        };
         assert_eq!(
             hop(&from, "https://s3.example/x?sig=1").unwrap(),
-            u("https://s3.example/x?sig=1")
+            (u("https://s3.example/x?sig=1"), Route::Guarded)
         );
-        assert_eq!(hop(&from, "/other").unwrap(), u("https://r.example/other"));
-        for refused in [
-            "http://s3.example/x",
-            "http://localhost/x",
-            "ftp://r.example/x",
-            // Loopback IP literals, but not ones the session trusts.
-            "http://127.0.0.1:5001/x",
-            "http://[::1]:5000/x",
+        assert_eq!(
+            hop(&from, "/other").unwrap(),
+            (u("https://r.example/other"), Route::Direct)
+        );
+        assert_eq!(
+            hop(&from, "http://127.0.0.1:5000/x").unwrap().1,
+            Route::Direct
+        );
+        for (to, why) in [
+            ("http://s3.example/x", "from https down to plain http"),
+            ("http://localhost/x", "from https down to plain http"),
+            ("ftp://r.example/x", "refusing the redirect to ftp"),
+            // Loopback IP literals, but not ones the session trusts: the address says why.
+            ("http://127.0.0.1:5001/x", "127.0.0.1 is a loopback address"),
+            ("http://[::1]:5000/x", "[::1] is a loopback address"),
+            ("https://[::1]:5000/x", "[::1] is a loopback address"),
         ] {
-            let (kind, message) = hop(&from, refused).unwrap_err();
-            assert_eq!(kind, RemoteKind::Refused, "{refused}");
-            assert!(message.contains("refusing a redirect"), "{message}");
+            let err = hop(&from, to).unwrap_err();
+            assert!(err.contains(why), "{to}: {err}");
         }
-        assert!(hop(&from, "http://127.0.0.1:5000/x").is_ok());
         let plain = u("http://127.0.0.1:5000/v2/a");
         assert!(hop(&plain, "http://10.0.0.1/x").is_ok());
         assert_eq!(
-            hop(&from, "http://[").unwrap_err().0,
+            next_hop(&from, "http://[").unwrap_err().0,
             RemoteKind::Unavailable
+        );
+        assert_eq!(
+            next_hop(&from, "ftp://x/").unwrap_err().0,
+            RemoteKind::Refused
         );
     }
 
