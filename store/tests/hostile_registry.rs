@@ -18,6 +18,7 @@ use minicri_store::registry::{
 };
 use minicri_store::{Digest, ErrorKind, Reference, RegistryHosts, StoreError};
 use minicri_tests::far_host::FarHost;
+use minicri_tests::tripwire::Tripwire;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -866,35 +867,8 @@ fn realm_rules() {
     assert!(!realm_may_get_credentials("ftp://127.0.0.1/token", &ip));
 }
 
-/// Counts the connections made to the node at one port, on any of its addresses (a dual-stack
-/// wildcard listener): a request that must not go out must leave it at zero.
-struct Tripwire {
-    port: u16,
-    hits: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl Tripwire {
-    async fn start() -> Tripwire {
-        let listener = TcpListener::bind("[::]:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let h = hits.clone();
-        tokio::spawn(async move {
-            while let Ok((conn, _)) = listener.accept().await {
-                h.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                drop(conn);
-            }
-        });
-        Tripwire { port, hits }
-    }
-
-    fn hits(&self) -> usize {
-        self.hits.load(std::sync::atomic::Ordering::SeqCst)
-    }
-}
-
-/// Where a registry may send the daemon on the node: the URLs (with `{port}` for a port)
-/// every test below tries as redirect and realm.
+/// Where on the node a registry may try to send the client, at `port` (and at the node's
+/// address `near`): the URLs the tests below try as redirect and as realm.
 fn node_targets(port: u16, near: Option<std::net::Ipv4Addr>) -> Vec<String> {
     let mut v: Vec<String> = [
         "127.0.0.1",
@@ -975,13 +949,13 @@ async fn a_registry_elsewhere_cannot_send_the_client_to_the_node() {
     // A plain-http registry on another host (a network namespace), configured in hosts.toml:
     // no https-to-http rule is involved, only where the addresses are.
     let far = FarHost::create().unwrap();
-    let wire = Tripwire::start().await;
+    let wire = Tripwire::start();
     let target = Arc::new(Mutex::new((String::new(), false)));
     let server = Server::start_on(far.listen(0).unwrap(), pointing_registry(target.clone()));
     let dir = tempfile::tempdir().unwrap();
     let hosts = hosts_dir(dir.path(), &server.addr, &format!("http://{}", server.addr));
     let reg = Registry::new(hosts);
-    let targets = node_targets(wire.port, Some(far.near_ip()));
+    let targets = node_targets(wire.port(), Some(far.near_ip()));
     each_node_target_is_refused(&reg, &server.addr, &target, &targets, &wire).await;
 
     // The positive control: a redirect and a realm on another host off the node are followed.
@@ -1010,10 +984,10 @@ async fn a_registry_elsewhere_cannot_send_the_client_to_the_node() {
 async fn a_registry_named_on_loopback_reaches_other_ports_of_its_host_only() {
     // Registry 127.0.0.1:P: another port of 127.0.0.1 is its own host (whoever names the image
     // could name that port directly); other loopback hosts and names are not.
-    let wire = Tripwire::start().await;
+    let wire = Tripwire::start();
     let target = Arc::new(Mutex::new((String::new(), false)));
     let server = Server::start("127.0.0.1", pointing_registry(target.clone())).await;
-    let targets: Vec<String> = node_targets(wire.port, None)
+    let targets: Vec<String> = node_targets(wire.port(), None)
         .into_iter()
         .filter(|t| !t.starts_with("http://127.0.0.1:"))
         .collect();

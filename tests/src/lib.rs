@@ -8,7 +8,8 @@
 //! kubelet simulator (pod workers, image pullers, back-off, deletion) that drives the daemon as
 //! the kubelet does in [`kubelet_sim`], with the environment its tests share in [`sim_env`],
 //! a minimal Kubernetes API server (pods list and watch) in [`apiserver`], an address whose
-//! connections hang in [`blackhole`], an address that is not the node's in [`far_host`], and how
+//! connections hang in [`blackhole`], an address that is not the node's in [`far_host`], a listener that counts connections to the
+//! node in [`tripwire`], and how
 //! tests whose
 //! prerequisites are missing skip, or fail when CI must run them, in [`prereq`].
 
@@ -30,4 +31,5 @@ pub mod remotecommand;
 pub mod server;
 pub mod sim_env;
 pub mod spdy;
+pub mod tripwire;
 pub mod websocket;

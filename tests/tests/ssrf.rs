@@ -10,9 +10,6 @@
 //! the node that counts the connections it accepts: a refused request leaves it at zero.
 //! Each test takes about 2 s (a registry, a daemon, a namespace).
 
-use std::net::TcpListener;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use minicri_tests::daemon::{Daemon, HostsDir};
@@ -23,58 +20,8 @@ use minicri_tests::prereq::skip_unless_root;
 use minicri_tests::proxy::{Proxy, Target, Times};
 use minicri_tests::pull_env::pull;
 use minicri_tests::registry::Registry;
+use minicri_tests::tripwire::Tripwire;
 use tonic::Code;
-
-/// Counts the connections made to one port of the node, on any of its addresses (a dual-stack
-/// wildcard listener: loopback, `0.0.0.0`, `::ffff:127.0.0.1`, every interface's address).
-struct Tripwire {
-    port: u16,
-    hits: Arc<AtomicUsize>,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Tripwire {
-    fn start() -> Tripwire {
-        let listener = TcpListener::bind("[::]:0").expect("a dual-stack listener");
-        listener.set_nonblocking(true).unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let hits = Arc::new(AtomicUsize::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (h, s) = (hits.clone(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            while !s.load(Ordering::SeqCst) {
-                match listener.accept() {
-                    Ok((conn, peer)) => {
-                        eprintln!("tripwire: connection from {peer}");
-                        h.fetch_add(1, Ordering::SeqCst);
-                        drop(conn);
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
-                }
-            }
-        });
-        Tripwire {
-            port,
-            hits,
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    fn hits(&self) -> usize {
-        self.hits.load(Ordering::SeqCst)
-    }
-}
-
-impl Drop for Tripwire {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
 
 /// Pushes a one-file image `minicri-test/<name>:latest` to `registry`.
 async fn push_small(registry: &Registry, name: &str) {
@@ -139,7 +86,7 @@ impl Elsewhere {
 /// address (a name that resolves to loopback, the unspecified address, IPv4-mapped IPv6, the
 /// near end's address, which is one of the node's own interfaces).
 fn node_targets(wire: &Tripwire, near: std::net::Ipv4Addr) -> Vec<String> {
-    let p = wire.port;
+    let p = wire.port();
     vec![
         format!("http://127.0.0.1:{p}"),
         format!("https://127.0.0.1:{p}"),
@@ -174,7 +121,7 @@ async fn a_registry_elsewhere_cannot_redirect_the_daemon_to_the_node() {
     // the https-to-http rule let through before.
     faults.redirect(
         Target::AnyBlob,
-        &format!("http://127.0.0.1:{}", wire.port),
+        &format!("http://127.0.0.1:{}", wire.port()),
         Times::Always,
     );
     let err = pull_fails(&e.daemon, &image).await;
@@ -183,7 +130,7 @@ async fn a_registry_elsewhere_cannot_redirect_the_daemon_to_the_node() {
     assert!(
         msg.contains(&format!(
             "refusing the redirect to http://127.0.0.1:{}/v2/",
-            wire.port
+            wire.port()
         )),
         "{msg}"
     );
