@@ -14,7 +14,7 @@
 //!
 //! Bodies the client buffers (manifests, tokens, error bodies) are read with [`read_capped`],
 //! which stops at a limit whatever the response says about its length. An error response is
-//! reported by [`error_of`] as its status and a short excerpt of its body ([`excerpt`]): the
+//! reported by [`error_of`] as its status and a short excerpt of its body ([`super::excerpt`]): the
 //! message reaches the pod's events, which whoever owns the pod reads.
 
 use std::sync::Arc;
