@@ -64,6 +64,11 @@ pub enum StoreError {
     #[error("cannot pull {reference}: {reason}")]
     Unavailable { reference: String, reason: String },
 
+    /// The registry sent the pull somewhere minicri does not go (a redirect or token realm on
+    /// the node itself, down to plain http).
+    #[error("cannot pull {reference}: {reason}")]
+    Refused { reference: String, reason: String },
+
     #[error("unsupported media type {media_type:?} in {reference}")]
     UnsupportedMediaType {
         reference: String,
@@ -183,9 +188,10 @@ impl StoreError {
             ImageNotFound(_) | BlobNotFound(_) | RemoteNotFound { .. } => ErrorKind::NotFound,
             Unauthenticated { .. } => ErrorKind::Unauthenticated,
             Unavailable { .. } | SizeConflict { .. } => ErrorKind::Unavailable,
-            UnsupportedMediaType { .. } | NoMatchingPlatform { .. } | Malformed { .. } => {
-                ErrorKind::FailedPrecondition
-            }
+            UnsupportedMediaType { .. }
+            | NoMatchingPlatform { .. }
+            | Malformed { .. }
+            | Refused { .. } => ErrorKind::FailedPrecondition,
             SandboxStopped(_) => ErrorKind::FailedPrecondition,
             DigestMismatch { .. } | SizeMismatch { .. } => ErrorKind::DataLoss,
             Cancelled(_) => ErrorKind::Cancelled,

@@ -1,5 +1,6 @@
 //! Owns [`TestPki`]: a throwaway certificate authority for tests, with a server certificate for
-//! 127.0.0.1 and a client certificate for mutual TLS, written as PEM files into a directory.
+//! 127.0.0.1 (and any other addresses asked for) and a client certificate for mutual TLS, written
+//! as PEM files into a directory.
 
 use std::path::{Path, PathBuf};
 
@@ -24,6 +25,11 @@ impl TestPki {
     /// Generates a CA, a server certificate for `127.0.0.1` and a client certificate, and writes
     /// them into `dir` as `ca.pem`, `server.pem`, `server.key`, `client.pem` and `client.key`.
     pub fn create(dir: &Path) -> Result<TestPki> {
+        Self::create_for(dir, &[])
+    }
+
+    /// [`TestPki::create`] with a server certificate valid for `ips` too.
+    pub fn create_for(dir: &Path, ips: &[std::net::IpAddr]) -> Result<TestPki> {
         let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         ca_params
@@ -48,11 +54,11 @@ impl TestPki {
             let cert = params.signed_by(&key, &ca)?;
             Ok((cert.pem(), key.serialize_pem()))
         };
-        let (server_pem, server_key) = leaf(
-            "127.0.0.1",
-            vec!["127.0.0.1".into()],
-            ExtendedKeyUsagePurpose::ServerAuth,
-        )?;
+        let sans = std::iter::once("127.0.0.1".to_string())
+            .chain(ips.iter().map(ToString::to_string))
+            .collect();
+        let (server_pem, server_key) =
+            leaf("127.0.0.1", sans, ExtendedKeyUsagePurpose::ServerAuth)?;
         let (client_pem, client_key) = leaf(
             "minicri test node",
             vec![],
