@@ -611,6 +611,8 @@ struct Transfer<'a> {
     /// Whether the registry answers ranged requests with the range (known after the first
     /// answer; requests beyond the first wait for it).
     ranged: watch::Sender<Option<bool>>,
+    /// The endpoint the ingest was last told writes its bytes ([`WriterMsg::Source`]).
+    writing_from: Mutex<Option<String>>,
     /// Cancelled once every piece is claimed: extra connections still waiting for a transfer
     /// slot give up then (a connection whose slot was revoked returned its piece, and asks again
     /// whatever this says).
@@ -733,10 +735,15 @@ impl Transfer<'_> {
         if avoid.is_some() || pos > 0 {
             tracing::info!(blob = %digest, offset = pos, end, endpoint = %body.endpoint, "blob continues");
         }
-        if self.progress.source().as_deref() != Some(body.endpoint.as_str()) {
-            self.progress.set_source(&body.endpoint);
+        self.progress.set_source(&body.endpoint);
+        let new_writer = {
+            let mut last = self.writing_from.lock().unwrap();
+            (last.as_deref() != Some(body.endpoint.as_str()))
+                .then(|| last.insert(body.endpoint.clone()).clone())
+        };
+        if let Some(endpoint) = new_writer {
             self.tx
-                .send(WriterMsg::Source(body.endpoint.clone()))
+                .send(WriterMsg::Source(endpoint))
                 .await
                 .map_err(|_| writer_gone())?;
         }
@@ -927,6 +934,7 @@ async fn fetch(
         pieces: Mutex::new(pieces),
         failures: Mutex::new((0, FIRST_BACKOFF)),
         broke_off: Mutex::new(None),
+        writing_from: Mutex::new(None),
         ranged: watch::channel(None).0,
         drained: CancellationToken::new(),
     };

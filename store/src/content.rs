@@ -78,8 +78,8 @@ pub struct IngestUsage {
 struct IngestMeta {
     expected_size: u64,
     started_at: chrono::DateTime<chrono::Utc>,
-    /// The endpoints whose bytes are on disk, in the order they first wrote (at most
-    /// [`MAX_WRITERS`]; the oldest are forgotten first).
+    /// The endpoints whose bytes are on disk, the one that began writing last at the end (at
+    /// most [`MAX_WRITERS`]; the earliest are forgotten first).
     #[serde(default)]
     written_by: Vec<String>,
 }
@@ -127,7 +127,7 @@ pub struct IngestStatus {
     pub offset: u64,
     pub expected_size: u64,
     pub updated_at: std::time::SystemTime,
-    /// The endpoints that wrote its bytes, oldest first.
+    /// The endpoints that wrote its bytes, the one that wrote last at the end.
     pub written_by: Vec<String>,
 }
 
@@ -604,17 +604,18 @@ impl Ingest {
         self.expected_size
     }
 
-    /// The endpoints whose bytes are on disk (oldest first).
+    /// The endpoints whose bytes are on disk (the one that wrote last at the end).
     pub fn written_by(&self) -> &[String] {
         &self.meta.written_by
     }
 
     /// Records that `endpoint` writes bytes from now on (`meta.json`, written when the list
-    /// changes).
+    /// changes): it moves to the end of the list, the writer of the latest bytes last.
     pub fn record_writer(&mut self, endpoint: &str) -> Result<()> {
-        if self.meta.written_by.iter().any(|w| w == endpoint) {
+        if self.meta.written_by.last().is_some_and(|w| w == endpoint) {
             return Ok(());
         }
+        self.meta.written_by.retain(|w| w != endpoint);
         if self.meta.written_by.len() >= MAX_WRITERS {
             self.meta.written_by.remove(0);
         }
@@ -948,6 +949,39 @@ mod tests {
         let ing = store.open_ingest(&d, 10_000).unwrap();
         assert_eq!((ing.offset(), ing.on_disk()), (3_000, 3_000));
         assert_eq!(store.list_ingests().unwrap()[0].offset, 3_000);
+    }
+
+    /// Which endpoints wrote an ingest's bytes survives the writer (a later pull, from any
+    /// registry, learns whose bytes it resumes); a restart keeps only the endpoint writing now.
+    #[test]
+    fn an_ingest_remembers_who_wrote_its_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ContentStore::open(dir.path()).unwrap();
+        let data = vec![7u8; 10_000];
+        let d = Digest::of(&data);
+        let mut ing = store.open_ingest(&d, 10_000).unwrap();
+        ing.record_writer("https://a.example").unwrap();
+        ing.append(&data[..1_000]).unwrap();
+        ing.record_writer("https://b.example").unwrap();
+        ing.record_writer("https://a.example").unwrap();
+        ing.append(&data[1_000..2_000]).unwrap();
+        drop(ing);
+        let mut ing = store.open_ingest(&d, 10_000).unwrap();
+        assert_eq!(ing.written_by(), ["https://b.example", "https://a.example"]);
+        assert_eq!(
+            store.list_ingests().unwrap()[0].written_by,
+            ["https://b.example", "https://a.example"]
+        );
+        ing.restart().unwrap();
+        assert_eq!(ing.written_by(), ["https://a.example"]);
+        for i in 0..2 * MAX_WRITERS {
+            ing.record_writer(&format!("https://m{i}.example")).unwrap();
+        }
+        assert_eq!(ing.written_by().len(), MAX_WRITERS);
+        assert_eq!(
+            ing.written_by()[0],
+            format!("https://m{}.example", MAX_WRITERS)
+        );
     }
 
     #[test]
