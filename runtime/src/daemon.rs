@@ -226,7 +226,7 @@ impl Daemon {
             "registryRequestTimeoutSeconds": c.registry_request_timeout.as_secs_f64(),
             "maxLayerBytes": c.max_layer_bytes, "maxLayerEntries": c.max_layer_entries,
             "pullDetachAfterSeconds": c.pull_detach_after.map(|d| d.as_secs_f64()).unwrap_or(0.0),
-            "kubeWatch": c.kube_watch.as_ref().map(|w| serde_json::json!({"kubeconfig": w.kubeconfig, "nodeName": w.node_name})),
+            "kubeWatch": c.kube_watch.as_ref().map(|w| serde_json::json!({"kubeconfig": w.kubeconfig, "kubeconfigSearch": w.search, "nodeName": w.node_name})),
             "ingestTtlSeconds": c.ingest_ttl.as_secs(),
             "ingestMinFreePercent": c.ingest_min_free * 100.0,
             "cniConfDirs": c.cni_conf_dirs, "cniBinDirs": c.cni_bin_dirs,

@@ -210,15 +210,17 @@ pub async fn serve(config: Config, notifier: crate::sdnotify::Notifier) -> anyho
     Ok(())
 }
 
-/// Starts the API-server watch when configured: a pod of this node seen deleted has its pull
+/// Starts the API-server watch unless it is off: a pod of this node seen deleted has its pull
 /// references dropped at once (see docs/kubelet-release.md).
-#[cfg(feature = "kube-watch")]
 fn spawn_kube_watch(
     daemon: &Arc<Daemon>,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Option<tokio::task::JoinHandle<()>> {
-    use crate::kube_watch::{DeletedPod, WatchConfig};
-    let w = daemon.config.kube_watch.clone()?;
+    use crate::kube_watch::DeletedPod;
+    let Some(w) = daemon.config.kube_watch.clone() else {
+        tracing::info!("the API-server watch is off (kube_watch = \"off\")");
+        return None;
+    };
     let pulls = daemon.pulls.clone();
     let on_deleted = Arc::new(move |p: &DeletedPod| {
         let reason = format!(
@@ -228,23 +230,9 @@ fn spawn_kube_watch(
         let n = pulls.close_pod_uid(&p.uid, &reason);
         tracing::info!(pod = %format!("{}/{}", p.namespace, p.name), uid = %p.uid, cause = %p.cause, references_dropped = n, "pod deleted: its pulls are dropped");
     });
-    tracing::info!(kubeconfig = %w.kubeconfig.display(), node = %w.node_name, "watching the API server for deleted pods");
-    let cfg = WatchConfig {
-        kubeconfig: w.kubeconfig,
-        node_name: w.node_name,
-    };
     Some(tokio::spawn(async move {
-        if let Err(e) = crate::kube_watch::run(cfg, on_deleted, shutdown).await {
+        if let Err(e) = crate::kube_watch::run(w.into(), on_deleted, shutdown).await {
             tracing::error!(error = %e, "the API-server watch stopped");
         }
     }))
-}
-
-#[cfg(not(feature = "kube-watch"))]
-fn spawn_kube_watch(
-    _daemon: &Arc<Daemon>,
-    _shutdown: tokio_util::sync::CancellationToken,
-) -> Option<tokio::task::JoinHandle<()>> {
-    // The configuration refuses kube_watch_kubeconfig in a build without the feature.
-    None
 }

@@ -90,6 +90,15 @@ impl Default for ApiServerOptions {
     }
 }
 
+/// The credentials a kubeconfig written by [`ApiServer::write_kubeconfig_at`] carries.
+#[derive(Debug, Clone)]
+pub enum KubeUser {
+    /// A dummy bearer token.
+    Token,
+    /// A client certificate and key (files; they may be one file, as the kubelet's are).
+    ClientCert { cert: PathBuf, key: PathBuf },
+}
+
 /// One request the server answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestRecord {
@@ -322,6 +331,20 @@ impl ApiServer {
     /// bearer token (never checked), one context, made current. Returns its path.
     pub fn write_kubeconfig(&self, dir: &Path) -> Result<PathBuf> {
         let path = dir.join("kubeconfig");
+        self.write_kubeconfig_at(&path, &KubeUser::Token)?;
+        Ok(path)
+    }
+
+    /// Writes a kubeconfig at `path` for this server, with `user`'s credentials.
+    pub fn write_kubeconfig_at(&self, path: &Path, user: &KubeUser) -> Result<()> {
+        let user = match user {
+            KubeUser::Token => "    token: minicri-test-token\n".to_string(),
+            KubeUser::ClientCert { cert, key } => format!(
+                "    client-certificate: {}\n    client-key: {}\n",
+                cert.display(),
+                key.display()
+            ),
+        };
         let text = format!(
             "apiVersion: v1
 kind: Config
@@ -332,8 +355,7 @@ clusters:
 users:
 - name: minicri-test
   user:
-    token: minicri-test-token
-contexts:
+{user}contexts:
 - name: minicri-test
   context:
     cluster: minicri-test
@@ -343,8 +365,7 @@ current-context: minicri-test
 ",
             url = self.url()
         );
-        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
-        Ok(path)
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
     }
 
     /// Creates a pod bound to `node` (an `ADDED` event). Returns its resourceVersion.

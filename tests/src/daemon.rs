@@ -130,6 +130,13 @@ impl Daemon {
         self.child.as_ref().map(Child::id)
     }
 
+    /// Where the daemon looks for the kubelet's kubeconfig (instead of the host's
+    /// /etc/kubernetes/kubelet.conf): absent unless a test writes it. Its API-server watch is
+    /// otherwise off in effect (it looks again every 10 s).
+    pub fn kubeconfig_search_path(&self) -> PathBuf {
+        self.dir.path().join("kubelet.conf")
+    }
+
     /// The command line used to start the daemon.
     pub fn command(&self) -> Command {
         let mut cmd = Command::new(minicri_bin());
@@ -146,6 +153,8 @@ impl Daemon {
             .arg(self.dir.path().join("cni"))
             .arg("--log-level")
             .arg("info,minicri=debug,minicri_store=debug")
+            .arg("--kube-watch-kubeconfig-search")
+            .arg(self.kubeconfig_search_path())
             .args(&self.extra_args);
         cmd
     }

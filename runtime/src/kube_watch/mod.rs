@@ -1,7 +1,12 @@
-//! Owns the API server pod watcher (cargo feature `kube-watch`): it lists and watches the pods
-//! bound to this node (`fieldSelector=spec.nodeName=<node>`) with kube-rs's `watcher`, and
-//! reports each pod once when it is being deleted, so the daemon can drop the pod's pull
-//! references at once instead of waiting for a kubelet that never cancels a `PullImage`.
+//! Owns the API server pod watcher: it lists and watches the pods bound to this node
+//! (`fieldSelector=spec.nodeName=<node>`) with kube-rs's `watcher`, and reports each pod once
+//! when it is being deleted, so the daemon can drop the pod's pull references at once instead of
+//! waiting for a kubelet that never cancels a `PullImage`.
+//!
+//! It uses the kubelet's own credentials ([`discovery`]): a kubeconfig given, or the first of a
+//! search list that exists (looked for again every [`DISCOVERY_INTERVAL`] until one does: a
+//! node's kubelet may bootstrap its credentials after minicri started). The node is the one
+//! given, or the one the client certificate names, or the hostname.
 //!
 //! A pod is reported ([`DeletedPod`]) the first time it is seen with a
 //! `metadata.deletionTimestamp` ([`DeletionCause::DeletionTimestamp`]), or when a `DELETED` event
@@ -15,6 +20,8 @@
 //! API server, failed lists and watches are logged and retried with an exponential backoff
 //! (0.5 s doubling up to 30 s, with jitter) until the shutdown token is cancelled.
 
+pub mod discovery;
+
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -24,7 +31,7 @@ use anyhow::{Context, Result, bail};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
-use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::config::KubeConfigOptions;
 use kube::runtime::watcher;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -39,14 +46,30 @@ const BACKOFF_RESET_AFTER: Duration = Duration::from_secs(60);
 /// watcher starts a new one from the last resourceVersion; a connection that went silent is
 /// noticed after this plus kube-rs's 5 s margin.
 const WATCH_TIMEOUT_SECS: u32 = 120;
+/// How often the search list is looked at while no kubeconfig is found.
+pub const DISCOVERY_INTERVAL: Duration = Duration::from_secs(10);
 
 /// What [`run`] watches.
 #[derive(Debug, Clone)]
 pub struct WatchConfig {
-    /// A kubeconfig file whose current context reaches the API server (the kubelet's).
-    pub kubeconfig: PathBuf,
-    /// The node whose pods are watched (`spec.nodeName`).
-    pub node_name: String,
+    /// A kubeconfig file whose current context reaches the API server (the kubelet's); `None`:
+    /// the first of `search` that exists.
+    pub kubeconfig: Option<PathBuf>,
+    /// Where the kubeconfig is looked for, in order, when none is given.
+    pub search: Vec<PathBuf>,
+    /// The node whose pods are watched (`spec.nodeName`); `None`: the client certificate's
+    /// `CN=system:node:<name>`, else the hostname.
+    pub node_name: Option<String>,
+}
+
+impl From<crate::config::KubeWatch> for WatchConfig {
+    fn from(w: crate::config::KubeWatch) -> WatchConfig {
+        WatchConfig {
+            kubeconfig: w.kubeconfig,
+            search: w.search,
+            node_name: w.node_name,
+        }
+    }
 }
 
 /// A pod of this node being deleted.
@@ -82,29 +105,36 @@ impl std::fmt::Display for DeletionCause {
 /// Called once per deleted pod uid.
 pub type OnDeleted = Arc<dyn Fn(&DeletedPod) + Send + Sync>;
 
-/// Runs until `shutdown` is cancelled: watches the pods bound to `node_name` and calls
-/// `on_deleted` once per pod uid (see the module docs). Fails only on an empty node name;
-/// everything else is retried.
+/// Runs until `shutdown` is cancelled: finds the kubeconfig, watches the pods bound to the node
+/// and calls `on_deleted` once per pod uid (see the module docs). Fails only on an empty node
+/// name; everything else is retried.
 pub async fn run(
     cfg: WatchConfig,
     on_deleted: OnDeleted,
     shutdown: CancellationToken,
 ) -> Result<()> {
-    if cfg.node_name.trim().is_empty() {
+    if cfg
+        .node_name
+        .as_deref()
+        .is_some_and(|n| n.trim().is_empty())
+    {
         bail!("the pod watcher needs a node name");
     }
+    let Some(kubeconfig) = find_kubeconfig(&cfg, &shutdown).await else {
+        return Ok(());
+    };
     let mut backoff = Backoff::default();
-    let client = loop {
+    let (client, node_name) = loop {
         let attempt = tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
-            c = client(&cfg) => c,
+            c = client(&kubeconfig, cfg.node_name.as_deref()) => c,
         };
         match attempt {
             Ok(client) => break client,
             Err(e) => {
                 let delay = backoff.next_delay();
                 warn!(
-                    kubeconfig = %cfg.kubeconfig.display(),
+                    kubeconfig = %kubeconfig.display(),
                     error = format!("{e:#}"),
                     retry_in = ?delay,
                     "pod watcher: cannot set up the API server client"
@@ -114,6 +144,10 @@ pub async fn run(
                 }
             }
         }
+    };
+    let cfg = ResolvedConfig {
+        kubeconfig,
+        node_name,
     };
 
     let api: Api<Pod> = Api::all(client);
@@ -176,18 +210,72 @@ pub async fn run(
     Ok(())
 }
 
-/// The client for the kubeconfig's current context.
-async fn client(cfg: &WatchConfig) -> Result<kube::Client> {
-    let kubeconfig = crate::fsutil::off_async(|| Kubeconfig::read_from(&cfg.kubeconfig))
-        .with_context(|| format!("reading kubeconfig {}", cfg.kubeconfig.display()))?;
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .with_context(|| format!("loading kubeconfig {}", cfg.kubeconfig.display()))?;
+/// Where the watch is connected once its credentials are found.
+struct ResolvedConfig {
+    kubeconfig: PathBuf,
+    node_name: String,
+}
+
+/// The kubeconfig given, or the first of the search list that exists, looked for until one does
+/// (`None`: shutdown first).
+async fn find_kubeconfig(cfg: &WatchConfig, shutdown: &CancellationToken) -> Option<PathBuf> {
+    if let Some(k) = &cfg.kubeconfig {
+        return Some(k.clone());
+    }
+    let mut said = false;
+    loop {
+        let search = cfg.search.clone();
+        let found = crate::fsutil::off_async(|| discovery::find_kubeconfig(&search));
+        if let Some(path) = found {
+            info!(kubeconfig = %path.display(), "pod watcher: found the kubelet's kubeconfig");
+            return Some(path);
+        }
+        if !said {
+            info!(
+                searched = ?cfg.search,
+                "no kubeconfig found: running without the API-server watch (pulls detach after \
+                 pull_detach_after); looking again every 10s"
+            );
+            said = true;
+        }
+        if sleep_or_shutdown(DISCOVERY_INTERVAL, shutdown).await {
+            return None;
+        }
+    }
+}
+
+/// The client for the kubeconfig's current context, and the node it watches: `node` if given,
+/// else the client certificate's, else the hostname.
+async fn client(
+    kubeconfig: &std::path::Path,
+    node: Option<&str>,
+) -> Result<(kube::Client, String)> {
+    let loaded = crate::fsutil::off_async(|| discovery::load(kubeconfig))
+        .with_context(|| format!("reading kubeconfig {}", kubeconfig.display()))?;
+    let node = match (node, &loaded.node_from_cert) {
+        (Some(n), _) => n.to_string(),
+        (None, Some(n)) => n.clone(),
+        (None, None) => hostname()?,
+    };
+    let config =
+        kube::Config::from_custom_kubeconfig(loaded.kubeconfig, &KubeConfigOptions::default())
+            .await
+            .with_context(|| format!("loading kubeconfig {}", kubeconfig.display()))?;
     let url = config.cluster_url.to_string();
     let client =
         kube::Client::try_from(config).with_context(|| format!("creating a client for {url}"))?;
-    debug!(%url, "pod watcher: API server client ready");
-    Ok(client)
+    debug!(%url, %node, "pod watcher: API server client ready");
+    Ok((client, node))
+}
+
+/// The kubelet's default node name: the hostname, lower-cased.
+fn hostname() -> Result<String> {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .filter(|h| !h.is_empty())
+        .map(|h| h.to_lowercase())
+        .context("no node name given, none in the client certificate, and no hostname")
 }
 
 /// Sleeps `delay`; true if `shutdown` came first.
