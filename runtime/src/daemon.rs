@@ -30,6 +30,9 @@ pub struct Daemon {
     pub pods: Arc<crate::pods::PodService>,
     /// The streaming server (exec, attach and port-forward URLs), bound here and served by [`crate::server::serve`].
     pub streaming: Arc<crate::stream::StreamServer>,
+    /// The API-server watch's view of the node's pods and its connection state (run by
+    /// [`crate::server::serve`]).
+    pub kube: Arc<crate::kube_watch::WatchState>,
     /// The image filesystem's last measured usage: ImageFsInfo is polled often.
     fs_usage: Mutex<FsUsage>,
     pod_cidr: Mutex<String>,
@@ -92,6 +95,9 @@ impl Daemon {
             );
         }
         let streaming = Arc::new(crate::stream::StreamServer::bind(config.stream_address)?);
+        let kube = Arc::new(crate::kube_watch::WatchState::new(
+            config.kube_watch.is_some(),
+        ));
         Ok(Daemon {
             config,
             content,
@@ -102,6 +108,7 @@ impl Daemon {
             snapshotter,
             pods,
             streaming,
+            kube,
             fs_usage: Mutex::new(FsUsage::default()),
             pod_cidr: Mutex::new(String::new()),
         })

@@ -1,4 +1,5 @@
-//! Prometheus metrics of the pull machinery, served over HTTP on a loopback address.
+//! Prometheus metrics of the pull machinery and the API-server watch, served over HTTP on a
+//! loopback address.
 //!
 //! Off by default; `--metrics-address 127.0.0.1:PORT` turns it on (the configuration refuses
 //! other addresses: the numbers name images and nothing here authenticates the reader).
@@ -23,6 +24,16 @@ pub struct Sample<'a> {
     pub counters: &'a PullCounters,
     pub jobs: &'a [JobSnapshot],
     pub blob_transfers: usize,
+    pub kube_watch: KubeWatchSample,
+}
+
+/// The API-server watch's state at the scrape.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct KubeWatchSample {
+    pub connected: bool,
+    pub synced: bool,
+    pub credential_reloads: u64,
+    pub pods: usize,
 }
 
 fn metric(out: &mut String, name: &str, kind: &str, help: &str, lines: &[(String, u64)]) {
@@ -160,6 +171,35 @@ pub fn render(s: &Sample) -> String {
         "Total size of the running pull jobs' blobs.",
         &one(s.jobs.iter().map(|j| j.bytes_total).sum()),
     );
+    let k = &s.kube_watch;
+    metric(
+        &mut out,
+        "minicri_kube_watch_connected",
+        "gauge",
+        "1 while the API-server watch's last request was answered, else 0.",
+        &one(k.connected as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_kube_watch_synced",
+        "gauge",
+        "1 while the API-server watch is connected and knows every pod of the node, else 0.",
+        &one(k.synced as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_kube_watch_pods",
+        "gauge",
+        "Pods of the node the API-server watch knows.",
+        &one(k.pods as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_kube_watch_credential_reloads_total",
+        "counter",
+        "Times the watch reloaded its credentials after the kubeconfig or a file it names changed.",
+        &one(k.credential_reloads),
+    );
     metric(
         &mut out,
         "minicri_blob_transfers_active",
@@ -181,10 +221,18 @@ fn respond(daemon: &Daemon, req: &Request<hyper::body::Incoming>) -> Response<Fu
     }
     let pulls = &daemon.pulls;
     let jobs = pulls.list();
+    let kube = &daemon.kube;
     let text = render(&Sample {
         counters: pulls.counters(),
         jobs: &jobs,
         blob_transfers: pulls.blobs().active().len(),
+        kube_watch: KubeWatchSample {
+            connected: kube.status.connected(),
+            synced: kube.status.synced(),
+            credential_reloads: kube.status.credential_reloads.load(Ordering::Relaxed),
+            pods: kube.pods.len(),
+            ..Default::default()
+        },
     });
     Response::builder()
         .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
@@ -232,6 +280,13 @@ mod tests {
             counters: &c,
             jobs: &[],
             blob_transfers: 2,
+            kube_watch: KubeWatchSample {
+                connected: true,
+                synced: false,
+                credential_reloads: 3,
+                pods: 7,
+                ..Default::default()
+            },
         });
         assert!(text.contains("\nminicri_pull_calls_total 10\n"), "{text}");
         assert!(text.contains("\nminicri_pull_calls_joined_total 9\n"));
@@ -240,6 +295,10 @@ mod tests {
         assert!(text.contains("\nminicri_pull_downloaded_bytes_total 1234\n"));
         assert!(text.contains("\nminicri_blob_transfers_active 2\n"));
         assert!(text.contains("# TYPE minicri_pull_jobs_active gauge\n"));
+        assert!(text.contains("\nminicri_kube_watch_connected 1\n"));
+        assert!(text.contains("\nminicri_kube_watch_synced 0\n"));
+        assert!(text.contains("\nminicri_kube_watch_pods 7\n"));
+        assert!(text.contains("\nminicri_kube_watch_credential_reloads_total 3\n"));
         // Every sample line is `name[{labels}] value`.
         for l in text.lines().filter(|l| !l.starts_with('#')) {
             let (name, v) = l.rsplit_once(' ').unwrap();

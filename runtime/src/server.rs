@@ -230,8 +230,9 @@ fn spawn_kube_watch(
         let n = pulls.close_pod_uid(&p.uid, &reason);
         tracing::info!(pod = %format!("{}/{}", p.namespace, p.name), uid = %p.uid, cause = %p.cause, references_dropped = n, "pod deleted: its pulls are dropped");
     });
+    let state = daemon.kube.clone();
     Some(tokio::spawn(async move {
-        if let Err(e) = crate::kube_watch::run(w.into(), on_deleted, shutdown).await {
+        if let Err(e) = crate::kube_watch::run(w.into(), state, on_deleted, shutdown).await {
             tracing::error!(error = %e, "the API-server watch stopped");
         }
     }))

@@ -41,6 +41,7 @@ impl Watcher {
                 search: vec![],
                 node_name: Some(NODE.to_string()),
             },
+            Arc::new(kube_watch::WatchState::new(true)),
             Arc::new(move |p: &DeletedPod| {
                 let _ = tx.send(p.clone());
             }),
@@ -313,6 +314,7 @@ async fn an_empty_node_name_is_refused() {
             search: vec![],
             node_name: Some(String::new()),
         },
+        Arc::new(kube_watch::WatchState::new(true)),
         Arc::new(|_: &DeletedPod| {}),
         CancellationToken::new(),
     );

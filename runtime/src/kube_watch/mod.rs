@@ -1,40 +1,51 @@
-//! Owns the API server pod watcher: it lists and watches the pods bound to this node
-//! (`fieldSelector=spec.nodeName=<node>`) with kube-rs's `watcher`, and reports each pod once
-//! when it is being deleted, so the daemon can drop the pod's pull references at once instead of
-//! waiting for a kubelet that never cancels a `PullImage`.
+//! Owns the API-server watch of this node's pods: it lists and watches the pods bound to the
+//! node (`fieldSelector=spec.nodeName=<node>`), keeps what it learns in a [`PodCache`] and
+//! reports each pod once when it is being deleted ([`tracker`]), so the daemon can drop the pod's
+//! pull references at once instead of waiting for a kubelet that never cancels a `PullImage`.
+//! Whether it is connected and synced is in [`WatchStatus`] ([`status`]).
 //!
 //! It uses the kubelet's own credentials ([`discovery`]): a kubeconfig given, or the first of a
 //! search list that exists (looked for again every [`DISCOVERY_INTERVAL`] until one does: a
 //! node's kubelet may bootstrap its credentials after minicri started). The node is the one
 //! given, or the one the client certificate names, or the hostname.
 //!
-//! A pod is reported ([`DeletedPod`]) the first time it is seen with a
-//! `metadata.deletionTimestamp` ([`DeletionCause::DeletionTimestamp`]), or when a `DELETED` event
-//! arrives ([`DeletionCause::Deleted`]), or when a relist (after an outage with a compacted
-//! history, a 410 Gone) no longer contains a pod seen before ([`DeletionCause::GoneAtResync`]).
-//! Pods never seen in the API (static pods) are never reported; objects of other nodes, or
-//! without a uid, are ignored. The watcher remembers only the pods currently on the node: a pod
-//! is forgotten once it is gone.
+//! **Credentials change.** The kubelet rotates its client certificate by moving a symlink to a
+//! new file. Every [`RELOAD_CHECK`] the watch re-reads the kubeconfig and the files it names;
+//! when they changed, and after any failed request, it builds a new client from them and
+//! resumes the watch from the last resourceVersion it saw. Nothing is missed: the server replays
+//! what happened since, or answers 410 Gone and the watch lists again, and a pod missing from
+//! that list is reported gone.
+//!
+//! **The protocol.** A list (no resourceVersion: a consistent read, so a stale cache cannot
+//! make a pod look gone), then watches from the list's resourceVersion with bookmarks and
+//! `timeoutSeconds`, each resumed from the last version seen when it ends; 410 Gone (as an
+//! ERROR event or a status) relists. A watch silent for longer than its timeout and a margin is
+//! taken for a dead connection.
 //!
 //! Nothing here is fatal once the node name is given: an unreadable kubeconfig, an unreachable
 //! API server, failed lists and watches are logged and retried with an exponential backoff
 //! (0.5 s doubling up to 30 s, with jitter) until the shutdown token is cancelled.
 
 pub mod discovery;
+pub mod status;
+pub mod tracker;
 
-use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::Api;
+use kube::api::{Api, ListParams, WatchEvent, WatchParams};
 use kube::config::KubeConfigOptions;
-use kube::runtime::watcher;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
+
+pub use status::WatchStatus;
+use tracker::Tracker;
+pub use tracker::{PodCache, PodInfo};
 
 /// The first retry delay after an error.
 const BACKOFF_MIN: Duration = Duration::from_millis(500);
@@ -42,12 +53,17 @@ const BACKOFF_MIN: Duration = Duration::from_millis(500);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// A failure this long after the previous one starts the backoff over.
 const BACKOFF_RESET_AFTER: Duration = Duration::from_secs(60);
-/// `timeoutSeconds` of each watch call: the server ends the watch after this long and the
-/// watcher starts a new one from the last resourceVersion; a connection that went silent is
-/// noticed after this plus kube-rs's 5 s margin.
+/// `timeoutSeconds` of each watch call: the server ends the watch after this long and a new one
+/// starts from the last resourceVersion.
 const WATCH_TIMEOUT_SECS: u32 = 120;
+/// A watch that sends nothing (not even its end) for this long is a dead connection.
+const WATCH_SILENCE: Duration = Duration::from_secs(WATCH_TIMEOUT_SECS as u64 + 15);
+/// Pods asked for per list page.
+const LIST_PAGE: u32 = 500;
 /// How often the search list is looked at while no kubeconfig is found.
 pub const DISCOVERY_INTERVAL: Duration = Duration::from_secs(10);
+/// How often the kubeconfig and the files it names are read again for changes.
+pub const RELOAD_CHECK: Duration = Duration::from_secs(5);
 
 /// What [`run`] watches.
 #[derive(Debug, Clone)]
@@ -105,11 +121,39 @@ impl std::fmt::Display for DeletionCause {
 /// Called once per deleted pod uid.
 pub type OnDeleted = Arc<dyn Fn(&DeletedPod) + Send + Sync>;
 
+/// What the watch shares with the rest of the daemon.
+#[derive(Debug)]
+pub struct WatchState {
+    pub status: WatchStatus,
+    pub pods: Arc<PodCache>,
+}
+
+impl WatchState {
+    /// `on`: the watch runs (`kube_watch` is not off).
+    pub fn new(on: bool) -> WatchState {
+        WatchState {
+            status: WatchStatus::new(on),
+            pods: Arc::new(PodCache::default()),
+        }
+    }
+
+    /// Connected and synced: a deletion of any pod of the node would be seen at once.
+    pub fn synced(&self) -> bool {
+        self.status.synced()
+    }
+
+    /// What verbose Status shows.
+    pub fn to_json(&self) -> serde_json::Value {
+        self.status.to_json(self.pods.len())
+    }
+}
+
 /// Runs until `shutdown` is cancelled: finds the kubeconfig, watches the pods bound to the node
-/// and calls `on_deleted` once per pod uid (see the module docs). Fails only on an empty node
-/// name; everything else is retried.
+/// into `state` and calls `on_deleted` once per pod uid (see the module docs). Fails only on an
+/// empty node name; everything else is retried.
 pub async fn run(
     cfg: WatchConfig,
+    state: Arc<WatchState>,
     on_deleted: OnDeleted,
     shutdown: CancellationToken,
 ) -> Result<()> {
@@ -120,108 +164,265 @@ pub async fn run(
     {
         bail!("the pod watcher needs a node name");
     }
-    let Some(kubeconfig) = find_kubeconfig(&cfg, &shutdown).await else {
+    let status = &state.status;
+    let Some(kubeconfig) = find_kubeconfig(&cfg, status, &shutdown).await else {
+        status.stopped();
         return Ok(());
     };
+    let mut tracker: Option<Tracker> = None;
     let mut backoff = Backoff::default();
-    let (client, node_name) = loop {
-        let attempt = tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
-            c = client(&kubeconfig, cfg.node_name.as_deref()) => c,
-        };
-        match attempt {
-            Ok(client) => break client,
-            Err(e) => {
-                let delay = backoff.next_delay();
-                warn!(
-                    kubeconfig = %kubeconfig.display(),
-                    error = format!("{e:#}"),
-                    retry_in = ?delay,
-                    "pod watcher: cannot set up the API server client"
-                );
-                if sleep_or_shutdown(delay, &shutdown).await {
-                    return Ok(());
-                }
-            }
-        }
-    };
-    let cfg = ResolvedConfig {
-        kubeconfig,
-        node_name,
-    };
-
-    let api: Api<Pod> = Api::all(client);
-    let selector = format!("spec.nodeName={}", cfg.node_name);
-    let config = watcher::Config::default()
-        .fields(&selector)
-        .timeout(WATCH_TIMEOUT_SECS);
-    let stream = watcher(api, config);
-    futures::pin_mut!(stream);
-    let mut tracker = Tracker::new(cfg.node_name.clone(), on_deleted);
-    let mut failures: u32 = 0;
-    let mut last_gone: Option<Instant> = None;
-    info!(node = %cfg.node_name, kubeconfig = %cfg.kubeconfig.display(), "pod watcher: starting");
+    // Where the next watch resumes; `None`: list first.
+    let mut version: Option<String> = None;
     loop {
-        let next = tokio::select! {
+        let attempt = tokio::select! {
             _ = shutdown.cancelled() => break,
-            next = stream.next() => next,
+            c = connect(&kubeconfig, cfg.node_name.as_deref()) => c,
         };
-        match next {
-            Some(Ok(event)) => {
-                // `Init` comes before the list is even tried: it proves nothing.
-                if !matches!(event, watcher::Event::Init) {
-                    if failures > 0 {
-                        info!(failures, "pod watcher: API server reachable again");
-                        failures = 0;
-                    }
-                    backoff.reset();
-                }
-                tracker.handle(event);
-            }
-            // The watch cannot resume from its resourceVersion (410 Gone): the watcher relists
-            // at its next step. That is routine, so no backoff, unless it keeps happening.
-            Some(Err(watcher::Error::WatchError(status)))
-                if status.code == 410
-                    && last_gone.is_none_or(|t| t.elapsed() > BACKOFF_MIN * 2) =>
-            {
-                last_gone = Some(Instant::now());
-                info!(
-                    message = %status.message,
-                    "pod watcher: watch history expired (410 Gone), relisting"
-                );
-            }
-            Some(Err(e)) => {
-                failures += 1;
+        let creds = match attempt {
+            Ok(c) => c,
+            Err(e) => {
+                let error = format!("{e:#}");
+                status.failed(&error);
                 let delay = backoff.next_delay();
-                warn!(
-                    error = format!("{:#}", anyhow::Error::new(e)),
-                    retry_in = ?delay,
-                    "pod watcher: list/watch failed"
-                );
+                warn!(kubeconfig = %kubeconfig.display(), %error, retry_in = ?delay, "pod watcher: cannot set up the API server client");
+                if sleep_or_shutdown(delay, &shutdown).await {
+                    break;
+                }
+                continue;
+            }
+        };
+        let tracker = match &mut tracker {
+            Some(t) if t.node() == creds.node => t,
+            Some(t) => {
+                warn!(from = %t.node(), to = %creds.node, "pod watcher: the credentials name another node; following its pods");
+                t.reset(creds.node.clone());
+                version = None;
+                t
+            }
+            None => {
+                info!(node = %creds.node, kubeconfig = %kubeconfig.display(), "pod watcher: starting");
+                tracker.insert(Tracker::new(
+                    creds.node.clone(),
+                    state.pods.clone(),
+                    on_deleted.clone(),
+                ))
+            }
+        };
+        status.credentials(&kubeconfig, &creds.node);
+        let ended = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            e = session(&creds, tracker, &mut version, status, &mut backoff) => e,
+        };
+        match ended {
+            Ended::CredentialsChanged => {
+                state
+                    .status
+                    .credential_reloads
+                    .fetch_add(1, Ordering::Relaxed);
+                info!(kubeconfig = %kubeconfig.display(), "pod watcher: the credentials changed; reconnecting with them");
+            }
+            Ended::Failed(e) => {
+                let error = format!("{e:#}");
+                status.down(&error);
+                let delay = backoff.next_delay();
+                warn!(%error, retry_in = ?delay, "pod watcher: list/watch failed");
                 if sleep_or_shutdown(delay, &shutdown).await {
                     break;
                 }
             }
-            // kube-rs's watcher never ends; should it, there is nothing left to watch.
-            None => bail!("the pod watch stream ended"),
         }
     }
+    status.stopped();
     info!("pod watcher: stopped");
     Ok(())
 }
 
-/// Where the watch is connected once its credentials are found.
-struct ResolvedConfig {
-    kubeconfig: PathBuf,
-    node_name: String,
+/// A client and the node it watches, built from credentials read at one moment.
+struct Connection {
+    client: kube::Client,
+    node: String,
+    /// The files the credentials came from, and the fingerprint of what was read.
+    files: Vec<PathBuf>,
+    fingerprint: u64,
+}
+
+impl Connection {
+    /// Whether the credentials on disk differ from the ones this connection was built with.
+    async fn changed(&self) -> bool {
+        let files = self.files.clone();
+        let now = tokio::task::spawn_blocking(move || discovery::fingerprint(&files))
+            .await
+            .ok()
+            .flatten();
+        now != Some(self.fingerprint)
+    }
+}
+
+/// Why a session ended.
+enum Ended {
+    CredentialsChanged,
+    Failed(anyhow::Error),
+}
+
+/// Lists (when there is no version to resume from) and watches with one connection until a
+/// request fails or the credentials change. `version` is kept across sessions.
+async fn session(
+    conn: &Connection,
+    tracker: &mut Tracker,
+    version: &mut Option<String>,
+    status: &WatchStatus,
+    backoff: &mut Backoff,
+) -> Ended {
+    let api: Api<Pod> = Api::all(conn.client.clone());
+    let selector = format!("spec.nodeName={}", conn.node);
+    let mut reload =
+        tokio::time::interval_at(tokio::time::Instant::now() + RELOAD_CHECK, RELOAD_CHECK);
+    reload.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_gone: Option<Instant> = None;
+    loop {
+        let from = match version.clone() {
+            Some(v) => v,
+            None => match list(&api, &selector).await {
+                Ok((pods, v)) => {
+                    tracker.relist(&pods);
+                    status.up(true);
+                    backoff.reset();
+                    *version = Some(v.clone());
+                    v
+                }
+                Err(e) => return Ended::Failed(e),
+            },
+        };
+        let params = WatchParams::default()
+            .fields(&selector)
+            .timeout(WATCH_TIMEOUT_SECS);
+        let stream = match api.watch(&params, &from).await {
+            Ok(s) => s,
+            Err(kube::Error::Api(s)) if s.code == 410 => {
+                if gone_again(&mut last_gone) {
+                    return Ended::Failed(anyhow!("410 Gone right after a relist: {}", s.message));
+                }
+                info!(message = %s.message, "pod watcher: watch history expired (410 Gone), relisting");
+                *version = None;
+                continue;
+            }
+            Err(e) => return Ended::Failed(anyhow::Error::new(e).context("watching pods")),
+        };
+        // The tracker holds every pod as of `from`, and the watch replays what came after.
+        status.up(tracker.listed_once());
+        backoff.reset();
+        futures::pin_mut!(stream);
+        loop {
+            let next = tokio::select! {
+                _ = reload.tick() => {
+                    if conn.changed().await {
+                        return Ended::CredentialsChanged;
+                    }
+                    continue;
+                }
+                n = tokio::time::timeout(WATCH_SILENCE, stream.next()) => n,
+            };
+            let event = match next {
+                Err(_) => {
+                    return Ended::Failed(anyhow!(
+                        "the watch sent nothing for {WATCH_SILENCE:?}: taken for a dead connection"
+                    ));
+                }
+                // The server ended the watch (its timeout): resume from where it was.
+                Ok(None) => break,
+                Ok(Some(Err(e))) => {
+                    return Ended::Failed(anyhow::Error::new(e).context("reading the pod watch"));
+                }
+                Ok(Some(Ok(event))) => event,
+            };
+            match event {
+                WatchEvent::Added(pod) | WatchEvent::Modified(pod) => {
+                    tracker.apply(&pod);
+                    advance(version, &pod);
+                }
+                WatchEvent::Deleted(pod) => {
+                    tracker.delete(&pod);
+                    advance(version, &pod);
+                }
+                WatchEvent::Bookmark(b) => *version = Some(b.metadata.resource_version),
+                WatchEvent::Error(s) if s.code == 410 => {
+                    if gone_again(&mut last_gone) {
+                        return Ended::Failed(anyhow!(
+                            "410 Gone right after a relist: {}",
+                            s.message
+                        ));
+                    }
+                    info!(message = %s.message, "pod watcher: watch history expired (410 Gone), relisting");
+                    status.up(false);
+                    *version = None;
+                    break;
+                }
+                WatchEvent::Error(s) => {
+                    return Ended::Failed(anyhow!(
+                        "the pod watch failed: {} ({})",
+                        s.message,
+                        s.code
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// Whether a 410 comes right after the previous one (then it is an error, and backs off).
+fn gone_again(last: &mut Option<Instant>) -> bool {
+    let again = last.is_some_and(|t| t.elapsed() < BACKOFF_MIN * 2);
+    *last = Some(Instant::now());
+    again
+}
+
+/// The watch resumes after `pod`'s resourceVersion.
+fn advance(version: &mut Option<String>, pod: &Pod) {
+    if let Some(v) = &pod.metadata.resource_version {
+        *version = Some(v.clone());
+    }
+}
+
+/// Every pod of the node, and the resourceVersion of the list.
+async fn list(api: &Api<Pod>, selector: &str) -> Result<(Vec<Pod>, String)> {
+    let mut pods = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let mut params = ListParams::default().fields(selector).limit(LIST_PAGE);
+        if let Some(t) = &token {
+            params = params.continue_token(t);
+        }
+        let page = api.list(&params).await.context("listing pods")?;
+        pods.extend(page.items);
+        token = page.metadata.continue_.filter(|t| !t.is_empty());
+        if token.is_none() {
+            let version = page
+                .metadata
+                .resource_version
+                .filter(|v| !v.is_empty())
+                .ok_or_else(|| anyhow!("the pod list has no resourceVersion"))?;
+            if pods.len() > tracker::MAX_PODS * 2 {
+                warn!(
+                    pods = pods.len(),
+                    "pod watcher: the API server lists far more pods than a node runs"
+                );
+            }
+            return Ok((pods, version));
+        }
+    }
 }
 
 /// The kubeconfig given, or the first of the search list that exists, looked for until one does
 /// (`None`: shutdown first).
-async fn find_kubeconfig(cfg: &WatchConfig, shutdown: &CancellationToken) -> Option<PathBuf> {
+async fn find_kubeconfig(
+    cfg: &WatchConfig,
+    status: &WatchStatus,
+    shutdown: &CancellationToken,
+) -> Option<PathBuf> {
     if let Some(k) = &cfg.kubeconfig {
         return Some(k.clone());
     }
+    status.searching();
     let mut said = false;
     loop {
         let search = cfg.search.clone();
@@ -244,13 +445,13 @@ async fn find_kubeconfig(cfg: &WatchConfig, shutdown: &CancellationToken) -> Opt
     }
 }
 
-/// The client for the kubeconfig's current context, and the node it watches: `node` if given,
+/// A client for the kubeconfig's current context, and the node it watches: `node` if given,
 /// else the client certificate's, else the hostname.
-async fn client(
-    kubeconfig: &std::path::Path,
-    node: Option<&str>,
-) -> Result<(kube::Client, String)> {
-    let loaded = crate::fsutil::off_async(|| discovery::load(kubeconfig))
+async fn connect(kubeconfig: &Path, node: Option<&str>) -> Result<Connection> {
+    let path = kubeconfig.to_path_buf();
+    let loaded = tokio::task::spawn_blocking(move || discovery::load(&path))
+        .await
+        .context("the kubeconfig reader panicked")?
         .with_context(|| format!("reading kubeconfig {}", kubeconfig.display()))?;
     let node = match (node, &loaded.node_from_cert) {
         (Some(n), _) => n.to_string(),
@@ -265,7 +466,12 @@ async fn client(
     let client =
         kube::Client::try_from(config).with_context(|| format!("creating a client for {url}"))?;
     debug!(%url, %node, "pod watcher: API server client ready");
-    Ok((client, node))
+    Ok(Connection {
+        client,
+        node,
+        files: loaded.files,
+        fingerprint: loaded.fingerprint,
+    })
 }
 
 /// The kubelet's default node name: the hostname, lower-cased.
@@ -320,229 +526,9 @@ impl Backoff {
     }
 }
 
-/// What is remembered of a pod of this node.
-#[derive(Debug)]
-struct Known {
-    namespace: String,
-    name: String,
-    /// Reported already (its deletionTimestamp was seen).
-    reported: bool,
-}
-
-/// The pods of this node seen in the API, and the reporting rules; fed the watcher's events.
-struct Tracker {
-    node: String,
-    on_deleted: OnDeleted,
-    known: HashMap<String, Known>,
-    /// The uids listed so far while a (re)list is under way.
-    listing: Option<HashSet<String>>,
-    /// A first list completed: later lists are resyncs.
-    listed_once: bool,
-}
-
-/// The fields of a pod the tracker uses, checked.
-struct PodRef {
-    uid: String,
-    namespace: String,
-    name: String,
-    deleting: bool,
-}
-
-impl Tracker {
-    fn new(node: String, on_deleted: OnDeleted) -> Tracker {
-        Tracker {
-            node,
-            on_deleted,
-            known: HashMap::new(),
-            listing: None,
-            listed_once: false,
-        }
-    }
-
-    fn handle(&mut self, event: watcher::Event<Pod>) {
-        match event {
-            watcher::Event::Init => {
-                if self.listed_once {
-                    info!(node = %self.node, "pod watcher: resync, listing the node's pods again");
-                } else {
-                    debug!(node = %self.node, "pod watcher: listing the node's pods");
-                }
-                self.listing = Some(HashSet::new());
-            }
-            watcher::Event::InitApply(pod) => {
-                let Some(pod) = self.check(&pod) else { return };
-                if let Some(listing) = &mut self.listing {
-                    listing.insert(pod.uid.clone());
-                }
-                self.apply(pod);
-            }
-            watcher::Event::InitDone => self.list_done(),
-            watcher::Event::Apply(pod) => {
-                if let Some(pod) = self.check(&pod) {
-                    self.apply(pod);
-                }
-            }
-            watcher::Event::Delete(pod) => {
-                let Some(pod) = self.check(&pod) else { return };
-                let known = self.known.remove(&pod.uid);
-                if !known.is_some_and(|k| k.reported) {
-                    self.report(&pod.uid, &pod.namespace, &pod.name, DeletionCause::Deleted);
-                }
-            }
-        }
-    }
-
-    /// The pod's fields, if it is a pod of this node with a uid; logs why not otherwise.
-    fn check(&self, pod: &Pod) -> Option<PodRef> {
-        let meta = &pod.metadata;
-        let namespace = meta.namespace.clone().unwrap_or_default();
-        let name = meta.name.clone().unwrap_or_default();
-        let Some(uid) = meta.uid.clone().filter(|u| !u.is_empty()) else {
-            warn!(%namespace, %name, "pod watcher: ignoring a pod without a uid");
-            return None;
-        };
-        let node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
-        if node != Some(self.node.as_str()) {
-            warn!(
-                %namespace, %name, %uid, node = node.unwrap_or(""),
-                "pod watcher: ignoring a pod of another node"
-            );
-            return None;
-        }
-        Some(PodRef {
-            uid,
-            namespace,
-            name,
-            deleting: meta.deletion_timestamp.is_some(),
-        })
-    }
-
-    /// A pod seen alive or being deleted (listed, added, modified).
-    fn apply(&mut self, pod: PodRef) {
-        let known = self.known.entry(pod.uid.clone()).or_insert_with(|| Known {
-            namespace: pod.namespace.clone(),
-            name: pod.name.clone(),
-            reported: false,
-        });
-        if pod.deleting && !known.reported {
-            known.reported = true;
-            self.report(
-                &pod.uid,
-                &pod.namespace,
-                &pod.name,
-                DeletionCause::DeletionTimestamp,
-            );
-        }
-    }
-
-    /// A (re)list completed: the pods known before and not listed now were deleted meanwhile.
-    fn list_done(&mut self) {
-        let Some(listed) = self.listing.take() else {
-            return;
-        };
-        let mut gone: Vec<String> = self
-            .known
-            .keys()
-            .filter(|uid| !listed.contains(*uid))
-            .cloned()
-            .collect();
-        gone.sort();
-        for uid in &gone {
-            if let Some(k) = self.known.remove(uid)
-                && !k.reported
-            {
-                self.report(uid, &k.namespace, &k.name, DeletionCause::GoneAtResync);
-            }
-        }
-        if self.listed_once {
-            info!(
-                node = %self.node, pods = listed.len(), gone = gone.len(),
-                "pod watcher: resync done"
-            );
-        } else {
-            info!(node = %self.node, pods = listed.len(), "pod watcher: initial list done");
-        }
-        self.listed_once = true;
-    }
-
-    fn report(&self, uid: &str, namespace: &str, name: &str, cause: DeletionCause) {
-        info!(%namespace, %name, %uid, %cause, "pod watcher: pod deletion seen");
-        (self.on_deleted)(&DeletedPod {
-            uid: uid.to_string(),
-            namespace: namespace.to_string(),
-            name: name.to_string(),
-            cause,
-        });
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
-    use k8s_openapi::api::core::v1::PodSpec;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-
     use super::*;
-
-    fn pod(uid: &str, node: &str, deleting: bool) -> Pod {
-        Pod {
-            metadata: ObjectMeta {
-                name: Some(format!("pod-{uid}")),
-                namespace: Some("ns".into()),
-                uid: Some(uid.into()),
-                deletion_timestamp: deleting.then(|| Time(Default::default())),
-                ..Default::default()
-            },
-            spec: Some(PodSpec {
-                node_name: Some(node.into()),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
-    }
-
-    /// The (uid, cause) pairs reported.
-    type Seen = Arc<Mutex<Vec<(String, DeletionCause)>>>;
-
-    fn tracker() -> (Tracker, Seen) {
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let sink = seen.clone();
-        let on_deleted: OnDeleted = Arc::new(move |p: &DeletedPod| {
-            sink.lock().unwrap().push((p.uid.clone(), p.cause));
-        });
-        (Tracker::new("node-a".into(), on_deleted), seen)
-    }
-
-    #[test]
-    fn reports_each_pod_once_and_forgets_it() {
-        use watcher::Event::*;
-        let (mut t, seen) = tracker();
-        t.handle(Init);
-        t.handle(InitApply(pod("a", "node-a", false)));
-        t.handle(InitApply(pod("b", "node-a", false)));
-        t.handle(InitApply(pod("x", "node-b", true)));
-        t.handle(InitDone);
-        t.handle(Apply(pod("a", "node-a", true)));
-        t.handle(Apply(pod("a", "node-a", true)));
-        t.handle(Delete(pod("a", "node-a", true)));
-        t.handle(Delete(pod("x", "node-b", true)));
-        t.handle(Apply(pod("c", "node-a", false)));
-        // A relist without b and c: both gone.
-        t.handle(Init);
-        t.handle(InitApply(pod("d", "node-a", true)));
-        t.handle(InitDone);
-        assert_eq!(
-            *seen.lock().unwrap(),
-            vec![
-                ("a".into(), DeletionCause::DeletionTimestamp),
-                ("d".into(), DeletionCause::DeletionTimestamp),
-                ("b".into(), DeletionCause::GoneAtResync),
-                ("c".into(), DeletionCause::GoneAtResync),
-            ]
-        );
-        assert_eq!(t.known.keys().collect::<Vec<_>>(), vec!["d"]);
-    }
 
     #[test]
     fn backoff_grows_to_the_cap() {

@@ -41,7 +41,11 @@
 //! the test's thread does; the control methods are plain blocking calls, usable from sync and
 //! async tests alike. Dropping the [`ApiServer`] stops it.
 
-use std::collections::BTreeMap;
+mod tls;
+
+pub use tls::{fingerprint_der, fingerprint_pem};
+
+use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
@@ -79,6 +83,9 @@ pub struct ApiServerOptions {
     /// unsupported ones), as a broken server or proxy might, so that a client's own checks on
     /// the objects it gets can be tested.
     pub ignore_field_selectors: bool,
+    /// Serve HTTPS with this PKI's server certificate, and require client certificates signed
+    /// by its CA (as a real API server authenticates a kubelet).
+    pub tls: Option<crate::pki::TestPki>,
 }
 
 impl Default for ApiServerOptions {
@@ -86,6 +93,7 @@ impl Default for ApiServerOptions {
         ApiServerOptions {
             bookmark_interval: Duration::from_secs(1),
             ignore_field_selectors: false,
+            tls: None,
         }
     }
 }
@@ -110,6 +118,9 @@ pub struct RequestRecord {
     pub watch: bool,
     /// The HTTP status answered (a watch that later sends an `ERROR` event is still 200).
     pub status: u16,
+    /// With TLS: the fingerprint of the client certificate of the connection
+    /// ([`fingerprint_der`]).
+    pub client_cert: Option<String>,
 }
 
 /// A pod as the server keeps it.
@@ -223,6 +234,9 @@ struct Shared {
     watch_close: Mutex<CancellationToken>,
     requests: Mutex<Vec<RequestRecord>>,
     open_watches: Mutex<usize>,
+    /// Client certificate fingerprints refused with 401.
+    revoked: Mutex<BTreeSet<String>>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -272,7 +286,13 @@ impl ApiServer {
             .enable_all()
             .build()?;
         let (rv_tx, _) = tokio::sync::watch::channel(FIRST_RESOURCE_VERSION);
+        let tls = match &opts.tls {
+            Some(pki) => Some(tls::acceptor(pki).map_err(io::Error::other)?),
+            None => None,
+        };
         let shared = Arc::new(Shared {
+            tls,
+            revoked: Mutex::new(BTreeSet::new()),
             opts,
             state: Mutex::new(State {
                 rv: FIRST_RESOURCE_VERSION,
@@ -317,9 +337,20 @@ impl ApiServer {
         self.addr
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// `http://127.0.0.1:PORT`, or `https://` with TLS.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.shared.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.addr)
+    }
+
+    /// From now on, requests made with this client certificate ([`fingerprint_der`]) get 401
+    /// Unauthorized, as after a certificate's revocation or expiry.
+    pub fn revoke(&self, fingerprint: &str) {
+        lock(&self.shared.revoked).insert(fingerprint.to_string());
     }
 
     /// Whether it is listening (started, or restarted after a stop).
@@ -345,6 +376,10 @@ impl ApiServer {
                 key.display()
             ),
         };
+        let ca = match &self.shared.opts.tls {
+            Some(pki) => format!("    certificate-authority: {}\n", pki.ca.display()),
+            None => String::new(),
+        };
         let text = format!(
             "apiVersion: v1
 kind: Config
@@ -352,7 +387,7 @@ clusters:
 - name: minicri-test
   cluster:
     server: {url}
-users:
+{ca}users:
 - name: minicri-test
   user:
 {user}contexts:
@@ -553,14 +588,18 @@ async fn serve(
                 let shared = shared.clone();
                 let cancel = cancel.clone();
                 connections.spawn(async move {
-                    let service = hyper::service::service_fn(move |req| {
-                        let shared = shared.clone();
-                        let cancel = cancel.clone();
-                        async move { Ok::<_, Infallible>(handle(&shared, &cancel, req)) }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
+                    let Some(tls) = shared.tls.clone() else {
+                        serve_connection(stream, shared, cancel, None).await;
+                        return;
+                    };
+                    let Ok(stream) = tls.accept(stream).await else { return };
+                    let cert = stream
+                        .get_ref()
+                        .1
+                        .peer_certificates()
+                        .and_then(|c| c.first())
+                        .map(|c| tls::fingerprint_der(c));
+                    serve_connection(stream, shared, cancel, cert).await;
                 });
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
@@ -570,6 +609,26 @@ async fn serve(
     connections.abort_all();
     while connections.join_next().await.is_some() {}
     let _ = done.send(());
+}
+
+/// Serves HTTP/1.1 on one connection; `client_cert`: its client certificate's fingerprint.
+async fn serve_connection<S>(
+    stream: S,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+    client_cert: Option<String>,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req| {
+        let shared = shared.clone();
+        let cancel = cancel.clone();
+        let cert = client_cert.clone();
+        async move { Ok::<_, Infallible>(handle(&shared, &cancel, req, cert).await) }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(stream), service)
+        .await;
 }
 
 /// A request's query parameters; the last of repeated ones counts.
@@ -744,22 +803,31 @@ fn parse_path(path: &str) -> Option<Target> {
     }
 }
 
-fn handle(
+async fn handle(
     shared: &Arc<Shared>,
     cancel: &CancellationToken,
     req: Request<Incoming>,
+    client_cert: Option<String>,
 ) -> Response<Body> {
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
     let params = Params(parse_query(&query));
     let watch = matches!(params.get("watch"), Some("true" | "1"));
-    let resp = route(shared, cancel, req.method(), &path, &params, watch);
+    let revoked = client_cert
+        .as_ref()
+        .is_some_and(|c| lock(&shared.revoked).contains(c));
+    let resp = if revoked {
+        error_response(StatusCode::UNAUTHORIZED, "Unauthorized", "Unauthorized")
+    } else {
+        route(shared, cancel, req.method(), &path, &params, watch)
+    };
     lock(&shared.requests).push(RequestRecord {
         method: req.method().to_string(),
         path,
         query,
         watch,
         status: resp.status().as_u16(),
+        client_cert,
     });
     resp
 }
