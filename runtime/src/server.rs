@@ -211,7 +211,8 @@ pub async fn serve(config: Config, notifier: crate::sdnotify::Notifier) -> anyho
 }
 
 /// Starts the API-server watch unless it is off: a pod of this node seen deleted has its pull
-/// references dropped at once (see docs/kubelet-release.md).
+/// references dropped at once, and a pod it follows has its pulls held past their detach window
+/// (see docs/kubelet-release.md).
 fn spawn_kube_watch(
     daemon: &Arc<Daemon>,
     shutdown: tokio_util::sync::CancellationToken,
@@ -231,6 +232,13 @@ fn spawn_kube_watch(
         tracing::info!(pod = %format!("{}/{}", p.namespace, p.name), uid = %p.uid, cause = %p.cause, references_dropped = n, "pod deleted: its pulls are dropped");
     });
     let state = daemon.kube.clone();
+    // While the watch follows a pod, its pulls need not detach (kube_watch/hold.rs).
+    daemon
+        .pulls
+        .set_detach_policy(Arc::new(crate::kube_watch::hold::WatchHoldPolicy::new(
+            state.clone(),
+            daemon.images.clone(),
+        )));
     Some(tokio::spawn(async move {
         if let Err(e) = crate::kube_watch::run(w.into(), state, on_deleted, shutdown).await {
             tracing::error!(error = %e, "the API-server watch stopped");

@@ -173,6 +173,7 @@ pub fn fast(puller: Puller) -> SimConfig {
         grace_period_secs: 0,
         puller,
         on_delete: None,
+        api: None,
     }
 }
 

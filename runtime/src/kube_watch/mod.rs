@@ -2,7 +2,8 @@
 //! node (`fieldSelector=spec.nodeName=<node>`), keeps what it learns in a [`PodCache`] and
 //! reports each pod once when it is being deleted ([`tracker`]), so the daemon can drop the pod's
 //! pull references at once instead of waiting for a kubelet that never cancels a `PullImage`.
-//! Whether it is connected and synced is in [`WatchStatus`] ([`status`]).
+//! Whether it is connected and synced is in [`WatchStatus`] ([`status`]). While it is, a pod's
+//! PullImage may wait past its detach window ([`hold`]).
 //!
 //! It uses the kubelet's own credentials ([`discovery`]): a kubeconfig given, or the first of a
 //! search list that exists (looked for again every [`DISCOVERY_INTERVAL`] until one does: a
@@ -27,6 +28,7 @@
 //! (0.5 s doubling up to 30 s, with jitter) until the shutdown token is cancelled.
 
 pub mod discovery;
+pub mod hold;
 pub mod status;
 pub mod tracker;
 

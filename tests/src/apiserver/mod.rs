@@ -133,6 +133,8 @@ struct Pod {
     resource_version: u64,
     creation: String,
     deletion: Option<String>,
+    /// One container per image (`c0`, `c1`, …).
+    images: Vec<String>,
 }
 
 impl Pod {
@@ -154,7 +156,9 @@ impl Pod {
             "metadata": metadata,
             "spec": {
                 "nodeName": self.node,
-                "containers": [{ "name": "app", "image": "registry.test/app:1" }],
+                "containers": self.images.iter().enumerate()
+                    .map(|(i, image)| json!({ "name": format!("c{i}"), "image": image }))
+                    .collect::<Vec<_>>(),
             },
             "status": { "phase": "Running" },
         })
@@ -403,10 +407,24 @@ current-context: minicri-test
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
     }
 
-    /// Creates a pod bound to `node` (an `ADDED` event). Returns its resourceVersion.
+    /// Creates a pod bound to `node` (an `ADDED` event) with one container of image
+    /// `registry.test/app:1`. Returns its resourceVersion.
     ///
     /// Panics if a pod with this uid exists: that is a mistake in the test.
     pub fn add_pod(&self, namespace: &str, name: &str, uid: &str, node: &str) -> u64 {
+        self.add_pod_with_images(namespace, name, uid, node, &["registry.test/app:1".into()])
+    }
+
+    /// Creates a pod bound to `node` (an `ADDED` event) with a container per image (`c0`, `c1`,
+    /// …). Returns its resourceVersion. Panics if a pod with this uid exists.
+    pub fn add_pod_with_images(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        node: &str,
+        images: &[String],
+    ) -> u64 {
         let rv = {
             let mut st = self.shared.state();
             assert!(!st.pods.contains_key(uid), "a pod with uid {uid} exists");
@@ -419,6 +437,7 @@ current-context: minicri-test
                 resource_version: rv,
                 creation: now(),
                 deletion: None,
+                images: images.to_vec(),
             };
             st.pods.insert(uid.to_string(), pod.clone());
             st.record(EventType::Added, pod);
@@ -1232,6 +1251,7 @@ mod tests {
             resource_version: 1,
             creation: now(),
             deletion: None,
+            images: vec![],
         };
         let sel = |s: &str| Selection {
             namespace: None,
