@@ -34,6 +34,9 @@ pub struct KubeWatchSample {
     pub synced: bool,
     pub credential_reloads: u64,
     pub pods: usize,
+    pub events_written: u64,
+    pub events_failed: u64,
+    pub events_deferred: u64,
 }
 
 fn metric(out: &mut String, name: &str, kind: &str, help: &str, lines: &[(String, u64)]) {
@@ -202,6 +205,27 @@ pub fn render(s: &Sample) -> String {
     );
     metric(
         &mut out,
+        "minicri_kube_events_written_total",
+        "counter",
+        "Pull progress events created or updated in the API server.",
+        &one(k.events_written),
+    );
+    metric(
+        &mut out,
+        "minicri_kube_events_failed_total",
+        "counter",
+        "Pull progress event writes refused, failed or timed out.",
+        &one(k.events_failed),
+    );
+    metric(
+        &mut out,
+        "minicri_kube_events_deferred_total",
+        "counter",
+        "Pull progress event writes put off by the node-wide limit (5 per second).",
+        &one(k.events_deferred),
+    );
+    metric(
+        &mut out,
         "minicri_blob_transfers_active",
         "gauge",
         "Blob downloads in progress on the node (shared between jobs).",
@@ -231,7 +255,9 @@ fn respond(daemon: &Daemon, req: &Request<hyper::body::Incoming>) -> Response<Fu
             synced: kube.status.synced(),
             credential_reloads: kube.status.credential_reloads.load(Ordering::Relaxed),
             pods: kube.pods.len(),
-            ..Default::default()
+            events_written: kube.events.written.load(Ordering::Relaxed),
+            events_failed: kube.events.failed.load(Ordering::Relaxed),
+            events_deferred: kube.events.deferred.load(Ordering::Relaxed),
         },
     });
     Response::builder()
@@ -299,6 +325,7 @@ mod tests {
         assert!(text.contains("\nminicri_kube_watch_synced 0\n"));
         assert!(text.contains("\nminicri_kube_watch_pods 7\n"));
         assert!(text.contains("\nminicri_kube_watch_credential_reloads_total 3\n"));
+        assert!(text.contains("\nminicri_kube_events_written_total 0\n"));
         // Every sample line is `name[{labels}] value`.
         for l in text.lines().filter(|l| !l.starts_with('#')) {
             let (name, v) = l.rsplit_once(' ').unwrap();

@@ -155,7 +155,15 @@ pub async fn serve(config: Config, notifier: crate::sdnotify::Notifier) -> anyho
     if let Some(addr) = daemon.config.metrics_address {
         background.push(crate::metrics::spawn(addr, daemon.clone(), shutdown.clone()).await?);
     }
-    background.extend(spawn_kube_watch(&daemon, shutdown.clone()));
+    if let Some(watch) = spawn_kube_watch(&daemon, shutdown.clone()) {
+        background.push(watch);
+        // Pull progress in the pods' events, with the watch's credentials.
+        background.push(tokio::spawn(crate::kube_watch::events::run(
+            daemon.pulls.clone(),
+            daemon.kube.clone(),
+            shutdown.clone(),
+        )));
+    }
     let listener = bind_socket(&socket).await?;
     let _socket_guard = SocketGuard(socket.clone());
     tracing::info!(socket = %socket.display(), version = env!("CARGO_PKG_VERSION"), "minicri serving");

@@ -917,7 +917,10 @@ async fn with_the_watch_a_large_pull_is_one_call_and_the_pod_starts_as_it_comple
         return;
     }
     let w = watched();
-    let e = env_with(&w.args("3")).await;
+    let metrics = free_metrics_address();
+    let mut args = w.args("3");
+    args.extend(["--metrics-address", &metrics]);
+    let e = env_with(&args).await;
     let (_, r, _) = big_image(&e, "followed", 7).await;
     // 40 MiB/s: about 26 s for the whole image, nine windows.
     e.proxy.faults().set_link_rate(Some(40 * MIB));
@@ -959,6 +962,62 @@ async fn with_the_watch_a_large_pull_is_one_call_and_the_pod_starts_as_it_comple
         "{log}"
     );
     assert!(!log.contains("PullImage detached"), "{log}");
+
+    // Where the pod's owner looks (kubectl describe pod): one event of minicri's, updated in
+    // place with the progress, at most one API write per 10 s.
+    let events: Vec<serde_json::Value> = w
+        .api
+        .events()
+        .into_iter()
+        .filter(|ev| ev["involvedObject"]["uid"] == a.uid.as_str())
+        .collect();
+    eprintln!("{events:#?}");
+    assert_eq!(events.len(), 1, "{events:#?}");
+    let ev = &events[0];
+    assert_eq!(ev["reason"], "Pulling");
+    assert_eq!(ev["type"], "Normal");
+    assert_eq!(ev["source"]["component"], "minicri");
+    assert_eq!(ev["reportingComponent"], "minicri");
+    assert_eq!(ev["involvedObject"]["kind"], "Pod");
+    assert_eq!(ev["involvedObject"]["name"], "a");
+    assert_eq!(ev["metadata"]["namespace"], a.namespace.as_str());
+    let message = ev["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(&format!("Downloading image \"{r}\": "))
+            && message.contains("% (")
+            && message.contains("of 1.0 GiB) at ")
+            && message.contains("left"),
+        "{message}"
+    );
+    let writes: Vec<_> = w
+        .api
+        .event_writes()
+        .into_iter()
+        .filter(|x| x.involved_uid.as_deref() == Some(a.uid.as_str()))
+        .collect();
+    let held = returned - started;
+    assert!(
+        writes.len() >= 2 && writes.len() as u64 <= 1 + held.as_secs() / 10,
+        "{} writes in {held:?}: {writes:#?}",
+        writes.len()
+    );
+    assert!(writes.iter().all(|x| x.status < 300), "{writes:#?}");
+    assert_eq!(writes[0].method, "POST");
+    assert!(
+        writes[1..].iter().all(|x| x.method == "PATCH"),
+        "{writes:#?}"
+    );
+    for pair in writes.windows(2) {
+        let gap = pair[1].at - pair[0].at;
+        assert!(gap >= Duration::from_millis(9500), "{gap:?}: {writes:#?}");
+    }
+    assert_eq!(ev["count"], writes.len());
+    let m = scrape(&metrics).await;
+    assert_eq!(
+        sample(&m, "minicri_kube_events_written_total"),
+        writes.len() as u64,
+        "{m}"
+    );
     sim.shutdown().await;
     assert!(e.sandboxes().await.is_empty());
     assert_eq!(e.stray_state(), Vec::<String>::new());

@@ -3,7 +3,8 @@
 //! reports each pod once when it is being deleted ([`tracker`]), so the daemon can drop the pod's
 //! pull references at once instead of waiting for a kubelet that never cancels a `PullImage`.
 //! Whether it is connected and synced is in [`WatchStatus`] ([`status`]). While it is, a pod's
-//! PullImage may wait past its detach window ([`hold`]).
+//! PullImage may wait past its detach window ([`hold`]), and its download's progress shows in
+//! its events ([`events`]).
 //!
 //! It uses the kubelet's own credentials ([`discovery`]): a kubeconfig given, or the first of a
 //! search list that exists (looked for again every [`DISCOVERY_INTERVAL`] until one does: a
@@ -28,6 +29,7 @@
 //! (0.5 s doubling up to 30 s, with jitter) until the shutdown token is cancelled.
 
 pub mod discovery;
+pub mod events;
 pub mod hold;
 pub mod status;
 pub mod tracker;
@@ -124,10 +126,21 @@ impl std::fmt::Display for DeletionCause {
 pub type OnDeleted = Arc<dyn Fn(&DeletedPod) + Send + Sync>;
 
 /// What the watch shares with the rest of the daemon.
-#[derive(Debug)]
 pub struct WatchState {
     pub status: WatchStatus,
     pub pods: Arc<PodCache>,
+    pub events: events::EventCounters,
+    /// The client of the current credentials and the node it watches.
+    connection: std::sync::RwLock<Option<(kube::Client, String)>>,
+}
+
+impl std::fmt::Debug for WatchState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WatchState")
+            .field("status", &self.status)
+            .field("pods", &self.pods.len())
+            .finish()
+    }
 }
 
 impl WatchState {
@@ -136,7 +149,21 @@ impl WatchState {
         WatchState {
             status: WatchStatus::new(on),
             pods: Arc::new(PodCache::default()),
+            events: events::EventCounters::default(),
+            connection: std::sync::RwLock::new(None),
         }
+    }
+
+    /// The client of the current credentials and the node it watches, once connected.
+    pub fn connection(&self) -> Option<(kube::Client, String)> {
+        self.connection
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set_connection(&self, c: Option<(kube::Client, String)>) {
+        *self.connection.write().unwrap_or_else(|p| p.into_inner()) = c;
     }
 
     /// Connected and synced: a deletion of any pod of the node would be seen at once.
@@ -211,6 +238,7 @@ pub async fn run(
             }
         };
         status.credentials(&kubeconfig, &creds.node);
+        state.set_connection(Some((creds.client.clone(), creds.node.clone())));
         let ended = tokio::select! {
             _ = shutdown.cancelled() => break,
             e = session(&creds, tracker, &mut version, status, &mut backoff) => e,
@@ -234,6 +262,7 @@ pub async fn run(
             }
         }
     }
+    state.set_connection(None);
     status.stopped();
     info!("pod watcher: stopped");
     Ok(())

@@ -264,6 +264,30 @@ pub fn human_bytes(b: f64) -> String {
     }
 }
 
+/// How far a download is, for people: `45% (460.2 MiB of 1.0 GiB) at 38.1 MiB/s, about 15s
+/// left` (`rate`: bytes per second now), or `resolving its layers` before its size is known.
+pub fn progress_text(done: u64, total: u64, rate: f64) -> String {
+    if total == 0 {
+        return "resolving its layers".to_string();
+    }
+    let pct = 100.0 * done as f64 / total as f64;
+    let mut s = format!(
+        "{pct:.0}% ({} of {})",
+        human_bytes(done as f64),
+        human_bytes(total as f64)
+    );
+    if rate > 0.0 {
+        s.push_str(&format!(
+            " at {}/s, about {} left",
+            human_bytes(rate),
+            human_duration(total.saturating_sub(done) as f64 / rate)
+        ));
+    } else {
+        s.push_str(", waiting for bytes");
+    }
+    s
+}
+
 /// `1h05m`, `3m20s`, `42s` for people.
 pub fn human_duration(secs: f64) -> String {
     let s = secs.max(0.0).round() as u64;
@@ -345,26 +369,7 @@ impl PullManager {
     /// What the kubelet shows in the pod's events (`Failed to pull image "…": <this>`).
     fn detach_message(&self, job: &Job, reference: &Reference, sandbox: &str) -> String {
         let b = job.bytes();
-        let progress = if b.total == 0 {
-            "resolving its layers".to_string()
-        } else {
-            let pct = 100.0 * b.done as f64 / b.total as f64;
-            let mut s = format!(
-                "{pct:.0}% ({} of {})",
-                human_bytes(b.done as f64),
-                human_bytes(b.total as f64)
-            );
-            if b.rate > 0.0 {
-                s.push_str(&format!(
-                    " at {}/s, about {} left",
-                    human_bytes(b.rate),
-                    human_duration(b.total.saturating_sub(b.done) as f64 / b.rate)
-                ));
-            } else {
-                s.push_str(", waiting for bytes");
-            }
-            s
-        };
+        let progress = progress_text(b.done, b.total, b.rate);
         let window = self.config.detach_after.unwrap_or_default();
         format!(
             "image {reference} is still downloading in the background: {progress}. The pod \
@@ -628,5 +633,14 @@ mod tests {
         assert_eq!(human_duration(42.4), "42s");
         assert_eq!(human_duration(200.0), "3m20s");
         assert_eq!(human_duration(3900.0), "1h05m");
+        assert_eq!(
+            progress_text(460 << 20, 1 << 30, 38.0 * 1048576.0),
+            "45% (460.0 MiB of 1.0 GiB) at 38.0 MiB/s, about 15s left"
+        );
+        assert_eq!(
+            progress_text(0, 10, 0.0),
+            "0% (0 B of 10 B), waiting for bytes"
+        );
+        assert_eq!(progress_text(0, 0, 0.0), "resolving its layers");
     }
 }

@@ -1,5 +1,5 @@
-//! Owns [`ApiServer`]: a minimal Kubernetes API server for tests, serving only pods, just enough
-//! for a list+watch client (kube-rs's `kube::runtime::watcher`, client-go's reflector) to work
+//! Owns [`ApiServer`]: a minimal Kubernetes API server for tests, serving pods (and recording
+//! events), just enough for a list+watch client (kube-rs's `kube::runtime::watcher`, client-go's reflector) to work
 //! against it as against the real one, and switches to disturb it (outages, compaction, dropped
 //! watches).
 //!
@@ -26,6 +26,10 @@
 //!   annotated `k8s.io/initial-events-end: "true"`. `timeoutSeconds` ends the stream (cleanly)
 //!   after that long. Field selectors filter watch events too.
 //! - `GET /api/v1/namespaces/{ns}/pods/{name}`: one pod, or a 404 `Status`.
+//! - core/v1 Events: create, merge-patch, get and list ([`events`], every write recorded:
+//!   [`ApiServer::event_writes`]).
+//! - With [`ApiServerOptions::tls`]: HTTPS, client certificates required (`tls`), each request's
+//!   recorded, revocable ([`ApiServer::revoke`]).
 //!
 //! The resourceVersion is one global counter (a string of an integer) bumped by every change.
 //! The state (pods, event history, counter) outlives [`ApiServer::stop`]: a
@@ -41,8 +45,10 @@
 //! the test's thread does; the control methods are plain blocking calls, usable from sync and
 //! async tests alike. Dropping the [`ApiServer`] stops it.
 
+mod events;
 mod tls;
 
+pub use events::EventWrite;
 pub use tls::{fingerprint_der, fingerprint_pem};
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -240,6 +246,9 @@ struct Shared {
     open_watches: Mutex<usize>,
     /// Client certificate fingerprints refused with 401.
     revoked: Mutex<BTreeSet<String>>,
+    /// Events, and the resourceVersions given to them (their own counter: pods' history and
+    /// watches are not disturbed by event writes).
+    events: Mutex<(events::Events, u64)>,
     tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
@@ -297,6 +306,7 @@ impl ApiServer {
         let shared = Arc::new(Shared {
             tls,
             revoked: Mutex::new(BTreeSet::new()),
+            events: Mutex::new((events::Events::default(), 1_000_000)),
             opts,
             state: Mutex::new(State {
                 rv: FIRST_RESOURCE_VERSION,
@@ -558,6 +568,16 @@ current-context: minicri-test
             .iter()
             .filter(|r| r.watch)
             .count()
+    }
+
+    /// The events written so far (core/v1 `Event` objects as stored).
+    pub fn events(&self) -> Vec<Value> {
+        lock(&self.shared.events).0.all()
+    }
+
+    /// Every event write (create or patch) answered, in order, refused ones included.
+    pub fn event_writes(&self) -> Vec<EventWrite> {
+        lock(&self.shared.events).0.writes.clone()
     }
 
     /// How many watch streams are open now.
@@ -835,13 +855,32 @@ async fn handle(
     let revoked = client_cert
         .as_ref()
         .is_some_and(|c| lock(&shared.revoked).contains(c));
+    let method = req.method().clone();
     let resp = if revoked {
         error_response(StatusCode::UNAUTHORIZED, "Unauthorized", "Unauthorized")
+    } else if let Some(target) = parse_events_path(&path) {
+        let content_type = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        match http_body_util::Limited::new(req.into_body(), events::MAX_BODY)
+            .collect()
+            .await
+        {
+            Ok(body) => events_route(shared, &method, target, &content_type, &body.to_bytes()),
+            Err(_) => error_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "RequestEntityTooLarge",
+                "the request body is too large",
+            ),
+        }
     } else {
-        route(shared, cancel, req.method(), &path, &params, watch)
+        route(shared, cancel, &method, &path, &params, watch)
     };
     lock(&shared.requests).push(RequestRecord {
-        method: req.method().to_string(),
+        method: method.to_string(),
         path,
         query,
         watch,
@@ -849,6 +888,58 @@ async fn handle(
         client_cert,
     });
     resp
+}
+
+/// What an events path names.
+enum EventsTarget {
+    /// The events of one namespace (`Some`) or all.
+    Collection(Option<String>),
+    One(String, String),
+}
+
+fn parse_events_path(path: &str) -> Option<EventsTarget> {
+    let rest = path.strip_prefix("/api/v1/")?;
+    let parts: Vec<&str> = rest.trim_end_matches('/').split('/').collect();
+    match parts.as_slice() {
+        ["events"] => Some(EventsTarget::Collection(None)),
+        ["namespaces", ns, "events"] if !ns.is_empty() => {
+            Some(EventsTarget::Collection(Some(ns.to_string())))
+        }
+        ["namespaces", ns, "events", name] if !ns.is_empty() && !name.is_empty() => {
+            Some(EventsTarget::One(ns.to_string(), name.to_string()))
+        }
+        _ => None,
+    }
+}
+
+fn events_route(
+    shared: &Shared,
+    method: &Method,
+    target: EventsTarget,
+    content_type: &str,
+    body: &[u8],
+) -> Response<Body> {
+    let mut guard = lock(&shared.events);
+    let (events, rv) = &mut *guard;
+    *rv += 1;
+    let (status, value) = match (method, target) {
+        (&Method::GET, EventsTarget::Collection(ns)) => {
+            (StatusCode::OK, events.list(ns.as_deref(), *rv))
+        }
+        (&Method::GET, EventsTarget::One(ns, name)) => events.get(&ns, &name),
+        (&Method::POST, EventsTarget::Collection(Some(ns))) => events.create(&ns, body, *rv),
+        (&Method::PATCH, EventsTarget::One(ns, name)) => {
+            events.patch(&ns, &name, content_type, body, *rv)
+        }
+        (m, _) => {
+            return error_response(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowed",
+                &format!("this test server does not allow {m} on the requested events"),
+            );
+        }
+    };
+    json_response(status, &value)
 }
 
 fn route(
