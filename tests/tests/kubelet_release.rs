@@ -592,6 +592,13 @@ impl Watched {
         ]
     }
 
+    /// The environment of the tests with the watch: a window of 3 s, metrics on `metrics`.
+    async fn env(&self, metrics: &str) -> Env {
+        let mut args = self.args("3");
+        args.extend(["--metrics-address", metrics]);
+        env_with(&args).await
+    }
+
     /// The simulator's pods live in the API server, on node-1 unless they say otherwise.
     fn sim_config(&self, puller: Puller) -> SimConfig {
         SimConfig {
@@ -670,9 +677,7 @@ async fn with_the_watch_a_held_pull_lets_a_small_image_by_and_a_deletion_release
     }
     let w = watched();
     let metrics = free_metrics_address();
-    let mut args = w.args("3");
-    args.extend(["--metrics-address", &metrics]);
-    let e = env_with(&args).await;
+    let e = w.env(&metrics).await;
     let (img, r, layer) = big_image(&e, "watched", 5).await;
     let size = img.layers.last().unwrap().size;
     let (_, small_ref) = e.busybox("small-behind").await;
@@ -878,38 +883,6 @@ async fn the_watch_survives_outages_and_410_and_ignores_other_nodes() {
     assert_eq!(e.stray_state(), Vec::<String>::new());
 }
 
-/// When `image` is first in the daemon's image store (polled every 20 ms, for at most `within`).
-async fn first_present(e: &Env, image: &str, within: Duration) -> tokio::task::JoinHandle<Instant> {
-    let mut c = e.daemon.images().await.unwrap();
-    let image = image.to_string();
-    tokio::spawn(async move {
-        let start = Instant::now();
-        loop {
-            let found = c
-                .image_status(cri::ImageStatusRequest {
-                    image: Some(cri::ImageSpec {
-                        image: image.clone(),
-                        ..Default::default()
-                    }),
-                    verbose: false,
-                })
-                .await
-                .unwrap()
-                .into_inner()
-                .image
-                .is_some();
-            if found {
-                return Instant::now();
-            }
-            assert!(
-                start.elapsed() < within,
-                "{image} not complete within {within:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn with_the_watch_a_large_pull_is_one_call_and_the_pod_starts_as_it_completes() {
     if let Some(why) = skip_reason() {
@@ -918,9 +891,7 @@ async fn with_the_watch_a_large_pull_is_one_call_and_the_pod_starts_as_it_comple
     }
     let w = watched();
     let metrics = free_metrics_address();
-    let mut args = w.args("3");
-    args.extend(["--metrics-address", &metrics]);
-    let e = env_with(&args).await;
+    let e = w.env(&metrics).await;
     let (_, r, _) = big_image(&e, "followed", 7).await;
     // 40 MiB/s: about 26 s for the whole image, nine windows.
     e.proxy.faults().set_link_rate(Some(40 * MIB));
@@ -932,12 +903,17 @@ async fn with_the_watch_a_large_pull_is_one_call_and_the_pod_starts_as_it_comple
     // and start the pod only at its next retry after the download completed.
     let a = PodSpec::new("a", &[&r]).always();
     sim.create_pod(a.clone());
-    let complete = first_present(&e, &r, Duration::from_secs(120)).await;
-    let running = sim
-        .wait_running(&a.uid, Duration::from_secs(120))
-        .await
-        .unwrap();
-    let complete = complete.await.unwrap();
+    // When the image is first in the store (polled every 20 ms), and when the pod runs.
+    let (complete, running) = tokio::join!(
+        async {
+            while !image_present(&e, &r).await {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Instant::now()
+        },
+        sim.wait_running(&a.uid, Duration::from_secs(120))
+    );
+    let running = running.unwrap();
     let timeline = sim.timeline(&a.uid);
     eprintln!("{timeline}");
     // One PullImage, held for the whole download: no ErrImagePull, no back-off.

@@ -292,7 +292,7 @@ mod tests {
         std::fs::write(&b, "x").unwrap();
         std::fs::write(&c, "x").unwrap();
         assert_eq!(find_kubeconfig(&[a.clone(), b.clone(), c.clone()]), Some(b));
-        assert_eq!(find_kubeconfig(&[a.clone()]), None);
+        assert_eq!(find_kubeconfig(std::slice::from_ref(&a)), None);
         // A directory is not a kubeconfig; a symlink to a file is.
         std::fs::create_dir(&a).unwrap();
         let link = dir.path().join("link");

@@ -265,10 +265,14 @@ pub fn human_bytes(b: f64) -> String {
 }
 
 /// How far a download is, for people: `45% (460.2 MiB of 1.0 GiB) at 38.1 MiB/s, about 15s
-/// left` (`rate`: bytes per second now), or `resolving its layers` before its size is known.
+/// left` (`rate`: bytes per second now), `resolving its layers` before its size is known, and
+/// `100% (1.0 GiB), unpacking` once every byte is in.
 pub fn progress_text(done: u64, total: u64, rate: f64) -> String {
     if total == 0 {
         return "resolving its layers".to_string();
+    }
+    if done >= total {
+        return format!("100% ({}), unpacking", human_bytes(total as f64));
     }
     let pct = 100.0 * done as f64 / total as f64;
     let mut s = format!(
@@ -642,5 +646,6 @@ mod tests {
             "0% (0 B of 10 B), waiting for bytes"
         );
         assert_eq!(progress_text(0, 0, 0.0), "resolving its layers");
+        assert_eq!(progress_text(10, 10, 0.0), "100% (10 B), unpacking");
     }
 }

@@ -64,19 +64,9 @@ fn served(stats: &Path) -> Result<u64> {
         .with_context(|| format!("{} says {text:?}", stats.display()))
 }
 
-/// `1.5 GiB`-style sizes (the tests crate does not depend on the store and its helper).
+/// `1.5 GiB`-style sizes, as minicri words them.
 fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let (mut v, mut i) = (bytes as f64, 0);
-    while v >= 1024.0 && i < UNITS.len() - 1 {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{v:.0} {}", UNITS[i])
-    } else {
-        format!("{v:.1} {}", UNITS[i])
-    }
+    minicri_store::human_bytes(bytes as f64)
 }
 
 /// One line of `kubectl describe pod`'s events.
