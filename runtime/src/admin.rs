@@ -43,6 +43,7 @@ fn to_proto(j: JobSnapshot) -> admin::PullJob {
                         .held_since
                         .and_then(|t| t.timestamp_nanos_opt())
                         .unwrap_or(0),
+                    weight: r.requester.weight,
                 }
             })
             .collect(),
@@ -57,6 +58,8 @@ fn to_proto(j: JobSnapshot) -> admin::PullJob {
                 state: p.state,
                 bytes_per_second: p.bytes_per_second,
                 source: p.source,
+                connections: p.connections as u32,
+                refetched: p.refetched,
             })
             .collect(),
         bytes_done: j.bytes_done,
@@ -74,8 +77,26 @@ impl Pulls for PullsHandler {
     ) -> Result<Response<admin::ListPullsResponse>, Status> {
         let dl = deadline(&req);
         call("ListPulls", "", dl, Verbosity::Poll, async {
+            let (large, small) = self.daemon.pulls.blobs().schedulers();
+            let lane = |name: &str, s: &minicri_store::sched::Scheduler| {
+                let snap = s.snapshot();
+                admin::TransferLane {
+                    name: name.into(),
+                    slots: snap.capacity as u32,
+                    granted: snap.granted as u32,
+                    waiting: snap.waiting as u32,
+                }
+            };
+            let i = self.daemon.content.ingest_usage();
             Ok(admin::ListPullsResponse {
                 jobs: self.daemon.pulls.list().into_iter().map(to_proto).collect(),
+                lanes: vec![lane("large blobs", large), lane("small blobs", small)],
+                ingests: Some(admin::IngestUsage {
+                    active: i.active as u32,
+                    active_bytes: i.active_bytes,
+                    idle: i.idle as u32,
+                    idle_bytes: i.idle_bytes,
+                }),
             })
         })
         .await

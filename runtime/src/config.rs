@@ -66,10 +66,17 @@ pub struct ServeArgs {
     #[arg(long, value_name = "BACKEND")]
     pub snapshotter: Option<String>,
 
-    /// Requests downloading blob bytes at once on the whole node; a blob fetched over several
-    /// ranged requests holds one per request. [default: 8]
+    /// Requests downloading bytes of large blobs at once on the whole node, shared fairly
+    /// between the pods and calls that want downloads (docs/pulls.md); a blob fetched over
+    /// several ranged requests holds one per request. Small blobs have as many again of their
+    /// own. [default: 8]
     #[arg(long, value_name = "N")]
     pub max_concurrent_transfers: Option<usize>,
+
+    /// Blobs of at most this many bytes (configs, small layers) are fetched in a lane of their
+    /// own and never wait behind large transfers. [default: 4194304]
+    #[arg(long, value_name = "BYTES")]
+    pub small_blob_size: Option<u64>,
 
     /// Ranged requests one large blob is fetched over at once (1: one stream per blob). [default: 6]
     #[arg(long, value_name = "N")]
@@ -146,6 +153,20 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PERCENT")]
     pub ingest_min_free: Option<f64>,
 
+    /// Free space of the image filesystem that pulls leave alone: a download or an unpack that
+    /// would leave less stops with RESOURCE_EXHAUSTED (the downloaded bytes are kept for a
+    /// resume). A percentage of the filesystem (15%) or a size (20GiB, or bytes); 0 turns it
+    /// off. Must be at least ingest_min_free. [default: 15%, what the kubelet's default hard
+    /// eviction threshold imagefs.available<15% keeps]
+    #[arg(long, value_name = "PERCENT%|SIZE")]
+    pub image_fs_reserve: Option<minicri_store::space::Reserve>,
+
+    /// Largest blob (a layer or an image config) a manifest may list; a pull of a larger one
+    /// fails with RESOURCE_EXHAUSTED before any byte is fetched. At most 1 TiB.
+    /// [default: 68719476736 (64 GiB, as max_layer_bytes)]
+    #[arg(long, value_name = "BYTES")]
+    pub max_blob_size: Option<u64>,
+
     /// Directories searched for CNI network configurations (repeatable). [default: /etc/cni/net.d]
     #[arg(long = "cni-conf-dir", value_name = "DIR")]
     #[serde(default)]
@@ -194,6 +215,13 @@ pub struct ServeArgs {
     #[arg(long = "pod-annotation", value_name = "PATTERN")]
     #[serde(default)]
     pub pod_annotations: Vec<String>,
+
+    /// Namespaces whose pods may raise their share of the node's transfer connections with the
+    /// annotation `pull.minicri.io/priority: high` (any pod may lower its own with `low`;
+    /// repeatable). [default: none]
+    #[arg(long = "pull-priority-namespace", value_name = "NAMESPACE")]
+    #[serde(default)]
+    pub pull_priority_namespaces: Vec<String>,
 }
 
 /// A `[runtimes.NAME]` table of the configuration file.
@@ -251,6 +279,7 @@ pub struct Config {
     pub max_concurrent_downloads: usize,
     pub max_concurrent_unpacks: usize,
     pub max_concurrent_transfers: usize,
+    pub small_blob_size: u64,
     /// How a large blob is fetched over several ranged requests.
     pub ranged_fetch: minicri_store::blobs::RangedFetch,
     pub snapshotter: String,
@@ -267,6 +296,10 @@ pub struct Config {
     pub ingest_ttl: std::time::Duration,
     /// Fraction (0..1) of the filesystem that must stay free before young ingests are collected.
     pub ingest_min_free: f64,
+    /// Free space of the image filesystem that downloads and unpacks keep.
+    pub image_fs_reserve: minicri_store::space::Reserve,
+    /// Largest blob a descriptor may claim.
+    pub max_blob_size: u64,
     pub cni_conf_dirs: Vec<PathBuf>,
     pub cni_bin_dirs: Vec<PathBuf>,
     /// Runtime handlers configured (the built-in ones are added by
@@ -279,6 +312,7 @@ pub struct Config {
     pub stream_address: std::net::SocketAddr,
     /// Which pod annotations reach the OCI spec.
     pub pod_annotations: crate::oci::annotations::AnnotationPolicy,
+    pub pull_priority_namespaces: Vec<String>,
 }
 
 impl ServeArgs {
@@ -316,6 +350,7 @@ impl ServeArgs {
             max_concurrent_transfers: self
                 .max_concurrent_transfers
                 .or(base.max_concurrent_transfers),
+            small_blob_size: self.small_blob_size.or(base.small_blob_size),
             blob_connections: self.blob_connections.or(base.blob_connections),
             blob_chunk_size: self.blob_chunk_size.or(base.blob_chunk_size),
             snapshotter: self.snapshotter.or(base.snapshotter),
@@ -337,6 +372,8 @@ impl ServeArgs {
             kube_watch_node_name: self.kube_watch_node_name.or(base.kube_watch_node_name),
             ingest_ttl: self.ingest_ttl.or(base.ingest_ttl),
             ingest_min_free: self.ingest_min_free.or(base.ingest_min_free),
+            image_fs_reserve: self.image_fs_reserve.or(base.image_fs_reserve),
+            max_blob_size: self.max_blob_size.or(base.max_blob_size),
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
                 base.cni_conf_dirs
             } else {
@@ -361,6 +398,11 @@ impl ServeArgs {
                 base.pod_annotations
             } else {
                 self.pod_annotations
+            },
+            pull_priority_namespaces: if self.pull_priority_namespaces.is_empty() {
+                base.pull_priority_namespaces
+            } else {
+                self.pull_priority_namespaces
             },
         }
     }
@@ -392,6 +434,9 @@ impl ServeArgs {
         if max_concurrent_transfers == 0 {
             bail!("max_concurrent_transfers must be at least 1");
         }
+        let small_blob_size = self
+            .small_blob_size
+            .unwrap_or(minicri_store::blobs::DEFAULT_SMALL_BLOB_BYTES);
         let ranged_default = minicri_store::blobs::RangedFetch::default();
         let ranged_fetch = minicri_store::blobs::RangedFetch {
             connections: self.blob_connections.unwrap_or(ranged_default.connections),
@@ -451,6 +496,30 @@ impl ServeArgs {
             }
             p => p / 100.0,
         };
+        let image_fs_reserve = self
+            .image_fs_reserve
+            .unwrap_or(minicri_store::space::DEFAULT_RESERVE);
+        // A download stopped at a reserve under ingest_min_free would leave free space where
+        // the collector takes its partial data: every retry would fetch it again. (A reserve in
+        // bytes is compared once the filesystem's size is known, at start.)
+        if let minicri_store::space::Reserve::Percent(p) = image_fs_reserve
+            && p > 0.0
+            && p / 100.0 < ingest_min_free
+        {
+            bail!(
+                "image_fs_reserve ({p}%) is less than ingest_min_free ({}%): downloads stopped at the reserve would have their partial data collected; raise image_fs_reserve, or lower ingest_min_free",
+                ingest_min_free * 100.0
+            );
+        }
+        let max_blob_size = self
+            .max_blob_size
+            .unwrap_or(minicri_store::pull::DEFAULT_MAX_BLOB_SIZE);
+        if !(1..=minicri_store::pull::MAX_BLOB_BYTES).contains(&max_blob_size) {
+            bail!(
+                "max_blob_size must be 1 to {} bytes (1 TiB)",
+                minicri_store::pull::MAX_BLOB_BYTES
+            );
+        }
         let ingest_ttl = match self.ingest_ttl.unwrap_or(24.0) {
             t if !t.is_finite() || !(0.0..=100_000.0).contains(&t) => {
                 bail!("ingest_ttl must be a number of hours, 0 to 100000")
@@ -536,6 +605,7 @@ impl ServeArgs {
             max_concurrent_downloads,
             max_concurrent_unpacks,
             max_concurrent_transfers,
+            small_blob_size,
             ranged_fetch,
             snapshotter,
             pull_progress_timeout,
@@ -547,6 +617,8 @@ impl ServeArgs {
             kube_watch,
             ingest_ttl,
             ingest_min_free,
+            image_fs_reserve,
+            max_blob_size,
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
                 vec!["/etc/cni/net.d".into()]
             } else {
@@ -562,6 +634,7 @@ impl ServeArgs {
             metrics_address,
             stream_address,
             pod_annotations,
+            pull_priority_namespaces: self.pull_priority_namespaces,
         })
     }
 }
@@ -643,6 +716,71 @@ mod tests {
         ] {
             assert!(bad.finish().is_err());
         }
+    }
+
+    #[test]
+    fn image_fs_reserve_and_max_blob_size() {
+        use minicri_store::space::Reserve;
+        let c = ServeArgs::default().finish().unwrap();
+        assert_eq!(c.image_fs_reserve, Reserve::Percent(15.0));
+        assert_eq!(c.max_blob_size, 64 << 30);
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(
+            &f,
+            "image_fs_reserve = \"20GiB\"\nmax_blob_size = 1048576\n",
+        )
+        .unwrap();
+        let c = ServeArgs {
+            config: Some(f.clone()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(c.image_fs_reserve, Reserve::Bytes(20 << 30));
+        assert_eq!(c.max_blob_size, 1 << 20);
+        std::fs::write(&f, "image_fs_reserve = 0\n").unwrap();
+        let c = ServeArgs {
+            config: Some(f.clone()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        assert!(c.image_fs_reserve.is_off());
+        let with = |reserve: &str, min_free: Option<f64>| {
+            ServeArgs {
+                image_fs_reserve: Some(reserve.parse().unwrap()),
+                ingest_min_free: min_free,
+                ..Default::default()
+            }
+            .finish()
+        };
+        // Under the collector's low-space threshold: refused, naming both settings.
+        let err = with("3%", None).unwrap_err().to_string();
+        assert!(
+            err.contains("image_fs_reserve") && err.contains("ingest_min_free"),
+            "{err}"
+        );
+        assert!(with("3%", Some(2.0)).is_ok());
+        assert!(with("0%", None).is_ok(), "off");
+        for bad in [Some(0), Some((1 << 40) + 1)] {
+            let err = ServeArgs {
+                max_blob_size: bad,
+                ..Default::default()
+            }
+            .finish()
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("max_blob_size"), "{err}");
+        }
+        std::fs::write(&f, "image_fs_reserve = \"a lot\"\n").unwrap();
+        let err = ServeArgs {
+            config: Some(f),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("percentage"), "{err:#}");
     }
 
     #[test]

@@ -19,6 +19,8 @@ use crate::error::{Error, Result};
 
 pub struct Daemon {
     pub config: Config,
+    /// The image filesystem's reserve: one budget per filesystem (content, snapshots).
+    pub space: Vec<Arc<minicri_store::space::SpaceBudget>>,
     pub content: Arc<ContentStore>,
     pub images: Arc<ImageStore>,
     pub pulls: Arc<PullManager>,
@@ -41,9 +43,20 @@ pub struct Daemon {
 impl Daemon {
     /// Opens the stores under the configured root, loading every image recorded there.
     pub fn open(config: Config) -> anyhow::Result<Daemon> {
+        let (content_dir, snapshots_dir) =
+            (config.root.join("content"), config.root.join("snapshots"));
+        for d in [&content_dir, &snapshots_dir] {
+            std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+        }
+        // The snapshots may be on a filesystem of their own: each keeps its reserve.
+        let (content_space, snapshots_space) =
+            minicri_store::space::budgets(&content_dir, &snapshots_dir, config.image_fs_reserve)
+                .context("measuring the image filesystem")?;
+        warn_if_reserve_under_min_free(&content_dir, &config);
         let content = Arc::new(
-            ContentStore::open(&config.root.join("content"))
-                .context("opening the content store")?,
+            ContentStore::open(&content_dir)
+                .context("opening the content store")?
+                .with_space(content_space.clone()),
         );
         let images =
             Arc::new(ImageStore::open(&config.root, &content).context("loading image records")?);
@@ -53,14 +66,18 @@ impl Daemon {
             platform: Platform::parse(&config.platform).context("platform")?,
             max_concurrent_layers: config.max_concurrent_downloads,
             max_concurrent_unpacks: config.max_concurrent_unpacks,
-            max_concurrent_transfers: config.max_concurrent_transfers,
+            transfers: minicri_store::blobs::TransferConfig {
+                max_transfers: config.max_concurrent_transfers,
+                small_blob_bytes: config.small_blob_size,
+            },
             ranged: config.ranged_fetch,
             progress_timeout: config.pull_progress_timeout,
             min_speed: config.pull_min_speed,
             detach_after: config.pull_detach_after,
             holds_dir: Some(config.state.join("pulls")),
+            max_blob_size: config.max_blob_size,
         };
-        let snapshotter = open_snapshotter(&config)?;
+        let snapshotter = open_snapshotter(&config, snapshots_space.clone())?;
         reconcile_snapshots(snapshotter.as_ref(), &images);
         let pulls = PullManager::new(
             content.clone(),
@@ -95,11 +112,16 @@ impl Daemon {
             );
         }
         let streaming = Arc::new(crate::stream::StreamServer::bind(config.stream_address)?);
+        let mut space = vec![content_space];
+        if !Arc::ptr_eq(&space[0], &snapshots_space) {
+            space.push(snapshots_space);
+        }
         let kube = Arc::new(crate::kube_watch::WatchState::new(
             config.kube_watch.is_some(),
         ));
         Ok(Daemon {
             config,
+            space,
             content,
             images,
             pulls,
@@ -227,6 +249,7 @@ impl Daemon {
             "platform": c.platform, "maxConcurrentDownloads": c.max_concurrent_downloads,
             "maxConcurrentUnpacks": c.max_concurrent_unpacks,
             "maxConcurrentTransfers": c.max_concurrent_transfers,
+            "smallBlobSize": c.small_blob_size,
             "blobConnections": c.ranged_fetch.connections, "blobChunkSize": c.ranged_fetch.chunk_size,
             "pullProgressTimeoutSeconds": c.pull_progress_timeout.map(|d| d.as_secs_f64()).unwrap_or(0.0),
             "pullMinSpeed": c.pull_min_speed.unwrap_or(0),
@@ -236,6 +259,8 @@ impl Daemon {
             "kubeWatch": c.kube_watch.as_ref().map(|w| serde_json::json!({"kubeconfig": w.kubeconfig, "kubeconfigSearch": w.search, "nodeName": w.node_name})),
             "ingestTtlSeconds": c.ingest_ttl.as_secs(),
             "ingestMinFreePercent": c.ingest_min_free * 100.0,
+            "imageFsReserve": c.image_fs_reserve.to_string(),
+            "maxBlobSize": c.max_blob_size,
             "cniConfDirs": c.cni_conf_dirs, "cniBinDirs": c.cni_bin_dirs,
             "streamAddress": self.streaming.address().to_string(),
             "podCIDR": *self.pod_cidr.lock().unwrap(),
@@ -266,9 +291,32 @@ struct Measure {
 
 pub(crate) const SNAPSHOT_USAGE_TTL: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// A reserve given in bytes cannot be compared with `ingest_min_free` (a percentage) before the
+/// filesystem's size is known: warn when it is smaller, since a download stopped at it would
+/// have its partial data collected (see `minicri_store::gc`).
+fn warn_if_reserve_under_min_free(content_dir: &std::path::Path, config: &Config) {
+    let Ok(fs) = minicri_store::space::fs_space(content_dir) else {
+        return;
+    };
+    let reserve = config.image_fs_reserve.bytes_of(fs.total);
+    let min_free = (fs.total as f64 * config.ingest_min_free) as u64;
+    if reserve > 0 && reserve < min_free {
+        tracing::warn!(
+            image_fs_reserve = %config.image_fs_reserve,
+            reserve_bytes = reserve,
+            ingest_min_free_bytes = min_free,
+            "image_fs_reserve is less than ingest_min_free on this filesystem: downloads stopped at the reserve will have their partial data collected"
+        );
+    }
+}
+
 /// Opens the layer snapshotter under `<root>/snapshots` with the configured backend; overlay falls
-/// back to the copy backend, with a warning, where overlayfs cannot be used.
-fn open_snapshotter(config: &Config) -> anyhow::Result<Arc<dyn Snapshotter>> {
+/// back to the copy backend, with a warning, where overlayfs cannot be used. Its unpacks claim
+/// their bytes from `space`.
+fn open_snapshotter(
+    config: &Config,
+    space: Arc<minicri_store::space::SpaceBudget>,
+) -> anyhow::Result<Arc<dyn Snapshotter>> {
     let dir = config.root.join("snapshots");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let backend = match config.snapshotter.as_str() {
@@ -284,6 +332,7 @@ fn open_snapshotter(config: &Config) -> anyhow::Result<Arc<dyn Snapshotter>> {
     let options = Options {
         max_layer_bytes: config.max_layer_bytes,
         max_layer_entries: config.max_layer_entries,
+        space: Some(space),
         ..Options::default()
     };
     let snap = LocalSnapshotter::open(&dir, backend, options).context("opening the snapshotter")?;

@@ -15,6 +15,7 @@ use std::sync::atomic::Ordering;
 use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::{Request, Response, StatusCode};
+use minicri_store::content::IngestUsage;
 use minicri_store::{JobSnapshot, PullCounters};
 
 use crate::daemon::Daemon;
@@ -24,6 +25,12 @@ pub struct Sample<'a> {
     pub counters: &'a PullCounters,
     pub jobs: &'a [JobSnapshot],
     pub blob_transfers: usize,
+    /// The transfer scheduler's lanes: name, slots, granted, waiting, revocations so far.
+    pub lanes: Vec<Lane>,
+    /// Partial downloads on disk (from memory: a scrape walks no directory).
+    pub ingests: IngestUsage,
+    /// Writes refused by the image filesystem's reserve.
+    pub reserve_refusals: u64,
     pub kube_watch: KubeWatchSample,
 }
 
@@ -37,6 +44,25 @@ pub struct KubeWatchSample {
     pub events_written: u64,
     pub events_failed: u64,
     pub events_deferred: u64,
+}
+
+/// One lane of the transfer scheduler, as scraped.
+pub struct Lane {
+    pub name: &'static str,
+    pub snapshot: minicri_store::sched::SchedSnapshot,
+    pub granted: u64,
+    pub revoked: u64,
+}
+
+impl Lane {
+    pub fn of(name: &'static str, s: &minicri_store::sched::Scheduler) -> Lane {
+        Lane {
+            name,
+            snapshot: s.snapshot(),
+            granted: s.counters().granted.load(Ordering::Relaxed),
+            revoked: s.counters().revoked.load(Ordering::Relaxed),
+        }
+    }
 }
 
 fn metric(out: &mut String, name: &str, kind: &str, help: &str, lines: &[(String, u64)]) {
@@ -98,6 +124,13 @@ pub fn render(s: &Sample) -> String {
         "counter",
         "Bytes finished pull jobs found on disk from earlier attempts and did not download again.",
         &one(get(&c.bytes_resumed)),
+    );
+    metric(
+        &mut out,
+        "minicri_pull_refetched_bytes_total",
+        "counter",
+        "Bytes finished pull jobs downloaded again from byte 0 after resumed partial data failed the digest.",
+        &one(get(&c.bytes_refetched)),
     );
     metric(
         &mut out,
@@ -231,6 +264,74 @@ pub fn render(s: &Sample) -> String {
         "Blob downloads in progress on the node (shared between jobs).",
         &one(s.blob_transfers as u64),
     );
+    let per_lane = |f: &dyn Fn(&Lane) -> u64| -> Vec<(String, u64)> {
+        s.lanes
+            .iter()
+            .map(|l| (format!("{{lane=\"{}\"}}", l.name), f(l)))
+            .collect()
+    };
+    metric(
+        &mut out,
+        "minicri_transfer_slots",
+        "gauge",
+        "Transfer slots of each lane of the fair scheduler (max_concurrent_transfers).",
+        &per_lane(&|l| l.snapshot.capacity as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_transfer_slots_in_use",
+        "gauge",
+        "Transfer slots held by a connection now.",
+        &per_lane(&|l| l.snapshot.granted as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_transfer_waiting",
+        "gauge",
+        "Connections waiting for a transfer slot now.",
+        &per_lane(&|l| l.snapshot.waiting as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_transfer_grants_total",
+        "counter",
+        "Transfer slots granted to a connection.",
+        &per_lane(&|l| l.granted),
+    );
+    metric(
+        &mut out,
+        "minicri_transfer_revocations_total",
+        "counter",
+        "Connections whose transfer slot was taken back for a fairer share (they resume later).",
+        &per_lane(&|l| l.revoked),
+    );
+    let by_state = |active: u64, idle: u64| {
+        vec![
+            ("{state=\"active\"}".to_string(), active),
+            ("{state=\"idle\"}".to_string(), idle),
+        ]
+    };
+    metric(
+        &mut out,
+        "minicri_ingest_bytes",
+        "gauge",
+        "Bytes of partial downloads on disk: active (a download is writing them) or idle (kept for a resume).",
+        &by_state(s.ingests.active_bytes, s.ingests.idle_bytes),
+    );
+    metric(
+        &mut out,
+        "minicri_ingests",
+        "gauge",
+        "Partial downloads on disk: active (a download is writing them) or idle (kept for a resume).",
+        &by_state(s.ingests.active, s.ingests.idle),
+    );
+    metric(
+        &mut out,
+        "minicri_image_fs_reserve_refusals_total",
+        "counter",
+        "Downloads and unpacks stopped (or refused before their first byte) to keep the image filesystem's reserve free (image_fs_reserve).",
+        &one(s.reserve_refusals),
+    );
     out
 }
 
@@ -250,6 +351,12 @@ fn respond(daemon: &Daemon, req: &Request<hyper::body::Incoming>) -> Response<Fu
         counters: pulls.counters(),
         jobs: &jobs,
         blob_transfers: pulls.blobs().active().len(),
+        lanes: {
+            let (large, small) = pulls.blobs().schedulers();
+            vec![Lane::of("large", large), Lane::of("small", small)]
+        },
+        ingests: daemon.content.ingest_usage(),
+        reserve_refusals: daemon.space.iter().map(|b| b.refusals()).sum(),
         kube_watch: KubeWatchSample {
             connected: kube.status.connected(),
             synced: kube.status.synced(),
@@ -306,6 +413,14 @@ mod tests {
             counters: &c,
             jobs: &[],
             blob_transfers: 2,
+            lanes: vec![],
+            ingests: IngestUsage {
+                active: 1,
+                active_bytes: 300,
+                idle: 2,
+                idle_bytes: 40,
+            },
+            reserve_refusals: 3,
             kube_watch: KubeWatchSample {
                 connected: true,
                 synced: false,
@@ -321,6 +436,10 @@ mod tests {
         assert!(text.contains("\nminicri_pull_downloaded_bytes_total 1234\n"));
         assert!(text.contains("\nminicri_blob_transfers_active 2\n"));
         assert!(text.contains("# TYPE minicri_pull_jobs_active gauge\n"));
+        assert!(text.contains("\nminicri_ingest_bytes{state=\"active\"} 300\n"));
+        assert!(text.contains("\nminicri_ingest_bytes{state=\"idle\"} 40\n"));
+        assert!(text.contains("\nminicri_ingests{state=\"idle\"} 2\n"));
+        assert!(text.contains("\nminicri_image_fs_reserve_refusals_total 3\n"));
         assert!(text.contains("\nminicri_kube_watch_connected 1\n"));
         assert!(text.contains("\nminicri_kube_watch_synced 0\n"));
         assert!(text.contains("\nminicri_kube_watch_pods 7\n"));

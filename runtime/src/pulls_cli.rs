@@ -90,12 +90,13 @@ pub async fn run(args: PullsArgs) -> anyhow::Result<()> {
         }
         None if args.watch => watch(&mut client).await,
         None => {
-            let jobs = client
+            let list = client
                 .list_pulls(admin::ListPullsRequest {})
                 .await?
-                .into_inner()
-                .jobs;
-            print!("{}", render(&jobs));
+                .into_inner();
+            print!("{}", render(&list.jobs));
+            print!("{}", render_lanes(&list.lanes));
+            print!("{}", render_ingests(&list.ingests.unwrap_or_default()));
             Ok(())
         }
     }
@@ -126,10 +127,39 @@ fn requester(r: &admin::PullRequester) -> String {
     } else {
         format!(" [{} call(s) waiting]", r.calls)
     };
+    let priority = match r.weight.cmp(&minicri_store::sched::NORMAL_WEIGHT) {
+        std::cmp::Ordering::Less if r.weight > 0 => " (pull priority low)",
+        std::cmp::Ordering::Greater => " (pull priority high)",
+        _ => "",
+    };
     format!(
-        "pod {}/{} (uid {}, attempt {}){sandbox}{how}",
+        "pod {}/{} (uid {}, attempt {}){priority}{sandbox}{how}",
         r.pod_namespace, r.pod_name, r.pod_uid, r.attempt
     )
+}
+
+/// The transfer slots of the node, one line per lane.
+pub fn render_lanes(lanes: &[admin::TransferLane]) -> String {
+    lanes
+        .iter()
+        .map(|l| {
+            format!(
+                "transfer slots ({}): {} of {} in use, {} connection(s) waiting\n",
+                l.name, l.granted, l.slots, l.waiting
+            )
+        })
+        .collect()
+}
+
+/// What a layer's download is doing, for people: its state, and while it downloads how many
+/// connections it has (none: it waits for a transfer slot).
+fn layer_state(l: &admin::LayerProgress) -> String {
+    match (l.state.as_str(), l.connections) {
+        ("downloading", 0) => "waiting for a transfer slot".into(),
+        ("downloading", 1) => "downloading".into(),
+        ("downloading", n) => format!("downloading over {n} connections"),
+        (s, _) => s.into(),
+    }
 }
 
 /// The plain listing of `minicri pulls`.
@@ -167,10 +197,18 @@ pub fn render(jobs: &[admin::PullJob]) -> String {
             } else {
                 format!(" from {}", l.source)
             };
+            let again = if l.refetched > 0 {
+                format!(
+                    ", {} fetched again after resumed data failed the digest",
+                    human(l.refetched as f64)
+                )
+            } else {
+                String::new()
+            };
             out.push_str(&format!(
-                "    {} {:>11} {} / {}{resumed}{from}\n",
+                "    {} {:>11} {} / {}{resumed}{again}{from}\n",
                 &l.digest[..l.digest.len().min(19)],
-                l.state,
+                layer_state(l),
                 human(l.done as f64),
                 human(l.size as f64)
             ));
@@ -179,11 +217,22 @@ pub fn render(jobs: &[admin::PullJob]) -> String {
     out
 }
 
+/// The line on partial downloads: what the content store's ingest area holds on disk.
+pub fn render_ingests(i: &admin::IngestUsage) -> String {
+    format!(
+        "partial downloads on disk: {} downloading ({}), {} kept for a resume ({})\n",
+        i.active,
+        human(i.active_bytes as f64),
+        i.idle,
+        human(i.idle_bytes as f64)
+    )
+}
+
 /// The message after a layer's bar: its state, the daemon's measured speed while it moves, and
 /// where it resumed.
 fn layer_message(l: &admin::LayerProgress) -> String {
-    let mut m = l.state.clone();
-    if l.state == "downloading" && l.bytes_per_second > 0.0 {
+    let mut m = layer_state(l);
+    if l.state == "downloading" && l.connections > 0 && l.bytes_per_second > 0.0 {
         m.push_str(&format!(" {}/s", human(l.bytes_per_second)));
         if l.size > l.done {
             let eta = (l.size - l.done) as f64 / l.bytes_per_second;
@@ -299,6 +348,7 @@ mod tests {
             } else {
                 0
             },
+            weight: minicri_store::sched::NORMAL_WEIGHT,
         }
     }
 
@@ -317,19 +367,73 @@ mod tests {
                     calls: 1,
                     ..Default::default()
                 },
+                admin::PullRequester {
+                    weight: 2 * minicri_store::sched::NORMAL_WEIGHT,
+                    ..pod_requester("db-0", 1, false)
+                },
             ],
-            layers: vec![],
+            layers: vec![
+                admin::LayerProgress {
+                    digest: format!("sha256:{}", "a".repeat(64)),
+                    size: 100,
+                    done: 10,
+                    state: "downloading".into(),
+                    connections: 0,
+                    ..Default::default()
+                },
+                admin::LayerProgress {
+                    digest: format!("sha256:{}", "b".repeat(64)),
+                    size: 100,
+                    done: 20,
+                    state: "downloading".into(),
+                    connections: 3,
+                    refetched: 100,
+                    ..Default::default()
+                },
+            ],
             bytes_done: 1,
             bytes_total: 2,
             bytes_per_second: 0.0,
             started_at: 0,
         };
         let out = render(&[job]);
+        let ingests = render_ingests(&admin::IngestUsage {
+            active: 1,
+            active_bytes: 3 << 20,
+            idle: 2,
+            idle_bytes: 1536,
+        });
+        assert_eq!(
+            ingests,
+            "partial downloads on disk: 1 downloading (3.0 MiB), 2 kept for a resume (1.5 KiB)\n"
+        );
         assert!(
             out.contains("pod default/web-0 (uid uid-web-0, attempt 0) sandbox web-001234567 [held by the sandbox for 42s]"),
             "{out}"
         );
         assert!(out.contains("pod default/web-1 (uid uid-web-1, attempt 0) sandbox web-101234567 [1 call(s) waiting]"), "{out}");
         assert!(out.contains("requester: call #9"), "{out}");
+        assert!(
+            out.contains("pod default/db-0 (uid uid-db-0, attempt 0) (pull priority high)"),
+            "{out}"
+        );
+        assert!(
+            out.contains("sha256:aaaaaaaaaaaa waiting for a transfer slot 10 B / 100 B"),
+            "{out}"
+        );
+        assert!(
+            out.contains("downloading over 3 connections 20 B / 100 B, 100 B fetched again after resumed data failed the digest"),
+            "{out}"
+        );
+        let lanes = render_lanes(&[admin::TransferLane {
+            name: "large blobs".into(),
+            slots: 8,
+            granted: 8,
+            waiting: 3,
+        }]);
+        assert_eq!(
+            lanes,
+            "transfer slots (large blobs): 8 of 8 in use, 3 connection(s) waiting\n"
+        );
     }
 }

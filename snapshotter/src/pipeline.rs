@@ -13,6 +13,7 @@ use std::sync::mpsc;
 use crate::compression::{Compression, decompress};
 use crate::digest::HashingReader;
 use crate::error::{Error, Result};
+use crate::snapshotter::SpaceCheck;
 use crate::stream::ChunkReader;
 
 /// Bytes handed from the decompressing thread to the applier at a time.
@@ -20,11 +21,14 @@ const CHUNK: usize = 512 * 1024;
 /// Chunks in flight between the two threads.
 const DEPTH: usize = 8;
 
-/// Decompresses `stream` (declared `codec`) on a helper thread and feeds the tar bytes to `apply`.
-/// Returns the `sha256:<hex>` digest and size of the uncompressed stream.
+/// Decompresses `stream` (declared `codec`) on a helper thread and feeds the tar bytes to `apply`,
+/// each chunk claimed from `space` as the applier takes it (and settled when it takes the next:
+/// it has written the last one by then). Returns the `sha256:<hex>` digest and size of the
+/// uncompressed stream.
 pub(crate) fn decode_and_apply(
     codec: Compression,
     stream: &mut (dyn Read + Send),
+    space: Option<&dyn SpaceCheck>,
     apply: impl FnOnce(&mut dyn Read) -> Result<()>,
 ) -> Result<(String, u64)> {
     std::thread::scope(|scope| {
@@ -57,7 +61,13 @@ pub(crate) fn decode_and_apply(
             }
             Ok(hashing.finish())
         });
-        let mut reader = ChunkReader::new(move || rx.recv().ok());
+        let mut claims = Claims { space, held: 0 };
+        // Dropping the reader drops the receiver (the producer stops at its next chunk) and
+        // settles the last claim.
+        let mut reader = ChunkReader::new(move || {
+            let chunk = rx.recv().ok()?;
+            Some(chunk.and_then(|c| claims.next(c)))
+        });
         let applied = apply(&mut reader);
         drop(reader);
         let produced = producer
@@ -70,4 +80,31 @@ pub(crate) fn decode_and_apply(
             (Ok(()), Ok(digest)) => Ok(digest),
         }
     })
+}
+
+/// The claim on the chunk the applier is writing, settled when it asks for the next one (or the
+/// apply ends).
+struct Claims<'a> {
+    space: Option<&'a dyn SpaceCheck>,
+    held: u64,
+}
+
+impl Claims<'_> {
+    fn next(&mut self, chunk: Vec<u8>) -> io::Result<Vec<u8>> {
+        let Some(space) = self.space else {
+            return Ok(chunk);
+        };
+        space.settle(std::mem::take(&mut self.held));
+        space.claim(chunk.len() as u64)?;
+        self.held = chunk.len() as u64;
+        Ok(chunk)
+    }
+}
+
+impl Drop for Claims<'_> {
+    fn drop(&mut self) {
+        if let Some(space) = self.space {
+            space.settle(self.held);
+        }
+    }
 }

@@ -121,6 +121,19 @@ pub struct LayerApplied {
     pub size: u64,
 }
 
+/// Asked before each piece of a layer's uncompressed stream reaches the applier, which writes it
+/// to disk: lets the owner of the filesystem stop an unpack before it writes past a bound of its
+/// own (minicri's image filesystem reserve). Counted on the uncompressed side because that is what
+/// lands on disk: a compressed layer can unpack to a thousand times its size.
+pub trait SpaceCheck: Send + Sync {
+    /// `bytes` are about to be written. An error stops the apply (as [`crate::Error::LayerStream`]
+    /// carrying it) before they are; nothing is committed.
+    fn claim(&self, bytes: u64) -> std::io::Result<()>;
+
+    /// Bytes of an earlier claim are written, or will not be (the apply ended).
+    fn settle(&self, bytes: u64);
+}
+
 /// A snapshotter: turns layers into committed snapshots and hands out container filesystems.
 pub trait Snapshotter: Send + Sync {
     /// The backend behind this snapshotter.

@@ -37,11 +37,11 @@ use crate::meta::{Record, Records, now};
 use crate::mount::Mount;
 use crate::pipeline;
 use crate::snapshotter::{
-    Backend, Info, Kind, LayerApplied, LayerSpec, Released, Snapshotter, Usage,
+    Backend, Info, Kind, LayerApplied, LayerSpec, Released, Snapshotter, SpaceCheck, Usage,
 };
 
 /// Tuning for a [`LocalSnapshotter`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Options {
     /// Flush the filesystem (`syncfs`) before committing a layer, so a committed layer survives a
     /// power loss, not just a daemon crash. Default true.
@@ -52,6 +52,21 @@ pub struct Options {
     /// Most entries one layer may have (every file, directory, link and whiteout). Bounds the
     /// inodes and the applier's bookkeeping. Default 2^20 (1,048,576).
     pub max_layer_entries: u64,
+    /// Asked before a layer's uncompressed bytes are written (see [`SpaceCheck`]). Default none.
+    /// The copy backend's copy of the parent tree is not asked: it is seen by the first claim
+    /// that measures the filesystem after it.
+    pub space: Option<Arc<dyn SpaceCheck>>,
+}
+
+impl std::fmt::Debug for Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Options")
+            .field("sync_on_commit", &self.sync_on_commit)
+            .field("max_layer_bytes", &self.max_layer_bytes)
+            .field("max_layer_entries", &self.max_layer_entries)
+            .field("space", &self.space.is_some())
+            .finish()
+    }
 }
 
 /// Default for [`Options::max_layer_bytes`]: 64 GiB.
@@ -65,6 +80,7 @@ impl Default for Options {
             sync_on_commit: true,
             max_layer_bytes: DEFAULT_MAX_LAYER_BYTES,
             max_layer_entries: DEFAULT_MAX_LAYER_ENTRIES,
+            space: None,
         }
     }
 }
@@ -333,7 +349,8 @@ impl LocalSnapshotter {
         let tmp = self.tmp_dir("apply")?;
         let result = (|| {
             backend::populate(self.backend, Kind::Committed, &tmp, &lowers)?;
-            let (diff_id, size) = pipeline::decode_and_apply(codec, stream, |tar| {
+            let space = self.options.space.as_deref();
+            let (diff_id, size) = pipeline::decode_and_apply(codec, stream, space, |tar| {
                 backend::apply(self.backend, &tmp, &lowers, tar, self.limits())
             })?;
             Self::check_diff_id(layer, diff_id)?;
@@ -359,7 +376,8 @@ impl LocalSnapshotter {
         let result = (|| {
             backend::populate(self.backend, Kind::Committed, &tmp, &[])?;
             let mut detached = None;
-            let (diff_id, size) = pipeline::decode_and_apply(codec, stream, |tar| {
+            let space = self.options.space.as_deref();
+            let (diff_id, size) = pipeline::decode_and_apply(codec, stream, space, |tar| {
                 detached = Some(backend::apply_detached(&tmp, tar, self.limits())?);
                 Ok(())
             })

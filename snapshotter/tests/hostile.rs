@@ -9,7 +9,7 @@ use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 
 use common::*;
-use minicri_snapshotter::{Backend, Error, Options, Snapshotter};
+use minicri_snapshotter::{Backend, Error, Options, Snapshotter, SpaceCheck};
 
 both_backends!(
     pax_header_over_the_cap_is_not_read,
@@ -21,6 +21,7 @@ both_backends!(
     byte_cap_counts_a_gzip_bomb,
     byte_cap_counts_hardlink_copy_ups,
     byte_cap_counts_sparse_holes,
+    space_check_stops_an_unpack_before_its_bytes_land,
     gnu_sparse_is_written_sparsely,
     pax_sparse_formats_are_written_sparsely,
     sparse_file_stays_sparse_in_the_next_snapshot,
@@ -563,4 +564,86 @@ fn opaque_through_symlink_is_refused(b: Backend) {
     assert!(matches!(err, Error::UnsafePath { .. }), "{err:?}");
     assert_eq!(fs::read(out.join("secret")).unwrap(), b"secret");
     assert!(out.join("ssl").exists());
+}
+
+/// A [`SpaceCheck`] with room for `room` bytes; records what was claimed and settled.
+#[derive(Default)]
+struct Room {
+    room: u64,
+    claimed: std::sync::atomic::AtomicU64,
+    settled: std::sync::atomic::AtomicU64,
+}
+
+impl SpaceCheck for Room {
+    fn claim(&self, bytes: u64) -> std::io::Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.claimed.load(Relaxed) + bytes > self.room {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::StorageFull,
+                "test: no room",
+            ));
+        }
+        self.claimed.fetch_add(bytes, Relaxed);
+        Ok(())
+    }
+
+    fn settle(&self, bytes: u64) {
+        self.settled
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The space check is asked for the uncompressed bytes before they are written: a gzip layer of
+/// under 1 MiB that unpacks to 8 MiB is stopped at the room given (2 MiB), with the check's error,
+/// having written no more than that; nothing is committed; every claim is settled. With room
+/// enough, the same layer applies and every byte of it was claimed.
+fn space_check_stops_an_unpack_before_its_bytes_land(b: Backend) {
+    let room = std::sync::Arc::new(Room {
+        room: 2 << 20,
+        ..Default::default()
+    });
+    let (d, s) = open_with(
+        b,
+        Options {
+            space: Some(room.clone()),
+            ..Default::default()
+        },
+    );
+    let mut l = Layer::new();
+    l.file("zeros", &vec![0u8; 8 << 20]);
+    let tar = l.finish();
+    let gz = gzip(&tar);
+    assert!(
+        gz.len() < 1 << 20,
+        "smaller than the room: only its unpacked bytes can go past"
+    );
+    let err = try_apply_stream(&s, GZIP, &diff_id(&tar), &mut &gz[..]).unwrap_err();
+    match &err {
+        Error::LayerStream { source } => {
+            assert_eq!(source.kind(), std::io::ErrorKind::StorageFull, "{err}")
+        }
+        other => panic!("expected the check's error, got {other:?}"),
+    }
+    assert!(s.list().unwrap().is_empty());
+    use std::sync::atomic::Ordering::Relaxed;
+    let claimed = room.claimed.load(Relaxed);
+    assert!(claimed <= 2 << 20, "{claimed}");
+    assert_eq!(room.settled.load(Relaxed), claimed, "every claim settled");
+    drop(s);
+
+    let room = std::sync::Arc::new(Room {
+        room: u64::MAX / 2,
+        ..Default::default()
+    });
+    let s = reopen_with(
+        b,
+        d.path(),
+        Options {
+            space: Some(room.clone()),
+            ..Default::default()
+        },
+    );
+    try_apply_stream(&s, GZIP, &diff_id(&tar), &mut &gz[..]).unwrap();
+    assert_eq!(room.claimed.load(Relaxed), tar.len() as u64);
+    assert_eq!(room.settled.load(Relaxed), tar.len() as u64);
 }

@@ -10,7 +10,16 @@
 //! ingest hashes the contiguous prefix as it grows, and a reader following the download reads
 //! only that prefix. Transient failures (connection errors, 5xx, a body cut short) are retried
 //! with back-off inside the download, resuming each piece where it stopped; the count of failures
-//! resets whenever bytes arrive. A node-wide semaphore bounds the requests transferring at once.
+//! resets whenever bytes arrive. The node's transfer connections are shared between the requesters
+//! that want downloads by the fair scheduler ([`crate::sched`]): each request holds a lease, which
+//! the scheduler may revoke for a fairer share; a revoked request stops and its piece is resumed
+//! later from where it stopped. Blobs up to [`TransferConfig::small_blob_bytes`] have a lane of
+//! their own, so they never wait behind large transfers.
+//!
+//! A download that resumed partial data from an earlier attempt (possibly written from another
+//! registry: the ingest records which endpoints wrote it) and then fails its digest is not
+//! trusted: its data is dropped and the blob is fetched once more from byte 0 with the first
+//! requester's registry before the download fails.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
@@ -20,6 +29,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+
+use crate::sched::{Demand, Flow, Lease, Scheduler};
 use tokio_util::sync::CancellationToken;
 
 use crate::content::{ContentStore, Ingest};
@@ -100,6 +111,12 @@ pub struct BlobProgress {
     changes: (Mutex<()>, std::sync::Condvar),
     /// Notified after every change of `state`, for async waiters ([`BlobProgress::ended`]).
     state_changed: tokio::sync::Notify,
+    /// The download's claim on the transfer scheduler.
+    flow: Arc<Flow>,
+    /// Bytes fetched again from byte 0 after resumed data failed its digest.
+    refetched: AtomicU64,
+    /// Set while that second download runs.
+    refetching: std::sync::atomic::AtomicBool,
 }
 
 impl BlobProgress {
@@ -116,7 +133,21 @@ impl BlobProgress {
             source: Mutex::new(None),
             changes: (Mutex::new(()), std::sync::Condvar::new()),
             state_changed: tokio::sync::Notify::new(),
+            flow: Flow::new(),
+            refetched: AtomicU64::new(0),
+            refetching: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Requests transferring this blob's bytes now (each holds a transfer slot). A download with
+    /// none is waiting for a slot, not stalled.
+    pub fn connections(&self) -> usize {
+        self.flow.connections()
+    }
+
+    /// Bytes downloaded again from byte 0 because resumed data failed the digest.
+    pub fn refetched(&self) -> u64 {
+        self.refetched.load(Ordering::Relaxed)
     }
 
     /// Bytes of the ingest file on disk.
@@ -244,33 +275,69 @@ impl BlobDownload {
 pub struct BlobDownloads {
     content: Arc<ContentStore>,
     inflight: Mutex<HashMap<Digest, Arc<BlobDownload>>>,
-    transfers: Arc<Semaphore>,
+    /// Slots for blobs larger than `small_blob_bytes`.
+    large: Arc<Scheduler>,
+    /// Slots for the small ones (manifests are not blobs here: they take none).
+    small: Arc<Scheduler>,
+    small_blob_bytes: u64,
     ranged: RangedFetch,
 }
+
+/// How many requests may transfer blob bytes at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferConfig {
+    /// Requests transferring bytes of large blobs at once on the node (a blob fetched over
+    /// several ranged requests holds one per request).
+    pub max_transfers: usize,
+    /// Blobs of at most this size (configs, small layers) use a lane of their own, with as many
+    /// slots again: they never wait behind large transfers.
+    pub small_blob_bytes: u64,
+}
+
+impl Default for TransferConfig {
+    fn default() -> Self {
+        TransferConfig {
+            max_transfers: 8,
+            small_blob_bytes: DEFAULT_SMALL_BLOB_BYTES,
+        }
+    }
+}
+
+/// Default [`TransferConfig::small_blob_bytes`]: 4 MiB, more than any image config and the size
+/// of the small layers (certificates, a binary, a configuration file) a pod should not wait for.
+pub const DEFAULT_SMALL_BLOB_BYTES: u64 = 4 << 20;
 
 /// A claim on a blob download. The download runs while at least one handle is alive.
 pub struct BlobHandle {
     downloads: Arc<BlobDownloads>,
     dl: Arc<BlobDownload>,
+    demand: Arc<Demand>,
 }
 
 impl BlobDownloads {
-    /// `max_transfers`: requests transferring blob bytes at once on this node.
     pub fn new(
         content: Arc<ContentStore>,
-        max_transfers: usize,
+        transfers: TransferConfig,
         ranged: RangedFetch,
     ) -> Arc<BlobDownloads> {
         Arc::new(BlobDownloads {
             content,
             inflight: Mutex::new(HashMap::new()),
-            transfers: Arc::new(Semaphore::new(max_transfers.max(1))),
+            large: Scheduler::new(transfers.max_transfers),
+            small: Scheduler::new(transfers.max_transfers),
+            small_blob_bytes: transfers.small_blob_bytes,
             ranged,
         })
     }
 
-    /// Joins the download of `digest`, starting it (with the first of `sessions`) if none is
-    /// running; the other sessions are where it goes on when one fails.
+    /// The scheduler of large blobs' transfers, and the one of small blobs'.
+    pub fn schedulers(&self) -> (&Arc<Scheduler>, &Arc<Scheduler>) {
+        (&self.large, &self.small)
+    }
+
+    /// Joins the download of `digest` for the requesters of `demand`, starting it (with the
+    /// first of `sessions`) if none is running; the other sessions are where it goes on when one
+    /// fails.
     ///
     /// A running download of `digest` expecting another `size` is not joined: one of the two
     /// descriptors is wrong, and sharing would let the wrong one decide the other's result (and
@@ -281,6 +348,7 @@ impl BlobDownloads {
         digest: &Digest,
         size: u64,
         sessions: &[Arc<Session>],
+        demand: &Arc<Demand>,
     ) -> Result<BlobHandle> {
         let session = sessions.first().expect("a blob is fetched with a session");
         let mut inflight = self.inflight.lock().unwrap();
@@ -290,9 +358,11 @@ impl BlobDownloads {
                 for s in sessions {
                     dl.add_session(s);
                 }
+                dl.progress.flow.add_demand(demand);
                 return Ok(BlobHandle {
                     downloads: self.clone(),
                     dl: dl.clone(),
+                    demand: demand.clone(),
                 });
             }
             if !dl.progress.ended_now() {
@@ -305,6 +375,7 @@ impl BlobDownloads {
             // It has ended and is about to leave the map: this one replaces it.
         }
         let progress = Arc::new(BlobProgress::new(digest.clone(), size));
+        progress.flow.add_demand(demand);
         let cancel = CancellationToken::new();
         let (tx, rx) = watch::channel(None);
         let dl = Arc::new(BlobDownload {
@@ -322,14 +393,21 @@ impl BlobDownloads {
 
         let this = self.clone();
         let me = dl.clone();
+        let lane = if size <= self.small_blob_bytes {
+            self.small.clone()
+        } else {
+            self.large.clone()
+        };
         tokio::spawn(async move {
             // With the first requester's session; when that fails, with the next requester's of
             // another source (other registry, mirror or credentials), from the bytes on disk.
             let mut used = 0;
+            // Resumed data failing the digest gets one more download from byte 0.
+            let mut refetched = false;
             let result = loop {
                 let session = me.sessions.lock().unwrap()[used].clone();
                 let result = tokio::select! {
-                    r = fetch(&this.content, &session, &progress, &this.transfers, this.ranged) => r,
+                    r = fetch(&this.content, &session, &progress, &lane, this.ranged) => r,
                     _ = cancel.cancelled() => Err(StoreError::Cancelled(format!("download of {} stopped: no pull wants it", progress.digest))),
                     _ = slow_while_another_waits(&me, used) => Err(StoreError::Unavailable {
                         reference: session.reference().to_string(),
@@ -340,7 +418,23 @@ impl BlobDownloads {
                 };
                 let next = me.sessions.lock().unwrap().len() > used + 1;
                 match result {
-                    Err(e) if next && !matches!(e, StoreError::Cancelled(_)) => {
+                    // The commit dropped the data; the next fetch starts from byte 0.
+                    Err(e @ StoreError::DigestMismatch { .. })
+                        if !refetched && progress.resumed_from() > 0 =>
+                    {
+                        refetched = true;
+                        used = 0;
+                        progress.refetching.store(true, Ordering::Relaxed);
+                        tracing::warn!(blob = %progress.digest, resumed_bytes = progress.resumed_from(), error = %e, refetch_from = %me.sessions.lock().unwrap()[0].reference(), "resumed partial data failed the digest; dropped, fetching the blob again from byte 0");
+                    }
+                    // Another registry helps with neither a stop nor a full disk.
+                    Err(e)
+                        if next
+                            && !matches!(
+                                e,
+                                StoreError::Cancelled(_) | StoreError::ImageFsReserve { .. }
+                            ) =>
+                    {
                         used += 1;
                         tracing::warn!(blob = %progress.digest, failed = %session.reference(), next = %me.sessions.lock().unwrap()[used].reference(), error = %e, "blob download failed for one requester; going on with another's registry session");
                     }
@@ -366,6 +460,7 @@ impl BlobDownloads {
         Ok(BlobHandle {
             downloads: self.clone(),
             dl,
+            demand: demand.clone(),
         })
     }
 
@@ -403,6 +498,7 @@ impl BlobHandle {
 
 impl Drop for BlobHandle {
     fn drop(&mut self) {
+        self.dl.progress.flow.remove_demand(&self.demand);
         let mut inflight = self.downloads.inflight.lock().unwrap();
         let mut interest = self.dl.interest.lock().unwrap();
         *interest -= 1;
@@ -487,6 +583,8 @@ enum WriterMsg {
         _queued: OwnedSemaphorePermit,
     },
     Restart,
+    /// The endpoint whose bytes come next.
+    Source(String),
 }
 
 fn writer_gone() -> StoreError {
@@ -500,7 +598,7 @@ fn writer_gone() -> StoreError {
 struct Transfer<'a> {
     session: &'a Session,
     progress: &'a BlobProgress,
-    transfers: &'a Arc<Semaphore>,
+    lane: &'a Arc<Scheduler>,
     tx: tokio::sync::mpsc::Sender<WriterMsg>,
     /// [`QUEUED_BYTES`] of permits: what the writer has yet to write.
     queued: Arc<Semaphore>,
@@ -513,11 +611,18 @@ struct Transfer<'a> {
     /// Whether the registry answers ranged requests with the range (known after the first
     /// answer; requests beyond the first wait for it).
     ranged: watch::Sender<Option<bool>>,
-    /// Cancelled once every piece is claimed: connections still waiting for a transfer slot
-    /// give up then. (They must not wait on: this blob's first connection holds a slot until
-    /// the blob is done, so blobs whose extra connections waited for slots that only other
-    /// such blobs hold would never finish.)
+    /// Cancelled once every piece is claimed: extra connections still waiting for a transfer
+    /// slot give up then (a connection whose slot was revoked returned its piece, and asks again
+    /// whatever this says).
     drained: CancellationToken,
+}
+
+/// How a connection's run of pieces ended.
+enum Run {
+    /// No piece is left to claim.
+    Done,
+    /// The scheduler took the slot back; the piece in flight was returned.
+    Revoked,
 }
 
 impl Transfer<'_> {
@@ -535,34 +640,41 @@ impl Transfer<'_> {
         self.pieces.lock().unwrap()[i]
     }
 
-    /// Fetches pieces until none is left; `first` is the request that learns whether the
-    /// registry honours ranges.
+    /// One connection: fetches pieces until none is left, with a transfer slot from the
+    /// scheduler, asking again when the slot is revoked. `first` is the request that learns
+    /// whether the registry honours ranges; further connections start only once it does.
     async fn worker(&self, first: bool) -> Result<()> {
-        if first {
-            return self.fetch_pieces().await;
+        if !first {
+            let mut ranged = self.ranged.subscribe();
+            let works = tokio::select! {
+                known = ranged.wait_for(Option::is_some) => matches!(known.as_deref(), Ok(Some(true))),
+                _ = self.drained.cancelled() => false,
+            };
+            if !works {
+                return Ok(());
+            }
         }
-        // A further connection only once ranges are known to work, and only with a transfer slot
-        // of its own (the node-wide limit counts connections); it gives up waiting once every
-        // piece is claimed.
-        let mut ranged = self.ranged.subscribe();
-        let works = tokio::select! {
-            known = ranged.wait_for(Option::is_some) => matches!(known.as_deref(), Ok(Some(true))),
-            _ = self.drained.cancelled() => false,
-        };
-        if !works {
-            return Ok(());
+        let mut owes_piece = false;
+        loop {
+            let lease = if first || owes_piece {
+                self.lane.acquire(&self.progress.flow).await
+            } else {
+                tokio::select! {
+                    lease = self.lane.acquire(&self.progress.flow) => lease,
+                    _ = self.drained.cancelled() => return Ok(()),
+                }
+            };
+            match self.fetch_pieces(&lease).await? {
+                Run::Done => return Ok(()),
+                Run::Revoked => owes_piece = true,
+            }
         }
-        let _slot = tokio::select! {
-            slot = self.transfers.acquire() => slot.expect("semaphore never closed"),
-            _ = self.drained.cancelled() => return Ok(()),
-        };
-        self.fetch_pieces().await
     }
 
-    async fn fetch_pieces(&self) -> Result<()> {
+    async fn fetch_pieces(&self, lease: &Lease) -> Result<Run> {
         while let Some(i) = self.claim() {
             let before = self.piece(i).pos;
-            let outcome = self.fetch_piece(i).await;
+            let outcome = self.fetch_piece(i, lease).await;
             let piece = {
                 let mut pieces = self.pieces.lock().unwrap();
                 pieces[i].busy = false;
@@ -574,8 +686,9 @@ impl Transfer<'_> {
                     *f = (0, FIRST_BACKOFF);
                 }
                 match outcome {
-                    Ok(()) if piece.pos >= piece.end => continue,
-                    Ok(()) => {
+                    Ok(Run::Revoked) => return Ok(Run::Revoked),
+                    Ok(Run::Done) if piece.pos >= piece.end => continue,
+                    Ok(Run::Done) => {
                         tracing::warn!(blob = %self.progress.digest, offset = piece.pos, end = piece.end, "blob body ended early; resuming");
                     }
                     Err(e @ StoreError::Unavailable { .. }) if f.0 < BLOB_RETRIES => {
@@ -598,37 +711,53 @@ impl Transfer<'_> {
                 tracing::info!(blob = %self.progress.digest, offset = piece.pos, failures = f.0, "retrying blob download");
                 backoff
             };
-            tokio::time::sleep(backoff).await;
+            // The slot is kept through the back-off unless it is wanted elsewhere.
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = lease.revoked() => return Ok(Run::Revoked),
+            }
         }
-        Ok(())
+        Ok(Run::Done)
     }
 
     /// One request for what is left of piece `i`, its body written as it arrives.
-    async fn fetch_piece(&self, i: usize) -> Result<()> {
+    async fn fetch_piece(&self, i: usize, lease: &Lease) -> Result<Run> {
         let digest = &self.progress.digest;
         let Piece { pos, end, .. } = self.piece(i);
         let avoid = self.broke_off.lock().unwrap().clone();
-        let mut body = self
-            .session
-            .blob(digest, pos, end - pos, avoid.as_deref())
-            .await
-            .map_err(|e| self.session.fold_errors("blob", e))?;
+        let request = self.session.blob(digest, pos, end - pos, avoid.as_deref());
+        let mut body = tokio::select! {
+            r = request => r.map_err(|e| self.session.fold_errors("blob", e))?,
+            _ = lease.revoked() => return Ok(Run::Revoked),
+        };
         if avoid.is_some() || pos > 0 {
             tracing::info!(blob = %digest, offset = pos, end, endpoint = %body.endpoint, "blob continues");
         }
-        self.progress.set_source(&body.endpoint);
-        let result = self.stream_body(i, &mut body).await;
-        if result.is_err() || self.piece(i).pos < self.piece(i).end {
+        if self.progress.source().as_deref() != Some(body.endpoint.as_str()) {
+            self.progress.set_source(&body.endpoint);
+            self.tx
+                .send(WriterMsg::Source(body.endpoint.clone()))
+                .await
+                .map_err(|_| writer_gone())?;
+        }
+        let result = self.stream_body(i, &mut body, lease).await;
+        let revoked = matches!(result, Ok(Run::Revoked));
+        if !revoked && (result.is_err() || self.piece(i).pos < self.piece(i).end) {
             *self.broke_off.lock().unwrap() = Some(body.endpoint.clone());
         }
         result
     }
 
-    async fn stream_body(&self, i: usize, body: &mut BlobBody) -> Result<()> {
+    /// Writes the body of piece `i`'s request as it arrives; stops between chunks when the slot
+    /// is revoked (only waiting for the next chunk is interrupted: a chunk received is written).
+    async fn stream_body(&self, i: usize, body: &mut BlobBody, lease: &Lease) -> Result<Run> {
         let digest = &self.progress.digest;
         if body.resumed {
             self.ranged.send_if_modified(|r| r.replace(true).is_none());
+            self.progress.flow.set_resumable(true);
         } else {
+            // Stopping this request would lose what it brought: it keeps its slot.
+            self.progress.flow.set_resumable(false);
             // The whole blob, whatever was asked for.
             let sole = self.ranged.send_if_modified(|r| r.replace(false).is_none());
             if !sole && *self.ranged.borrow() == Some(true) {
@@ -658,23 +787,33 @@ impl Transfer<'_> {
                 busy: true,
             }];
         }
-        let sole = self.pieces.lock().unwrap().len() == 1;
-        while let Some(chunk) = body.stream.next().await {
+        loop {
+            let next = tokio::select! {
+                biased;
+                _ = lease.revoked() => return Ok(Run::Revoked),
+                next = body.stream.next() => next,
+            };
+            let Some(chunk) = next else { break };
             let mut chunk = chunk.map_err(|e| StoreError::Unavailable {
                 reference: self.session.reference().to_string(),
                 reason: format!("downloading {digest} from {}: {e}", body.endpoint),
             })?;
             let Piece { pos, end, .. } = self.piece(i);
             let n = chunk.len() as u64;
-            // A body longer than the range asked for stops at its end; past the blob's end
-            // (one piece), the ingest refuses the bytes and says so.
-            if pos + n > end && !(sole && end == self.progress.total) {
+            // A body longer than the range asked for (or than the blob, for a registry that
+            // sends endless bytes) is cut at its end, wherever the read boundaries fall: the
+            // digest decides whether the bytes before the cut are the blob.
+            if pos + n > end {
                 chunk.truncate((end - pos) as usize);
             }
             let n = chunk.len() as u64;
             self.pieces.lock().unwrap()[i].pos = pos + n;
             self.progress.done.fetch_add(n, Ordering::Relaxed);
             self.progress.downloaded.fetch_add(n, Ordering::Relaxed);
+            if self.progress.refetching.load(Ordering::Relaxed) {
+                self.progress.refetched.fetch_add(n, Ordering::Relaxed);
+            }
+            lease.add_bytes(n);
             let share = u32::try_from(chunk.len()).map_or(QUEUED_BYTES, |n| n.min(QUEUED_BYTES));
             let queued = self
                 .queued
@@ -694,19 +833,27 @@ impl Transfer<'_> {
                 break;
             }
         }
-        Ok(())
+        Ok(Run::Done)
     }
 }
 
 /// Resolves once the download has another requester's session to go on with (past `used`) and
-/// received under [`SLOW_SOURCE_BYTES`] in the last [`SLOW_SOURCE_WINDOW`].
+/// received under [`SLOW_SOURCE_BYTES`] in the last [`SLOW_SOURCE_WINDOW`] of transfer time (time
+/// spent waiting for a transfer slot is not the registry's slowness).
 async fn slow_while_another_waits(dl: &BlobDownload, used: usize) {
-    let mut last = dl.progress.downloaded();
+    const SAMPLE: Duration = Duration::from_secs(1);
+    let mut window = (Duration::ZERO, dl.progress.downloaded());
     loop {
-        tokio::time::sleep(SLOW_SOURCE_WINDOW).await;
+        tokio::time::sleep(SAMPLE).await;
+        if dl.progress.connections() > 0 {
+            window.0 += SAMPLE;
+        }
+        if window.0 < SLOW_SOURCE_WINDOW {
+            continue;
+        }
         let now = dl.progress.downloaded();
-        let got = now.saturating_sub(last);
-        last = now;
+        let got = now.saturating_sub(window.1);
+        window = (Duration::ZERO, now);
         if got < SLOW_SOURCE_BYTES && dl.sessions.lock().unwrap().len() > used + 1 {
             return;
         }
@@ -718,7 +865,7 @@ async fn fetch(
     content: &Arc<ContentStore>,
     session: &Session,
     progress: &Arc<BlobProgress>,
-    transfers: &Arc<Semaphore>,
+    lane: &Arc<Scheduler>,
     ranged: RangedFetch,
 ) -> Result<()> {
     let digest = progress.digest.clone();
@@ -726,7 +873,6 @@ async fn fetch(
     if let Some(done) = committed(content, progress) {
         return done;
     }
-    let _permit = transfers.acquire().await.expect("semaphore never closed");
     let guard = content.lock_ingest(&digest).await;
     if let Some(done) = committed(content, progress) {
         return done;
@@ -744,7 +890,8 @@ async fn fetch(
     // The ingest file exists from here on: a reader waiting to follow it may open it.
     progress.set_state(BlobState::Downloading);
     if on_disk > 0 {
-        tracing::info!(blob = %digest, on_disk, prefix = ingest.offset(), size, "resuming download");
+        let written_by = ingest.written_by().join(", ");
+        tracing::info!(blob = %digest, on_disk, prefix = ingest.offset(), size, %written_by, "resuming download");
     }
     // The writer thread owns the ingest and its lock, so the lock is released only after the last
     // queued chunk is on disk, even when this future is dropped (cancelled) mid-transfer.
@@ -757,6 +904,7 @@ async fn fetch(
             match msg {
                 WriterMsg::Data { at, bytes, .. } => ingest.write_at(at, &bytes)?,
                 WriterMsg::Restart => ingest.restart()?,
+                WriterMsg::Source(endpoint) => ingest.record_writer(&endpoint)?,
             }
             if ingest.offset() != on_disk.written() {
                 on_disk.set_written(ingest.offset());
@@ -773,7 +921,7 @@ async fn fetch(
     let transfer = Transfer {
         session,
         progress,
-        transfers,
+        lane,
         tx,
         queued: Arc::new(Semaphore::new(QUEUED_BYTES as usize)),
         pieces: Mutex::new(pieces),

@@ -6,7 +6,9 @@
 //! - `ingest/<hex>/data`: a blob being downloaded, each byte at its offset in the blob. A later
 //!   download of the same blob continues from what is there: it re-hashes the contiguous prefix and
 //!   fetches only the missing ranges. `ingest/<hex>/meta.json` records the expected size and when
-//!   the download started.
+//!   the download started, and the endpoints (registries, mirrors) that wrote its bytes: a later
+//!   pull of the same digest resumes them whichever registry it asks, and the digest check at
+//!   the end decides whether they were right.
 //! - `ingest/<hex>/ranges.json`: written before the first byte lands beyond the contiguous prefix
 //!   (a blob fetched over several ranged requests at once), and then after every
 //!   [`CHECKPOINT_BYTES`] written and when the writer stops. While it exists it says what is on
@@ -15,17 +17,27 @@
 //!
 //! One writer per ingest is enforced by [`ContentStore::lock_ingest`]; committed blobs are never
 //! modified, only deleted when no image uses them.
+//!
+//! Disk bounds: an ingest never writes past the descriptor's size, claims its bytes from the
+//! filesystem's [`SpaceBudget`] before writing them (a download stops before free space falls
+//! under the reserve), and refuses to start when the blob's missing bytes plainly cannot fit. The
+//! bytes of every ingest on disk are kept in memory ([`ContentStore::ingest_usage`]), so metrics
+//! and listings never walk the ingest area.
 
+use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
 use crate::digest::Digest;
 use crate::error::{IoContext, Result, StoreError};
+use crate::space::SpaceBudget;
 
 /// Largest manifest or config minicri reads into memory (the distribution spec suggests 4 MiB).
 pub const MAX_METADATA_BLOB: u64 = 16 * 1024 * 1024;
@@ -39,13 +51,41 @@ pub const CHECKPOINT_BYTES: u64 = 1024 * 1024;
 pub struct ContentStore {
     root: PathBuf,
     ingest_locks: crate::keyed::KeyedLocks<Digest>,
+    /// The filesystem's reserve that downloads keep free (`None`: no reserve).
+    space: Option<Arc<SpaceBudget>>,
+    /// Every ingest on disk, with its bytes: counted at open, then kept by the writers.
+    ingests: Mutex<HashMap<Digest, Arc<IngestAccount>>>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+/// The bytes on disk of one ingest and whether a writer has it open.
+#[derive(Debug, Default)]
+struct IngestAccount {
+    bytes: AtomicU64,
+    writing: AtomicBool,
+}
+
+/// Partial downloads on disk: those a download is writing now (active) and those kept for a
+/// resume (idle), with their bytes of the blobs.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct IngestUsage {
+    pub active: u64,
+    pub active_bytes: u64,
+    pub idle: u64,
+    pub idle_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct IngestMeta {
     expected_size: u64,
     started_at: chrono::DateTime<chrono::Utc>,
+    /// The endpoints whose bytes are on disk, in the order they first wrote (at most
+    /// [`MAX_WRITERS`]; the oldest are forgotten first).
+    #[serde(default)]
+    written_by: Vec<String>,
 }
+
+/// Endpoints an ingest remembers as writers of its bytes.
+const MAX_WRITERS: usize = 8;
 
 /// What `ranges.json` records: the contiguous prefix and the ranges written beyond it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,6 +127,8 @@ pub struct IngestStatus {
     pub offset: u64,
     pub expected_size: u64,
     pub updated_at: std::time::SystemTime,
+    /// The endpoints that wrote its bytes, oldest first.
+    pub written_by: Vec<String>,
 }
 
 impl ContentStore {
@@ -105,14 +147,97 @@ impl ContentStore {
                 let _ = fs::remove_file(e.path());
             }
         }
-        Ok(ContentStore {
+        let store = ContentStore {
             root: root.to_path_buf(),
             ingest_locks: crate::keyed::KeyedLocks::new(),
-        })
+            space: None,
+            ingests: Mutex::new(HashMap::new()),
+        };
+        // The one walk of the ingest area outside the collector's: its bytes from here on are
+        // kept by the writers.
+        for i in store.list_ingests()? {
+            store
+                .account(&i.digest)
+                .bytes
+                .store(i.offset, Ordering::Relaxed);
+        }
+        Ok(store)
+    }
+
+    /// Downloads claim their bytes from `space` (the budget of this store's filesystem) and
+    /// stop before free space falls under its reserve.
+    pub fn with_space(mut self, space: Arc<SpaceBudget>) -> ContentStore {
+        self.space = Some(space);
+        self
+    }
+
+    pub fn space(&self) -> Option<&Arc<SpaceBudget>> {
+        self.space.as_ref()
     }
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    fn account(&self, d: &Digest) -> Arc<IngestAccount> {
+        self.ingests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(d.clone())
+            .or_default()
+            .clone()
+    }
+
+    fn forget_ingest(&self, d: &Digest) {
+        self.ingests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(d);
+    }
+
+    /// Partial downloads on disk, from memory (no walk).
+    pub fn ingest_usage(&self) -> IngestUsage {
+        let mut u = IngestUsage::default();
+        for a in self
+            .ingests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+        {
+            let bytes = a.bytes.load(Ordering::Relaxed);
+            if a.writing.load(Ordering::Relaxed) {
+                u.active += 1;
+                u.active_bytes += bytes;
+            } else {
+                u.idle += 1;
+                u.idle_bytes += bytes;
+            }
+        }
+        u
+    }
+
+    /// Bytes of blob `d` in its ingest (0 if none), from memory.
+    pub fn ingest_bytes(&self, d: &Digest) -> u64 {
+        self.ingests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(d)
+            .map_or(0, |a| a.bytes.load(Ordering::Relaxed))
+    }
+
+    /// Fails if `missing` more bytes, for `what`, plainly cannot fit above the reserve now.
+    pub fn check_fits(&self, missing: u64, what: impl FnOnce() -> String) -> Result<()> {
+        match &self.space {
+            Some(space) => {
+                space
+                    .check_fits(missing)
+                    .map_err(|shortfall| StoreError::ImageFsReserve {
+                        what: what(),
+                        shortfall,
+                    })
+            }
+            None => Ok(()),
+        }
     }
 
     /// Where a committed blob lives.
@@ -242,16 +367,24 @@ impl ContentStore {
         let dir = self.ingest_dir(d);
         fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
         let meta_path = dir.join("meta.json");
-        if !meta_path.exists() {
-            let meta = IngestMeta {
-                expected_size,
-                started_at: chrono::Utc::now(),
-            };
-            write_synced(
-                &meta_path,
-                &serde_json::to_vec(&meta).expect("serialisable"),
-            )?;
-        }
+        let meta = match fs::read(&meta_path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<IngestMeta>(&b).ok())
+        {
+            Some(m) => m,
+            None => {
+                let meta = IngestMeta {
+                    expected_size,
+                    started_at: chrono::Utc::now(),
+                    written_by: Vec::new(),
+                };
+                write_synced(
+                    &meta_path,
+                    &serde_json::to_vec(&meta).expect("serialisable"),
+                )?;
+                meta
+            }
+        };
         let data = dir.join("data");
         let file = OpenOptions::new()
             .read(true)
@@ -281,6 +414,22 @@ impl ContentStore {
                 IngestRanges::default()
             }
         };
+        // Before any byte is fetched (or the prefix re-hashed): the missing bytes must fit.
+        let have = ranges.bytes();
+        if let Err(e) = self.check_fits(expected_size - have, || {
+            describe_download(d, expected_size, have)
+        }) {
+            if have == 0 {
+                // Nothing to keep for a resume: do not leave an empty ingest behind.
+                drop(file);
+                let _ = fs::remove_dir_all(&dir);
+                self.forget_ingest(d);
+            }
+            return Err(e);
+        }
+        let account = self.account(d);
+        account.bytes.store(have, Ordering::Relaxed);
+        account.writing.store(true, Ordering::Relaxed);
         let mut ingest = Ingest {
             digest: d.clone(),
             expected_size,
@@ -291,6 +440,9 @@ impl ContentStore {
             beyond: ranges.beyond,
             recorded: valid,
             unrecorded: 0,
+            meta,
+            space: self.space.clone(),
+            account,
         };
         ingest.hash_from_file(ranges.prefix)?;
         Ok(ingest)
@@ -317,11 +469,14 @@ impl ContentStore {
                 Err(_) => (0, std::time::UNIX_EPOCH),
             };
             let offset = IngestRanges::read(&e.path()).map_or(len, |r| r.bytes().min(len));
+            let (expected_size, written_by) =
+                meta.map_or((0, Vec::new()), |m| (m.expected_size, m.written_by));
             out.push(IngestStatus {
                 digest,
                 offset,
-                expected_size: meta.map(|m| m.expected_size).unwrap_or(0),
+                expected_size,
                 updated_at,
+                written_by,
             });
         }
         Ok(out)
@@ -331,8 +486,14 @@ impl ContentStore {
     pub fn remove_ingest(&self, d: &Digest) -> Result<()> {
         let dir = self.ingest_dir(d);
         match fs::remove_dir_all(&dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Ok(()) => {
+                self.forget_ingest(d);
+                Ok(())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.forget_ingest(d);
+                Ok(())
+            }
             Err(e) => Err(StoreError::io(format!("removing {}", dir.display()), e)),
         }
     }
@@ -360,6 +521,17 @@ fn walk_usage(dir: &Path, bytes: &mut u64, inodes: &mut u64) {
             walk_usage(&e.path(), bytes, inodes);
         }
     }
+}
+
+/// What a download is, for messages: the blob, its size, and what of it is on disk (kept for a
+/// resume when the download stops).
+fn describe_download(d: &Digest, size: u64, on_disk: u64) -> String {
+    use crate::pull::detach::human_bytes;
+    format!(
+        "download of blob {d} ({}, {} on disk, kept for a resume)",
+        human_bytes(size as f64),
+        human_bytes(on_disk as f64)
+    )
 }
 
 /// Writes `data` to `path` and fsyncs it.
@@ -390,6 +562,11 @@ pub struct Ingest {
     recorded: bool,
     /// Bytes written since `ranges.json` was last written.
     unrecorded: u64,
+    meta: IngestMeta,
+    /// Where bytes are claimed before they are written.
+    space: Option<Arc<SpaceBudget>>,
+    /// This ingest's entry in the store's in-memory usage.
+    account: Arc<IngestAccount>,
 }
 
 impl Ingest {
@@ -427,6 +604,32 @@ impl Ingest {
         self.expected_size
     }
 
+    /// The endpoints whose bytes are on disk (oldest first).
+    pub fn written_by(&self) -> &[String] {
+        &self.meta.written_by
+    }
+
+    /// Records that `endpoint` writes bytes from now on (`meta.json`, written when the list
+    /// changes).
+    pub fn record_writer(&mut self, endpoint: &str) -> Result<()> {
+        if self.meta.written_by.iter().any(|w| w == endpoint) {
+            return Ok(());
+        }
+        if self.meta.written_by.len() >= MAX_WRITERS {
+            self.meta.written_by.remove(0);
+        }
+        self.meta.written_by.push(endpoint.to_string());
+        self.write_meta()
+    }
+
+    fn write_meta(&self) -> Result<()> {
+        let tmp = self.dir.join("meta.json.tmp");
+        fs::write(&tmp, serde_json::to_vec(&self.meta).expect("serialisable"))
+            .ctx(|| format!("writing {}", tmp.display()))?;
+        let dst = self.dir.join("meta.json");
+        fs::rename(&tmp, &dst).ctx(|| format!("writing {}", dst.display()))
+    }
+
     /// Appends downloaded bytes at the end of the prefix.
     pub fn append(&mut self, data: &[u8]) -> Result<()> {
         self.write_at(self.offset, data)
@@ -453,11 +656,25 @@ impl Ingest {
             // From now on the file's length is no longer the prefix: record what is.
             self.checkpoint()?;
         }
-        self.file
+        let n = data.len() as u64;
+        if let Some(space) = &self.space {
+            space
+                .claim(n)
+                .map_err(|shortfall| StoreError::ImageFsReserve {
+                    what: describe_download(&self.digest, self.expected_size, self.on_disk()),
+                    shortfall,
+                })?;
+        }
+        let written = self
+            .file
             .as_ref()
             .expect("open ingest")
             .write_all_at(data, pos)
-            .ctx(|| format!("writing ingest of {}", self.digest))?;
+            .ctx(|| format!("writing ingest of {}", self.digest));
+        if let Some(space) = &self.space {
+            space.settle(n);
+        }
+        written?;
         if pos == self.offset {
             self.hasher.update(data);
             self.offset = end;
@@ -471,6 +688,7 @@ impl Ingest {
         } else {
             self.add_beyond(pos, end);
         }
+        self.account.bytes.store(self.on_disk(), Ordering::Relaxed);
         if self.recorded {
             self.unrecorded += data.len() as u64;
             if self.unrecorded >= CHECKPOINT_BYTES {
@@ -543,7 +761,12 @@ impl Ingest {
         self.beyond.clear();
         self.unrecorded = 0;
         self.hasher = Sha256::new();
-        Ok(())
+        self.account.bytes.store(0, Ordering::Relaxed);
+        // What comes next is the whole blob from the endpoint that wrote last (recorded as it
+        // began to answer); the others' bytes are gone.
+        let current = self.meta.written_by.pop();
+        self.meta.written_by = current.into_iter().collect();
+        self.write_meta()
     }
 
     /// Verifies size and digest and moves the blob into `blobs/`. On a digest mismatch the partial
@@ -565,6 +788,7 @@ impl Ingest {
         let actual = Digest::from_hasher(std::mem::take(&mut self.hasher));
         if actual != self.digest {
             let _ = fs::remove_dir_all(&self.dir);
+            store.forget_ingest(&self.digest);
             return Err(StoreError::DigestMismatch {
                 expected: self.digest.to_string(),
                 actual: actual.to_string(),
@@ -573,6 +797,7 @@ impl Ingest {
         }
         let dst = store.blob_path(&self.digest);
         fs::rename(self.dir.join("data"), &dst).ctx(|| format!("committing {}", dst.display()))?;
+        store.forget_ingest(&self.digest);
         let _ = fs::remove_dir_all(&self.dir);
         Ok(())
     }
@@ -582,6 +807,7 @@ impl Drop for Ingest {
     /// A writer that stops (cancelled, failed, or the daemon shutting down) records what it wrote
     /// since the last checkpoint, so a resumed download fetches none of it again.
     fn drop(&mut self) {
+        self.account.writing.store(false, Ordering::Relaxed);
         if self.recorded
             && self.unrecorded > 0
             && self.file.is_some()
@@ -738,6 +964,180 @@ mod tests {
         assert!(store.size(&d).is_none());
         assert!(store.list_ingests().unwrap().is_empty());
         assert!(store.open_ingest(&d, 5).unwrap().append(b"hello!").is_err());
+    }
+
+    /// A filesystem of `cap` bytes whose only contents are the ingest files under `root`.
+    struct IngestFs {
+        root: PathBuf,
+        cap: u64,
+    }
+
+    impl crate::space::Measure for IngestFs {
+        fn measure(&self) -> std::io::Result<crate::space::FsSpace> {
+            let used: u64 = fs::read_dir(self.root.join("ingest"))?
+                .flatten()
+                .filter_map(|e| fs::metadata(e.path().join("data")).ok())
+                .map(|m| m.len())
+                .sum();
+            Ok(crate::space::FsSpace {
+                available: self.cap - used,
+                total: self.cap,
+            })
+        }
+    }
+
+    fn store_on(dir: &Path, cap: u64, reserve: crate::space::Reserve) -> ContentStore {
+        let budget = SpaceBudget::with_measure(
+            dir,
+            reserve,
+            Box::new(IngestFs {
+                root: dir.to_path_buf(),
+                cap,
+            }),
+        );
+        ContentStore::open(dir)
+            .unwrap()
+            .with_space(Arc::new(budget))
+    }
+
+    /// A download that would cross the reserve stops before the byte that would, with
+    /// RESOURCE_EXHAUSTED naming the blob and the reserve; the reserve stays free; what was
+    /// written stays for a resume, which goes on once there is room.
+    #[test]
+    fn a_download_stops_at_the_reserve_and_keeps_its_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mib = 1u64 << 20;
+        // 20 MiB, 25% reserved: 15 MiB may be written.
+        let store = store_on(dir.path(), 20 * mib, crate::space::Reserve::Percent(25.0));
+        let data: Vec<u8> = (0..12 * mib as u32).map(|i| (i % 251) as u8).collect();
+        let d = Digest::of(&data);
+        let other = vec![1u8; 8 * mib as usize];
+        let o = Digest::of(&other);
+        // Both fit alone (each start checks); together they do not.
+        let mut a = store.open_ingest(&d, data.len() as u64).unwrap();
+        let mut b = store.open_ingest(&o, other.len() as u64).unwrap();
+        b.append(&other).unwrap();
+        let mut stopped = None;
+        for (i, chunk) in data.chunks(64 << 10).enumerate() {
+            if let Err(e) = a.append(chunk) {
+                stopped = Some((i, e));
+                break;
+            }
+        }
+        let (i, e) = stopped.expect("the download stopped");
+        assert_eq!(e.kind(), crate::error::ErrorKind::ResourceExhausted, "{e}");
+        let text = e.to_string();
+        for part in [
+            d.as_str(),
+            "image_fs_reserve = 25% of 20.0 MiB",
+            "kept for a resume",
+        ] {
+            assert!(text.contains(part), "{part:?} not in {text}");
+        }
+        assert_eq!(a.offset(), i as u64 * (64 << 10));
+        assert!(a.offset() + 8 * mib <= 15 * mib, "the reserve stays free");
+        assert!(
+            a.offset() + 8 * mib > 15 * mib - (64 << 10),
+            "stopped at it, not before"
+        );
+        let usage = store.ingest_usage();
+        assert_eq!(
+            (usage.active, usage.active_bytes),
+            (2, a.offset() + 8 * mib)
+        );
+        let kept = a.offset();
+        drop(a);
+        drop(b);
+        store.remove_ingest(&o).unwrap();
+        let mut a = store.open_ingest(&d, data.len() as u64).unwrap();
+        assert_eq!(a.offset(), kept, "resumed where it stopped");
+        a.append(&data[kept as usize..]).unwrap();
+        a.commit(&store).unwrap();
+        assert_eq!(store.read(&d).unwrap(), data);
+    }
+
+    /// A download whose missing bytes plainly cannot fit above the reserve is refused when it
+    /// opens, before a byte is fetched: nothing is left behind for a blob with nothing on disk,
+    /// and the bytes of one with a partial download stay.
+    #[test]
+    fn a_download_that_cannot_fit_is_refused_before_its_first_byte() {
+        let dir = tempfile::tempdir().unwrap();
+        let mib = 1u64 << 20;
+        let store = store_on(dir.path(), 20 * mib, crate::space::Reserve::Bytes(5 * mib));
+        let d = Digest::of(b"a large blob");
+        let e = store.open_ingest(&d, 15 * mib + 1).unwrap_err();
+        assert!(matches!(e, StoreError::ImageFsReserve { .. }), "{e}");
+        assert!(!store.ingest_dir(&d).exists());
+        assert_eq!(store.ingest_usage(), IngestUsage::default());
+        let mut ing = store.open_ingest(&d, 15 * mib).unwrap();
+        ing.append(&vec![3u8; mib as usize]).unwrap();
+        drop(ing);
+        // The blob grew by a byte (another descriptor): 15 MiB + 1 missing, less the 1 on disk.
+        let other = Digest::of(b"another");
+        fs::create_dir_all(store.ingest_dir(&other)).unwrap();
+        fs::write(store.ingest_data_path(&other), vec![0u8; 2 * mib as usize]).unwrap();
+        let e = store.open_ingest(&d, 15 * mib).unwrap_err();
+        assert!(matches!(e, StoreError::ImageFsReserve { .. }), "{e}");
+        assert_eq!(fs::metadata(store.ingest_data_path(&d)).unwrap().len(), mib);
+    }
+
+    /// The ingest usage is kept in memory: counted at open, moved by every write, restart,
+    /// commit and removal, split by whether a writer has the ingest open.
+    #[test]
+    fn ingest_usage_follows_the_writers_without_a_walk() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ContentStore::open(dir.path()).unwrap();
+        let data = vec![5u8; 10_000];
+        let d = Digest::of(&data);
+        let mut ing = store.open_ingest(&d, 10_000).unwrap();
+        ing.write_at(6_000, &data[6_000..8_000]).unwrap();
+        ing.append(&data[..1_000]).unwrap();
+        assert_eq!(
+            store.ingest_usage(),
+            IngestUsage {
+                active: 1,
+                active_bytes: 3_000,
+                ..Default::default()
+            }
+        );
+        assert_eq!(store.ingest_bytes(&d), 3_000);
+        drop(ing);
+        let idle = IngestUsage {
+            idle: 1,
+            idle_bytes: 3_000,
+            ..Default::default()
+        };
+        assert_eq!(store.ingest_usage(), idle);
+        // A new store (a restart) counts what is on disk once.
+        let store = ContentStore::open(dir.path()).unwrap();
+        assert_eq!(store.ingest_usage(), idle);
+        let mut ing = store.open_ingest(&d, 10_000).unwrap();
+        ing.restart().unwrap();
+        assert_eq!(store.ingest_usage().active_bytes, 0);
+        ing.append(&data).unwrap();
+        ing.commit(&store).unwrap();
+        assert_eq!(store.ingest_usage(), IngestUsage::default());
+        let o = Digest::of(b"other");
+        store.open_ingest(&o, 5).unwrap().append(b"ot").unwrap();
+        assert_eq!(store.ingest_usage().idle_bytes, 2);
+        store.remove_ingest(&o).unwrap();
+        assert_eq!(store.ingest_usage(), IngestUsage::default());
+    }
+
+    /// Bytes past the descriptor's size never reach the disk: the write that would put them
+    /// there writes nothing, whether it extends the prefix or lands beyond it.
+    #[test]
+    fn nothing_past_the_size_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ContentStore::open(dir.path()).unwrap();
+        let d = Digest::of(b"0123456789");
+        let mut ing = store.open_ingest(&d, 10).unwrap();
+        ing.append(b"01234").unwrap();
+        let e = ing.append(b"56789-and-more").unwrap_err();
+        assert!(matches!(e, StoreError::SizeMismatch { .. }), "{e}");
+        assert!(ing.write_at(8, b"89!").is_err());
+        assert_eq!(fs::metadata(store.ingest_data_path(&d)).unwrap().len(), 5);
+        assert_eq!(ing.on_disk(), 5);
     }
 
     #[test]

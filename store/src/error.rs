@@ -64,6 +64,11 @@ pub enum StoreError {
     #[error("cannot pull {reference}: {reason}")]
     Unavailable { reference: String, reason: String },
 
+    /// The registry sent the pull somewhere minicri does not go (a redirect or token realm on
+    /// the node itself, down to plain http).
+    #[error("cannot pull {reference}: {reason}")]
+    Refused { reference: String, reason: String },
+
     #[error("unsupported media type {media_type:?} in {reference}")]
     UnsupportedMediaType {
         reference: String,
@@ -105,6 +110,25 @@ pub enum StoreError {
         digest: String,
         wanted: u64,
         running: u64,
+    },
+
+    /// A download or an unpack stopped (or was refused) before free space on the image
+    /// filesystem fell under its reserve (`image_fs_reserve`).
+    #[error("{what} stopped: {shortfall}")]
+    ImageFsReserve {
+        what: String,
+        shortfall: crate::space::Shortfall,
+    },
+
+    /// A descriptor claims a blob larger than this node takes (`max_blob_size`).
+    #[error(
+        "blob {digest} of {reference} claims {size} bytes, more than max_blob_size allows ({max} bytes); no byte of it was fetched"
+    )]
+    BlobTooLarge {
+        reference: String,
+        digest: String,
+        size: u64,
+        max: u64,
     },
 
     #[error("registry hosts configuration {path}: {reason}")]
@@ -164,12 +188,16 @@ impl StoreError {
             ImageNotFound(_) | BlobNotFound(_) | RemoteNotFound { .. } => ErrorKind::NotFound,
             Unauthenticated { .. } => ErrorKind::Unauthenticated,
             Unavailable { .. } | SizeConflict { .. } => ErrorKind::Unavailable,
-            UnsupportedMediaType { .. } | NoMatchingPlatform { .. } | Malformed { .. } => {
-                ErrorKind::FailedPrecondition
-            }
+            UnsupportedMediaType { .. }
+            | NoMatchingPlatform { .. }
+            | Malformed { .. }
+            | Refused { .. } => ErrorKind::FailedPrecondition,
             SandboxStopped(_) => ErrorKind::FailedPrecondition,
             DigestMismatch { .. } | SizeMismatch { .. } => ErrorKind::DataLoss,
             Cancelled(_) => ErrorKind::Cancelled,
+            // A bound of this node, not a fault of the request: another node (or this one with
+            // room made) takes the same pull.
+            ImageFsReserve { .. } | BlobTooLarge { .. } => ErrorKind::ResourceExhausted,
             Detached(_) => ErrorKind::Detached,
             Shared(inner) => inner.kind(),
             // An unpack reads a blob already checked against its digest: a stream that does not

@@ -4,6 +4,14 @@
 //! written to for the TTL (default 24 h). When the image filesystem runs low on space (less free
 //! than `min_free_ratio` of its size, 5% by default), idle ingests go first, oldest first, until there is room
 //! again, however young they are: a resumable download is worth less than a working node.
+//!
+//! How this sits with the reserve ([`crate::space`], 15% by default): downloads and unpacks stop
+//! before free space falls under the reserve, and a download stopped there keeps its partial data
+//! for a resume. That data is taken by this low-space rule only when something else (container
+//! writes, logs, another program) brings free space under `min_free_ratio` as well, which is why
+//! the reserve must be the larger of the two: with a smaller reserve, a download stopped at it
+//! would leave free space under `min_free_ratio`, its partial data would be collected, and every
+//! retry would fetch the same bytes again.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -46,8 +54,8 @@ impl IngestGc {
 
     /// Free fraction of the filesystem holding the content store.
     fn free_ratio(&self) -> f64 {
-        match nix::sys::statvfs::statvfs(self.content.root()) {
-            Ok(s) if s.blocks() > 0 => s.blocks_available() as f64 / s.blocks() as f64,
+        match crate::space::fs_space(self.content.root()) {
+            Ok(s) if s.total > 0 => s.available as f64 / s.total as f64,
             _ => 1.0,
         }
     }
@@ -150,6 +158,7 @@ mod tests {
             offset: 10,
             expected_size: 100,
             updated_at: now - Duration::from_secs(age_secs),
+            written_by: Vec::new(),
         }
     }
 
@@ -159,7 +168,7 @@ mod tests {
     fn a_locked_ingest_is_not_collected() {
         let dir = tempfile::tempdir().unwrap();
         let content = Arc::new(ContentStore::open(dir.path()).unwrap());
-        let blobs = BlobDownloads::new(content.clone(), 1, Default::default());
+        let blobs = BlobDownloads::new(content.clone(), Default::default(), Default::default());
         let gc = IngestGc::new(content.clone(), blobs, Duration::ZERO);
         let data = b"some blob".to_vec();
         let d = Digest::of(&data);
@@ -221,7 +230,7 @@ mod tests {
         let mut ing = content.open_ingest(&d, 100).unwrap();
         ing.append(b"old").unwrap();
         drop(ing);
-        let blobs = BlobDownloads::new(content.clone(), 1, Default::default());
+        let blobs = BlobDownloads::new(content.clone(), Default::default(), Default::default());
         let mut gc = IngestGc::new(content.clone(), blobs, Duration::from_secs(3600));
         // Whatever this machine's disk looks like, only the TTL is under test here.
         gc.min_free_ratio = 0.0;

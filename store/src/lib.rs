@@ -9,6 +9,7 @@
 //! - [`registry`]: registry sessions (auth, mirrors with fallback, manifests, blob ranges);
 //! - [`blobs`]: node-wide, shared, resumable blob downloads;
 //! - [`gc`]: collection of abandoned partial downloads (TTL, low disk space);
+//! - [`space`]: the image filesystem's reserve, which downloads and unpacks keep free;
 //! - [`unpack`]: layers applied into snapshots as they download;
 //! - [`pull`]: pull jobs shared by their requesters, with references, aborts and progress.
 
@@ -25,6 +26,8 @@ pub mod manifest;
 pub mod pull;
 pub mod reference;
 pub mod registry;
+pub mod sched;
+pub mod space;
 pub mod unpack;
 
 pub use content::ContentStore;

@@ -12,6 +12,10 @@
 //! digest against the config's `diff_ids` before it commits anything. If a live read fails (the
 //! download restarted or failed), the layer is applied again from the committed blob once the
 //! download succeeds; if the download failed, its own error is the pull's error.
+//!
+//! The snapshotter claims every uncompressed byte from the image filesystem's reserve before it
+//! writes it (minicri_snapshotter::SpaceCheck, given by the daemon): an unpack that would leave
+//! less free than the reserve stops with [`StoreError::ImageFsReserve`], and is not tried again.
 
 use std::fs::File;
 use std::io::BufReader;
@@ -24,6 +28,7 @@ use crate::blobs::{BlobProgress, BlobState};
 use crate::content::ContentStore;
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
+use crate::space::Shortfall;
 
 /// One layer to apply.
 pub struct LayerToApply {
@@ -33,6 +38,12 @@ pub struct LayerToApply {
 }
 
 fn unpack_error(reference: &str, layer: &Digest, e: minicri_snapshotter::Error) -> StoreError {
+    if let Some(shortfall) = Shortfall::find(&e) {
+        return StoreError::ImageFsReserve {
+            what: format!("unpacking layer {layer} of {reference}"),
+            shortfall: shortfall.clone(),
+        };
+    }
     StoreError::Unpack {
         reference: reference.to_string(),
         layer: layer.to_string(),
@@ -134,7 +145,8 @@ pub async fn apply_layer(
         Err(e) => e,
     };
     let needs_parent = matches!(e, minicri_snapshotter::Error::NeedsParent { .. });
-    if !needs_parent && live.is_none() {
+    // Stopped at the reserve: applying it again would only stop there again.
+    if Shortfall::find(&e).is_some() || (!needs_parent && live.is_none()) {
         return Err(unpack_error(reference, &layer.digest, e));
     }
     // Applied again from the verified blob, on top of the committed parent.

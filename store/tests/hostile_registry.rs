@@ -2,18 +2,23 @@
 //! (real TCP servers, minicri's real registry client): oversized manifests, token responses and
 //! error bodies, bytes trickled under the read timeout, answers that never come, token realms on
 //! hosts the credentials were not given for, redirects to other hosts, partial answers that do
-//! not start where asked, and a plain-http registry reached by name. docs/hardening.md says what
-//! each bound is.
+//! not start where asked, and a plain-http registry reached by name. Servers that must be on
+//! another host than the node (a token realm the credentials must not reach) listen in a
+//! network namespace ([`FarHost`]). docs/hardening.md says what each bound is.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use minicri_store::hosts::default_endpoint;
+use minicri_store::registry::dest::Trusted;
 use minicri_store::registry::{
-    Credentials, FetchedManifest, MAX_MANIFEST_BYTES, MAX_MESSAGE_CHARS, MAX_TOKEN_BYTES, Registry,
+    Credentials, FetchedManifest, MAX_EXCERPT_CHARS, MAX_MANIFEST_BYTES, MAX_TOKEN_BYTES, Registry,
     realm_may_be_asked, realm_may_get_credentials,
 };
 use minicri_store::{Digest, ErrorKind, Reference, RegistryHosts, StoreError};
+use minicri_tests::far_host::FarHost;
+use minicri_tests::tripwire::Tripwire;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -87,7 +92,17 @@ struct Server {
 
 impl Server {
     async fn start(ip: &str, handler: impl Fn(&Seen) -> Reply + Send + Sync + 'static) -> Server {
-        let listener = TcpListener::bind((ip, 0)).await.unwrap();
+        let listener = std::net::TcpListener::bind((ip, 0)).unwrap();
+        Server::start_on(listener, handler)
+    }
+
+    /// Serves `listener` (bound already: in another network namespace, say).
+    fn start_on(
+        listener: std::net::TcpListener,
+        handler: impl Fn(&Seen) -> Reply + Send + Sync + 'static,
+    ) -> Server {
+        listener.set_nonblocking(true).unwrap();
+        let listener = TcpListener::from_std(listener).unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let handler: Handler = Arc::new(handler);
@@ -325,7 +340,16 @@ async fn token_setup(
     realm_ip: &str,
     token_reply: impl Fn() -> Reply + Send + Sync + 'static,
 ) -> (Server, Server) {
-    let token = Server::start(realm_ip, move |_| token_reply()).await;
+    let realm = std::net::TcpListener::bind((realm_ip, 0)).unwrap();
+    token_setup_on(realm, token_reply).await
+}
+
+/// [`token_setup`] with the token service on `realm`.
+async fn token_setup_on(
+    realm: std::net::TcpListener,
+    token_reply: impl Fn() -> Reply + Send + Sync + 'static,
+) -> (Server, Server) {
+    let token = Server::start_on(realm, move |_| token_reply());
     let realm = format!("http://{}/token", token.addr);
     let server = Server::start("127.0.0.1", move |req| {
         if req.authorization.as_deref() != Some("Bearer tok") {
@@ -405,11 +429,11 @@ async fn a_huge_token_response_is_refused() {
     }
 }
 
-/// Pulls from a registry whose token realm is on `realm_ip`, once with basic credentials, once
+/// Pulls from a registry whose token realm listens on `realm`, once with basic credentials, once
 /// with an identity token (both pulls must work: a public image still pulls anonymously); returns
 /// the two requests the token service received.
-async fn token_requests_with_credentials(realm_ip: &str) -> Vec<Seen> {
-    let (server, token) = token_setup(realm_ip, good_token).await;
+async fn token_requests_with_credentials(realm: std::net::TcpListener) -> Vec<Seen> {
+    let (server, token) = token_setup_on(realm, good_token).await;
     for c in [creds(&server.addr), identity(&server.addr)] {
         fetch(&registry(), &server.addr, &c).await.unwrap();
     }
@@ -420,7 +444,8 @@ async fn token_requests_with_credentials(realm_ip: &str) -> Vec<Seen> {
 
 #[tokio::test]
 async fn credentials_go_to_a_realm_on_the_registry_host() {
-    let seen = token_requests_with_credentials("127.0.0.1").await;
+    let realm = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let seen = token_requests_with_credentials(realm).await;
     let basic = seen[0].authorization.as_deref();
     assert!(basic.is_some_and(|a| a.starts_with("Basic ")), "{seen:?}");
     assert!(
@@ -431,9 +456,13 @@ async fn credentials_go_to_a_realm_on_the_registry_host() {
 
 #[tokio::test]
 async fn credentials_never_go_to_a_realm_on_another_host() {
-    // 127.0.0.2 is loopback too, but another host than the registry's 127.0.0.1: both token
-    // requests are anonymous.
-    let seen = token_requests_with_credentials("127.0.0.2").await;
+    if minicri_tests::prereq::skip_unless_root() {
+        return;
+    }
+    // A realm on another host than the registry's 127.0.0.1 (and not on the node: one there
+    // is not asked at all): both token requests are anonymous.
+    let far = FarHost::create().unwrap();
+    let seen = token_requests_with_credentials(far.listen(0).unwrap()).await;
     for s in &seen {
         assert_eq!(s.authorization, None, "{seen:?}");
         assert!(
@@ -494,9 +523,13 @@ async fn credentials_go_over_plain_http_only_to_a_loopback_ip() {
 
 #[tokio::test]
 async fn an_error_body_does_not_flood_the_error_message() {
+    // A 1 MiB body of lines, escape sequences and bidirectional overrides: what reaches the
+    // message is one line, its first MAX_EXCERPT_CHARS characters.
+    let mut body = b"first\r\n\x1b[31mred\x1b[0m\t\xe2\x80\xaeevil\n".to_vec();
+    body.resize(1 << 20, b'e');
     let server = Server::start(
         "127.0.0.1",
-        open_registry(|| Reply::ok(vec![b'e'; 1 << 20]).status(500)),
+        open_registry(move || Reply::ok(body.clone()).status(500)),
     )
     .await;
     let err = fetch(&registry(), &server.addr, &Credentials::default())
@@ -504,8 +537,42 @@ async fn an_error_body_does_not_flood_the_error_message() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("eeee"), "{msg}");
-    assert!(msg.len() < MAX_MESSAGE_CHARS + 1024, "{} bytes", msg.len());
+    assert!(
+        msg.contains(": 500 Internal Server Error: first [31mred [0m evil eee"),
+        "{msg}"
+    );
+    assert!(msg.ends_with("… (cut)"), "{msg}");
+    assert!(!msg.chars().any(char::is_control), "{msg:?}");
+    assert!(!msg.contains('\u{202e}'), "{msg:?}");
+    let quoted = msg.split("Internal Server Error: ").nth(1).unwrap();
+    assert_eq!(
+        quoted.chars().count(),
+        MAX_EXCERPT_CHARS + "… (cut)".chars().count(),
+        "{quoted}"
+    );
+}
+
+#[tokio::test]
+async fn distribution_errors_are_quoted_by_code_and_message() {
+    let body = format!(
+        r#"{{"errors":[{{"code":"UNAVAILABLE","message":"try\nlater","detail":{{"x":"{}"}}}},{{"code":"TOOMANYREQUESTS","message":"slow down"}}]}}"#,
+        "d".repeat(4000)
+    );
+    let server = Server::start(
+        "127.0.0.1",
+        open_registry(move || Reply::ok(body.clone()).status(503)),
+    )
+    .await;
+    let err = fetch(&registry(), &server.addr, &Credentials::default())
+        .await
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.ends_with(
+            ": 503 Service Unavailable: UNAVAILABLE try later; TOOMANYREQUESTS slow down"
+        ),
+        "{msg}"
+    );
 }
 
 /// A hosts directory sending `registry` to `server_url` with the top-level `extra` lines (the
@@ -524,8 +591,9 @@ fn hosts_dir_with(dir: &Path, registry: &str, server_url: &str, extra: &str) -> 
 #[tokio::test]
 async fn hosts_toml_headers_go_to_the_host_and_nowhere_else() {
     // The registry wants its header on every request and a bearer token from a realm on its own
-    // origin; blobs are redirected to a store on another host (127.0.0.2).
-    let store = Server::start("127.0.0.2", |_| Reply::ok("{}")).await;
+    // origin; blobs are redirected to a store on another origin (another port of the registry's
+    // host, which the registry named by its loopback IP may send the daemon to).
+    let store = Server::start("127.0.0.1", |_| Reply::ok("{}")).await;
     let store_url = format!("http://{}/signed/blob", store.addr);
     let realm_host = Arc::new(Mutex::new(String::new()));
     let realm = realm_host.clone();
@@ -595,7 +663,7 @@ async fn hosts_toml_headers_go_to_the_host_and_nowhere_else() {
     );
 
     // A realm on another origin gets no header.
-    let (other, token) = token_setup("127.0.0.2", good_token).await;
+    let (other, token) = token_setup("127.0.0.1", good_token).await;
     let dir = tempfile::tempdir().unwrap();
     let hosts = hosts_dir_with(
         dir.path(),
@@ -707,25 +775,46 @@ async fn a_partial_answer_that_starts_elsewhere_is_refused() {
 
 /// A registry reached over https cannot send the daemon to a plain-http token realm (a cloud's
 /// metadata service, say, whose error answers a failed token request would quote), unless the
-/// realm is a loopback IP literal; a plain-http registry may, as may any https realm.
+/// realm is a loopback IP literal the session trusts (a hosts.toml endpoint there); a
+/// plain-http registry may, as may any https realm.
 #[test]
 fn plain_http_realms_are_asked_only_for_plain_http_registries() {
     let u = |s: &str| reqwest::Url::parse(s).unwrap();
+    let endpoint = |host: &str, plain_http: bool| minicri_store::hosts::Endpoint {
+        plain_http,
+        ..default_endpoint(host)
+    };
     let tls = u("https://registry.example/v2/a/manifests/1");
+    let tls_trusts = Trusted::new(
+        "registry.example",
+        &[
+            endpoint("127.0.0.1:5001", true),
+            endpoint("registry.example", false),
+        ],
+    );
     let plain = u("http://10.0.0.5:5000/v2/a/manifests/1");
+    let plain_trusts = Trusted::new("10.0.0.5:5000", &[endpoint("10.0.0.5:5000", true)]);
     let metadata = u("http://169.254.169.254/latest/meta-data/iam/security-credentials/");
-    let err = realm_may_be_asked(&metadata, &tls).unwrap_err();
+    let err = realm_may_be_asked(&metadata, &tls, &tls_trusts).unwrap_err();
     assert!(
         err.contains("refusing the token realm http://169.254.169.254/"),
         "{err}"
     );
+    // Its address says the most about why.
+    assert!(err.contains("link-local"), "{err}");
+    let err = realm_may_be_asked(&u("http://auth.example/token"), &tls, &tls_trusts).unwrap_err();
     assert!(err.contains("plain http"), "{err}");
-    realm_may_be_asked(&u("http://auth.example/token"), &tls).unwrap_err();
-    realm_may_be_asked(&u("https://auth.example/token"), &tls).unwrap();
-    realm_may_be_asked(&u("http://127.0.0.1:5001/token"), &tls).unwrap();
-    realm_may_be_asked(&u("http://[::1]:5001/token"), &tls).unwrap();
-    realm_may_be_asked(&u("http://10.0.0.5:5001/token"), &plain).unwrap();
-    realm_may_be_asked(&u("https://auth.example/token"), &plain).unwrap();
+    for refused in [
+        "http://auth.example/token",
+        "http://127.0.0.1:5002/token",
+        "http://[::1]:5001/token",
+    ] {
+        realm_may_be_asked(&u(refused), &tls, &tls_trusts).unwrap_err();
+    }
+    realm_may_be_asked(&u("https://auth.example/token"), &tls, &tls_trusts).unwrap();
+    realm_may_be_asked(&u("http://127.0.0.1:5001/token"), &tls, &tls_trusts).unwrap();
+    realm_may_be_asked(&u("http://10.0.0.5:5001/token"), &plain, &plain_trusts).unwrap();
+    realm_may_be_asked(&u("https://auth.example/token"), &plain, &plain_trusts).unwrap();
 }
 
 #[test]
@@ -776,4 +865,151 @@ fn realm_rules() {
     assert!(realm_may_get_credentials("http://[::1]:9/token", &v6));
     assert!(!realm_may_get_credentials("not a url", &ip));
     assert!(!realm_may_get_credentials("ftp://127.0.0.1/token", &ip));
+}
+
+/// Where on the node a registry may try to send the client, at `port` (and at the node's
+/// address `near`): the URLs the tests below try as redirect and as realm.
+fn node_targets(port: u16, near: Option<std::net::Ipv4Addr>) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "127.0.0.1",
+        "127.0.0.2",
+        "localhost",
+        "[::1]",
+        "0.0.0.0",
+        "[::ffff:127.0.0.1]",
+    ]
+    .iter()
+    .map(|h| format!("http://{h}:{port}/x"))
+    .collect();
+    if let Some(ip) = near {
+        v.push(format!("http://{ip}:{port}/x"));
+    }
+    v
+}
+
+/// A registry that redirects manifest requests to `target`, or, with `realm`, challenges every
+/// request without a token with a bearer realm at `target`.
+fn pointing_registry(target: Arc<Mutex<(String, bool)>>) -> impl Fn(&Seen) -> Reply {
+    move |req| {
+        let (to, realm) = target.lock().unwrap().clone();
+        if realm && req.authorization.is_none() {
+            Reply::ok("").status(401).header(
+                "WWW-Authenticate",
+                format!(r#"Bearer realm="{to}",service="r""#),
+            )
+        } else if realm {
+            manifest_reply()
+        } else if req.path.contains("/manifests/") {
+            Reply::ok("").status(307).header("Location", to)
+        } else {
+            Reply::ok("{}")
+        }
+    }
+}
+
+/// Fetches the manifest of the image at `addr` with `reg`, `target` set to each of `targets` as
+/// redirect and as realm: every one is refused with a message naming it, and none reaches the
+/// node (`wire`).
+async fn each_node_target_is_refused(
+    reg: &Registry,
+    addr: &str,
+    target: &Mutex<(String, bool)>,
+    targets: &[String],
+    wire: &Tripwire,
+) {
+    for realm in [false, true] {
+        for t in targets {
+            *target.lock().unwrap() = (t.clone(), realm);
+            let err = fetch(reg, addr, &Credentials::default()).await.unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{t}: {err}");
+            let msg = err.to_string();
+            let what = if realm {
+                "the token realm"
+            } else {
+                "the redirect to"
+            };
+            assert!(
+                msg.contains(&format!("refusing {what} http://")),
+                "{t}: {msg}"
+            );
+            assert!(
+                msg.contains("on the node") || msg.contains("address"),
+                "{t}: {msg}"
+            );
+        }
+    }
+    assert_eq!(wire.hits(), 0, "a request reached the node");
+}
+
+#[tokio::test]
+async fn a_registry_elsewhere_cannot_send_the_client_to_the_node() {
+    if minicri_tests::prereq::skip_unless_root() {
+        return;
+    }
+    // A plain-http registry on another host (a network namespace), configured in hosts.toml:
+    // no https-to-http rule is involved, only where the addresses are.
+    let far = FarHost::create().unwrap();
+    let wire = Tripwire::start();
+    let target = Arc::new(Mutex::new((String::new(), false)));
+    let server = Server::start_on(far.listen(0).unwrap(), pointing_registry(target.clone()));
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = hosts_dir(dir.path(), &server.addr, &format!("http://{}", server.addr));
+    let reg = Registry::new(hosts);
+    let targets = node_targets(wire.port(), Some(far.near_ip()));
+    each_node_target_is_refused(&reg, &server.addr, &target, &targets, &wire).await;
+
+    // The positive control: a redirect and a realm on another host off the node are followed.
+    let elsewhere = Server::start_on(far.listen(0).unwrap(), |req| {
+        if req.path.starts_with("/token") {
+            good_token()
+        } else {
+            manifest_reply()
+        }
+    });
+    for realm in [false, true] {
+        let path = if realm {
+            "token"
+        } else {
+            "v2/app/manifests/v1"
+        };
+        *target.lock().unwrap() = (format!("http://{}/{path}", elsewhere.addr), realm);
+        fetch(&reg, &server.addr, &Credentials::default())
+            .await
+            .unwrap();
+    }
+    assert_eq!(elsewhere.seen().len(), 2, "{:?}", elsewhere.seen());
+}
+
+#[tokio::test]
+async fn a_registry_named_on_loopback_reaches_other_ports_of_its_host_only() {
+    // Registry 127.0.0.1:P: another port of 127.0.0.1 is its own host (whoever names the image
+    // could name that port directly); other loopback hosts and names are not.
+    let wire = Tripwire::start();
+    let target = Arc::new(Mutex::new((String::new(), false)));
+    let server = Server::start("127.0.0.1", pointing_registry(target.clone())).await;
+    let targets: Vec<String> = node_targets(wire.port(), None)
+        .into_iter()
+        .filter(|t| !t.starts_with("http://127.0.0.1:"))
+        .collect();
+    each_node_target_is_refused(&registry(), &server.addr, &target, &targets, &wire).await;
+    let own = Server::start("127.0.0.1", |req| {
+        if req.path.starts_with("/token") {
+            good_token()
+        } else {
+            manifest_reply()
+        }
+    })
+    .await;
+    for realm in [false, true] {
+        let path = if realm {
+            "token"
+        } else {
+            "v2/app/manifests/v1"
+        };
+        *target.lock().unwrap() = (format!("http://{}/{path}", own.addr), realm);
+        fetch(&registry(), &server.addr, &Credentials::default())
+            .await
+            .unwrap();
+    }
+    assert_eq!(own.seen().len(), 2, "{:?}", own.seen());
 }

@@ -154,8 +154,19 @@ impl Daemon {
             .arg("--log-level")
             .arg("info,minicri=debug,minicri_store=debug")
             .arg("--kube-watch-kubeconfig-search")
-            .arg(self.kubeconfig_search_path())
-            .args(&self.extra_args);
+            .arg(self.kubeconfig_search_path());
+        // The test daemons' roots share this machine's disk with everything else on it: with
+        // the default reserve (15%) every pull would fail once the machine itself fell under
+        // 15% free, whatever the test. The reserve is off unless a test sets it (the tests of
+        // the reserve put the root on a filesystem of its own).
+        if !self
+            .extra_args
+            .iter()
+            .any(|a| a.starts_with("--image-fs-reserve"))
+        {
+            cmd.args(["--image-fs-reserve", "0"]);
+        }
+        cmd.args(&self.extra_args);
         cmd
     }
 

@@ -8,12 +8,15 @@
 //! kubelet simulator (pod workers, image pullers, back-off, deletion) that drives the daemon as
 //! the kubelet does in [`kubelet_sim`], with the environment its tests share in [`sim_env`],
 //! a minimal Kubernetes API server (pods list and watch) in [`apiserver`], an address whose
-//! connections hang in [`blackhole`], and how tests whose
-//! prerequisites are missing skip, or fail when CI must run them, in [`prereq`].
+//! connections hang in [`blackhole`], an address that is not the node's in [`far_host`], a
+//! listener that counts connections to the node in [`tripwire`], a daemon root on a small
+//! filesystem of its own in [`small_disk`], and how tests whose prerequisites are missing skip,
+//! or fail when CI must run them, in [`prereq`].
 
 pub mod apiserver;
 pub mod blackhole;
 pub mod daemon;
+pub mod far_host;
 pub mod images;
 pub mod kubelet_sim;
 pub mod nginx_cache;
@@ -27,5 +30,7 @@ pub mod registry;
 pub mod remotecommand;
 pub mod server;
 pub mod sim_env;
+pub mod small_disk;
 pub mod spdy;
+pub mod tripwire;
 pub mod websocket;

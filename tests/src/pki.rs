@@ -1,6 +1,7 @@
 //! Owns [`TestPki`]: a throwaway certificate authority for tests, with a server certificate for
-//! 127.0.0.1 and a client certificate for mutual TLS, written as PEM files into a directory, and
-//! more client certificates on demand ([`node_client_pem`]: a kubelet's, `CN=system:node:NAME`).
+//! 127.0.0.1 (and any other addresses asked for) and a client certificate for mutual TLS, written
+//! as PEM files into a directory, and more client certificates on demand ([`node_client_pem`]: a
+//! kubelet's, `CN=system:node:NAME`).
 
 use std::path::{Path, PathBuf};
 
@@ -27,6 +28,11 @@ impl TestPki {
     /// Generates a CA, a server certificate for `127.0.0.1` and a client certificate, and writes
     /// them into `dir` as `ca.pem`, `server.pem`, `server.key`, `client.pem` and `client.key`.
     pub fn create(dir: &Path) -> Result<TestPki> {
+        Self::create_for(dir, &[])
+    }
+
+    /// [`TestPki::create`] with a server certificate valid for `ips` too.
+    pub fn create_for(dir: &Path, ips: &[std::net::IpAddr]) -> Result<TestPki> {
         let ca_key = KeyPair::generate()?;
         let ca_key_pem = ca_key.serialize_pem();
         let ca = CertifiedIssuer::self_signed(ca_params()?, ca_key)?;
@@ -41,11 +47,11 @@ impl TestPki {
             ];
             sign(params, &ca)
         };
-        let (server_pem, server_key) = leaf(
-            "127.0.0.1",
-            vec!["127.0.0.1".into()],
-            ExtendedKeyUsagePurpose::ServerAuth,
-        )?;
+        let sans = std::iter::once("127.0.0.1".to_string())
+            .chain(ips.iter().map(ToString::to_string))
+            .collect();
+        let (server_pem, server_key) =
+            leaf("127.0.0.1", sans, ExtendedKeyUsagePurpose::ServerAuth)?;
         let (client_pem, client_key) = leaf(
             "minicri test node",
             vec![],

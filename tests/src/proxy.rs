@@ -1,7 +1,9 @@
 //! Owns [`Proxy`]: a fault-injecting HTTP/1.1 reverse proxy (hyper server and client) to put in
 //! front of a test registry, so pull tests can see and disturb what goes over the wire.
 //!
-//! It listens on 127.0.0.1 (a free port), forwards every request to the upstream registry
+//! It listens on 127.0.0.1 (a free port), or on a listener the test made (in another network
+//! namespace, say: [`Proxy::start_on`]), over plain http or over https with a test PKI's server
+//! certificate, and forwards every request to the upstream registry
 //! (method, path, query and headers, `Authorization` and `Range` included; `Location` headers
 //! that point at the upstream are rewritten to point at the proxy), and streams bodies through
 //! without buffering them. It records every request ([`RequestRecord`]) and counts the body
@@ -9,9 +11,11 @@
 //!
 //! Faults are switched at run time through [`Faults`] (cloneable, usable from any thread):
 //! rate limit, cut a connection after N body bytes, stall until released, ignore `Range`,
-//! corrupt a byte, fail with an HTTP status N times, refuse requests without a header (a mirror
+//! corrupt a byte, fail with an HTTP status N times, answer with a canned response (a redirect
+//! elsewhere, an auth challenge, a hostile error body), refuse requests without a header (a mirror
 //! that wants its own key), serve the API under another root than `/v2` (a mirror behind a
-//! path; the root is rewritten to `/v2` upstream). A blob GET is
+//! path; the root is rewritten to `/v2` upstream), send bytes past the end of a body (a
+//! registry serving a blob longer than it is, or endless bytes). A blob GET is
 //! `GET /v2/<name>/blobs/sha256:<hex>`; the body faults count bytes of each response body
 //! (a `Range` response body starts at 0 too).
 //!
@@ -148,6 +152,27 @@ impl<T> Rule<T> {
     }
 }
 
+/// The value of the first live rule matching `info`, consuming one of its times.
+fn take_rule<T: Clone>(rules: &mut [Rule<T>], info: &ReqInfo) -> Option<T> {
+    let rule = rules
+        .iter_mut()
+        .find(|r| r.live() && info.matches(&r.target))?;
+    rule.consume();
+    Some(rule.value.clone())
+}
+
+/// A response the proxy gives instead of asking the upstream.
+#[derive(Debug, Clone)]
+struct Canned {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Bytes,
+    /// Redirect to this base URL followed by the request's path and query.
+    redirect_base: Option<String>,
+    /// The fault's name in [`RequestRecord::faults`].
+    fault: &'static str,
+}
+
 #[derive(Debug, Default)]
 struct FaultState {
     rate_limit: Option<u64>,
@@ -157,7 +182,8 @@ struct FaultState {
     ignore_range: bool,
     cuts: Vec<Rule<u64>>,
     corrupts: Vec<Rule<u64>>,
-    failures: Vec<Rule<u16>>,
+    failures: Vec<Rule<Canned>>,
+    overlong: Vec<Rule<u64>>,
     stall: Option<(Target, u64)>,
     stalled_now: usize,
     stall_hits: u64,
@@ -240,10 +266,82 @@ impl Faults {
 
     /// Answers matching requests with `status` (e.g. 500, 503) without asking the upstream.
     pub fn fail(&self, target: Target, status: u16, times: Times) {
+        let body = format!(
+            "{{\"errors\":[{{\"code\":\"UNAVAILABLE\",\"message\":\"minicri test proxy: injected {status}\"}}]}}"
+        );
+        self.can(
+            target,
+            times,
+            Canned {
+                status,
+                headers: vec![("content-type".into(), "application/json".into())],
+                body: body.into(),
+                redirect_base: None,
+                fault: "fail",
+            },
+        );
+    }
+
+    /// Answers matching requests with `status`, `headers` and `body` without asking the upstream:
+    /// an auth challenge naming a realm, a redirect to a fixed URL, a hostile error page.
+    pub fn answer(
+        &self,
+        target: Target,
+        status: u16,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+        times: Times,
+    ) {
+        self.can(
+            target,
+            times,
+            Canned {
+                status,
+                headers: headers
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                body: body.into(),
+                redirect_base: None,
+                fault: "answer",
+            },
+        );
+    }
+
+    /// Redirects matching requests (307) to `base` (`scheme://host:port`) followed by the
+    /// request's own path and query, without asking the upstream.
+    pub fn redirect(&self, target: Target, base: &str, times: Times) {
+        self.can(
+            target,
+            times,
+            Canned {
+                status: 307,
+                headers: Vec::new(),
+                body: Bytes::new(),
+                redirect_base: Some(base.trim_end_matches('/').to_string()),
+                fault: "redirect",
+            },
+        );
+    }
+
+    fn can(&self, target: Target, times: Times, canned: Canned) {
         self.state().failures.push(Rule {
             target,
             remaining: times.remaining(),
-            value: status,
+            value: canned,
+        });
+    }
+
+    /// Sends `extra` bytes (0xee) after the end of a matching successful response body, with no
+    /// Content-Length (a chunked body): a registry serving a blob longer than it is, or, with a
+    /// large `extra`, endless bytes. The body's last 100 bytes and the first 100 extra ones go
+    /// out in one small chunk, so a reader gets bytes past the end in the same read as the
+    /// body's last ones. Used up when it fires.
+    pub fn append_after_body(&self, target: Target, extra: u64, times: Times) {
+        self.state().overlong.push(Rule {
+            target,
+            remaining: times.remaining(),
+            value: extra,
         });
     }
 
@@ -315,6 +413,7 @@ impl Faults {
             st.cuts.clear();
             st.corrupts.clear();
             st.failures.clear();
+            st.overlong.clear();
             st.stall = None;
             st.required_header = None;
             st.api_root = None;
@@ -322,15 +421,14 @@ impl Faults {
         self.inner.release.notify_waiters();
     }
 
-    /// Takes a failure rule for this request, if one matches.
-    fn take_failure(&self, info: &ReqInfo) -> Option<u16> {
-        let mut st = self.state();
-        let rule = st
-            .failures
-            .iter_mut()
-            .find(|r| r.live() && info.matches(&r.target))?;
-        rule.consume();
-        Some(rule.value)
+    /// Takes a canned answer for this request, if one matches.
+    fn take_failure(&self, info: &ReqInfo) -> Option<Canned> {
+        take_rule(&mut self.state().failures, info)
+    }
+
+    /// Takes an append-after-body rule for this request, if one matches.
+    fn take_overlong(&self, info: &ReqInfo) -> Option<u64> {
+        take_rule(&mut self.state().overlong, info)
     }
 
     fn ignore_range(&self, info: &ReqInfo) -> bool {
@@ -435,8 +533,8 @@ pub struct RequestRecord {
     pub digest: Option<String>,
     /// Whether the whole body went out.
     pub completed: bool,
-    /// Faults that hit this request: "fail", "range-ignored", "stall", "corrupt", "cut",
-    /// "rate-limit", "link-rate", "upstream-error".
+    /// Faults that hit this request: "fail", "answer", "redirect", "range-ignored", "stall",
+    /// "corrupt", "cut", "rate-limit", "link-rate", "upstream-error", "overlong".
     pub faults: Vec<String>,
 }
 
@@ -501,7 +599,8 @@ impl SharedStats {
 
 struct Shared {
     upstream: String,
-    proxy_addr: String,
+    /// `http://ADDR` or `https://ADDR`.
+    proxy_url: String,
     client: Client<HttpConnector, Incoming>,
     faults: Faults,
     stats: SharedStats,
@@ -510,6 +609,7 @@ struct Shared {
 /// A running proxy; see the module docs.
 pub struct Proxy {
     addr: SocketAddr,
+    tls: bool,
     upstream: String,
     faults: Faults,
     stats: SharedStats,
@@ -529,19 +629,31 @@ impl std::fmt::Debug for Proxy {
 impl Proxy {
     /// Starts a proxy to `upstream` ("127.0.0.1:PORT", as [`crate::registry::Registry::addr`]).
     pub fn start(upstream: &str) -> io::Result<Proxy> {
+        Self::start_on(upstream, std::net::TcpListener::bind("127.0.0.1:0")?, None)
+    }
+
+    /// Starts a proxy to `upstream` serving `listener`, over https with `tls`'s server
+    /// certificate when given (its upstream connections are made from the test's network
+    /// namespace, whatever namespace `listener` is in).
+    pub fn start_on(
+        upstream: &str,
+        listener: std::net::TcpListener,
+        tls: Option<&crate::pki::TestPki>,
+    ) -> io::Result<Proxy> {
         let upstream = upstream
             .trim_start_matches("http://")
             .trim_end_matches('/')
             .to_string();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let acceptor = tls.map(tls_acceptor).transpose()?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
+        let scheme = if acceptor.is_some() { "https" } else { "http" };
         let faults = Faults::default();
         let stats = SharedStats::default();
         let (shutdown_tx, shutdown_rx) = oneshot::channel();
         let shared = Shared {
             upstream: upstream.clone(),
-            proxy_addr: addr.to_string(),
+            proxy_url: format!("{scheme}://{addr}"),
             client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
             faults: faults.clone(),
             stats: stats.clone(),
@@ -552,11 +664,12 @@ impl Proxy {
         let thread = thread::Builder::new()
             .name(format!("proxy-{}", addr.port()))
             .spawn(move || {
-                runtime.block_on(serve(listener, Arc::new(shared), shutdown_rx));
+                runtime.block_on(serve(listener, acceptor, Arc::new(shared), shutdown_rx));
                 runtime.shutdown_timeout(Duration::from_secs(1));
             })?;
         Ok(Proxy {
             addr,
+            tls: tls.is_some(),
             upstream,
             faults,
             stats,
@@ -565,14 +678,16 @@ impl Proxy {
         })
     }
 
-    /// `127.0.0.1:PORT` of the proxy: use it as the registry host of image references.
+    /// `127.0.0.1:PORT` of the proxy (or the address of its listener): use it as the registry
+    /// host of image references.
     pub fn addr(&self) -> String {
         self.addr.to_string()
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// `http://127.0.0.1:PORT` (`https://` with TLS).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// The upstream `host:port`.
@@ -661,8 +776,24 @@ impl Drop for Proxy {
     }
 }
 
+/// A TLS acceptor with `pki`'s server certificate (HTTP/1.1, no client certificate).
+fn tls_acceptor(pki: &crate::pki::TestPki) -> io::Result<tokio_rustls::TlsAcceptor> {
+    use tokio_rustls::rustls::pki_types::pem::PemObject as _;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_file_iter(&pki.server_cert)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(io::Error::other)?;
+    let key = PrivateKeyDer::from_pem_file(&pki.server_key).map_err(io::Error::other)?;
+    let config = tokio_rustls::rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(io::Error::other)?;
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
 async fn serve(
     listener: std::net::TcpListener,
+    acceptor: Option<tokio_rustls::TlsAcceptor>,
     shared: Arc<Shared>,
     mut shutdown: oneshot::Receiver<()>,
 ) {
@@ -681,14 +812,20 @@ async fn serve(
                 let Ok((stream, _)) = accepted else { continue };
                 let _ = stream.set_nodelay(true);
                 let shared = shared.clone();
+                let acceptor = acceptor.clone();
                 connections.spawn(async move {
                     let service = hyper::service::service_fn(move |req| {
                         let shared = shared.clone();
                         async move { Ok::<_, Infallible>(handle(shared, req).await) }
                     });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
+                    let http = hyper::server::conn::http1::Builder::new();
+                    let _ = match acceptor {
+                        None => http.serve_connection(TokioIo::new(stream), service).await,
+                        Some(acceptor) => match acceptor.accept(stream).await {
+                            Ok(tls) => http.serve_connection(TokioIo::new(tls), service).await,
+                            Err(_) => return,
+                        },
+                    };
                 });
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
@@ -801,18 +938,30 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBo
         return full(StatusCode::FORBIDDEN, body);
     }
 
-    if let Some(status) = shared.faults.take_failure(&info) {
-        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
-        let body = format!(
-            "{{\"errors\":[{{\"code\":\"UNAVAILABLE\",\"message\":\"minicri test proxy: injected {}\"}}]}}",
-            status.as_u16()
-        );
+    if let Some(canned) = shared.faults.take_failure(&info) {
+        let status = StatusCode::from_u16(canned.status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
         record.status = status.as_u16();
-        record.bytes_sent = body.len() as u64;
+        record.bytes_sent = canned.body.len() as u64;
         record.completed = true;
-        record.faults.push("fail".into());
+        record.faults.push(canned.fault.into());
         shared.stats.push(record);
-        return full(status, body);
+        let mut resp = full(status, canned.body);
+        resp.headers_mut().remove(header::CONTENT_TYPE);
+        let location = canned.redirect_base.map(|base| format!("{base}{path}"));
+        let headers = canned
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .chain(location.as_deref().map(|l| ("location", l)));
+        for (name, value) in headers {
+            if let (Ok(n), Ok(v)) = (
+                header::HeaderName::from_bytes(name.as_bytes()),
+                HeaderValue::from_str(value),
+            ) {
+                resp.headers_mut().append(n, v);
+            }
+        }
+        return resp;
     }
 
     let (mut parts, body) = req.into_parts();
@@ -856,12 +1005,22 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBo
         .get(header::LOCATION)
         .and_then(|v| v.to_str().ok())
         && let Some(rest) = location.strip_prefix(&upstream_prefix)
-        && let Ok(v) = HeaderValue::from_str(&format!("http://{}{}", shared.proxy_addr, rest))
+        && let Ok(v) = HeaderValue::from_str(&format!("{}{}", shared.proxy_url, rest))
     {
         parts.headers.insert(header::LOCATION, v);
     }
     record.status = parts.status.as_u16();
     let faultable = parts.status.is_success();
+    let overlong = if faultable {
+        shared.faults.take_overlong(&info).unwrap_or(0)
+    } else {
+        0
+    };
+    if overlong > 0 {
+        // The body's end is where the stream ends: hyper sends it chunked.
+        parts.headers.remove(header::CONTENT_LENGTH);
+        record.faults.push("overlong".into());
+    }
     let blob = info
         .blob_get()
         .filter(|_| parts.status.is_success())
@@ -898,6 +1057,8 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBo
         idx,
         expected_len,
         rate_window: None,
+        overlong,
+        tail: None,
     };
     let stream = futures::stream::unfold(state, |mut st| async move {
         let item = st.next_frame().await?;
@@ -932,7 +1093,15 @@ struct BodyState {
     expected_len: Option<u64>,
     /// (rate, start, bytes sent since start) of the current rate-limited stretch.
     rate_window: Option<(u64, Instant, u64)>,
+    /// Bytes still to send after the upstream body's end ([`Faults::append_after_body`]).
+    overlong: u64,
+    /// The body's last bytes with the first extra ones, sent after `pending`.
+    tail: Option<Bytes>,
 }
+
+/// Bytes of the body, and of the extra bytes, that [`Faults::append_after_body`] sends in one
+/// chunk.
+const OVERLONG_TAIL: u64 = 100;
 
 impl BodyState {
     async fn next_frame(&mut self) -> Option<Result<Frame<Bytes>, BoxError>> {
@@ -940,8 +1109,19 @@ impl BodyState {
             return None;
         }
         loop {
+            if self.pending.is_empty()
+                && let Some(tail) = self.tail.take()
+            {
+                self.pending = tail;
+                continue;
+            }
             if self.pending.is_empty() {
                 match self.body.frame().await {
+                    None if self.overlong > 0 => {
+                        let n = self.overlong.min(64 * 1024);
+                        self.overlong -= n;
+                        self.pending = Bytes::from(vec![0xee; n as usize]);
+                    }
                     None => {
                         self.done = true;
                         self.stats.complete(self.idx);
@@ -952,6 +1132,20 @@ impl BodyState {
                         return Some(Err(Box::new(e)));
                     }
                     Some(Ok(frame)) => match frame.into_data() {
+                        Ok(data)
+                            if self.overlong > 0
+                                && hyper::body::Body::is_end_stream(&self.body) =>
+                        {
+                            // The last bytes of the body with the first extra ones, in a frame
+                            // of their own.
+                            let keep = data.len().saturating_sub(OVERLONG_TAIL as usize);
+                            let n = self.overlong.min(OVERLONG_TAIL);
+                            self.overlong -= n;
+                            let mut tail = BytesMut::from(&data[keep..]);
+                            tail.extend(std::iter::repeat_n(0xee, n as usize));
+                            self.tail = Some(tail.freeze());
+                            self.pending = data.slice(..keep);
+                        }
                         Ok(data) => self.pending = data,
                         // Trailers are not forwarded (registries send none).
                         Err(_) => continue,

@@ -24,6 +24,7 @@ use minicri_tests::pod_rpc::{
     run_container, run_pod, stop_and_remove_pod, stop_container, stop_pod_sandbox,
 };
 use minicri_tests::registry::Registry;
+use minicri_tests::small_disk::SmallDisk;
 
 fn spec(image: &str) -> Option<cri::ImageSpec> {
     Some(cri::ImageSpec {
@@ -918,50 +919,6 @@ async fn sigkill_during_unpack_leaves_no_half_snapshot() {
     assert_eq!(snaps.len(), 2);
     let files: usize = snaps.iter().map(|s| walk_count(&snapshots.join(s))).sum();
     assert!(files > 30_000, "only {files} entries unpacked");
-}
-
-/// The daemon's root on a tmpfs of `mib` MiB (mounted over its root while it is stopped);
-/// unmounted when dropped.
-struct SmallDisk {
-    root: PathBuf,
-}
-
-impl SmallDisk {
-    async fn under(d: &mut Daemon, mib: u64) -> SmallDisk {
-        d.stop().expect("stop");
-        let root = d.root();
-        std::fs::remove_dir_all(&root).unwrap();
-        std::fs::create_dir_all(&root).unwrap();
-        let status = std::process::Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={mib}m,mode=0700"),
-                "tmpfs",
-            ])
-            .arg(&root)
-            .status()
-            .unwrap();
-        assert!(status.success(), "mount tmpfs");
-        d.restart().await.expect("restart on the small disk");
-        SmallDisk { root }
-    }
-
-    fn grow(&self, mib: u64) {
-        let status = std::process::Command::new("mount")
-            .args(["-o", &format!("remount,size={mib}m"), "tmpfs"])
-            .arg(&self.root)
-            .status()
-            .unwrap();
-        assert!(status.success(), "remount tmpfs");
-    }
-}
-
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let _ = nix::mount::umount2(&self.root, nix::mount::MntFlags::MNT_DETACH);
-    }
 }
 
 async fn pull_result(d: &Daemon, image: &str) -> Result<String, tonic::Status> {

@@ -390,3 +390,30 @@ async fn proxy_streams_a_big_blob_and_a_resume_moves_only_the_rest() {
     );
     assert_eq!(proxy.blob_requests(&layer.digest).len(), 2);
 }
+
+/// A body made longer than the blob: the blob's bytes, then the extra bytes, with no
+/// Content-Length; ranged answers too; used up after the times given.
+#[tokio::test]
+async fn append_after_body_sends_bytes_past_the_end() {
+    let s = Setup::new().await;
+    let layer = s.layer().clone();
+    s.proxy
+        .faults()
+        .append_after_body(Target::Blob(layer.digest.clone()), 100_000, Times::N(2));
+    let resp = s.http.get(s.blob_url(&layer.digest)).send().await.unwrap();
+    assert!(resp.content_length().is_none(), "no Content-Length");
+    let body = resp.bytes().await.unwrap();
+    assert_eq!(body.len() as u64, layer.size + 100_000);
+    assert_eq!(sha256_digest(&body[..layer.size as usize]), layer.digest);
+    assert!(body[layer.size as usize..].iter().all(|&b| b == 0xee));
+    let (status, body) = s.get(&layer.digest, Some("bytes=10-19")).await.unwrap();
+    assert_eq!((status, body.len()), (206, 10 + 100_000));
+    let (_, body) = s.get(&layer.digest, None).await.unwrap();
+    assert_eq!(body.len() as u64, layer.size, "used up");
+    assert_eq!(
+        s.proxy.bytes_served(&layer.digest),
+        2 * layer.size + 10 + 200_000
+    );
+    let records = s.proxy.blob_requests(&layer.digest);
+    assert!(records[0].faults.contains(&"overlong".to_string()));
+}

@@ -33,6 +33,22 @@ pub fn to_cri_image(r: &ImageRecord) -> cri::Image {
     }
 }
 
+/// The pod annotation that sets a pod's share of the node's transfer connections
+/// (docs/pulls.md).
+pub const PULL_PRIORITY_ANNOTATION: &str = "pull.minicri.io/priority";
+
+/// A pod's weight in the transfer scheduler: `low` halves its share, `high` doubles it, but only
+/// for pods of the namespaces the operator allowed (`pull_priority_namespaces`): whoever writes a
+/// pod may yield, not take from others. Anything else is the normal weight.
+fn pull_weight(namespace: &str, annotations: &HashMap<String, String>, allowed: &[String]) -> u32 {
+    use minicri_store::sched::NORMAL_WEIGHT;
+    match annotations.get(PULL_PRIORITY_ANNOTATION).map(|v| v.trim()) {
+        Some("low") => NORMAL_WEIGHT / 2,
+        Some("high") if allowed.iter().any(|n| n == namespace) => NORMAL_WEIGHT * 2,
+        _ => NORMAL_WEIGHT,
+    }
+}
+
 fn image_name(spec: Option<&cri::ImageSpec>) -> &str {
     spec.map(|s| s.image.as_str()).unwrap_or("")
 }
@@ -121,11 +137,20 @@ impl ImageService for ImageHandler {
             let name = require_name(req.image.as_ref())?;
             let creds = credentials(req.auth);
             // A pull for a pod is that pod's sandbox's reference; any other is the call's own.
-            let requester = match req.sandbox_config.and_then(|c| c.metadata) {
+            let (metadata, annotations) = match req.sandbox_config {
+                Some(c) => (c.metadata, c.annotations),
+                None => (None, HashMap::new()),
+            };
+            let requester = match metadata {
                 Some(m) => {
                     // A stopped sandbox's pulls are refused by the pull manager.
                     let sandbox = self.daemon.pods.sandbox_of_pod(&m.uid, m.attempt);
-                    Requester::pod(
+                    let weight = pull_weight(
+                        &m.namespace,
+                        &annotations,
+                        &self.daemon.config.pull_priority_namespaces,
+                    );
+                    let mut r = Requester::pod(
                         PodRef {
                             namespace: m.namespace,
                             name: m.name,
@@ -133,7 +158,9 @@ impl ImageService for ImageHandler {
                             attempt: m.attempt,
                         },
                         sandbox,
-                    )
+                    );
+                    r.weight = weight;
+                    r
                 }
                 None => Requester::anonymous(),
             };
@@ -181,5 +208,45 @@ impl ImageService for ImageHandler {
             })
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use minicri_store::sched::NORMAL_WEIGHT;
+
+    #[test]
+    fn a_pod_may_lower_its_pull_priority_and_raise_it_only_where_allowed() {
+        let with = |v: &str| HashMap::from([(PULL_PRIORITY_ANNOTATION.to_string(), v.to_string())]);
+        let allowed = vec!["kube-system".to_string()];
+        assert_eq!(
+            pull_weight("default", &HashMap::new(), &allowed),
+            NORMAL_WEIGHT
+        );
+        assert_eq!(
+            pull_weight("default", &with("low"), &allowed),
+            NORMAL_WEIGHT / 2
+        );
+        assert_eq!(
+            pull_weight("default", &with("high"), &allowed),
+            NORMAL_WEIGHT
+        );
+        assert_eq!(
+            pull_weight("kube-system", &with("high"), &allowed),
+            2 * NORMAL_WEIGHT
+        );
+        assert_eq!(
+            pull_weight("kube-system", &with("low"), &allowed),
+            NORMAL_WEIGHT / 2
+        );
+        assert_eq!(
+            pull_weight("kube-system", &with("urgent"), &allowed),
+            NORMAL_WEIGHT
+        );
+        assert_eq!(
+            pull_weight("kube-system", &with("high"), &[]),
+            NORMAL_WEIGHT
+        );
     }
 }

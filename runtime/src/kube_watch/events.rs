@@ -72,6 +72,8 @@ struct Progress {
     total: u64,
     /// Bytes per second now.
     rate: f64,
+    /// Transfer connections it holds now.
+    connections: usize,
 }
 
 impl Progress {
@@ -79,7 +81,7 @@ impl Progress {
         format!(
             "Downloading image \"{}\": {}",
             self.image,
-            progress_text(self.done, self.total, self.rate)
+            progress_text(self.done, self.total, self.rate, self.connections)
         )
     }
 }
@@ -88,12 +90,9 @@ impl Progress {
 fn pulling(jobs: &[JobSnapshot], pods: &PodCache) -> Vec<Progress> {
     let mut by_pod: HashMap<String, Progress> = HashMap::new();
     for job in jobs.iter().filter(|j| j.state == "downloading") {
-        let rate = job
-            .parts
-            .iter()
-            .filter(|p| p.state == "downloading")
-            .map(|p| p.bytes_per_second)
-            .sum();
+        let downloading = || job.parts.iter().filter(|p| p.state == "downloading");
+        let rate = downloading().map(|p| p.bytes_per_second).sum();
+        let connections = downloading().map(|p| p.connections).sum();
         for r in &job.requesters {
             let Some(pod) = &r.requester.pod else {
                 continue;
@@ -110,6 +109,7 @@ fn pulling(jobs: &[JobSnapshot], pods: &PodCache) -> Vec<Progress> {
                 done: job.bytes_done,
                 total: job.bytes_total,
                 rate,
+                connections,
             };
             by_pod
                 .entry(p.uid.clone())
@@ -429,6 +429,7 @@ mod tests {
             done: 460 << 20,
             total: 1 << 30,
             rate: 38.0 * 1048576.0,
+            connections: 4,
         }
     }
 

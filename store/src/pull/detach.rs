@@ -265,9 +265,10 @@ pub fn human_bytes(b: f64) -> String {
 }
 
 /// How far a download is, for people: `45% (460.2 MiB of 1.0 GiB) at 38.1 MiB/s, about 15s
-/// left` (`rate`: bytes per second now), `resolving its layers` before its size is known, and
-/// `100% (1.0 GiB), unpacking` once every byte is in.
-pub fn progress_text(done: u64, total: u64, rate: f64) -> String {
+/// left` (`rate`: bytes per second now; `connections`: the transfer connections it holds now),
+/// `resolving its layers` before its size is known, and `100% (1.0 GiB), unpacking` once every
+/// byte is in.
+pub fn progress_text(done: u64, total: u64, rate: f64, connections: usize) -> String {
     if total == 0 {
         return "resolving its layers".to_string();
     }
@@ -286,6 +287,8 @@ pub fn progress_text(done: u64, total: u64, rate: f64) -> String {
             human_bytes(rate),
             human_duration(total.saturating_sub(done) as f64 / rate)
         ));
+    } else if connections == 0 {
+        s.push_str(", waiting for a transfer connection (the node's are shared between pods)");
     } else {
         s.push_str(", waiting for bytes");
     }
@@ -373,7 +376,7 @@ impl PullManager {
     /// What the kubelet shows in the pod's events (`Failed to pull image "…": <this>`).
     fn detach_message(&self, job: &Job, reference: &Reference, sandbox: &str) -> String {
         let b = job.bytes();
-        let progress = progress_text(b.done, b.total, b.rate);
+        let progress = progress_text(b.done, b.total, b.rate, b.connections);
         let window = self.config.detach_after.unwrap_or_default();
         format!(
             "image {reference} is still downloading in the background: {progress}. The pod \
@@ -638,14 +641,18 @@ mod tests {
         assert_eq!(human_duration(200.0), "3m20s");
         assert_eq!(human_duration(3900.0), "1h05m");
         assert_eq!(
-            progress_text(460 << 20, 1 << 30, 38.0 * 1048576.0),
+            progress_text(460 << 20, 1 << 30, 38.0 * 1048576.0, 4),
             "45% (460.0 MiB of 1.0 GiB) at 38.0 MiB/s, about 15s left"
         );
         assert_eq!(
-            progress_text(0, 10, 0.0),
+            progress_text(0, 10, 0.0, 1),
             "0% (0 B of 10 B), waiting for bytes"
         );
-        assert_eq!(progress_text(0, 0, 0.0), "resolving its layers");
-        assert_eq!(progress_text(10, 10, 0.0), "100% (10 B), unpacking");
+        assert_eq!(
+            progress_text(0, 10, 0.0, 0),
+            "0% (0 B of 10 B), waiting for a transfer connection (the node's are shared between pods)"
+        );
+        assert_eq!(progress_text(0, 0, 0.0, 0), "resolving its layers");
+        assert_eq!(progress_text(10, 10, 0.0, 0), "100% (10 B), unpacking");
     }
 }

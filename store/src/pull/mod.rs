@@ -27,6 +27,7 @@
 
 pub mod detach;
 mod procedure;
+pub use procedure::{DEFAULT_MAX_BLOB_SIZE, MAX_BLOB_BYTES};
 
 pub use procedure::{MAX_CONFIG_BYTES, MAX_LAYERS, parse_manifest};
 
@@ -49,6 +50,7 @@ use crate::images::{ImageRecord, ImageStore, Removed};
 use crate::manifest::Platform;
 use crate::reference::Reference;
 use crate::registry::{Credentials, FetchedManifest, Registry, Session};
+use crate::sched::{Demand, NORMAL_WEIGHT};
 
 use detach::{Hold, SyncBudgets};
 
@@ -68,12 +70,13 @@ pub struct PullConfig {
     /// ahead of their parent: one pull keeps its whole window, and many pulls at once add no
     /// more than that to their layers applied in order.
     pub max_concurrent_unpacks: usize,
-    /// Requests transferring blob bytes at once on the node (a blob fetched over several
-    /// ranged requests holds one per request).
-    pub max_concurrent_transfers: usize,
+    /// Requests transferring blob bytes at once on the node, shared fairly between requesters
+    /// ([`crate::sched`]), and the lane of small blobs.
+    pub transfers: crate::blobs::TransferConfig,
     /// How a large blob is split over several ranged requests.
     pub ranged: crate::blobs::RangedFetch,
-    /// A job that receives no byte for this long drops every reference (`None`: never).
+    /// A job that receives no byte for this long while it has a transfer running drops every
+    /// reference (`None`: never). Time spent waiting for a transfer slot does not count.
     pub progress_timeout: Option<Duration>,
     /// Bytes per second a job with something left to download must receive, averaged over each
     /// `progress_timeout` window, or every reference is dropped (`None`: no minimum). Catches a
@@ -86,6 +89,8 @@ pub struct PullConfig {
     /// Where holds are recorded so that a restarted daemon resumes their downloads (`None`:
     /// not recorded).
     pub holds_dir: Option<PathBuf>,
+    /// Largest blob a descriptor may claim; a larger one is refused before any byte is fetched.
+    pub max_blob_size: u64,
 }
 
 impl Default for PullConfig {
@@ -94,12 +99,13 @@ impl Default for PullConfig {
             platform: Platform::parse("linux/amd64").expect("valid"),
             max_concurrent_layers: 3,
             max_concurrent_unpacks: 4,
-            max_concurrent_transfers: 8,
+            transfers: Default::default(),
             ranged: Default::default(),
             progress_timeout: Some(Duration::from_secs(60)),
             min_speed: Some(DEFAULT_MIN_SPEED),
             detach_after: Some(Duration::from_secs(30)),
             holds_dir: None,
+            max_blob_size: DEFAULT_MAX_BLOB_SIZE,
         }
     }
 }
@@ -122,6 +128,9 @@ pub struct Requester {
     pub pod: Option<PodRef>,
     /// Unique per call for calls made on behalf of no pod.
     pub call_id: u64,
+    /// Its share of the node's transfer connections relative to others
+    /// ([`crate::sched::NORMAL_WEIGHT`] by default).
+    pub weight: u32,
 }
 
 static NEXT_CALL: AtomicU64 = AtomicU64::new(1);
@@ -133,6 +142,7 @@ impl Requester {
             sandbox_id: None,
             pod: None,
             call_id: NEXT_CALL.fetch_add(1, Ordering::Relaxed),
+            weight: NORMAL_WEIGHT,
         }
     }
 
@@ -142,6 +152,7 @@ impl Requester {
             sandbox_id,
             pod: Some(pod),
             call_id: NEXT_CALL.fetch_add(1, Ordering::Relaxed),
+            weight: NORMAL_WEIGHT,
         }
     }
 
@@ -221,6 +232,9 @@ struct Job {
     parts: Mutex<Vec<Part>>,
     /// Notified when a part's download registers (the unpack waits for it).
     parts_changed: tokio::sync::Notify,
+    /// The requesters, for the transfer scheduler: kept equal to `requesters`' keys (and their
+    /// weights) under its lock.
+    demand: Arc<Demand>,
     /// The registry sessions of the requesters that resolved the image, one per source: a blob
     /// download that fails with one goes on with the next.
     sessions: Mutex<Vec<Arc<Session>>>,
@@ -235,8 +249,12 @@ struct JobBytes {
     total: u64,
     downloaded: u64,
     resumed: u64,
+    /// Bytes downloaded again from byte 0 after resumed data failed its digest.
+    refetched: u64,
     /// Network bytes per second of the blobs downloading now.
     rate: f64,
+    /// Requests transferring the job's blobs now.
+    connections: usize,
 }
 
 impl Job {
@@ -247,7 +265,9 @@ impl Job {
             total: 0,
             downloaded: 0,
             resumed: 0,
+            refetched: 0,
             rate: 0.0,
+            connections: 0,
         };
         for p in parts.iter() {
             b.total += p.size;
@@ -255,12 +275,21 @@ impl Job {
                 b.done += pr.done();
                 b.downloaded += pr.downloaded();
                 b.resumed += pr.resumed_from();
+                b.refetched += pr.refetched();
                 if pr.state() == BlobState::Downloading {
                     b.rate += pr.speed();
+                    b.connections += pr.connections();
                 }
             }
         }
         b
+    }
+
+    /// Hands the requesters (and their weights) to the transfer scheduler; call under the
+    /// `requesters` lock after a change.
+    fn sync_demand(&self, reqs: &HashMap<String, RequesterEntry>) {
+        self.demand
+            .set(reqs.iter().map(|(k, e)| (k.clone(), e.info.weight)));
     }
 
     fn finished(&self) -> bool {
@@ -288,6 +317,10 @@ pub struct PartSnapshot {
     pub bytes_per_second: f64,
     /// The endpoint the bytes come from (or last came from); empty before the first request.
     pub source: String,
+    /// Requests transferring the blob now (0: waiting for a transfer slot).
+    pub connections: usize,
+    /// Bytes downloaded again from byte 0 after resumed data failed the digest.
+    pub refetched: u64,
 }
 
 /// A job's progress, for the admin API.
@@ -323,6 +356,9 @@ pub struct PullCounters {
     pub bytes_downloaded: AtomicU64,
     /// Bytes found on disk from earlier attempts and not downloaded again.
     pub bytes_resumed: AtomicU64,
+    /// Bytes downloaded again from byte 0 after resumed data failed the digest (part of
+    /// `bytes_downloaded`).
+    pub bytes_refetched: AtomicU64,
     /// References dropped by aborts: stopped sandboxes, deleted pods, operators, the watchdog.
     pub references_aborted: AtomicU64,
     /// Pulls refused because their sandbox was stopped or their pod deleted.
@@ -391,11 +427,7 @@ impl PullManager {
         config: PullConfig,
         snapshotter: Option<Arc<dyn Snapshotter>>,
     ) -> Arc<PullManager> {
-        let blobs = BlobDownloads::new(
-            content.clone(),
-            config.max_concurrent_transfers,
-            config.ranged,
-        );
+        let blobs = BlobDownloads::new(content.clone(), config.transfers, config.ranged);
         let budgets = SyncBudgets::new(config.detach_after);
         let ahead = config.max_concurrent_unpacks.saturating_sub(1);
         Arc::new(PullManager {
@@ -697,6 +729,7 @@ impl PullManager {
                     joined: AtomicUsize::new(0),
                     parts: Mutex::new(Vec::new()),
                     parts_changed: tokio::sync::Notify::new(),
+                    demand: Demand::new(),
                     sessions: Mutex::new(Vec::new()),
                     result: watch::Sender::new(None),
                     started: Instant::now(),
@@ -764,10 +797,12 @@ impl PullManager {
             if e.info.sandbox_id.is_none() {
                 e.info.sandbox_id = requester.sandbox_id.clone();
             }
+            e.info.weight = requester.weight;
             match joining {
                 Joining::Call => e.calls += 1,
                 Joining::Hold(h) => e.hold = Some(*h),
             }
+            job.sync_demand(&reqs);
         }
         job.joined.fetch_add(1, Ordering::Relaxed);
         if !is_call {
@@ -863,6 +898,7 @@ impl PullManager {
             e.calls -= 1;
             if !e.in_use() {
                 reqs.remove(key);
+                job.sync_demand(&reqs);
             }
         }
         Self::stop_if_unwanted(&mut jobs, job, &reqs);
@@ -936,6 +972,7 @@ impl PullManager {
                 dropped += 1;
             }
             reqs.retain(|_, e| e.in_use());
+            job.sync_demand(&reqs);
             Self::stop_if_unwanted(&mut jobs, job, &reqs);
         }
         for h in ended {
@@ -992,6 +1029,8 @@ impl PullManager {
         c.bytes_downloaded
             .fetch_add(bytes.downloaded, Ordering::Relaxed);
         c.bytes_resumed.fetch_add(bytes.resumed, Ordering::Relaxed);
+        c.bytes_refetched
+            .fetch_add(bytes.refetched, Ordering::Relaxed);
         tracing::info!(
             job = job.id,
             image = %job.reference,
@@ -999,6 +1038,7 @@ impl PullManager {
             bytes_total = bytes.total,
             bytes_downloaded = bytes.downloaded,
             bytes_resumed = bytes.resumed,
+            bytes_refetched = bytes.refetched,
             requesters_joined = job.joined.load(Ordering::Relaxed),
             duration_ms = job.started.elapsed().as_millis() as u64,
             "pull job finished"
@@ -1034,49 +1074,83 @@ impl PullManager {
         }
     }
 
-    /// Drops every reference of a job that received no byte for `timeout` while it still had bytes
-    /// to download, or (with a `min_speed`) fewer than `min_speed` bytes per second over a window
-    /// of `timeout`. Once every byte is in, the time the unpack and its sync take is not the
-    /// network's: a large last layer on a slow disk may take minutes after its last byte.
+    /// Drops every reference of a job whose transfers ran for `timeout` without a byte, or (with a
+    /// `min_speed`) received fewer than `min_speed` bytes per second of transfer time over a
+    /// window of `timeout` ([`Watchdog`]). Only time with a transfer of the job running counts:
+    /// waiting for a transfer slot, for the registry to resolve the image, or for the unpack and
+    /// its sync after the last byte is not the network's doing.
     async fn watchdog(&self, job: Arc<Job>, timeout: Duration, min_speed: Option<u64>) {
         let tick = (timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
-        let first = job.bytes();
-        let mut last = first.done;
-        let mut since = Instant::now();
-        let mut window = (Instant::now(), first.downloaded);
+        let mut dog = Watchdog::new(timeout, min_speed, &job.bytes());
+        let mut last = Instant::now();
         loop {
             tokio::time::sleep(tick).await;
-            let b = job.bytes();
-            let mut reason = None;
-            if b.done != last || (b.total > 0 && b.done >= b.total) {
-                last = b.done;
-                since = Instant::now();
-            } else if since.elapsed() >= timeout {
-                reason = Some(format!(
-                    "no progress for {timeout:?} (pull_progress_timeout)"
-                ));
-            }
-            let elapsed = window.0.elapsed();
-            if let Some(min) = min_speed
-                && reason.is_none()
-                && elapsed >= timeout
-            {
-                let got = b.downloaded.saturating_sub(window.1);
-                let need = (min as f64 * elapsed.as_secs_f64()) as u64;
-                if b.done < b.total && got < need {
-                    reason = Some(format!(
-                        "{got} bytes received in {elapsed:.0?}, below the minimum of {min} bytes/s \
-                         (pull_min_speed)"
-                    ));
-                }
-                window = (Instant::now(), b.downloaded);
-            }
-            if let Some(reason) = reason {
+            let now = Instant::now();
+            let verdict = dog.observe(now - last, &job.bytes());
+            last = now;
+            if let Some(reason) = verdict {
                 tracing::warn!(job = job.id, image = %job.reference, "{reason}; dropping every requester");
                 self.drop_requesters(&job, &reason, |_| true);
                 return;
             }
         }
+    }
+}
+
+/// The progress watchdog's judgement of a job, from its bytes sampled over time.
+struct Watchdog {
+    timeout: Duration,
+    min_speed: Option<u64>,
+    last_done: u64,
+    /// Transfer time since the last byte arrived.
+    idle: Duration,
+    /// Transfer time in the current speed window, and the bytes downloaded when it began.
+    window: (Duration, u64),
+}
+
+impl Watchdog {
+    fn new(timeout: Duration, min_speed: Option<u64>, first: &JobBytes) -> Watchdog {
+        Watchdog {
+            timeout,
+            min_speed,
+            last_done: first.done,
+            idle: Duration::ZERO,
+            window: (Duration::ZERO, first.downloaded),
+        }
+    }
+
+    /// `dt` passed and the job's bytes are now `b`: the reason to drop its requesters, if any.
+    fn observe(&mut self, dt: Duration, b: &JobBytes) -> Option<String> {
+        let complete = b.total > 0 && b.done >= b.total;
+        let transferring = b.connections > 0 && !complete;
+        if b.done != self.last_done || complete {
+            self.last_done = b.done;
+            self.idle = Duration::ZERO;
+        } else if transferring {
+            self.idle += dt;
+            if self.idle >= self.timeout {
+                return Some(format!(
+                    "no progress: no byte in {:?} of transfers (pull_progress_timeout)",
+                    self.timeout
+                ));
+            }
+        }
+        let min = self.min_speed?;
+        if transferring {
+            self.window.0 += dt;
+        }
+        if self.window.0 < self.timeout {
+            return None;
+        }
+        let (spent, from) = std::mem::replace(&mut self.window, (Duration::ZERO, b.downloaded));
+        let got = b.downloaded.saturating_sub(from);
+        let need = (min as f64 * spent.as_secs_f64()) as u64;
+        (!complete && got < need).then(|| {
+            format!(
+                "{got} bytes received in {spent:.0?} of transfers, below the minimum of {min} \
+                 bytes/s (pull_min_speed)"
+            )
+        })
     }
 }
 
@@ -1099,6 +1173,8 @@ fn snapshot(j: &Job) -> JobSnapshot {
                 state: pr.state().as_str().to_string(),
                 bytes_per_second: pr.speed(),
                 source: pr.source().unwrap_or_default(),
+                connections: pr.connections(),
+                refetched: pr.refetched(),
             },
             None => PartSnapshot {
                 digest: p.digest.to_string(),
@@ -1108,6 +1184,8 @@ fn snapshot(j: &Job) -> JobSnapshot {
                 state: "waiting".into(),
                 bytes_per_second: 0.0,
                 source: String::new(),
+                connections: 0,
+                refetched: 0,
             },
         })
         .collect();
@@ -1221,6 +1299,78 @@ mod tests {
             chain_id: Some(applied.chain_id),
             pulled_at: chrono::Utc::now(),
         }
+    }
+
+    fn bytes(done: u64, total: u64, connections: usize) -> JobBytes {
+        JobBytes {
+            done,
+            total,
+            downloaded: done,
+            resumed: 0,
+            refetched: 0,
+            rate: 0.0,
+            connections,
+        }
+    }
+
+    /// Feeds the watchdog `secs` one-second samples; the second its verdict came, if it did.
+    fn run(dog: &mut Watchdog, secs: u64, mut at: impl FnMut(u64) -> JobBytes) -> Option<u64> {
+        (1..=secs).find(|&t| dog.observe(Duration::from_secs(1), &at(t)).is_some())
+    }
+
+    #[test]
+    fn waiting_for_a_transfer_slot_is_not_a_stall() {
+        let t = Duration::from_secs(10);
+        let mut dog = Watchdog::new(t, Some(1024), &bytes(0, 100, 0));
+        assert_eq!(run(&mut dog, 600, |_| bytes(0, 100, 0)), None);
+        // Then a transfer runs and nothing arrives: judged on the transfer's time only.
+        assert_eq!(run(&mut dog, 600, |_| bytes(0, 100, 1)), Some(10));
+    }
+
+    #[test]
+    fn only_transfer_time_without_a_byte_counts() {
+        let t = Duration::from_secs(10);
+        let mut dog = Watchdog::new(t, None, &bytes(5, 100, 1));
+        // Slots taken back every 5 s and given again 5 s later, never a byte: 10 s of transfer
+        // time take 20 s.
+        let verdict = run(&mut dog, 600, |s| {
+            bytes(5, 100, usize::from((s - 1) % 10 < 5))
+        });
+        assert_eq!(verdict, Some(15));
+        // A byte now and then keeps it alive.
+        let mut dog = Watchdog::new(t, None, &bytes(5, 100, 1));
+        assert_eq!(run(&mut dog, 600, |s| bytes(5 + s / 9, 100, 1)), None);
+    }
+
+    #[test]
+    fn the_minimum_speed_is_judged_over_transfer_time() {
+        let t = Duration::from_secs(10);
+        // 100 bytes/s while transferring, half the time: above a 50 bytes/s minimum, which
+        // wall-clock time would judge as 50 (and a minimum of 60 would fail).
+        let mut got = 0;
+        let mut dog = Watchdog::new(t, Some(60), &bytes(0, u64::MAX, 0));
+        let verdict = run(&mut dog, 600, |s| {
+            let on = (s - 1) % 10 < 5;
+            if on {
+                got += 100;
+            }
+            bytes(got, u64::MAX, usize::from(on))
+        });
+        assert_eq!(verdict, None);
+        // 40 bytes/s of transfer time is below 60.
+        let mut got = 0;
+        let mut dog = Watchdog::new(t, Some(60), &bytes(0, u64::MAX, 1));
+        let verdict = run(&mut dog, 600, |_| {
+            got += 40;
+            bytes(got, u64::MAX, 1)
+        });
+        assert_eq!(verdict, Some(10));
+    }
+
+    #[test]
+    fn a_job_with_every_byte_in_is_left_alone() {
+        let mut dog = Watchdog::new(Duration::from_secs(10), Some(1 << 20), &bytes(100, 100, 1));
+        assert_eq!(run(&mut dog, 600, |_| bytes(100, 100, 1)), None);
     }
 
     /// The two zero blocks that end a tar: a layer with no files.

@@ -32,6 +32,12 @@ pub const MAX_USER_BYTES: usize = 256;
 /// terabytes; no real layer comes near this.
 pub const MAX_BLOB_BYTES: u64 = 1 << 40;
 
+/// Default of the configurable maximum blob size (`max_blob_size`): 64 GiB, the default most
+/// bytes a layer may unpack to (`max_layer_bytes`). A compressed layer is no larger than what it
+/// unpacks to, except by a few bytes per 32 KiB block for data that does not compress, so a blob
+/// past it could only fail its unpack after filling the disk with its download.
+pub const DEFAULT_MAX_BLOB_SIZE: u64 = 64 << 30;
+
 /// Most layers an image may have: overlayfs mounts at most 500 lower layers, and each layer costs
 /// a snapshot (a sync and two record writes); a 4 MiB manifest could otherwise list tens of
 /// thousands.
@@ -120,6 +126,15 @@ impl PullManager {
                     ),
                 ));
             }
+            // Before any blob is fetched: a pull refused here has fetched no byte of any.
+            if desc.size as u64 > self.config.max_blob_size {
+                return Err(StoreError::BlobTooLarge {
+                    reference: reference.to_string(),
+                    digest: d.to_string(),
+                    size: desc.size as u64,
+                    max: self.config.max_blob_size,
+                });
+            }
         }
         // The config is read into memory whole: bound it before downloading it.
         if config_desc.size as u64 > MAX_CONFIG_BYTES {
@@ -132,6 +147,27 @@ impl PullManager {
                 ),
             ));
         }
+        // The blobs still to download must fit above the image filesystem's reserve, or the
+        // pull is refused before its first byte. (Each download checks again as it starts and
+        // claims its bytes as it writes; the unpack, whose size no descriptor gives, claims its
+        // own.)
+        let content = &self.content;
+        let missing = crate::fsutil::off_async(|| {
+            let mut seen = BTreeSet::new();
+            std::iter::once((&config_digest, config_desc))
+                .chain(layer_digests.iter().zip(&layers))
+                .filter(|&(d, _)| seen.insert(d) && content.size(d).is_none())
+                .map(|(d, desc)| (desc.size as u64).saturating_sub(content.ingest_bytes(d)))
+                .sum::<u64>()
+        });
+        crate::fsutil::off_async(|| {
+            content.check_fits(missing, || {
+                format!(
+                    "pull of {reference} ({} of blobs to download)",
+                    crate::human_bytes(missing as f64)
+                )
+            })
+        })?;
         *job.parts.lock().unwrap() = std::iter::once((&config_digest, config_desc))
             .chain(layer_digests.iter().zip(&layers))
             .map(|(d, desc)| Part {
@@ -393,7 +429,7 @@ impl PullManager {
         // The job's own session first, then those of requesters that joined from elsewhere.
         let mut sessions = vec![session.clone()];
         sessions.extend(job.sessions.lock().unwrap().iter().cloned());
-        let handle = self.blobs.acquire(&digest, size, &sessions)?;
+        let handle = self.blobs.acquire(&digest, size, &sessions, &job.demand)?;
         job.parts.lock().unwrap()[i].progress = Some(handle.progress().clone());
         job.parts_changed.notify_waiters();
         Ok(handle)

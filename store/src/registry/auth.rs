@@ -15,13 +15,16 @@
 //! - an identity token (an OAuth2 refresh token) is exchanged for an access token with a POST
 //!   (never followed through a redirect); basic credentials buy a token with a GET;
 //! - token responses are read within [`MAX_TOKEN_BYTES`], and the endpoint's hosts.toml headers
-//!   go with a token request only when the realm is on the endpoint's own origin.
+//!   go with a token request only when the realm is on the endpoint's own origin;
+//! - a realm is asked only where a redirect could go: not down to plain http from https
+//!   ([`realm_may_be_asked`]), and on the node itself only where `dest` allows.
 
 use base64::Engine as _;
 use reqwest::Url;
 use reqwest::header::{self, HeaderMap, HeaderValue};
 
 use super::RemoteKind;
+use super::dest::{self, Trusted};
 use super::http::{self, Request};
 use crate::hosts::{Endpoint, is_loopback_ip};
 
@@ -88,13 +91,15 @@ impl Credentials {
 }
 
 /// Whether a token realm (its caller has checked it is http or https) may be asked, for a
-/// registry reached at `endpoint`: over https, or over plain http only when the registry itself
-/// is (the operator said `http://`, or it is a loopback IP literal) or the realm is a loopback IP
-/// literal. The rule of redirects (`http::is_downgrade`): a registry reached over https cannot
-/// send the daemon to a plain-http address, such as a cloud's metadata service on
-/// 169.254.169.254, whose answers a token request's error would quote.
-pub fn realm_may_be_asked(realm: &Url, endpoint: &Url) -> Result<(), String> {
-    if http::is_downgrade(endpoint, realm) {
+/// registry reached at `endpoint` by a session trusting `trusted`: over https, or over plain
+/// http only when the registry itself is (the operator said `http://`, or it is a loopback IP
+/// literal) or the realm is a loopback IP literal the session trusts. The rule of redirects
+/// (`http::is_downgrade`): a registry reached over https cannot send the daemon to a plain-http
+/// address. Before that, a realm on the node must be one the session trusts ([`dest::route`]:
+/// the address says more about why than the scheme does).
+pub fn realm_may_be_asked(realm: &Url, endpoint: &Url, trusted: &Trusted) -> Result<(), String> {
+    dest::route(realm, trusted).map_err(|r| format!("refusing the token realm {realm}: {r}"))?;
+    if http::is_downgrade(endpoint, realm, trusted) {
         return Err(format!(
             "refusing the token realm {realm}: plain http, for a registry reached over https"
         ));
@@ -329,7 +334,7 @@ impl EndpointCreds {
     /// bounds the time this takes.
     pub(super) async fn answer(
         &self,
-        client: &reqwest::Client,
+        net: &http::Net,
         endpoint_url: &Url,
         headers: &HeaderMap,
         challenges: &[Challenge],
@@ -347,7 +352,8 @@ impl EndpointCreds {
                 .ok()
                 .filter(|u| matches!(u.scheme(), "http" | "https"))
                 .ok_or_else(|| unauthenticated(format!("bad token realm {realm:?}")))?;
-            realm_may_be_asked(&realm_url, endpoint_url).map_err(unauthenticated)?;
+            realm_may_be_asked(&realm_url, endpoint_url, &net.trusted)
+                .map_err(|m| (RemoteKind::Refused, m))?;
             let (offered, withheld) = if matches!(self.offered, Offered::None)
                 || realm_may_get_credentials(realm, &self.cred_hosts)
             {
@@ -365,7 +371,7 @@ impl EndpointCreds {
                 .map(str::to_string)
                 .unwrap_or_else(|| format!("repository:{repository}:pull"));
             let token = fetch_token(
-                client,
+                net,
                 realm_url,
                 headers,
                 endpoint_url,
@@ -402,7 +408,7 @@ impl EndpointCreds {
 /// Gets a bearer token from `realm` for `scope`: with the identity token (an OAuth2 refresh
 /// grant, POST), with basic credentials (GET), or anonymously (GET).
 async fn fetch_token(
-    client: &reqwest::Client,
+    net: &http::Net,
     realm: Url,
     endpoint_headers: &HeaderMap,
     endpoint_url: &Url,
@@ -420,6 +426,7 @@ async fn fetch_token(
         q.append_pair("scope", scope);
     }
     let mut req = Request::get(url);
+    req.first_hop = "the token realm";
     if http::same_origin(&realm, endpoint_url) {
         req.scoped = endpoint_headers.clone();
     }
@@ -443,7 +450,7 @@ async fn fetch_token(
         }
         Offered::None | Offered::RegistryToken(_) => {}
     }
-    let resp = http::send(client, req)
+    let resp = http::send(net, req)
         .await
         .map_err(|(kind, m)| (kind, format!("token request: {m}")))?;
     if !resp.status().is_success() {

@@ -18,9 +18,13 @@
 //!   the pull's watchdog (`pull_min_speed`) and to their descriptor's size by the ingest;
 //! - manifests are read up to [`MAX_MANIFEST_BYTES`], token responses up to [`MAX_TOKEN_BYTES`]
 //!   and error bodies up to 64 KiB, each refused as soon as it goes past, while it is read;
-//! - error messages built from a registry's answer are cut to [`MAX_MESSAGE_CHARS`].
+//! - error messages built from a registry's answer are cut to [`MAX_MESSAGE_CHARS`], and what
+//!   they quote of an error body to a short excerpt ([`MAX_EXCERPT_CHARS`], [`excerpt`]), with
+//!   no control characters: they reach the pod's events;
+//! - redirects and token realms reach the node's own addresses only where [`dest`] allows.
 
 pub mod auth;
+pub mod dest;
 mod http;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -49,6 +53,10 @@ pub const MAX_MANIFEST_BYTES: u64 = 4 << 20;
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(60);
 /// Most characters of a registry's answer kept in an error message.
 pub const MAX_MESSAGE_CHARS: usize = 1024;
+/// Most characters of a registry's error body quoted in an error message (which reaches the
+/// pod's events): enough for the distribution spec's error codes and messages, or the first
+/// line of an error page, too little to carry much of whatever a service answered.
+pub const MAX_EXCERPT_CHARS: usize = 200;
 
 /// Manifest media types minicri accepts, best first.
 pub const MANIFEST_MEDIA_TYPES: &[&str] = &[
@@ -68,6 +76,9 @@ pub enum RemoteKind {
     /// The registry sent more than a limit allows (a manifest over [`MAX_MANIFEST_BYTES`], a
     /// token response over [`MAX_TOKEN_BYTES`]).
     TooLarge,
+    /// The registry sent the daemon somewhere it does not go: a redirect or token realm on the
+    /// node itself ([`dest`]), down to plain http, or to another scheme.
+    Refused,
 }
 
 /// A failure at one endpoint.
@@ -111,6 +122,36 @@ pub fn bounded_to(mut message: String, max_chars: usize) -> String {
     message
 }
 
+/// Whether `c` may change how the text around it is shown: control characters (line breaks,
+/// escape sequences) and Unicode's bidirectional and zero-width formatting characters.
+fn is_formatting(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{feff}')
+}
+
+/// A stranger's `text` made fit for one line of an error message: every run of whitespace and
+/// formatting characters one space, trimmed, cut to `max_chars` characters (marked as cut).
+pub fn excerpt(text: &str, max_chars: usize) -> String {
+    let mut out = String::new();
+    let mut gap = false;
+    for c in text.chars() {
+        if c.is_whitespace() || is_formatting(c) {
+            gap = !out.is_empty();
+            continue;
+        }
+        if gap {
+            out.push(' ');
+            gap = false;
+        }
+        out.push(c);
+        // Enough to know whether it must be cut.
+        if out.len() > max_chars * 4 + 4 {
+            break;
+        }
+    }
+    bounded_to(out, max_chars)
+}
+
 /// Clients are cached per endpoint TLS setting: building one loads the TLS roots, which takes
 /// long enough (~0.2 s here) to matter per pull. A client holds no credentials (sessions hold
 /// their own authorization), so sharing one is sharing connection pools only. The key holds the
@@ -124,6 +165,8 @@ struct ClientKey {
     /// sha256 of the CA certificates and the client certificate and key.
     tls: [u8; 32],
     dial_timeout: Option<Duration>,
+    /// The client for destinations the session does not trust ([`dest::Route::Guarded`]).
+    guarded: bool,
 }
 
 /// Most cached clients kept; the cache is emptied when it would grow past this.
@@ -211,14 +254,15 @@ impl Registry {
         self
     }
 
-    /// The HTTP client for `ep`'s TLS settings (`tls`, read from them).
-    fn client(&self, ep: &Endpoint, tls: &http::Tls) -> Result<reqwest::Client> {
+    /// The HTTP client for `ep`'s TLS settings (`tls`, read from them), `guarded` or not.
+    fn client(&self, ep: &Endpoint, tls: &http::Tls, guarded: bool) -> Result<reqwest::Client> {
         let key = ClientKey {
             host: ep.host.clone(),
             plain_http: ep.plain_http,
             skip_verify: ep.skip_verify,
             tls: tls.fingerprint(),
             dial_timeout: ep.dial_timeout,
+            guarded,
         };
         if let Some((c, used)) = self.clients.lock().unwrap().get_mut(&key) {
             *used = Instant::now();
@@ -228,10 +272,11 @@ impl Registry {
             connect: self.connect_timeout,
             read: self.read_timeout,
         };
-        let client = http::client(ep, tls, &timeouts).map_err(|e| StoreError::HostsConfig {
-            path: ep.ca.first().cloned().unwrap_or_default(),
-            reason: format!("building the HTTP client for {ep}: {}", describe(&e)),
-        })?;
+        let client =
+            http::client(ep, tls, &timeouts, guarded).map_err(|e| StoreError::HostsConfig {
+                path: ep.ca.first().cloned().unwrap_or_default(),
+                reason: format!("building the HTTP client for {ep}: {}", describe(&e)),
+            })?;
         let mut cache = self.clients.lock().unwrap();
         if cache.len() >= MAX_CACHED_CLIENTS {
             cache.clear();
@@ -267,12 +312,17 @@ impl Registry {
             cred_hosts.push("registry-1.docker.io".into());
         }
         cred_hosts.extend(endpoints.iter().map(|e| e.host.clone()));
+        let trusted = std::sync::Arc::new(dest::Trusted::new(&reference.domain, &endpoints));
         let mut sessions = Vec::new();
         for ep in endpoints {
             let creds =
                 EndpointCreds::new(creds, &basic, &ep, &reference.domain, cred_hosts.clone());
             let tls = read_tls(&ep)?;
-            let client = self.client(&ep, &tls)?;
+            let net = http::Net {
+                direct: self.client(&ep, &tls, false)?,
+                guarded: self.client(&ep, &tls, true)?,
+                trusted: trusted.clone(),
+            };
             let base = format!(
                 "{}://{}{}/",
                 if ep.plain_http { "http" } else { "https" },
@@ -293,7 +343,7 @@ impl Registry {
                 headers: ep.headers.clone(),
                 endpoint: ep,
                 base,
-                client,
+                net,
                 creds,
                 auth: tokio::sync::Mutex::new(state),
                 request_deadline: self.request_deadline,
@@ -347,7 +397,7 @@ struct EndpointSession {
     repository: String,
     /// hosts.toml headers, sent to the endpoint's own origin.
     headers: HeaderMap,
-    client: reqwest::Client,
+    net: http::Net,
     creds: EndpointCreds,
     auth: tokio::sync::Mutex<AuthState>,
     request_deadline: Duration,
@@ -358,7 +408,7 @@ impl EndpointSession {
         RemoteError {
             kind,
             endpoint: self.endpoint.to_string(),
-            message: bounded(message),
+            message: excerpt(&message, MAX_MESSAGE_CHARS),
         }
     }
 
@@ -408,7 +458,7 @@ impl EndpointSession {
             if let Some(a) = &authorization {
                 req.scoped.insert(header::AUTHORIZATION, a.clone());
             }
-            let resp = http::send(&self.client, req)
+            let resp = http::send(&self.net, req)
                 .await
                 .map_err(|(kind, m)| self.err(kind, m))?;
             if resp.status().is_success() {
@@ -430,7 +480,7 @@ impl EndpointSession {
                 let answer = self
                     .creds
                     .answer(
-                        &self.client,
+                        &self.net,
                         &self.base,
                         &self.headers,
                         &challenges,
@@ -751,6 +801,7 @@ impl Session {
             .collect::<Vec<_>>()
             .join("; ");
         let all = |k| !errors.is_empty() && errors.iter().all(|e| e.kind == k);
+        let any = |k| errors.iter().any(|e| e.kind == k);
         if all(RemoteKind::NotFound) {
             StoreError::RemoteNotFound {
                 reference,
@@ -760,6 +811,12 @@ impl Session {
                     .map(|e| e.endpoint.clone())
                     .collect::<Vec<_>>()
                     .join(", "),
+            }
+        } else if any(RemoteKind::Refused) {
+            // Where a registry sends the daemon is its answer, the same at every retry.
+            StoreError::Refused {
+                reference,
+                reason: format!("{what}: {detail}"),
             }
         } else if let Some(e) = errors
             .iter()
@@ -802,6 +859,23 @@ mod tests {
         assert_eq!(
             cut.chars().count(),
             MAX_MESSAGE_CHARS + "… (cut)".chars().count()
+        );
+    }
+
+    #[test]
+    fn excerpts_are_one_short_line() {
+        assert_eq!(
+            excerpt("  a\r\n\tb  \u{1b}[2Jc\u{202e}d\u{0}", 10),
+            "a b [2Jc d"
+        );
+        assert_eq!(excerpt("\n\n", 10), "");
+        assert_eq!(excerpt("abcdef", 3), "abc… (cut)");
+        // Cut by characters, not bytes; a huge input is not copied whole.
+        let long = format!("{}\n{}", "é".repeat(150), "x".repeat(1 << 20));
+        let cut = excerpt(&long, MAX_EXCERPT_CHARS);
+        assert_eq!(
+            cut,
+            format!("{} {}… (cut)", "é".repeat(150), "x".repeat(49))
         );
     }
 }
