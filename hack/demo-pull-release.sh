@@ -5,8 +5,8 @@
 #     image of incompressible bytes, behind the tests' proxy limiting the link to 40 MiB/s
 #     (`minicri-testimg proxy`, which also counts the blob bytes that cross it);
 #   - the tests' API server and kubelet simulator (`minicri-kubesim demo`);
-#   - minicri, watching that API server as node-1 (nothing else set: default detach window,
-#     default everything);
+#   - minicri, watching that API server as node-1 (default detach window; image_fs_reserve off,
+#     see below);
 # then runs pod demo/big-1 with the image, deletes it 15 s into its pull, and runs demo/big-2
 # with the same image. It prints the pods' events as `kubectl describe pod` lists them, how long
 # the deletion took to be acted on, and the bytes that crossed the network for each pod.
@@ -35,6 +35,20 @@ cleanup() {
     done
     for pid in "${pids[@]}"; do
         wait "$pid" 2>/dev/null || true
+    done
+    # An interrupted demo leaves its pods' sandboxes: their monitors outlive minicri by design.
+    if [[ -d "$work/state/runc" ]]; then
+        for id in $(runc --root "$work/state/runc" list -q 2>/dev/null); do
+            runc --root "$work/state/runc" delete --force "$id" >/dev/null 2>&1 || true
+        done
+    fi
+    # ...and the monitors (minicri shim) of those sandboxes, found by their bundle under $work.
+    local proc args
+    for proc in /proc/[0-9]*; do
+        mapfile -d '' -t args <"$proc/cmdline" 2>/dev/null || continue
+        if [[ "${args[*]}" == *"--bundle $work/"* ]]; then
+            kill -KILL "${proc#/proc/}" 2>/dev/null || true
+        fi
     done
     # Whatever minicri left mounted under the demo's directories (its netns directory).
     grep -o " $work[^ ]*" /proc/mounts | sort -r | xargs -r -n1 umount -l 2>/dev/null || true
@@ -78,8 +92,11 @@ pids+=("$demo")
 first_line "$work/kubelet.conf" >/dev/null
 
 mkdir -p "$work/cni"
+# image_fs_reserve is off: the demo's root is on this machine's disk, whose free space (shared with
+# whatever else runs here) has nothing to do with the demo; the reserve would refuse the pull when
+# it is under 15%.
 "$bin/minicri" serve --socket "$work/minicri.sock" --root "$work/root" --state "$work/state" \
-    --registry-config-dir "$work/certs.d" --cni-conf-dir "$work/cni" \
+    --registry-config-dir "$work/certs.d" --cni-conf-dir "$work/cni" --image-fs-reserve 0 \
     --kube-watch-kubeconfig "$work/kubelet.conf" --kube-watch-node-name node-1 \
     >"$work/minicri.log" 2>&1 &
 pids+=($!)
