@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # test.sh - everything the test suite needs, then the suite: installs the Debian packages the tests
 # drive (hack/install-deps.sh), builds the minicri binary the black-box tests start, and runs every
-# test in the workspace with cargo-nextest (cargo test if nextest is missing). The optional
-# kube-watch feature (the API-server watch, with kube-rs) is built and tested too. Without
-# arguments (the whole suite) it then fuzzes every fuzz target for FUZZ_SECONDS (10) each.
+# test in the workspace with cargo-nextest (cargo test if nextest is missing). Without arguments
+# (the whole suite) it then fuzzes every fuzz target for FUZZ_SECONDS (10) each.
 # Run as root: the tests start registries, mount overlays and run containers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,16 +20,15 @@ for dir in "${TMPDIR:-/tmp}" "${CARGO_TARGET_DIR:-target}"; do
         exit 1
     fi
 done
-FEATURES=(--features minicri/kube-watch)
 # Tests that need root, runc or the CNI plugins fail instead of skipping: a green run means
 # they ran (tests/src/prereq.rs).
 export MINICRI_TEST_STRICT=1
-cargo build --workspace --bins "${FEATURES[@]}"
+cargo build --workspace --bins
 rc=0
 if cargo nextest --version >/dev/null 2>&1; then
-    cargo nextest run --workspace "${FEATURES[@]}" --no-fail-fast "$@" || rc=$?
+    cargo nextest run --workspace --no-fail-fast "$@" || rc=$?
 else
-    cargo test --workspace "${FEATURES[@]}" --no-fail-fast "$@" || rc=$?
+    cargo test --workspace --no-fail-fast "$@" || rc=$?
 fi
 # The whole suite (no arguments, as CI runs it) ends with a short libFuzzer run of every fuzz
 # target from its committed seeds (docs/fuzzing.md); a filtered run skips it.

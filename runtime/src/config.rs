@@ -121,13 +121,26 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECONDS")]
     pub pull_detach_after: Option<f64>,
 
-    /// Watch the API server with this kubeconfig (the kubelet's own works) for pods of this
-    /// node being deleted, and drop their pull references at once. Needs a build with the
-    /// `kube-watch` feature. [default: off]
+    /// The API-server watch of this node's pods (deleted pods release their pulls at once,
+    /// pulls are not detached while it is connected, pull progress shows in the pods' events):
+    /// auto (use the kubelet's kubeconfig when there is one) or off. [default: auto]
+    #[arg(long, value_name = "auto|off")]
+    pub kube_watch: Option<String>,
+
+    /// The kubeconfig the watch uses. [default: the first of kube_watch_kubeconfig_search that
+    /// exists, looked for again every 10 s until one does]
     #[arg(long, value_name = "FILE")]
     pub kube_watch_kubeconfig: Option<PathBuf>,
 
-    /// The node whose pods are watched (the kubelet's node name). [default: the hostname]
+    /// Where the kubelet's kubeconfig is looked for, in order (repeatable). [default:
+    /// /etc/kubernetes/kubelet.conf (kubeadm, kind), /var/lib/rancher/k3s/agent/kubelet.kubeconfig
+    /// (k3s)]
+    #[arg(long = "kube-watch-kubeconfig-search", value_name = "FILE")]
+    #[serde(default)]
+    pub kube_watch_kubeconfig_search: Vec<PathBuf>,
+
+    /// The node whose pods are watched (the kubelet's node name). [default: NAME of the
+    /// kubeconfig's client certificate `CN=system:node:NAME`, else the hostname]
     #[arg(long, value_name = "NAME")]
     pub kube_watch_node_name: Option<String>,
 
@@ -237,12 +250,21 @@ pub enum CgroupDriver {
     Systemd,
 }
 
-/// Where the API-server watch connects and which node's pods it follows.
+/// Where the API-server watch finds its kubeconfig and which node's pods it follows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KubeWatch {
-    pub kubeconfig: PathBuf,
-    pub node_name: String,
+    /// Given explicitly; otherwise the first of `search` that exists.
+    pub kubeconfig: Option<PathBuf>,
+    pub search: Vec<PathBuf>,
+    /// Given explicitly; otherwise from the client certificate, else the hostname.
+    pub node_name: Option<String>,
 }
+
+/// Where the kubelet keeps its kubeconfig: kubeadm and kind, then k3s.
+pub const KUBECONFIG_SEARCH: [&str; 2] = [
+    "/etc/kubernetes/kubelet.conf",
+    "/var/lib/rancher/k3s/agent/kubelet.kubeconfig",
+];
 
 /// Resolved configuration.
 #[derive(Debug, Clone)]
@@ -269,7 +291,7 @@ pub struct Config {
     pub max_layer_entries: u64,
     /// How long a pod's PullImage is held before it detaches (`None`: never).
     pub pull_detach_after: Option<std::time::Duration>,
-    /// The API-server watch for deleted pods, when configured.
+    /// The API-server watch (`None`: off).
     pub kube_watch: Option<KubeWatch>,
     pub ingest_ttl: std::time::Duration,
     /// Fraction (0..1) of the filesystem that must stay free before young ingests are collected.
@@ -340,7 +362,13 @@ impl ServeArgs {
                 .or(base.registry_request_timeout),
             max_layer_bytes: self.max_layer_bytes.or(base.max_layer_bytes),
             max_layer_entries: self.max_layer_entries.or(base.max_layer_entries),
+            kube_watch: self.kube_watch.or(base.kube_watch),
             kube_watch_kubeconfig: self.kube_watch_kubeconfig.or(base.kube_watch_kubeconfig),
+            kube_watch_kubeconfig_search: if self.kube_watch_kubeconfig_search.is_empty() {
+                base.kube_watch_kubeconfig_search
+            } else {
+                self.kube_watch_kubeconfig_search
+            },
             kube_watch_node_name: self.kube_watch_node_name.or(base.kube_watch_node_name),
             ingest_ttl: self.ingest_ttl.or(base.ingest_ttl),
             ingest_min_free: self.ingest_min_free.or(base.ingest_min_free),
@@ -442,34 +470,25 @@ impl ServeArgs {
         if max_layer_bytes == 0 || max_layer_entries == 0 {
             bail!("max_layer_bytes and max_layer_entries must be more than 0");
         }
-        let kube_watch = match (self.kube_watch_kubeconfig, self.kube_watch_node_name) {
-            (None, None) => None,
-            (None, Some(_)) => bail!("kube_watch_node_name needs kube_watch_kubeconfig"),
-            (Some(kubeconfig), node) => {
-                if !cfg!(feature = "kube-watch") {
-                    bail!(
-                        "kube_watch_kubeconfig is set, but this minicri was built without the \
-                         kube-watch feature (cargo build --features kube-watch)"
-                    );
-                }
-                let node_name = match node.filter(|n| !n.is_empty()) {
-                    Some(n) => n,
-                    None => nix::unistd::gethostname()
-                        .ok()
-                        .and_then(|h| h.into_string().ok())
-                        .filter(|h| !h.is_empty())
-                        .ok_or_else(|| {
-                            anyhow::anyhow!(
-                                "kube_watch_node_name is not set and there is no hostname"
-                            )
-                        })?
-                        .to_lowercase(),
-                };
-                Some(KubeWatch {
-                    kubeconfig,
-                    node_name,
-                })
+        let node_name = match self.kube_watch_node_name {
+            Some(n) if n.trim().is_empty() => bail!("kube_watch_node_name is empty"),
+            n => n,
+        };
+        let kube_watch = match self.kube_watch.as_deref().unwrap_or("auto") {
+            "auto" => Some(KubeWatch {
+                kubeconfig: self.kube_watch_kubeconfig,
+                search: if self.kube_watch_kubeconfig_search.is_empty() {
+                    KUBECONFIG_SEARCH.iter().map(PathBuf::from).collect()
+                } else {
+                    self.kube_watch_kubeconfig_search
+                },
+                node_name,
+            }),
+            "off" if self.kube_watch_kubeconfig.is_some() => {
+                bail!("kube_watch is off, but kube_watch_kubeconfig is set")
             }
+            "off" => None,
+            other => bail!("kube_watch {other:?} is not one of auto, off"),
         };
         let ingest_min_free = match self.ingest_min_free.unwrap_or(5.0) {
             p if !p.is_finite() || !(0.0..=100.0).contains(&p) => {
@@ -878,28 +897,66 @@ mod tests {
     }
 
     #[test]
-    fn kube_watch_is_off_by_default_and_needs_a_kubeconfig() {
-        assert_eq!(ServeArgs::default().finish().unwrap().kube_watch, None);
-        let err = ServeArgs {
+    fn kube_watch_is_on_by_default_and_searches_the_kubelets_kubeconfig() {
+        let w = ServeArgs::default().finish().unwrap().kube_watch.unwrap();
+        assert_eq!(w.kubeconfig, None);
+        assert_eq!(w.node_name, None);
+        assert_eq!(
+            w.search,
+            vec![
+                PathBuf::from("/etc/kubernetes/kubelet.conf"),
+                PathBuf::from("/var/lib/rancher/k3s/agent/kubelet.kubeconfig")
+            ]
+        );
+        let w = ServeArgs {
+            kube_watch_kubeconfig: Some("/k/conf".into()),
+            kube_watch_kubeconfig_search: vec!["/a".into()],
             kube_watch_node_name: Some("n1".into()),
             ..Default::default()
         }
         .finish()
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("kube_watch_kubeconfig"), "{err}");
-        let with_config = ServeArgs {
-            kube_watch_kubeconfig: Some("/etc/kubernetes/kubelet.conf".into()),
-            kube_watch_node_name: Some("n1".into()),
+        .unwrap()
+        .kube_watch
+        .unwrap();
+        assert_eq!(
+            w,
+            KubeWatch {
+                kubeconfig: Some("/k/conf".into()),
+                search: vec!["/a".into()],
+                node_name: Some("n1".into()),
+            }
+        );
+        let off = ServeArgs {
+            kube_watch: Some("off".into()),
             ..Default::default()
-        }
-        .finish();
-        if cfg!(feature = "kube-watch") {
-            let w = with_config.unwrap().kube_watch.unwrap();
-            assert_eq!(w.node_name, "n1");
-        } else {
-            let err = with_config.unwrap_err().to_string();
-            assert!(err.contains("kube-watch feature"), "{err}");
+        };
+        assert_eq!(off.finish().unwrap().kube_watch, None);
+        for (bad, says) in [
+            (
+                ServeArgs {
+                    kube_watch: Some("off".into()),
+                    kube_watch_kubeconfig: Some("/k".into()),
+                    ..Default::default()
+                },
+                "kube_watch is off",
+            ),
+            (
+                ServeArgs {
+                    kube_watch: Some("on".into()),
+                    ..Default::default()
+                },
+                "auto, off",
+            ),
+            (
+                ServeArgs {
+                    kube_watch_node_name: Some(" ".into()),
+                    ..Default::default()
+                },
+                "kube_watch_node_name is empty",
+            ),
+        ] {
+            let err = bad.finish().unwrap_err().to_string();
+            assert!(err.contains(says), "{err}");
         }
     }
 

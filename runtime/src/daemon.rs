@@ -32,6 +32,9 @@ pub struct Daemon {
     pub pods: Arc<crate::pods::PodService>,
     /// The streaming server (exec, attach and port-forward URLs), bound here and served by [`crate::server::serve`].
     pub streaming: Arc<crate::stream::StreamServer>,
+    /// The API-server watch's view of the node's pods and its connection state (run by
+    /// [`crate::server::serve`]).
+    pub kube: Arc<crate::kube_watch::WatchState>,
     /// The image filesystem's last measured usage: ImageFsInfo is polled often.
     fs_usage: Mutex<FsUsage>,
     pod_cidr: Mutex<String>,
@@ -113,6 +116,9 @@ impl Daemon {
         if !Arc::ptr_eq(&space[0], &snapshots_space) {
             space.push(snapshots_space);
         }
+        let kube = Arc::new(crate::kube_watch::WatchState::new(
+            config.kube_watch.is_some(),
+        ));
         Ok(Daemon {
             config,
             space,
@@ -124,6 +130,7 @@ impl Daemon {
             snapshotter,
             pods,
             streaming,
+            kube,
             fs_usage: Mutex::new(FsUsage::default()),
             pod_cidr: Mutex::new(String::new()),
         })
@@ -249,7 +256,7 @@ impl Daemon {
             "registryRequestTimeoutSeconds": c.registry_request_timeout.as_secs_f64(),
             "maxLayerBytes": c.max_layer_bytes, "maxLayerEntries": c.max_layer_entries,
             "pullDetachAfterSeconds": c.pull_detach_after.map(|d| d.as_secs_f64()).unwrap_or(0.0),
-            "kubeWatch": c.kube_watch.as_ref().map(|w| serde_json::json!({"kubeconfig": w.kubeconfig, "nodeName": w.node_name})),
+            "kubeWatch": c.kube_watch.as_ref().map(|w| serde_json::json!({"kubeconfig": w.kubeconfig, "kubeconfigSearch": w.search, "nodeName": w.node_name})),
             "ingestTtlSeconds": c.ingest_ttl.as_secs(),
             "ingestMinFreePercent": c.ingest_min_free * 100.0,
             "imageFsReserve": c.image_fs_reserve.to_string(),

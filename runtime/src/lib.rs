@@ -14,6 +14,8 @@
 //! - [`pause`]: the sandbox infra process (`minicri pause`) and its rootfs;
 //! - [`pods`]: pod sandboxes and containers (records, lifecycle, exits);
 //! - [`metrics`]: Prometheus metrics of the pulls (loopback, off by default);
+//! - [`kube_watch`]: the API-server watch of this node's pods (found from the kubelet's
+//!   kubeconfig);
 //! - [`fsutil`]: atomic file replacement, shared by the modules that persist state;
 //! - [`httpserve`]: the accept loop, connection cap and header timeout of the HTTP servers;
 //! - [`idle`]: what the daemon gives back after a burst (allocator pages, registry connections);
@@ -32,7 +34,6 @@ pub mod fsutil;
 pub mod httpserve;
 pub mod idle;
 pub mod ids;
-#[cfg(feature = "kube-watch")]
 pub mod kube_watch;
 pub mod logs;
 pub mod metrics;

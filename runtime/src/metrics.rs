@@ -1,4 +1,5 @@
-//! Prometheus metrics of the pull machinery, served over HTTP on a loopback address.
+//! Prometheus metrics of the pull machinery and the API-server watch, served over HTTP on a
+//! loopback address.
 //!
 //! Off by default; `--metrics-address 127.0.0.1:PORT` turns it on (the configuration refuses
 //! other addresses: the numbers name images and nothing here authenticates the reader).
@@ -30,6 +31,19 @@ pub struct Sample<'a> {
     pub ingests: IngestUsage,
     /// Writes refused by the image filesystem's reserve.
     pub reserve_refusals: u64,
+    pub kube_watch: KubeWatchSample,
+}
+
+/// The API-server watch's state at the scrape.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct KubeWatchSample {
+    pub connected: bool,
+    pub synced: bool,
+    pub credential_reloads: u64,
+    pub pods: usize,
+    pub events_written: u64,
+    pub events_failed: u64,
+    pub events_deferred: u64,
 }
 
 /// One lane of the transfer scheduler, as scraped.
@@ -193,6 +207,56 @@ pub fn render(s: &Sample) -> String {
         "Total size of the running pull jobs' blobs.",
         &one(s.jobs.iter().map(|j| j.bytes_total).sum()),
     );
+    let k = &s.kube_watch;
+    metric(
+        &mut out,
+        "minicri_kube_watch_connected",
+        "gauge",
+        "1 while the API-server watch's last request was answered, else 0.",
+        &one(k.connected as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_kube_watch_synced",
+        "gauge",
+        "1 while the API-server watch is connected and knows every pod of the node, else 0.",
+        &one(k.synced as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_kube_watch_pods",
+        "gauge",
+        "Pods of the node the API-server watch knows.",
+        &one(k.pods as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_kube_watch_credential_reloads_total",
+        "counter",
+        "Times the watch reloaded its credentials after the kubeconfig or a file it names changed.",
+        &one(k.credential_reloads),
+    );
+    metric(
+        &mut out,
+        "minicri_kube_events_written_total",
+        "counter",
+        "Pull progress events created or updated in the API server.",
+        &one(k.events_written),
+    );
+    metric(
+        &mut out,
+        "minicri_kube_events_failed_total",
+        "counter",
+        "Pull progress event writes refused, failed or timed out.",
+        &one(k.events_failed),
+    );
+    metric(
+        &mut out,
+        "minicri_kube_events_deferred_total",
+        "counter",
+        "Pull progress event writes put off by the node-wide limit (5 per second).",
+        &one(k.events_deferred),
+    );
     metric(
         &mut out,
         "minicri_blob_transfers_active",
@@ -282,6 +346,7 @@ fn respond(daemon: &Daemon, req: &Request<hyper::body::Incoming>) -> Response<Fu
     }
     let pulls = &daemon.pulls;
     let jobs = pulls.list();
+    let kube = &daemon.kube;
     let text = render(&Sample {
         counters: pulls.counters(),
         jobs: &jobs,
@@ -292,6 +357,15 @@ fn respond(daemon: &Daemon, req: &Request<hyper::body::Incoming>) -> Response<Fu
         },
         ingests: daemon.content.ingest_usage(),
         reserve_refusals: daemon.space.iter().map(|b| b.refusals()).sum(),
+        kube_watch: KubeWatchSample {
+            connected: kube.status.connected(),
+            synced: kube.status.synced(),
+            credential_reloads: kube.status.credential_reloads.load(Ordering::Relaxed),
+            pods: kube.pods.len(),
+            events_written: kube.events.written.load(Ordering::Relaxed),
+            events_failed: kube.events.failed.load(Ordering::Relaxed),
+            events_deferred: kube.events.deferred.load(Ordering::Relaxed),
+        },
     });
     Response::builder()
         .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
@@ -347,6 +421,13 @@ mod tests {
                 idle_bytes: 40,
             },
             reserve_refusals: 3,
+            kube_watch: KubeWatchSample {
+                connected: true,
+                synced: false,
+                credential_reloads: 3,
+                pods: 7,
+                ..Default::default()
+            },
         });
         assert!(text.contains("\nminicri_pull_calls_total 10\n"), "{text}");
         assert!(text.contains("\nminicri_pull_calls_joined_total 9\n"));
@@ -359,6 +440,11 @@ mod tests {
         assert!(text.contains("\nminicri_ingest_bytes{state=\"idle\"} 40\n"));
         assert!(text.contains("\nminicri_ingests{state=\"idle\"} 2\n"));
         assert!(text.contains("\nminicri_image_fs_reserve_refusals_total 3\n"));
+        assert!(text.contains("\nminicri_kube_watch_connected 1\n"));
+        assert!(text.contains("\nminicri_kube_watch_synced 0\n"));
+        assert!(text.contains("\nminicri_kube_watch_pods 7\n"));
+        assert!(text.contains("\nminicri_kube_watch_credential_reloads_total 3\n"));
+        assert!(text.contains("\nminicri_kube_events_written_total 0\n"));
         // Every sample line is `name[{labels}] value`.
         for l in text.lines().filter(|l| !l.starts_with('#')) {
             let (name, v) = l.rsplit_once(' ').unwrap();

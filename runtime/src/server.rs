@@ -155,7 +155,15 @@ pub async fn serve(config: Config, notifier: crate::sdnotify::Notifier) -> anyho
     if let Some(addr) = daemon.config.metrics_address {
         background.push(crate::metrics::spawn(addr, daemon.clone(), shutdown.clone()).await?);
     }
-    background.extend(spawn_kube_watch(&daemon, shutdown.clone()));
+    if let Some(watch) = spawn_kube_watch(&daemon, shutdown.clone()) {
+        background.push(watch);
+        // Pull progress in the pods' events, with the watch's credentials.
+        background.push(tokio::spawn(crate::kube_watch::events::run(
+            daemon.pulls.clone(),
+            daemon.kube.clone(),
+            shutdown.clone(),
+        )));
+    }
     let listener = bind_socket(&socket).await?;
     let _socket_guard = SocketGuard(socket.clone());
     tracing::info!(socket = %socket.display(), version = env!("CARGO_PKG_VERSION"), "minicri serving");
@@ -210,15 +218,18 @@ pub async fn serve(config: Config, notifier: crate::sdnotify::Notifier) -> anyho
     Ok(())
 }
 
-/// Starts the API-server watch when configured: a pod of this node seen deleted has its pull
-/// references dropped at once (see docs/kubelet-release.md).
-#[cfg(feature = "kube-watch")]
+/// Starts the API-server watch unless it is off: a pod of this node seen deleted has its pull
+/// references dropped at once, and a pod it follows has its pulls held past their detach window
+/// (see docs/kubelet-release.md).
 fn spawn_kube_watch(
     daemon: &Arc<Daemon>,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Option<tokio::task::JoinHandle<()>> {
-    use crate::kube_watch::{DeletedPod, WatchConfig};
-    let w = daemon.config.kube_watch.clone()?;
+    use crate::kube_watch::DeletedPod;
+    let Some(w) = daemon.config.kube_watch.clone() else {
+        tracing::info!("the API-server watch is off (kube_watch = \"off\")");
+        return None;
+    };
     let pulls = daemon.pulls.clone();
     let on_deleted = Arc::new(move |p: &DeletedPod| {
         let reason = format!(
@@ -228,23 +239,17 @@ fn spawn_kube_watch(
         let n = pulls.close_pod_uid(&p.uid, &reason);
         tracing::info!(pod = %format!("{}/{}", p.namespace, p.name), uid = %p.uid, cause = %p.cause, references_dropped = n, "pod deleted: its pulls are dropped");
     });
-    tracing::info!(kubeconfig = %w.kubeconfig.display(), node = %w.node_name, "watching the API server for deleted pods");
-    let cfg = WatchConfig {
-        kubeconfig: w.kubeconfig,
-        node_name: w.node_name,
-    };
+    let state = daemon.kube.clone();
+    // While the watch follows a pod, its pulls need not detach (kube_watch/hold.rs).
+    daemon
+        .pulls
+        .set_detach_policy(Arc::new(crate::kube_watch::hold::WatchHoldPolicy::new(
+            state.clone(),
+            daemon.images.clone(),
+        )));
     Some(tokio::spawn(async move {
-        if let Err(e) = crate::kube_watch::run(cfg, on_deleted, shutdown).await {
+        if let Err(e) = crate::kube_watch::run(w.into(), state, on_deleted, shutdown).await {
             tracing::error!(error = %e, "the API-server watch stopped");
         }
     }))
-}
-
-#[cfg(not(feature = "kube-watch"))]
-fn spawn_kube_watch(
-    _daemon: &Arc<Daemon>,
-    _shutdown: tokio_util::sync::CancellationToken,
-) -> Option<tokio::task::JoinHandle<()>> {
-    // The configuration refuses kube_watch_kubeconfig in a build without the feature.
-    None
 }

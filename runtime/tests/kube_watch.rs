@@ -1,4 +1,4 @@
-//! Tests of the API server pod watcher (`minicri::kube_watch`, feature `kube-watch`) against the
+//! Tests of the API server pod watcher (`minicri::kube_watch`) against the
 //! test API server of `minicri_tests::apiserver`: deletions of this node's pods are reported
 //! once, other nodes' never, and reporting goes on across outages, resyncs and 410 Gone.
 
@@ -37,9 +37,11 @@ impl Watcher {
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(kube_watch::run(
             WatchConfig {
-                kubeconfig,
-                node_name: NODE.to_string(),
+                kubeconfig: Some(kubeconfig),
+                search: vec![],
+                node_name: Some(NODE.to_string()),
             },
+            Arc::new(kube_watch::WatchState::new(true)),
             Arc::new(move |p: &DeletedPod| {
                 let _ = tx.send(p.clone());
             }),
@@ -308,9 +310,11 @@ async fn an_unreachable_api_server_at_start_is_retried() {
 async fn an_empty_node_name_is_refused() {
     let run = kube_watch::run(
         WatchConfig {
-            kubeconfig: "/nonexistent".into(),
-            node_name: String::new(),
+            kubeconfig: Some("/nonexistent".into()),
+            search: vec![],
+            node_name: Some(String::new()),
         },
+        Arc::new(kube_watch::WatchState::new(true)),
         Arc::new(|_: &DeletedPod| {}),
         CancellationToken::new(),
     );

@@ -35,7 +35,7 @@ pub use digest::Digest;
 pub use error::{ErrorKind, Result, StoreError};
 pub use hosts::RegistryHosts;
 pub use images::{ImageRecord, ImageStore};
-pub use pull::detach::{human_bytes, human_duration};
+pub use pull::detach::{DetachPolicy, human_bytes, human_duration, progress_text};
 pub use pull::{
     AbortTarget, JobSnapshot, PodRef, PullConfig, PullCounters, PullManager, Requester,
 };

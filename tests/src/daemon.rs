@@ -130,6 +130,13 @@ impl Daemon {
         self.child.as_ref().map(Child::id)
     }
 
+    /// Where the daemon looks for the kubelet's kubeconfig (instead of the host's
+    /// /etc/kubernetes/kubelet.conf): absent unless a test writes it. Its API-server watch is
+    /// otherwise off in effect (it looks again every 10 s).
+    pub fn kubeconfig_search_path(&self) -> PathBuf {
+        self.dir.path().join("kubelet.conf")
+    }
+
     /// The command line used to start the daemon.
     pub fn command(&self) -> Command {
         let mut cmd = Command::new(minicri_bin());
@@ -145,7 +152,9 @@ impl Daemon {
             .arg("--cni-conf-dir")
             .arg(self.dir.path().join("cni"))
             .arg("--log-level")
-            .arg("info,minicri=debug,minicri_store=debug");
+            .arg("info,minicri=debug,minicri_store=debug")
+            .arg("--kube-watch-kubeconfig-search")
+            .arg(self.kubeconfig_search_path());
         // The test daemons' roots share this machine's disk with everything else on it: with
         // the default reserve (15%) every pull would fail once the machine itself fell under
         // 15% free, whatever the test. The reserve is off unless a test sets it (the tests of

@@ -8,10 +8,11 @@
 //! - One pod worker per pod runs syncs one at a time. A sync runs a sandbox if the pod has no
 //!   ready one (host network; a sandbox found not ready is stopped and replaced with the next
 //!   attempt), then handles each container not yet started, in order.
-//! - Per container, EnsureImageExists with pull policy IfNotPresent: ImageStatus first (present:
-//!   use it, no back-off check, no pull); absent and the `<podUID>_<image>` key in back-off:
-//!   ImagePullBackOff without PullImage; otherwise PullImage (no credentials, the pod's sandbox
-//!   config) through the puller, with no deadline and never cancelled. A failed pull records
+//! - Per container, EnsureImageExists. With pull policy IfNotPresent: ImageStatus first
+//!   (present: use it, no back-off check, no pull); absent and the `<podUID>_<image>` key in
+//!   back-off: ImagePullBackOff without PullImage; otherwise PullImage (no credentials, the pod's
+//!   sandbox config) through the puller, with no deadline and never cancelled. With `Always`: no
+//!   ImageStatus; the back-off is checked first (no CRI call while backing off), then PullImage. A failed pull records
 //!   ErrImagePull and starts or extends the key's back-off (base doubling to max, no jitter; an
 //!   entry idle for more than twice the max starts again at the base). Success: CreateContainer
 //!   and StartContainer. A failure does not stop the container loop.
@@ -21,8 +22,8 @@
 //!   PullImage at a time across all pods; [`Puller::Parallel`] allows N PullImage calls at once.
 //!   Neither looks at the pod's deletion before calling the runtime: a pod deleted while its
 //!   request is queued is still pulled.
-//! - [`KubeletSim::delete_pod`] only sets a flag (and calls [`SimConfig::on_delete`], the
-//!   API-server side of a deletion). A worker notices it only between syncs: a sync in progress
+//! - [`KubeletSim::delete_pod`] only sets a flag (and marks the pod deleted in the API server
+//!   with [`SimConfig::api`], and calls [`SimConfig::on_delete`]). A worker notices it only between syncs: a sync in progress
 //!   runs to its end (every remaining container's pull and start included: the kubelet's
 //!   container loop does not look at the pod's deletion), and a worker idle between syncs
 //!   notices it at once (the kubelet's pod update wakes it). It then terminates the pod:
@@ -72,6 +73,23 @@ pub enum Puller {
 /// told: where a test marks the pod's deletion in an API server the runtime watches.
 pub type DeleteHook = Arc<dyn Fn(&str) + Send + Sync>;
 
+/// The API server the simulated pods live in: [`KubeletSim::create_pod`] adds each pod there
+/// (bound to [`PodSpec::node`], else `node`, with its images) before its worker starts, and
+/// [`KubeletSim::delete_pod`] marks it deleted, as `kubectl delete pod` would.
+#[derive(Clone)]
+pub struct SimApi {
+    pub server: Arc<crate::apiserver::ApiServer>,
+    pub node: String,
+}
+
+/// The kubelet's image pull policies the simulator models.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PullPolicy {
+    #[default]
+    IfNotPresent,
+    Always,
+}
+
 /// The simulator's knobs. [`Default`] gives the kubelet's values; tests shorten the times.
 #[derive(Clone)]
 pub struct SimConfig {
@@ -85,6 +103,8 @@ pub struct SimConfig {
     pub grace_period_secs: i64,
     pub puller: Puller,
     pub on_delete: Option<DeleteHook>,
+    /// Where pods are registered and deleted, if anywhere.
+    pub api: Option<SimApi>,
 }
 
 impl Default for SimConfig {
@@ -96,6 +116,7 @@ impl Default for SimConfig {
             grace_period_secs: 30,
             puller: Puller::Serial,
             on_delete: None,
+            api: None,
         }
     }
 }
@@ -108,6 +129,9 @@ pub struct PodSpec {
     pub uid: String,
     pub images: Vec<String>,
     pub command: Vec<String>,
+    pub pull_policy: PullPolicy,
+    /// The node the pod is bound to in the API server ([`SimApi`]; default: its node).
+    pub node: Option<String>,
 }
 
 impl PodSpec {
@@ -120,7 +144,15 @@ impl PodSpec {
             uid: format!("{name}-{}", crate::pod_env::unique_hex()),
             images: images.iter().map(|s| s.to_string()).collect(),
             command: vec!["sleep".into(), "3600".into()],
+            pull_policy: PullPolicy::IfNotPresent,
+            node: None,
         }
+    }
+
+    /// The same pod with pull policy `Always`.
+    pub fn always(mut self) -> PodSpec {
+        self.pull_policy = PullPolicy::Always;
+        self
     }
 }
 
@@ -609,29 +641,12 @@ impl Worker {
         }
     }
 
-    /// EnsureImageExists for pull policy IfNotPresent.
+    /// EnsureImageExists for the pod's pull policy.
     async fn ensure_image(&self, image: &str) -> Ensure {
-        let mut images = self.inner.images.clone();
-        match images
-            .image_status(timed(cri::ImageStatusRequest {
-                image: Some(cri::ImageSpec {
-                    image: with_default_tag(image),
-                    ..Default::default()
-                }),
-                verbose: false,
-            }))
-            .await
+        if self.spec.pull_policy == PullPolicy::IfNotPresent
+            && let Some(found) = self.image_status(image).await
         {
-            Err(s) => {
-                self.rpc_failed("ImageStatus", s);
-                return Ensure::Failed;
-            }
-            Ok(r) => {
-                if let Some(img) = r.into_inner().image {
-                    self.record(EventKind::ImagePresent(image.to_string()));
-                    return Ensure::Ref(img.id);
-                }
-            }
+            return found;
         }
         let key = format!("{}_{image}", self.uid());
         let in_backoff = self
@@ -661,6 +676,32 @@ impl Worker {
                     backoff,
                 });
                 Ensure::Failed
+            }
+        }
+    }
+
+    /// ImageStatus before the back-off check (IfNotPresent): the outcome if the image is there
+    /// or the call failed, `None` to go on.
+    async fn image_status(&self, image: &str) -> Option<Ensure> {
+        let mut images = self.inner.images.clone();
+        match images
+            .image_status(timed(cri::ImageStatusRequest {
+                image: Some(cri::ImageSpec {
+                    image: with_default_tag(image),
+                    ..Default::default()
+                }),
+                verbose: false,
+            }))
+            .await
+        {
+            Err(s) => {
+                self.rpc_failed("ImageStatus", s);
+                Some(Ensure::Failed)
+            }
+            Ok(r) => {
+                let img = r.into_inner().image?;
+                self.record(EventKind::ImagePresent(image.to_string()));
+                Some(Ensure::Ref(img.id))
             }
         }
     }
@@ -883,8 +924,19 @@ impl KubeletSim {
         Ok(KubeletSim::new(daemon.channel().await?, cfg))
     }
 
-    /// Starts the pod's worker. Panics if the uid is taken.
+    /// Starts the pod's worker, after adding the pod to the API server ([`SimConfig::api`]).
+    /// Panics if the uid is taken.
     pub fn create_pod(&self, spec: PodSpec) {
+        if let Some(api) = &self.inner.cfg.api {
+            let node = spec.node.as_deref().unwrap_or(&api.node);
+            api.server.add_pod_with_images(
+                &spec.namespace,
+                &spec.name,
+                &spec.uid,
+                node,
+                &spec.images,
+            );
+        }
         let wake = Arc::new(Notify::new());
         {
             let mut st = self.inner.core.lock();
@@ -925,6 +977,9 @@ impl KubeletSim {
     /// A second call does nothing. Panics for an unknown uid.
     pub fn delete_pod(&self, uid: &str) {
         if self.request_deletion(uid) {
+            if let Some(api) = &self.inner.cfg.api {
+                api.server.mark_deleted(uid);
+            }
             if let Some(hook) = &self.inner.cfg.on_delete {
                 hook(uid);
             }

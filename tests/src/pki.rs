@@ -1,13 +1,14 @@
 //! Owns [`TestPki`]: a throwaway certificate authority for tests, with a server certificate for
 //! 127.0.0.1 (and any other addresses asked for) and a client certificate for mutual TLS, written
-//! as PEM files into a directory.
+//! as PEM files into a directory, and more client certificates on demand ([`node_client_pem`]: a
+//! kubelet's, `CN=system:node:NAME`).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
-    KeyPair, KeyUsagePurpose,
+    Issuer, KeyPair, KeyUsagePurpose,
 };
 
 /// The PEM files of one test PKI.
@@ -15,6 +16,8 @@ use rcgen::{
 pub struct TestPki {
     /// The CA certificate: trust it to reach the server; the server trusts it for clients.
     pub ca: PathBuf,
+    /// The CA's private key (for [`node_client_pem`]).
+    pub ca_key: PathBuf,
     pub server_cert: PathBuf,
     pub server_key: PathBuf,
     pub client_cert: PathBuf,
@@ -30,17 +33,9 @@ impl TestPki {
 
     /// [`TestPki::create`] with a server certificate valid for `ips` too.
     pub fn create_for(dir: &Path, ips: &[std::net::IpAddr]) -> Result<TestPki> {
-        let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(DnType::CommonName, "minicri test CA");
-        ca_params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
+        let ca_key = KeyPair::generate()?;
+        let ca_key_pem = ca_key.serialize_pem();
+        let ca = CertifiedIssuer::self_signed(ca_params()?, ca_key)?;
 
         let leaf = |name: &str, sans: Vec<String>, usage: ExtendedKeyUsagePurpose| -> Result<_> {
             let mut params = CertificateParams::new(sans)?;
@@ -50,9 +45,7 @@ impl TestPki {
                 KeyUsagePurpose::DigitalSignature,
                 KeyUsagePurpose::KeyEncipherment,
             ];
-            let key = KeyPair::generate()?;
-            let cert = params.signed_by(&key, &ca)?;
-            Ok((cert.pem(), key.serialize_pem()))
+            sign(params, &ca)
         };
         let sans = std::iter::once("127.0.0.1".to_string())
             .chain(ips.iter().map(ToString::to_string))
@@ -72,10 +65,51 @@ impl TestPki {
         };
         Ok(TestPki {
             ca: write("ca.pem", &ca.pem())?,
+            ca_key: write("ca.key", &ca_key_pem)?,
             server_cert: write("server.pem", &server_pem)?,
             server_key: write("server.key", &server_key)?,
             client_cert: write("client.pem", &client_pem)?,
             client_key: write("client.key", &client_key)?,
         })
     }
+}
+
+/// The test CA's parameters: the same each time, so that its key alone makes it an issuer again.
+fn ca_params() -> Result<CertificateParams> {
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "minicri test CA");
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    Ok(params)
+}
+
+/// A fresh key and `params` signed by `issuer`: (certificate PEM, key PEM).
+fn sign(params: CertificateParams, issuer: &Issuer<'_, KeyPair>) -> Result<(String, String)> {
+    let key = KeyPair::generate()?;
+    let cert = params.signed_by(&key, issuer)?;
+    Ok((cert.pem(), key.serialize_pem()))
+}
+
+/// A new client certificate with subject `CN=<common_name>` (a node's is
+/// `system:node:<name>`) and a new key, signed by `pki`'s CA: (certificate PEM, key PEM).
+pub fn node_client_pem(pki: &TestPki, common_name: &str) -> Result<(String, String)> {
+    let key = std::fs::read_to_string(&pki.ca_key)
+        .with_context(|| format!("reading {}", pki.ca_key.display()))?;
+    let issuer = Issuer::new(ca_params()?, KeyPair::from_pem(&key)?);
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params
+        .distinguished_name
+        .push(DnType::CommonName, common_name);
+    params
+        .distinguished_name
+        .push(DnType::OrganizationName, "system:nodes");
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    sign(params, &issuer)
 }

@@ -157,10 +157,15 @@ impl Env {
 
     /// PullImage calls the daemon logged for images whose name contains `needle`.
     pub fn pull_calls_logged(&self, needle: &str) -> usize {
+        self.calls_logged("PullImage", needle)
+    }
+
+    /// Calls of `method` the daemon logged for objects whose name contains `needle`.
+    pub fn calls_logged(&self, method: &str, needle: &str) -> usize {
         self.daemon
             .log()
             .lines()
-            .filter(|l| l.contains("PullImage") && l.contains(needle) && l.contains("code="))
+            .filter(|l| l.contains(method) && l.contains(needle) && l.contains("code="))
             .count()
     }
 }
@@ -173,6 +178,7 @@ pub fn fast(puller: Puller) -> SimConfig {
         grace_period_secs: 0,
         puller,
         on_delete: None,
+        api: None,
     }
 }
 

@@ -5,6 +5,10 @@
 //!
 //! The daemon runs with a short detach window ([`WINDOW`]) and the simulator with back-offs
 //! longer than the daemon's sync gap, as the kubelet's 10 s back-off is longer than its 5 s.
+//!
+//! The `with_the_watch` tests add the test API server (tests/src/apiserver): the simulator
+//! registers its pods there and deletes them there, and the daemon watches it as node-1, so its
+//! calls are held past the window while the watch follows the pod.
 
 use std::time::{Duration, Instant};
 
@@ -12,7 +16,7 @@ use minicri_proto::minicri::v1 as admin;
 use minicri_proto::minicri::v1::pulls_client::PullsClient;
 use minicri_proto::runtime::v1 as cri;
 use minicri_tests::images::PushedImage;
-use minicri_tests::kubelet_sim::{EventKind, KubeletSim, PodSpec, Puller, SimConfig};
+use minicri_tests::kubelet_sim::{EventKind, KubeletSim, PodSpec, Puller, SimApi, SimConfig};
 use minicri_tests::pull_env::{
     Sandboxes, assert_each_blob_served_once, free_metrics_address, ingest_bytes, pod, sample,
     scrape, wait_until,
@@ -39,6 +43,7 @@ fn sim_config(puller: Puller) -> SimConfig {
         grace_period_secs: 0,
         puller,
         on_delete: None,
+        api: None,
     }
 }
 
@@ -587,21 +592,30 @@ impl Watched {
         ]
     }
 
-    /// The simulator's deletion hook: the API server marks the pod deleted.
+    /// The environment of the tests with the watch: a window of 3 s, metrics on `metrics`.
+    async fn env(&self, metrics: &str) -> Env {
+        let mut args = self.args("3");
+        args.extend(["--metrics-address", metrics]);
+        env_with(&args).await
+    }
+
+    /// The simulator's pods live in the API server, on node-1 unless they say otherwise.
     fn sim_config(&self, puller: Puller) -> SimConfig {
-        let api = self.api.clone();
         SimConfig {
-            on_delete: Some(std::sync::Arc::new(move |uid: &str| {
-                api.mark_deleted(uid);
-            })),
+            api: Some(SimApi {
+                server: self.api.clone(),
+                node: NODE.into(),
+            }),
             ..sim_config(puller)
         }
     }
 
-    /// Creates the pod in the API server (on `node`) and in the simulator.
-    fn create(&self, sim: &KubeletSim, p: &PodSpec, node: &str) {
-        self.api.add_pod(&p.namespace, &p.name, &p.uid, node);
-        sim.create_pod(p.clone());
+    /// Waits until the daemon's watch is connected and synced (its first list done).
+    async fn synced(&self, e: &Env) {
+        wait_until("the watch synced", LONG, || {
+            e.daemon.log().contains("pod watcher: initial list done")
+        })
+        .await;
     }
 }
 
@@ -652,26 +666,72 @@ fn assert_partial_kept(e: &Env, sent: u64) -> u64 {
     kept
 }
 
+/// One 1 GiB pull, with the watch: held past its window while alone; a pod needing a small
+/// image arrives and waits at most one window behind it (the big call detaches); the big pod's
+/// next call is held again, and its deletion releases it within a second.
 #[tokio::test(flavor = "multi_thread")]
-async fn with_the_watch_a_pod_deleted_mid_pull_is_released_within_a_second() {
+async fn with_the_watch_a_held_pull_lets_a_small_image_by_and_a_deletion_releases_it_at_once() {
     if let Some(why) = skip_reason() {
         eprintln!("skipping: {why}");
         return;
     }
     let w = watched();
     let metrics = free_metrics_address();
-    let mut args = w.args("3");
-    args.extend(["--metrics-address", &metrics]);
-    let e = env_with(&args).await;
+    let e = w.env(&metrics).await;
     let (img, r, layer) = big_image(&e, "watched", 5).await;
     let size = img.layers.last().unwrap().size;
+    let (_, small_ref) = e.busybox("small-behind").await;
     e.proxy.faults().set_link_rate(Some(40 * MIB));
     let sim = KubeletSim::for_daemon(&e.daemon, w.sim_config(Puller::Serial))
         .await
         .unwrap();
+    w.synced(&e).await;
     let a = PodSpec::new("a", &[&r]);
-    w.create(&sim, &a, NODE);
-    pulling_for(&sim, &a.uid, Duration::from_secs(5)).await;
+    sim.create_pod(a.clone());
+    pulling_for(&sim, &a.uid, WINDOW + Duration::from_secs(2)).await;
+    // Past its window, the call is still the first one: held, not detached, while the watch
+    // follows the pod and no other pod waits.
+    assert_eq!(
+        count(&sim, &a.uid, is_pull_started),
+        1,
+        "{}",
+        sim.timeline(&a.uid)
+    );
+
+    // Another pod needs an image the node lacks; the serial puller queues its pull behind a's:
+    // a's call detaches (the download goes on for it) and b's waits at most one window.
+    let b = PodSpec::new("b", &[&small_ref]);
+    sim.create_pod(b.clone());
+    sim.wait_running(&b.uid, LONG).await.unwrap();
+    let (queued, started, _) = pull_times(&sim, &b.uid);
+    eprintln!("b's pull waited {:?} behind a's", started - queued);
+    assert!(
+        started - queued <= WINDOW,
+        "b's pull waited {:?} behind a's\n{}\n{}",
+        started - queued,
+        sim.timeline(&a.uid),
+        sim.timeline(&b.uid)
+    );
+    let d = detaches(&sim, &a.uid);
+    assert_eq!(d.len(), 1, "{}", sim.timeline(&a.uid));
+    assert!(
+        d[0].1.contains("still downloading in the background"),
+        "{d:?}"
+    );
+
+    // a's next call (after its back-off) is held again, past its window.
+    wait_until("a's next call held past its window", LONG, || {
+        let ev = sim.events(&a.uid);
+        ev.iter()
+            .rev()
+            .find(|e| matches!(e.kind, EventKind::PullStarted(_)))
+            .is_some_and(|s| {
+                count(&sim, &a.uid, is_pull_started) == 2
+                    && in_pull(&sim, &a.uid)
+                    && s.at.elapsed() > WINDOW + Duration::from_secs(1)
+            })
+    })
+    .await;
     let deleted = Instant::now();
     sim.delete_pod(&a.uid);
     sim.wait_gone(&a.uid, LONG).await.unwrap();
@@ -703,6 +763,8 @@ async fn with_the_watch_a_pod_deleted_mid_pull_is_released_within_a_second() {
     assert_partial_kept(&e, b2);
     let log = e.daemon.log();
     assert!(log.contains("pod deleted: its pulls are dropped"), "{log}");
+    let m = scrape(&metrics).await;
+    assert_eq!(sample(&m, "minicri_pull_detached_total"), 1, "{m}");
     sim.shutdown().await;
     assert!(e.sandboxes().await.is_empty());
     assert_eq!(e.stray_state(), Vec::<String>::new());
@@ -728,10 +790,12 @@ async fn the_watch_survives_outages_and_410_and_ignores_other_nodes() {
         .collect();
     let [restarted, gone, other, compacted] = [&pods[0], &pods[1], &pods[2], &pods[3]];
     for p in [restarted, gone, compacted] {
-        w.create(&sim, p, NODE);
+        sim.create_pod(p.clone());
     }
     // The API server places this one on another node: its deletion is none of ours.
-    w.create(&sim, other, "node-2");
+    let mut elsewhere = other.clone();
+    elsewhere.node = Some("node-2".into());
+    sim.create_pod(elsewhere);
     for p in &pods {
         pulling_for(&sim, &p.uid, Duration::from_millis(500)).await;
     }
@@ -813,6 +877,122 @@ async fn the_watch_survives_outages_and_410_and_ignores_other_nodes() {
         0,
         "nothing left running for {}",
         img.config_digest
+    );
+    sim.shutdown().await;
+    assert!(e.sandboxes().await.is_empty());
+    assert_eq!(e.stray_state(), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_the_watch_a_large_pull_is_one_call_and_the_pod_starts_as_it_completes() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let w = watched();
+    let metrics = free_metrics_address();
+    let e = w.env(&metrics).await;
+    let (_, r, _) = big_image(&e, "followed", 7).await;
+    // 40 MiB/s: about 26 s for the whole image, nine windows.
+    e.proxy.faults().set_link_rate(Some(40 * MIB));
+    let sim = KubeletSim::for_daemon(&e.daemon, w.sim_config(Puller::Serial))
+        .await
+        .unwrap();
+    w.synced(&e).await;
+    // Pull policy Always: with detaching, the kubelet would back off after each detached call
+    // and start the pod only at its next retry after the download completed.
+    let a = PodSpec::new("a", &[&r]).always();
+    sim.create_pod(a.clone());
+    // When the image is first in the store (polled every 20 ms), and when the pod runs.
+    let (complete, running) = tokio::join!(
+        async {
+            while !image_present(&e, &r).await {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Instant::now()
+        },
+        sim.wait_running(&a.uid, Duration::from_secs(120))
+    );
+    let running = running.unwrap();
+    let timeline = sim.timeline(&a.uid);
+    eprintln!("{timeline}");
+    // One PullImage, held for the whole download: no ErrImagePull, no back-off.
+    assert_eq!(count(&sim, &a.uid, is_pull_started), 1, "{timeline}");
+    let failures = count(&sim, &a.uid, |k| {
+        matches!(k, EventKind::ErrImagePull { .. } | EventKind::BackOff(_))
+    });
+    assert_eq!(failures, 0, "{timeline}");
+    let (_, started, returned) = pull_times(&sim, &a.uid);
+    assert!(
+        returned - started > 5 * WINDOW,
+        "held {:?}\n{timeline}",
+        returned - started
+    );
+    // The pod starts as the image completes.
+    let late = running.saturating_duration_since(complete);
+    eprintln!("running {late:?} after the image was complete");
+    assert!(late <= Duration::from_secs(1), "{late:?}\n{timeline}");
+    let log = e.daemon.log();
+    assert!(
+        log.contains("PullImage held past its window: the pod is followed in the API server"),
+        "{log}"
+    );
+    assert!(!log.contains("PullImage detached"), "{log}");
+
+    // Where the pod's owner looks (kubectl describe pod): one event of minicri's, updated in
+    // place with the progress, at most one API write per 10 s.
+    let events: Vec<serde_json::Value> = w
+        .api
+        .events()
+        .into_iter()
+        .filter(|ev| ev["involvedObject"]["uid"] == a.uid.as_str())
+        .collect();
+    eprintln!("{events:#?}");
+    assert_eq!(events.len(), 1, "{events:#?}");
+    let ev = &events[0];
+    assert_eq!(ev["reason"], "Pulling");
+    assert_eq!(ev["type"], "Normal");
+    assert_eq!(ev["source"]["component"], "minicri");
+    assert_eq!(ev["reportingComponent"], "minicri");
+    assert_eq!(ev["involvedObject"]["kind"], "Pod");
+    assert_eq!(ev["involvedObject"]["name"], "a");
+    assert_eq!(ev["metadata"]["namespace"], a.namespace.as_str());
+    let message = ev["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(&format!("Downloading image \"{r}\": "))
+            && message.contains("% (")
+            && message.contains("of 1.0 GiB) at ")
+            && message.contains("left"),
+        "{message}"
+    );
+    let writes: Vec<_> = w
+        .api
+        .event_writes()
+        .into_iter()
+        .filter(|x| x.involved_uid.as_deref() == Some(a.uid.as_str()))
+        .collect();
+    let held = returned - started;
+    assert!(
+        writes.len() >= 2 && writes.len() as u64 <= 1 + held.as_secs() / 10,
+        "{} writes in {held:?}: {writes:#?}",
+        writes.len()
+    );
+    assert!(writes.iter().all(|x| x.status < 300), "{writes:#?}");
+    assert_eq!(writes[0].method, "POST");
+    assert!(
+        writes[1..].iter().all(|x| x.method == "PATCH"),
+        "{writes:#?}"
+    );
+    for pair in writes.windows(2) {
+        let gap = pair[1].at - pair[0].at;
+        assert!(gap >= Duration::from_millis(9500), "{gap:?}: {writes:#?}");
+    }
+    assert_eq!(ev["count"], writes.len());
+    let m = scrape(&metrics).await;
+    assert_eq!(
+        sample(&m, "minicri_kube_events_written_total"),
+        writes.len() as u64,
+        "{m}"
     );
     sim.shutdown().await;
     assert!(e.sandboxes().await.is_empty());

@@ -1,6 +1,6 @@
 //! Tests of the kubelet simulator itself against a real minicri daemon, a real registry and the
 //! rate-limiting proxy: pods start and are removed, a missing image backs off as the kubelet's
-//! does, the serial puller pulls one image at a time in FIFO order (also for a pod deleted while
+//! does (with pull policy Always too, which pulls without asking ImageStatus first), the serial puller pulls one image at a time in FIFO order (also for a pod deleted while
 //! queued), the parallel one does not, and a deletion is only acted on once the blocked
 //! PullImage returns. Host-network sandboxes on runc: root and runc are needed.
 
@@ -439,5 +439,75 @@ async fn deletion_is_acted_on_only_after_the_blocked_pull_returns() {
     );
     assert!(e.sandboxes().await.is_empty());
     sim.shutdown().await;
+    assert_eq!(e.stray_state(), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pull_policy_always_pulls_without_image_status_and_backs_off_before_the_runtime() {
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let e = env().await;
+    let (_, r) = e.busybox("always").await;
+    let missing = format!("{}/kubesim/always-missing:1", e.proxy.addr());
+    let cfg = fast(Puller::Serial);
+    let base = cfg.backoff_base;
+    let sim = KubeletSim::for_daemon(&e.daemon, cfg).await.unwrap();
+    let a = PodSpec::new("a", &[&r]);
+    sim.create_pod(a.clone());
+    sim.wait_running(&a.uid, LONG).await.unwrap();
+
+    // The image is there, yet an Always pod pulls it, and asks no ImageStatus first.
+    let statuses = e.calls_logged("ImageStatus", "kubesim/always");
+    assert!(
+        statuses >= 1,
+        "the IfNotPresent pod's ImageStatus is in the log"
+    );
+    let b = PodSpec::new("b", &[&r]).always();
+    sim.create_pod(b.clone());
+    sim.wait_running(&b.uid, LONG).await.unwrap();
+    assert_eq!(
+        count(&sim, &b.uid, |k| matches!(k, EventKind::ImagePresent(_))),
+        0
+    );
+    assert_eq!(
+        count(&sim, &b.uid, is_pull_started),
+        1,
+        "{}",
+        sim.timeline(&b.uid)
+    );
+    assert_eq!(e.pull_calls_logged("kubesim/always"), 2);
+    assert_eq!(e.calls_logged("ImageStatus", "kubesim/always"), statuses);
+
+    // A missing image: ErrImagePull, then ImagePullBackOff without any CRI call for it.
+    let c = PodSpec::new("c", &[&missing]).always();
+    sim.create_pod(c.clone());
+    sim.wait_for(&c.uid, LONG, "a back-off", |ev| {
+        ev.iter()
+            .any(|e| matches!(e.kind, EventKind::BackOff(_)))
+            .then_some(Ok(()))
+    })
+    .await
+    .unwrap();
+    let events = sim.events(&c.uid);
+    let err = events
+        .iter()
+        .find(|e| matches!(e.kind, EventKind::ErrImagePull { .. }))
+        .unwrap();
+    let backoff = events
+        .iter()
+        .find(|e| matches!(e.kind, EventKind::BackOff(_)))
+        .unwrap();
+    assert!(backoff.at - err.at < base, "{}", sim.timeline(&c.uid));
+    assert_eq!(
+        count(&sim, &c.uid, is_pull_started),
+        1,
+        "{}",
+        sim.timeline(&c.uid)
+    );
+    assert_eq!(e.calls_logged("ImageStatus", "always-missing"), 0);
+    sim.shutdown().await;
+    assert!(e.sandboxes().await.is_empty());
     assert_eq!(e.stray_state(), Vec::<String>::new());
 }

@@ -423,3 +423,170 @@ fn kubeconfig_points_at_the_server() {
     assert!(text.contains(&format!("server: {}", server.url())));
     assert!(text.contains("current-context: minicri-test"));
 }
+
+/// Sends `body` with `method` and `content_type` to `path`; the status and the JSON answer.
+async fn send(
+    server: &ApiServer,
+    method: reqwest::Method,
+    path: &str,
+    content_type: &str,
+    body: &Value,
+) -> (u16, Value) {
+    let resp = http()
+        .request(method, format!("{}{path}", server.url()))
+        .header("content-type", content_type)
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    (
+        status,
+        serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap(),
+    )
+}
+
+fn event(namespace: &str, name: &str, involved_namespace: &str) -> Value {
+    serde_json::json!({
+        "metadata": { "name": name, "namespace": namespace },
+        "involvedObject": { "kind": "Pod", "namespace": involved_namespace, "name": "p", "uid": "uid-p" },
+        "reason": "Pulling",
+        "message": "1%",
+        "type": "Normal",
+        "count": 1,
+    })
+}
+
+#[tokio::test]
+async fn events_are_created_patched_and_refused_as_the_real_server_does() {
+    use reqwest::Method;
+    let server = ApiServer::start().unwrap();
+    let json = "application/json";
+    let merge = "application/merge-patch+json";
+    let (status, created) = send(
+        &server,
+        Method::POST,
+        "/api/v1/namespaces/ns/events",
+        json,
+        &event("ns", "e1", "ns"),
+    )
+    .await;
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(created["kind"], "Event");
+    // Refused: a name taken, an object of another namespace than the path's, an involved object
+    // in another namespace (legacy validation), a body that is not an object.
+    let refusals = [
+        (event("ns", "e1", "ns"), 409),
+        (event("other", "e2", "other"), 400),
+        (event("", "e3", "other"), 422),
+        (serde_json::json!([1]), 400),
+    ];
+    for (body, code) in refusals {
+        let (status, answer) = send(
+            &server,
+            Method::POST,
+            "/api/v1/namespaces/ns/events",
+            json,
+            &body,
+        )
+        .await;
+        assert_eq!(status, code, "{body} → {answer}");
+        assert_eq!(answer["kind"], "Status");
+    }
+    // A merge patch updates in place; what would move it elsewhere is refused.
+    let patch = serde_json::json!({ "count": 2, "message": "50%" });
+    let (status, patched) = send(
+        &server,
+        Method::PATCH,
+        "/api/v1/namespaces/ns/events/e1",
+        merge,
+        &patch,
+    )
+    .await;
+    assert_eq!(status, 200, "{patched}");
+    assert_eq!(
+        (patched["count"].clone(), patched["message"].clone()),
+        (2.into(), "50%".into())
+    );
+    assert_eq!(patched["reason"], "Pulling");
+    for (path, content_type, body, code) in [
+        (
+            "/api/v1/namespaces/ns/events/nope",
+            merge,
+            patch.clone(),
+            404,
+        ),
+        (
+            "/api/v1/namespaces/ns/events/e1",
+            "application/json-patch+json",
+            patch.clone(),
+            415,
+        ),
+        (
+            "/api/v1/namespaces/ns/events/e1",
+            merge,
+            serde_json::json!({"involvedObject": {"namespace": "x"}}),
+            422,
+        ),
+        (
+            "/api/v1/namespaces/ns/events/e1",
+            merge,
+            serde_json::json!({"metadata": {"namespace": "x"}}),
+            422,
+        ),
+    ] {
+        let (status, answer) = send(&server, Method::PATCH, path, content_type, &body).await;
+        assert_eq!(status, code, "{path} {body} → {answer}");
+    }
+    let (status, list) = get_json(&server, "/api/v1/namespaces/ns/events").await;
+    assert_eq!(status, 200);
+    assert_eq!(list["items"].as_array().unwrap().len(), 1);
+    assert_eq!(list["items"][0]["message"], "50%");
+    // Every write recorded, refused ones too.
+    let writes = server.event_writes();
+    assert_eq!(writes.len(), 10);
+    assert_eq!(
+        writes.iter().filter(|w| w.status < 300).count(),
+        2,
+        "{writes:#?}"
+    );
+    assert_eq!(writes[0].involved_uid.as_deref(), Some("uid-p"));
+    assert_eq!(server.events().len(), 1);
+}
+
+#[tokio::test]
+async fn with_tls_a_client_certificate_is_required_recorded_and_revocable() {
+    use minicri_tests::apiserver::fingerprint_pem;
+    use minicri_tests::pki::{TestPki, node_client_pem};
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::create(dir.path()).unwrap();
+    let server = ApiServer::start_with(ApiServerOptions {
+        tls: Some(pki.clone()),
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(server.url().starts_with("https://127.0.0.1:"));
+    let ca = reqwest::Certificate::from_pem(&std::fs::read(&pki.ca).unwrap()).unwrap();
+    let client = |identity: Option<String>| {
+        let mut b = reqwest::Client::builder()
+            .no_proxy()
+            .tls_certs_only([ca.clone()]);
+        if let Some(pem) = identity {
+            b = b.identity(reqwest::Identity::from_pem(pem.as_bytes()).unwrap());
+        }
+        b.build().unwrap()
+    };
+    let url = format!("{}/api/v1/pods", server.url());
+    // No client certificate: the handshake fails.
+    assert!(client(None).get(&url).send().await.is_err());
+    let (cert, key) = node_client_pem(&pki, "system:node:n1").unwrap();
+    let with_cert = client(Some(format!("{cert}{key}")));
+    assert_eq!(with_cert.get(&url).send().await.unwrap().status(), 200);
+    let fp = fingerprint_pem(&cert).unwrap();
+    assert_eq!(
+        server.requests()[0].client_cert.as_deref(),
+        Some(fp.as_str())
+    );
+    server.revoke(&fp);
+    assert_eq!(with_cert.get(&url).send().await.unwrap().status(), 401);
+}

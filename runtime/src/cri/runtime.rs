@@ -82,6 +82,10 @@ impl RuntimeService for RuntimeHandler {
             let mut info = HashMap::new();
             if verbose {
                 info.insert("config".to_string(), self.daemon.config_json());
+                info.insert(
+                    "kubeWatch".to_string(),
+                    self.daemon.kube.to_json().to_string(),
+                );
                 let list: Vec<_> = handlers
                     .iter()
                     .map(|(h, r)| {

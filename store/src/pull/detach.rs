@@ -18,6 +18,13 @@
 //! of one sandbox that follow each other within [`SYNC_GAP`] (or half the window, if shorter)
 //! belong to one sync; the kubelet's image back-off (10 s at least) separates its syncs' retries.
 //!
+//! **Holding past the window.** The runtime may install a [`DetachPolicy`]: when a call's window
+//! has passed and the policy says the call may keep waiting (the runtime's API-server watch is
+//! connected and follows the pod, so a deletion would release the call at once, and no other pod
+//! of the node waits for an image), the call is not detached but asked about again every
+//! [`HOLD_RECHECK`], and detaches at the first no. The kubelet then sees one pull that ends when
+//! the image is there, instead of errors and back-offs.
+//!
 //! **Restarts.** A hold is written to `<holds_dir>/<hash>.json` (mode 0600: it keeps the call's
 //! registry credentials, so that the download can resume without a new PullImage) and removed
 //! when the hold ends. At start the daemon resumes the downloads of holds whose sandbox is still
@@ -45,6 +52,17 @@ pub const SYNC_GAP: Duration = Duration::from_secs(5);
 /// that an image already on disk or a tiny one completes in the same sync.
 pub const MIN_HOLD: Duration = Duration::from_secs(1);
 
+/// How often a call held past its window asks the [`DetachPolicy`] again.
+pub const HOLD_RECHECK: Duration = Duration::from_secs(1);
+
+/// Decides whether a call whose detach window has passed may keep waiting instead of
+/// detaching. The store knows nothing of the pods behind the requesters; the runtime does.
+pub trait DetachPolicy: Send + Sync {
+    /// Whether `requester`'s call for `reference`, past its window, may wait
+    /// [`HOLD_RECHECK`] longer.
+    fn may_hold_past_window(&self, requester: &Requester, reference: &Reference) -> bool;
+}
+
 /// A sandbox's hold on a job, taken over from a detached call.
 pub(crate) struct Hold {
     pub(crate) since: chrono::DateTime<chrono::Utc>,
@@ -69,10 +87,11 @@ pub struct HoldRecord {
     pub detached_at: chrono::DateTime<chrono::Utc>,
 }
 
-/// Per-sandbox accounting of the current sync's held time.
+/// Per-sandbox accounting of the current sync's held time, and the policy for calls past it.
 pub(crate) struct SyncBudgets {
     window: Option<Duration>,
     map: Mutex<HashMap<String, Budget>>,
+    policy: std::sync::RwLock<Option<Arc<dyn DetachPolicy>>>,
 }
 
 struct Budget {
@@ -93,6 +112,32 @@ impl SyncBudgets {
         SyncBudgets {
             window: window.filter(|w| !w.is_zero()),
             map: Mutex::new(HashMap::new()),
+            policy: std::sync::RwLock::new(None),
+        }
+    }
+
+    /// Returns once `requester`'s call, whose window has passed, must detach: at once without
+    /// a policy or when it says no, else at the first no of the checks every [`HOLD_RECHECK`].
+    pub(crate) async fn past_window(&self, requester: &Requester, reference: &Reference) {
+        let mut held = false;
+        loop {
+            let policy = self
+                .policy
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            let Some(policy) = policy else { return };
+            if !policy.may_hold_past_window(requester, reference) {
+                if held {
+                    tracing::info!(image = %reference, requester = %requester.key(), "PullImage held past its window may wait no longer");
+                }
+                return;
+            }
+            if !held {
+                tracing::info!(image = %reference, requester = %requester.key(), "PullImage held past its window: the pod is followed in the API server");
+                held = true;
+            }
+            tokio::time::sleep(HOLD_RECHECK).await;
         }
     }
 
@@ -219,6 +264,37 @@ pub fn human_bytes(b: f64) -> String {
     }
 }
 
+/// How far a download is, for people: `45% (460.2 MiB of 1.0 GiB) at 38.1 MiB/s, about 15s
+/// left` (`rate`: bytes per second now; `connections`: the transfer connections it holds now),
+/// `resolving its layers` before its size is known, and `100% (1.0 GiB), unpacking` once every
+/// byte is in.
+pub fn progress_text(done: u64, total: u64, rate: f64, connections: usize) -> String {
+    if total == 0 {
+        return "resolving its layers".to_string();
+    }
+    if done >= total {
+        return format!("100% ({}), unpacking", human_bytes(total as f64));
+    }
+    let pct = 100.0 * done as f64 / total as f64;
+    let mut s = format!(
+        "{pct:.0}% ({} of {})",
+        human_bytes(done as f64),
+        human_bytes(total as f64)
+    );
+    if rate > 0.0 {
+        s.push_str(&format!(
+            " at {}/s, about {} left",
+            human_bytes(rate),
+            human_duration(total.saturating_sub(done) as f64 / rate)
+        ));
+    } else if connections == 0 {
+        s.push_str(", waiting for a transfer connection (the node's are shared between pods)");
+    } else {
+        s.push_str(", waiting for bytes");
+    }
+    s
+}
+
 /// `1h05m`, `3m20s`, `42s` for people.
 pub fn human_duration(secs: f64) -> String {
     let s = secs.max(0.0).round() as u64;
@@ -230,6 +306,15 @@ pub fn human_duration(secs: f64) -> String {
 }
 
 impl PullManager {
+    /// Installs the policy that lets calls wait past their detach window (see the module docs).
+    pub fn set_detach_policy(&self, policy: Arc<dyn DetachPolicy>) {
+        *self
+            .budgets
+            .policy
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = Some(policy);
+    }
+
     fn hold_path(&self, requester_key: &str, job_key: &str) -> Option<PathBuf> {
         let dir = self.config.holds_dir.as_ref()?;
         let h = Sha256::digest(format!("{requester_key}|{job_key}").as_bytes());
@@ -291,30 +376,7 @@ impl PullManager {
     /// What the kubelet shows in the pod's events (`Failed to pull image "…": <this>`).
     fn detach_message(&self, job: &Job, reference: &Reference, sandbox: &str) -> String {
         let b = job.bytes();
-        let progress = if b.total == 0 {
-            "resolving its layers".to_string()
-        } else {
-            let pct = 100.0 * b.done as f64 / b.total as f64;
-            let mut s = format!(
-                "{pct:.0}% ({} of {})",
-                human_bytes(b.done as f64),
-                human_bytes(b.total as f64)
-            );
-            if b.rate > 0.0 {
-                s.push_str(&format!(
-                    " at {}/s, about {} left",
-                    human_bytes(b.rate),
-                    human_duration(b.total.saturating_sub(b.done) as f64 / b.rate)
-                ));
-            } else if b.connections == 0 {
-                s.push_str(
-                    ", waiting for a transfer connection (the node's are shared between pods)",
-                );
-            } else {
-                s.push_str(", waiting for bytes");
-            }
-            s
-        };
+        let progress = progress_text(b.done, b.total, b.rate, b.connections);
         let window = self.config.detach_after.unwrap_or_default();
         format!(
             "image {reference} is still downloading in the background: {progress}. The pod \
@@ -532,6 +594,45 @@ mod tests {
         assert_eq!(c.deadline(), d);
     }
 
+    /// A policy that says what a flag says, and counts the questions.
+    struct Flag(
+        std::sync::atomic::AtomicBool,
+        std::sync::atomic::AtomicUsize,
+    );
+
+    impl DetachPolicy for Flag {
+        fn may_hold_past_window(&self, _: &Requester, _: &Reference) -> bool {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            self.0.load(Ordering::Relaxed)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_past_its_window_waits_while_the_policy_says_yes_and_detaches_at_the_first_no() {
+        let b = SyncBudgets::new(Some(Duration::from_secs(30)));
+        let (r, reference) = (sandbox_requester("a"), Reference::parse("busybox").unwrap());
+        // No policy: detach at once.
+        tokio::time::timeout(Duration::from_millis(50), b.past_window(&r, &reference))
+            .await
+            .expect("no policy, no wait");
+        let flag = Arc::new(Flag(true.into(), 0.into()));
+        *b.policy.write().unwrap() = Some(flag.clone());
+        let wait = b.past_window(&r, &reference);
+        tokio::pin!(wait);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(2500), &mut wait)
+                .await
+                .is_err(),
+            "held while the policy says yes"
+        );
+        let asked = flag.1.load(Ordering::Relaxed);
+        assert!((3..=4).contains(&asked), "asked {asked} times in 2.5 s");
+        let no = Instant::now();
+        flag.0.store(false, Ordering::Relaxed);
+        wait.await;
+        assert!(no.elapsed() <= HOLD_RECHECK + Duration::from_millis(200));
+    }
+
     #[test]
     fn people_read_sizes_and_durations() {
         assert_eq!(human_bytes(512.0), "512 B");
@@ -539,5 +640,19 @@ mod tests {
         assert_eq!(human_duration(42.4), "42s");
         assert_eq!(human_duration(200.0), "3m20s");
         assert_eq!(human_duration(3900.0), "1h05m");
+        assert_eq!(
+            progress_text(460 << 20, 1 << 30, 38.0 * 1048576.0, 4),
+            "45% (460.0 MiB of 1.0 GiB) at 38.0 MiB/s, about 15s left"
+        );
+        assert_eq!(
+            progress_text(0, 10, 0.0, 1),
+            "0% (0 B of 10 B), waiting for bytes"
+        );
+        assert_eq!(
+            progress_text(0, 10, 0.0, 0),
+            "0% (0 B of 10 B), waiting for a transfer connection (the node's are shared between pods)"
+        );
+        assert_eq!(progress_text(0, 0, 0.0, 0), "resolving its layers");
+        assert_eq!(progress_text(10, 10, 0.0, 0), "100% (10 B), unpacking");
     }
 }

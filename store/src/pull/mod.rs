@@ -602,7 +602,11 @@ impl PullManager {
         let mut rx = job.result.subscribe();
         let detach_at = async {
             match deadline {
-                Some(d) => tokio::time::sleep_until(d.into()).await,
+                Some(d) => {
+                    tokio::time::sleep_until(d.into()).await;
+                    // The runtime's policy may let the call wait on (detach.rs).
+                    self.budgets.past_window(&requester, &reference).await;
+                }
                 None => std::future::pending().await,
             }
         };

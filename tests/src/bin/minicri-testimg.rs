@@ -5,7 +5,9 @@
 //! realistic image). `pull` asks a CRI runtime (minicri, or containerd's CRI plugin) to pull an
 //! image and prints how long it took (used by hack/bench-pull.sh, so the benchmark needs no
 //! crictl). `proxy` serves a view of a registry whose blob responses are rate-limited each on
-//! its own, to watch a pull go by or to cap single streams.
+//! its own (or all together), to watch a pull go by or to cap single streams, and can write how
+//! many blob bytes it served. `registry` runs the tests' registry (Debian's docker-registry on a
+//! free port) until interrupted (hack/demo-pull-release.sh).
 //! Build it with `--release` for big layers: making random gzip layers is ~25x slower in a
 //! debug build.
 
@@ -113,7 +115,17 @@ enum Command {
         /// and CDNs cap single streams).
         #[arg(long, default_value_t = 10.0)]
         rate_mib: f64,
+        /// MiB per second of all blob responses together (a link's capacity); none by default.
+        #[arg(long)]
+        link_rate_mib: Option<f64>,
+        /// Rewrite this file every 200 ms with `blob_bytes_served N`: the blob body bytes the
+        /// proxy has served.
+        #[arg(long)]
+        stats: Option<std::path::PathBuf>,
     },
+    /// Run a test registry (docker-registry on a free 127.0.0.1 port, storage in a temporary
+    /// directory) until interrupted. Prints its host:port.
+    Registry,
 }
 
 fn print_image(image: &PushedImage) {
@@ -170,13 +182,44 @@ async fn main() -> Result<()> {
                 .into_inner();
             println!("{}	{:.3}", r.image_ref, start.elapsed().as_secs_f64());
         }
-        Command::Proxy { upstream, rate_mib } => {
+        Command::Proxy {
+            upstream,
+            rate_mib,
+            link_rate_mib,
+            stats,
+        } => {
+            let mib = |m: f64| (m * 1024.0 * 1024.0) as u64;
             let proxy = minicri_tests::proxy::Proxy::start(&upstream)?;
-            proxy
-                .faults()
-                .set_rate_limit(Some((rate_mib * 1024.0 * 1024.0) as u64));
+            proxy.faults().set_rate_limit(Some(mib(rate_mib)));
+            proxy.faults().set_link_rate(link_rate_mib.map(mib));
             println!("{}", proxy.addr());
-            tokio::signal::ctrl_c().await?;
+            let write_stats = async {
+                let Some(path) = stats else {
+                    return std::future::pending::<std::io::Result<()>>().await;
+                };
+                loop {
+                    let text = format!("blob_bytes_served {}\n", proxy.total_blob_bytes());
+                    let tmp = path.with_extension("tmp");
+                    std::fs::write(&tmp, text)?;
+                    std::fs::rename(&tmp, &path)?;
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                }
+            };
+            tokio::select! {
+                r = tokio::signal::ctrl_c() => r?,
+                r = write_stats => r?,
+            }
+        }
+        Command::Registry => {
+            let registry = minicri_tests::registry::Registry::start();
+            println!("{}", registry.addr());
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            tokio::select! {
+                r = tokio::signal::ctrl_c() => r?,
+                _ = term.recv() => {}
+            }
+            drop(registry);
         }
         Command::PushStandard { registry } => {
             let set = push_standard_set_with(&registry.client()).await?;

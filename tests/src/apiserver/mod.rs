@@ -1,5 +1,5 @@
-//! Owns [`ApiServer`]: a minimal Kubernetes API server for tests, serving only pods, just enough
-//! for a list+watch client (kube-rs's `kube::runtime::watcher`, client-go's reflector) to work
+//! Owns [`ApiServer`]: a minimal Kubernetes API server for tests, serving pods (and recording
+//! events), just enough for a list+watch client (kube-rs's `kube::runtime::watcher`, client-go's reflector) to work
 //! against it as against the real one, and switches to disturb it (outages, compaction, dropped
 //! watches).
 //!
@@ -26,6 +26,10 @@
 //!   annotated `k8s.io/initial-events-end: "true"`. `timeoutSeconds` ends the stream (cleanly)
 //!   after that long. Field selectors filter watch events too.
 //! - `GET /api/v1/namespaces/{ns}/pods/{name}`: one pod, or a 404 `Status`.
+//! - core/v1 Events: create, merge-patch, get and list ([`events`], every write recorded:
+//!   [`ApiServer::event_writes`]).
+//! - With [`ApiServerOptions::tls`]: HTTPS, client certificates required (`tls`), each request's
+//!   recorded, revocable ([`ApiServer::revoke`]).
 //!
 //! The resourceVersion is one global counter (a string of an integer) bumped by every change.
 //! The state (pods, event history, counter) outlives [`ApiServer::stop`]: a
@@ -41,7 +45,13 @@
 //! the test's thread does; the control methods are plain blocking calls, usable from sync and
 //! async tests alike. Dropping the [`ApiServer`] stops it.
 
-use std::collections::BTreeMap;
+mod events;
+mod tls;
+
+pub use events::EventWrite;
+pub use tls::{fingerprint_der, fingerprint_pem};
+
+use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
@@ -79,6 +89,9 @@ pub struct ApiServerOptions {
     /// unsupported ones), as a broken server or proxy might, so that a client's own checks on
     /// the objects it gets can be tested.
     pub ignore_field_selectors: bool,
+    /// Serve HTTPS with this PKI's server certificate, and require client certificates signed
+    /// by its CA (as a real API server authenticates a kubelet).
+    pub tls: Option<crate::pki::TestPki>,
 }
 
 impl Default for ApiServerOptions {
@@ -86,8 +99,18 @@ impl Default for ApiServerOptions {
         ApiServerOptions {
             bookmark_interval: Duration::from_secs(1),
             ignore_field_selectors: false,
+            tls: None,
         }
     }
+}
+
+/// The credentials a kubeconfig written by [`ApiServer::write_kubeconfig_at`] carries.
+#[derive(Debug, Clone)]
+pub enum KubeUser {
+    /// A dummy bearer token.
+    Token,
+    /// A client certificate and key (files; they may be one file, as the kubelet's are).
+    ClientCert { cert: PathBuf, key: PathBuf },
 }
 
 /// One request the server answered.
@@ -101,6 +124,9 @@ pub struct RequestRecord {
     pub watch: bool,
     /// The HTTP status answered (a watch that later sends an `ERROR` event is still 200).
     pub status: u16,
+    /// With TLS: the fingerprint of the client certificate of the connection
+    /// ([`fingerprint_der`]).
+    pub client_cert: Option<String>,
 }
 
 /// A pod as the server keeps it.
@@ -113,6 +139,8 @@ struct Pod {
     resource_version: u64,
     creation: String,
     deletion: Option<String>,
+    /// One container per image (`c0`, `c1`, …).
+    images: Vec<String>,
 }
 
 impl Pod {
@@ -134,7 +162,9 @@ impl Pod {
             "metadata": metadata,
             "spec": {
                 "nodeName": self.node,
-                "containers": [{ "name": "app", "image": "registry.test/app:1" }],
+                "containers": self.images.iter().enumerate()
+                    .map(|(i, image)| json!({ "name": format!("c{i}"), "image": image }))
+                    .collect::<Vec<_>>(),
             },
             "status": { "phase": "Running" },
         })
@@ -214,6 +244,12 @@ struct Shared {
     watch_close: Mutex<CancellationToken>,
     requests: Mutex<Vec<RequestRecord>>,
     open_watches: Mutex<usize>,
+    /// Client certificate fingerprints refused with 401.
+    revoked: Mutex<BTreeSet<String>>,
+    /// Events, and the resourceVersions given to them (their own counter: pods' history and
+    /// watches are not disturbed by event writes).
+    events: Mutex<(events::Events, u64)>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -263,7 +299,14 @@ impl ApiServer {
             .enable_all()
             .build()?;
         let (rv_tx, _) = tokio::sync::watch::channel(FIRST_RESOURCE_VERSION);
+        let tls = match &opts.tls {
+            Some(pki) => Some(tls::acceptor(pki).map_err(io::Error::other)?),
+            None => None,
+        };
         let shared = Arc::new(Shared {
+            tls,
+            revoked: Mutex::new(BTreeSet::new()),
+            events: Mutex::new((events::Events::default(), 1_000_000)),
             opts,
             state: Mutex::new(State {
                 rv: FIRST_RESOURCE_VERSION,
@@ -308,9 +351,20 @@ impl ApiServer {
         self.addr
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// `http://127.0.0.1:PORT`, or `https://` with TLS.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.shared.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.addr)
+    }
+
+    /// From now on, requests made with this client certificate ([`fingerprint_der`]) get 401
+    /// Unauthorized, as after a certificate's revocation or expiry.
+    pub fn revoke(&self, fingerprint: &str) {
+        lock(&self.shared.revoked).insert(fingerprint.to_string());
     }
 
     /// Whether it is listening (started, or restarted after a stop).
@@ -322,6 +376,24 @@ impl ApiServer {
     /// bearer token (never checked), one context, made current. Returns its path.
     pub fn write_kubeconfig(&self, dir: &Path) -> Result<PathBuf> {
         let path = dir.join("kubeconfig");
+        self.write_kubeconfig_at(&path, &KubeUser::Token)?;
+        Ok(path)
+    }
+
+    /// Writes a kubeconfig at `path` for this server, with `user`'s credentials.
+    pub fn write_kubeconfig_at(&self, path: &Path, user: &KubeUser) -> Result<()> {
+        let user = match user {
+            KubeUser::Token => "    token: minicri-test-token\n".to_string(),
+            KubeUser::ClientCert { cert, key } => format!(
+                "    client-certificate: {}\n    client-key: {}\n",
+                cert.display(),
+                key.display()
+            ),
+        };
+        let ca = match &self.shared.opts.tls {
+            Some(pki) => format!("    certificate-authority: {}\n", pki.ca.display()),
+            None => String::new(),
+        };
         let text = format!(
             "apiVersion: v1
 kind: Config
@@ -329,11 +401,10 @@ clusters:
 - name: minicri-test
   cluster:
     server: {url}
-users:
+{ca}users:
 - name: minicri-test
   user:
-    token: minicri-test-token
-contexts:
+{user}contexts:
 - name: minicri-test
   context:
     cluster: minicri-test
@@ -343,14 +414,27 @@ current-context: minicri-test
 ",
             url = self.url()
         );
-        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
-        Ok(path)
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
     }
 
-    /// Creates a pod bound to `node` (an `ADDED` event). Returns its resourceVersion.
+    /// Creates a pod bound to `node` (an `ADDED` event) with one container of image
+    /// `registry.test/app:1`. Returns its resourceVersion.
     ///
     /// Panics if a pod with this uid exists: that is a mistake in the test.
     pub fn add_pod(&self, namespace: &str, name: &str, uid: &str, node: &str) -> u64 {
+        self.add_pod_with_images(namespace, name, uid, node, &["registry.test/app:1".into()])
+    }
+
+    /// Creates a pod bound to `node` (an `ADDED` event) with a container per image (`c0`, `c1`,
+    /// …). Returns its resourceVersion. Panics if a pod with this uid exists.
+    pub fn add_pod_with_images(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        node: &str,
+        images: &[String],
+    ) -> u64 {
         let rv = {
             let mut st = self.shared.state();
             assert!(!st.pods.contains_key(uid), "a pod with uid {uid} exists");
@@ -363,6 +447,7 @@ current-context: minicri-test
                 resource_version: rv,
                 creation: now(),
                 deletion: None,
+                images: images.to_vec(),
             };
             st.pods.insert(uid.to_string(), pod.clone());
             st.record(EventType::Added, pod);
@@ -485,6 +570,16 @@ current-context: minicri-test
             .count()
     }
 
+    /// The events written so far (core/v1 `Event` objects as stored).
+    pub fn events(&self) -> Vec<Value> {
+        lock(&self.shared.events).0.all()
+    }
+
+    /// Every event write (create or patch) answered, in order, refused ones included.
+    pub fn event_writes(&self) -> Vec<EventWrite> {
+        lock(&self.shared.events).0.writes.clone()
+    }
+
     /// How many watch streams are open now.
     pub fn open_watches(&self) -> usize {
         *lock(&self.shared.open_watches)
@@ -532,14 +627,18 @@ async fn serve(
                 let shared = shared.clone();
                 let cancel = cancel.clone();
                 connections.spawn(async move {
-                    let service = hyper::service::service_fn(move |req| {
-                        let shared = shared.clone();
-                        let cancel = cancel.clone();
-                        async move { Ok::<_, Infallible>(handle(&shared, &cancel, req)) }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
+                    let Some(tls) = shared.tls.clone() else {
+                        serve_connection(stream, shared, cancel, None).await;
+                        return;
+                    };
+                    let Ok(stream) = tls.accept(stream).await else { return };
+                    let cert = stream
+                        .get_ref()
+                        .1
+                        .peer_certificates()
+                        .and_then(|c| c.first())
+                        .map(|c| tls::fingerprint_der(c));
+                    serve_connection(stream, shared, cancel, cert).await;
                 });
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
@@ -549,6 +648,26 @@ async fn serve(
     connections.abort_all();
     while connections.join_next().await.is_some() {}
     let _ = done.send(());
+}
+
+/// Serves HTTP/1.1 on one connection; `client_cert`: its client certificate's fingerprint.
+async fn serve_connection<S>(
+    stream: S,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+    client_cert: Option<String>,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req| {
+        let shared = shared.clone();
+        let cancel = cancel.clone();
+        let cert = client_cert.clone();
+        async move { Ok::<_, Infallible>(handle(&shared, &cancel, req, cert).await) }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(stream), service)
+        .await;
 }
 
 /// A request's query parameters; the last of repeated ones counts.
@@ -723,24 +842,104 @@ fn parse_path(path: &str) -> Option<Target> {
     }
 }
 
-fn handle(
+async fn handle(
     shared: &Arc<Shared>,
     cancel: &CancellationToken,
     req: Request<Incoming>,
+    client_cert: Option<String>,
 ) -> Response<Body> {
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
     let params = Params(parse_query(&query));
     let watch = matches!(params.get("watch"), Some("true" | "1"));
-    let resp = route(shared, cancel, req.method(), &path, &params, watch);
+    let revoked = client_cert
+        .as_ref()
+        .is_some_and(|c| lock(&shared.revoked).contains(c));
+    let method = req.method().clone();
+    let resp = if revoked {
+        error_response(StatusCode::UNAUTHORIZED, "Unauthorized", "Unauthorized")
+    } else if let Some(target) = parse_events_path(&path) {
+        let content_type = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        match http_body_util::Limited::new(req.into_body(), events::MAX_BODY)
+            .collect()
+            .await
+        {
+            Ok(body) => events_route(shared, &method, target, &content_type, &body.to_bytes()),
+            Err(_) => error_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "RequestEntityTooLarge",
+                "the request body is too large",
+            ),
+        }
+    } else {
+        route(shared, cancel, &method, &path, &params, watch)
+    };
     lock(&shared.requests).push(RequestRecord {
-        method: req.method().to_string(),
+        method: method.to_string(),
         path,
         query,
         watch,
         status: resp.status().as_u16(),
+        client_cert,
     });
     resp
+}
+
+/// What an events path names.
+enum EventsTarget {
+    /// The events of one namespace (`Some`) or all.
+    Collection(Option<String>),
+    One(String, String),
+}
+
+fn parse_events_path(path: &str) -> Option<EventsTarget> {
+    let rest = path.strip_prefix("/api/v1/")?;
+    let parts: Vec<&str> = rest.trim_end_matches('/').split('/').collect();
+    match parts.as_slice() {
+        ["events"] => Some(EventsTarget::Collection(None)),
+        ["namespaces", ns, "events"] if !ns.is_empty() => {
+            Some(EventsTarget::Collection(Some(ns.to_string())))
+        }
+        ["namespaces", ns, "events", name] if !ns.is_empty() && !name.is_empty() => {
+            Some(EventsTarget::One(ns.to_string(), name.to_string()))
+        }
+        _ => None,
+    }
+}
+
+fn events_route(
+    shared: &Shared,
+    method: &Method,
+    target: EventsTarget,
+    content_type: &str,
+    body: &[u8],
+) -> Response<Body> {
+    let mut guard = lock(&shared.events);
+    let (events, rv) = &mut *guard;
+    *rv += 1;
+    let (status, value) = match (method, target) {
+        (&Method::GET, EventsTarget::Collection(ns)) => {
+            (StatusCode::OK, events.list(ns.as_deref(), *rv))
+        }
+        (&Method::GET, EventsTarget::One(ns, name)) => events.get(&ns, &name),
+        (&Method::POST, EventsTarget::Collection(Some(ns))) => events.create(&ns, body, *rv),
+        (&Method::PATCH, EventsTarget::One(ns, name)) => {
+            events.patch(&ns, &name, content_type, body, *rv)
+        }
+        (m, _) => {
+            return error_response(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowed",
+                &format!("this test server does not allow {m} on the requested events"),
+            );
+        }
+    };
+    json_response(status, &value)
 }
 
 fn route(
@@ -1143,6 +1342,7 @@ mod tests {
             resource_version: 1,
             creation: now(),
             deletion: None,
+            images: vec![],
         };
         let sel = |s: &str| Selection {
             namespace: None,
