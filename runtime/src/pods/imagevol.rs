@@ -92,8 +92,8 @@ pub(crate) fn spec_mounts(mounts: &[cri::Mount], volumes: &[ImageVolume]) -> Vec
 
 /// The mounts as ContainerStatus reports them: an image volume names its image by id
 /// (`image.image`), which the kubelet's image garbage collector matches against the images it
-/// lists, and keeps the reference the request gave (`user_specified_image`; the name it asked
-/// by, when it gave none).
+/// lists, keeps the reference the request gave (`user_specified_image`; the name it asked by,
+/// when it gave none) and is read-only, as it is mounted whatever was asked.
 pub(crate) fn status_mounts(
     mut mounts: Vec<cri::Mount>,
     volumes: &[ImageVolume],
@@ -105,6 +105,7 @@ pub(crate) fn status_mounts(
                 spec.user_specified_image = std::mem::take(&mut spec.image);
             }
             spec.image = v.image_id.to_string();
+            m.readonly = true;
         }
     }
     mounts
@@ -451,6 +452,7 @@ mod tests {
             "the name it was asked by"
         );
         assert_eq!(status[1].host_path, "", "as asked");
+        assert!(status[1].readonly, "as mounted");
         assert_eq!(status[0], plain);
     }
 }
