@@ -14,10 +14,13 @@ use minicri_proto::runtime::v1 as cri;
 use minicri_tests::images::{
     Compression, ImageBuilder, LayerBuilder, PushedImage, RegistryClient, sha256_digest,
 };
-use minicri_tests::pod_env::{PodEnv, eventually, mounts_under, pod_config, skip_reason};
+use minicri_tests::pod_env::{
+    PodEnv, eventually, mounts_under, pod_config, skip_reason, with_busybox, with_busybox_args,
+};
 use minicri_tests::pod_rpc::{
-    RuntimeClient, container_config, container_status, create_container, exec_text,
-    list_containers, run_container, run_pod, stop_and_remove_pod,
+    RuntimeClient, container_config, container_status, create_container, exec_text, in_userns,
+    list_containers, pod_userns, remove_container, run_container, run_pod, stop_and_remove_pod,
+    user_namespaces_supported,
 };
 use tonic::Code;
 
@@ -88,6 +91,13 @@ fn image_mount(path: &str, id: &str, reference: &str, sub_path: &str) -> cri::Mo
     }
 }
 
+/// Asserts that RemoveImage of `image` is refused, naming container `id` whose volume uses it.
+async fn assert_removal_refused(env: &PodEnv, image: &str, id: &str) {
+    let err = remove_image(env, image).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains(id), "names the container: {err:?}");
+}
+
 async fn remove_image(env: &PodEnv, image: &str) -> Result<(), tonic::Status> {
     env.daemon
         .images()
@@ -155,20 +165,17 @@ async fn read_volumes(c: &mut RuntimeClient, id: &str) {
 
 /// The whole life of a container with image volumes, on snapshotter `backend`.
 async fn image_volume_lifecycle(backend: &str) {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
+    let Some((mut env, busybox, mut c)) = with_busybox_args(&["--snapshotter", backend]).await
+    else {
         return;
-    }
-    let mut env = PodEnv::with_args(&["--snapshotter", backend]).await;
-    env.pull_busybox().await;
+    };
     let model = push_model(&env, "v1", "new weights").await;
-    let mut c = env.runtime().await;
     let pod = pod_config("imagevol", env.logs.path());
     let sb = run_pod(&mut c, &pod).await;
     let model_id = pull_for(&env, &pod, &model.reference).await;
     assert_eq!(model_id, model.config_digest);
 
-    let mut config = container_config("main", &env.set.busybox_oci.reference, &["sleep", "1000"]);
+    let mut config = container_config("main", &busybox, &["sleep", "1000"]);
     config.mounts = vec![
         image_mount("/vol", &model_id, &model.reference, ""),
         // A directory through a symlink that stays in the image, and a file.
@@ -238,9 +245,7 @@ async fn image_volume_lifecycle(backend: &str) {
 
     // The image cannot be removed from under the container, by any name.
     for name in [&model.reference, &model_id] {
-        let err = remove_image(&env, name).await.unwrap_err();
-        assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
-        assert!(err.message().contains(&id), "names the container: {err:?}");
+        assert_removal_refused(&env, name, &id).await;
     }
     assert!(listed_ids(&env).await.contains(&model_id));
     let status = env
@@ -264,16 +269,11 @@ async fn image_volume_lifecycle(backend: &str) {
     env.daemon.restart().await.unwrap();
     let mut c = env.runtime().await;
     read_volumes(&mut c, &id).await;
-    let err = remove_image(&env, &model_id).await.unwrap_err();
-    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_removal_refused(&env, &model_id, &id).await;
 
     // RemoveContainer (after the restart) unmounts them, removes their snapshots and lets the
     // image go.
-    c.remove_container(cri::RemoveContainerRequest {
-        container_id: id.clone(),
-    })
-    .await
-    .unwrap();
+    remove_container(&mut c, &id).await;
     let dir = env.state().join("containers").join(&id);
     eventually("the container's directory to go", || !dir.exists()).await;
     assert!(mounts_under(&dir).is_empty());
@@ -303,58 +303,45 @@ async fn image_volumes_on_the_copy_snapshotter() {
 /// no mount and no snapshot.
 #[tokio::test(flavor = "multi_thread")]
 async fn image_volumes_that_cannot_be_mounted_are_refused_and_leave_nothing() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
+    let Some((env, busybox, mut c)) = with_busybox().await else {
         return;
-    }
-    let env = PodEnv::new().await;
-    env.pull_busybox().await;
+    };
     let model = push_model(&env, "v1", "new weights").await;
-    let mut c = env.runtime().await;
     let pod = pod_config("refused", env.logs.path());
     let sb = run_pod(&mut c, &pod).await;
     let model_id = pull_for(&env, &pod, &model.reference).await;
     let absent = format!("sha256:{}", "0".repeat(64));
-    let cases: Vec<(cri::Mount, Code, &str)> = vec![
+    // (image, image_sub_path, status, what its message says)
+    let cases = [
         (
-            image_mount("/v", &model_id, &model.reference, "models/missing"),
+            &model_id,
+            "models/missing",
             Code::NotFound,
             "\"models/missing\" of image",
         ),
         (
-            image_mount("/v", &model_id, &model.reference, "models/up/etc"),
+            &model_id,
+            "models/up/etc",
             Code::InvalidArgument,
-            "leads outside the image",
+            "leads outside",
         ),
         (
-            image_mount("/v", &model_id, &model.reference, "models/etc"),
+            &model_id,
+            "models/etc",
             Code::InvalidArgument,
-            "leads outside the image",
+            "leads outside",
         ),
-        (
-            image_mount("/v", &model_id, &model.reference, "../models"),
-            Code::InvalidArgument,
-            "'..'",
-        ),
-        (
-            image_mount("/v", &model_id, &model.reference, "/models"),
-            Code::InvalidArgument,
-            "not relative",
-        ),
-        (
-            image_mount("/v", &absent, "", ""),
-            Code::NotFound,
-            absent.as_str(),
-        ),
+        (&model_id, "../models", Code::InvalidArgument, "'..'"),
+        (&model_id, "/models", Code::InvalidArgument, "not relative"),
+        (&absent, "", Code::NotFound, absent.as_str()),
     ];
-    for (n, (mount, code, needle)) in cases.into_iter().enumerate() {
-        let mut config = container_config(
-            &format!("c{n}"),
-            &env.set.busybox_oci.reference,
-            &["sleep", "1000"],
-        );
+    for (n, (image, sub, code, needle)) in cases.into_iter().enumerate() {
+        let mut config = container_config(&format!("c{n}"), &busybox, &["sleep", "1000"]);
         // A good volume first: its mounts and hold are undone with the refused one's.
-        config.mounts = vec![image_mount("/ok", &model_id, &model.reference, ""), mount];
+        config.mounts = vec![
+            image_mount("/ok", &model_id, &model.reference, ""),
+            image_mount("/v", image, &model.reference, sub),
+        ];
         let err = create_container(&mut c, &sb, &pod, config)
             .await
             .expect_err("CreateContainer");
@@ -379,18 +366,14 @@ async fn image_volumes_that_cannot_be_mounted_are_refused_and_leave_nothing() {
 /// still readable, still refused to RemoveImage until the container goes.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_image_whose_tag_moves_away_is_kept_for_its_volume() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
+    let Some((env, busybox, mut c)) = with_busybox().await else {
         return;
-    }
-    let env = PodEnv::new().await;
-    env.pull_busybox().await;
-    let mut c = env.runtime().await;
+    };
     let pod = pod_config("moved", env.logs.path());
     let sb = run_pod(&mut c, &pod).await;
     let first = push_model(&env, "latest", "first").await;
     let first_id = pull_for(&env, &pod, &first.reference).await;
-    let mut config = container_config("main", &env.set.busybox_oci.reference, &["sleep", "1000"]);
+    let mut config = container_config("main", &busybox, &["sleep", "1000"]);
     config.mounts = vec![image_mount("/vol", &first_id, &first.reference, "")];
     let id = run_container(&mut c, &sb, &pod, config).await;
     let second = push_model(&env, "latest", "second").await;
@@ -414,14 +397,9 @@ async fn an_image_whose_tag_moves_away_is_kept_for_its_volume() {
     assert!(old.repo_tags.is_empty(), "the tag moved: {old:?}");
     let (code, out, err) = exec_text(&mut c, &id, &["cat", "/vol/models/weights.bin"], 10).await;
     assert_eq!((code, out.as_str()), (0, "first\n"), "{err}");
-    let err = remove_image(&env, &first_id).await.unwrap_err();
-    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_removal_refused(&env, &first_id, &id).await;
 
-    c.remove_container(cri::RemoveContainerRequest {
-        container_id: id.clone(),
-    })
-    .await
-    .unwrap();
+    remove_container(&mut c, &id).await;
     remove_image_eventually(&env, &first_id).await;
     let ids = listed_ids(&env).await;
     assert!(
@@ -496,50 +474,20 @@ async fn an_artifact_whose_layers_are_not_tar_archives_is_refused_at_pull() {
 /// rootfs's are: the image's files belong to the pod's root, not to nobody.
 #[tokio::test(flavor = "multi_thread")]
 async fn image_volumes_in_a_pod_user_namespace_belong_to_the_pods_root() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipping: {why}");
+    let Some((env, busybox, mut c)) = with_busybox().await else {
         return;
-    }
-    let env = PodEnv::new().await;
-    env.pull_busybox().await;
-    let mut c = env.runtime().await;
-    let supported = c
-        .status(cri::StatusRequest { verbose: false })
-        .await
-        .unwrap()
-        .into_inner()
-        .runtime_handlers
-        .iter()
-        .any(|h| h.features.as_ref().is_some_and(|f| f.user_namespaces));
-    if !supported {
+    };
+    if !user_namespaces_supported(&mut c).await {
         eprintln!("skipping: the runtime reports no user namespaces here");
         return;
     }
-    let map = vec![cri::IdMapping {
-        host_id: 2_000_000,
-        container_id: 0,
-        length: 65_536,
-    }];
-    let userns = cri::NamespaceOption {
-        userns_options: Some(cri::UserNamespace {
-            mode: cri::NamespaceMode::Pod as i32,
-            uids: map.clone(),
-            gids: map.clone(),
-        }),
-        ..Default::default()
-    };
-    let mut pod = pod_config("userns-vol", env.logs.path());
-    pod.linux = Some(cri::LinuxPodSandboxConfig {
-        security_context: Some(cri::LinuxSandboxSecurityContext {
-            namespace_options: Some(userns.clone()),
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
+    let userns = pod_userns(2_000_000);
+    let maps = userns.userns_options.clone().unwrap();
+    let pod = in_userns(pod_config("userns-vol", env.logs.path()), &userns);
     let sb = run_pod(&mut c, &pod).await;
     let model = push_model(&env, "v1", "new weights").await;
     let model_id = pull_for(&env, &pod, &model.reference).await;
-    let mut config = container_config("main", &env.set.busybox_oci.reference, &["sleep", "1000"]);
+    let mut config = container_config("main", &busybox, &["sleep", "1000"]);
     config.linux = Some(cri::LinuxContainerConfig {
         security_context: Some(cri::LinuxContainerSecurityContext {
             namespace_options: Some(userns),
@@ -549,8 +497,8 @@ async fn image_volumes_in_a_pod_user_namespace_belong_to_the_pods_root() {
     });
     // As the kubelet sends mounts of such a pod: with the pod's mappings.
     let with_maps = |mut m: cri::Mount| {
-        m.uid_mappings = map.clone();
-        m.gid_mappings = map.clone();
+        m.uid_mappings = maps.uids.clone();
+        m.gid_mappings = maps.gids.clone();
         m
     };
     config.mounts = vec![
