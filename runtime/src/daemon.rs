@@ -150,6 +150,7 @@ impl Daemon {
             "layers": rec.layers,
             "pulledAt": rec.pulled_at,
             "imageSpec": config,
+            "volumeOf": self.images.volume_users(&rec.id),
         });
         Ok(info.to_string())
     }

@@ -25,6 +25,8 @@ both_backends!(
     container_snapshot_lifecycle,
     view_is_read_only,
     commit_active_snapshot,
+    a_view_copies_nothing_and_has_no_upper_layer,
+    a_view_keeps_its_layers_after_the_image_lets_go,
 );
 
 fn layering(b: Backend) {
@@ -409,6 +411,78 @@ fn commit_active_snapshot(b: Backend) {
     let keys: Vec<String> = view_tree(&s, "committed").into_keys().collect();
     assert_eq!(keys, ["", "added", "base"]);
     assert!(s.mounts("committed").is_err());
+}
+
+/// What an image volume is made of (runtime/src/pods/imagevol.rs): a view of the image's top
+/// layer. It must cost no copy of the image's files (a model image is gigabytes): the overlay
+/// backend stacks the layer directories read-only, without an upper or work directory, and the
+/// copy backend binds the parent's tree read-only.
+fn a_view_copies_nothing_and_has_no_upper_layer(b: Backend) {
+    let (d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.dir("w", 0o755).file("w/big", &vec![3u8; 4 << 20]);
+    let mut l1 = Layer::new();
+    l1.file("w/small", b"s");
+    let chain = apply_all(&s, &[l0.finish(), l1.finish()]);
+    for (n, c) in chain.iter().enumerate() {
+        let key = format!("vol-{n}");
+        let before = s.total_usage().unwrap();
+        let m = s.view(&key, Some(c)).unwrap();
+        assert!(m.is_read_only(), "{m:?}");
+        assert!(
+            !m.options
+                .iter()
+                .any(|o| o.starts_with("upperdir=") || o.starts_with("workdir=")),
+            "{m:?}"
+        );
+        if b == Backend::Overlay && n == 1 {
+            assert_eq!(m.fstype, "overlay", "two layers stacked: {m:?}");
+        } else {
+            assert_eq!(m.fstype, "bind", "{m:?}");
+        }
+        let after = s.total_usage().unwrap();
+        assert!(
+            after.bytes < before.bytes + (64 << 10),
+            "the view copied files: {before:?} -> {after:?}"
+        );
+        assert!(s.usage(&key).unwrap().bytes < 64 << 10);
+        {
+            let mounted = Mounted::new(&m, &d.path().join(format!("mnt-{n}")));
+            assert_eq!(fs::read(mounted.path.join("w/big")).unwrap().len(), 4 << 20);
+            assert_eq!(mounted.path.join("w/small").exists(), n == 1);
+            let err = fs::write(mounted.path.join("w/new"), b"no").unwrap_err();
+            assert_eq!(err.raw_os_error(), Some(libc::EROFS));
+        }
+        assert_eq!(s.stat(&key).unwrap().kind, minicri_snapshotter::Kind::View);
+        s.remove(&key).unwrap();
+    }
+}
+
+/// An image volume's view holds the image's layers while the image's own hold goes (a removal
+/// racing a container's creation): they go with the view.
+fn a_view_keeps_its_layers_after_the_image_lets_go(b: Backend) {
+    let (d, s) = open(b);
+    let mut l0 = Layer::new();
+    l0.file("a", b"a");
+    let mut l1 = Layer::new();
+    l1.file("b", b"b");
+    // Both layers are held by IMAGE, the image the helpers apply them for.
+    let chain = apply_all(&s, &[l0.finish(), l1.finish()]);
+    let m = s.view("vol", Some(&chain[1])).unwrap();
+    let released = s.release(IMAGE).unwrap();
+    assert!(released.keys.is_empty(), "{:?}", released.keys);
+    drop(released);
+    {
+        let mounted = Mounted::new(&m, &d.path().join("mnt"));
+        assert_eq!(fs::read(mounted.path.join("a")).unwrap(), b"a");
+        assert_eq!(fs::read(mounted.path.join("b")).unwrap(), b"b");
+    }
+    let mut removed = s.remove("vol").unwrap();
+    removed.sort();
+    let mut want = vec!["vol".to_string(), chain[0].clone(), chain[1].clone()];
+    want.sort();
+    assert_eq!(removed, want);
+    assert!(s.list().unwrap().is_empty());
 }
 
 /// A tree with directory times (which `describe` leaves out) for comparing two applies exactly.

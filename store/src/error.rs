@@ -44,6 +44,10 @@ pub enum StoreError {
     #[error("image {0:?} not found")]
     ImageNotFound(String),
 
+    /// RemoveImage of an image containers mount as volumes (CRI `Mount.image`).
+    #[error("image {image} is in use as a volume by container(s) {containers}: remove them first")]
+    ImageInUse { image: String, containers: String },
+
     #[error("blob {0} not found in the content store")]
     BlobNotFound(String),
 
@@ -192,7 +196,7 @@ impl StoreError {
             | NoMatchingPlatform { .. }
             | Malformed { .. }
             | Refused { .. } => ErrorKind::FailedPrecondition,
-            SandboxStopped(_) => ErrorKind::FailedPrecondition,
+            SandboxStopped(_) | ImageInUse { .. } => ErrorKind::FailedPrecondition,
             DigestMismatch { .. } | SizeMismatch { .. } => ErrorKind::DataLoss,
             Cancelled(_) => ErrorKind::Cancelled,
             // A bound of this node, not a fault of the request: another node (or this one with

@@ -15,6 +15,14 @@
 //! `images/removing/`); the blobs it frees are deleted afterwards by [`ImageStore::finish_removal`],
 //! off the caller's path. A removal interrupted by a crash is finished at the next open, and a
 //! blob being deleted is never visible to a new record: it is taken out of the store first.
+//!
+//! Images in use as volumes: a container that mounts an image as a volume (CRI `Mount.image`)
+//! is recorded as a *volume user* of it ([`ImageStore::add_volume_user`]) until it is torn
+//! down. While an image has volume users, [`ImageStore::remove`] refuses it (naming them), and a
+//! pull that moves its last name elsewhere keeps it as an image without names instead of
+//! removing it; it goes with its last volume user then. Volume users live in memory only: the
+//! runtime restores them from its container records at start, before the CRI is served, then
+//! drops the nameless images nobody uses any more ([`ImageStore::remove_unused_nameless`]).
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs;
@@ -104,7 +112,12 @@ struct Journal {
 struct State {
     images: HashMap<Digest, ImageRecord>,
     names: HashMap<String, Digest>,
+    /// The containers whose image volumes use each image (only images with at least one).
+    volume_users: HashMap<Digest, BTreeSet<String>>,
 }
+
+/// How many containers an "in use" refusal names; the rest are counted.
+const NAMED_VOLUME_USERS: usize = 5;
 
 /// The image records of one minicri root.
 pub struct ImageStore {
@@ -257,7 +270,12 @@ impl ImageStore {
                 let old = st.images.get_mut(&prev).expect("index consistent");
                 old.repo_tags.retain(|n| n != name);
                 old.repo_digests.retain(|n| n != name);
-                if old.repo_tags.is_empty() && old.repo_digests.is_empty() && !old.pinned {
+                // An image a container's volume uses stays, without names, until it is torn down.
+                if old.repo_tags.is_empty()
+                    && old.repo_digests.is_empty()
+                    && !old.pinned
+                    && !st.volume_users.contains_key(&prev)
+                {
                     emptied.push(prev);
                 } else {
                     let old = old.clone();
@@ -325,16 +343,86 @@ impl ImageStore {
 
     /// Removes the image `name_or_id` names, with all its names: its record goes at once; the
     /// blobs no other image holds are returned, to delete with [`ImageStore::finish_removal`].
-    /// Removing an unknown image is not an error (`Removed` is empty).
+    /// Removing an unknown image is not an error (`Removed` is empty). An image that containers'
+    /// volumes use is refused ([`StoreError::ImageInUse`], naming them).
     pub fn remove(&self, name_or_id: &str) -> Result<Removed> {
         let _ops = self.ops();
         let mut removed = Removed::default();
         let id = Self::resolve(&self.state.lock().unwrap(), name_or_id)?;
         if let Some(id) = id {
+            if let Some(users) = self.state.lock().unwrap().volume_users.get(&id) {
+                return Err(in_use(&id, users));
+            }
             let mut st = self.state.lock().unwrap().clone();
             self.remove_record(&mut st, &id, &mut removed)?;
             *self.state.lock().unwrap() = st;
         }
+        Ok(removed)
+    }
+
+    /// Records container `container` as using image `id` (`sha256:…`) as a volume: the image is
+    /// not removed until [`ImageStore::remove_volume_user`]. NOT_FOUND when the image is not
+    /// there (removed since it was looked up). Idempotent.
+    pub fn add_volume_user(&self, id: &Digest, container: &str) -> Result<()> {
+        let _ops = self.ops();
+        let mut st = self.state.lock().unwrap();
+        if !st.images.contains_key(id) {
+            return Err(StoreError::ImageNotFound(id.to_string()));
+        }
+        st.volume_users
+            .entry(id.clone())
+            .or_default()
+            .insert(container.to_string());
+        Ok(())
+    }
+
+    /// Container `container` no longer uses image `id` as a volume. An image left without
+    /// names (a pull moved them elsewhere meanwhile) and without volume users is removed; what
+    /// that frees is returned, for [`ImageStore::finish_removal`]. Idempotent.
+    pub fn remove_volume_user(&self, id: &Digest, container: &str) -> Result<Removed> {
+        let _ops = self.ops();
+        let mut removed = Removed::default();
+        let mut st = self.state.lock().unwrap().clone();
+        let Some(users) = st.volume_users.get_mut(id) else {
+            return Ok(removed);
+        };
+        users.remove(container);
+        if users.is_empty() {
+            st.volume_users.remove(id);
+            if st.images.get(id).is_some_and(is_unused_nameless) {
+                self.remove_record(&mut st, id, &mut removed)?;
+            }
+        }
+        *self.state.lock().unwrap() = st;
+        Ok(removed)
+    }
+
+    /// The containers whose volumes use image `id`, sorted.
+    pub fn volume_users(&self, id: &Digest) -> Vec<String> {
+        let st = self.state.lock().unwrap();
+        st.volume_users
+            .get(id)
+            .map(|u| u.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Removes the images without names, not pinned, that no container's volume uses: those a
+    /// pull took the last name of while a volume used them, whose users went while the daemon
+    /// was down. Called once the volume users are restored at start.
+    pub fn remove_unused_nameless(&self) -> Result<Removed> {
+        let _ops = self.ops();
+        let mut removed = Removed::default();
+        let mut st = self.state.lock().unwrap().clone();
+        let unused: Vec<Digest> = st
+            .images
+            .values()
+            .filter(|r| is_unused_nameless(r) && !st.volume_users.contains_key(&r.id))
+            .map(|r| r.id.clone())
+            .collect();
+        for id in unused {
+            self.remove_record(&mut st, &id, &mut removed)?;
+        }
+        *self.state.lock().unwrap() = st;
         Ok(removed)
     }
 
@@ -410,6 +498,31 @@ impl ImageStore {
             let _ = fs::remove_file(j);
         }
         Ok(())
+    }
+}
+
+/// Whether `r` has no name and is not pinned: kept only for volume users.
+fn is_unused_nameless(r: &ImageRecord) -> bool {
+    r.repo_tags.is_empty() && r.repo_digests.is_empty() && !r.pinned
+}
+
+/// The refusal to remove image `id` that `users` mount as volumes.
+fn in_use(id: &Digest, users: &BTreeSet<String>) -> StoreError {
+    let mut named: Vec<&str> = users
+        .iter()
+        .take(NAMED_VOLUME_USERS)
+        .map(String::as_str)
+        .collect();
+    let more = users.len().saturating_sub(NAMED_VOLUME_USERS);
+    let more = if more > 0 {
+        format!(" and {more} more")
+    } else {
+        String::new()
+    };
+    named.sort_unstable();
+    StoreError::ImageInUse {
+        image: id.to_string(),
+        containers: format!("{}{more}", named.join(", ")),
     }
 }
 
@@ -504,6 +617,111 @@ mod tests {
             0,
             "journal dropped"
         );
+    }
+
+    #[test]
+    fn an_image_a_volume_uses_is_not_removed_until_its_last_user_goes() {
+        let (f, images) = fixture();
+        images
+            .add(
+                record(&f.config, "x.io/a:1", &[&f.config, &f.own]),
+                &f.content,
+            )
+            .unwrap();
+        images.add_volume_user(&f.config, "ctr-1").unwrap();
+        images.add_volume_user(&f.config, "ctr-2").unwrap();
+        images.add_volume_user(&f.config, "ctr-2").unwrap();
+        let err = images.remove("x.io/a:1").unwrap_err();
+        assert_eq!(err.kind(), crate::ErrorKind::FailedPrecondition);
+        let msg = err.to_string();
+        assert!(
+            msg.contains(f.config.as_str()) && msg.contains("ctr-1, ctr-2"),
+            "{msg}"
+        );
+        assert!(images.get("x.io/a:1").unwrap().is_some(), "still there");
+        assert_eq!(images.volume_users(&f.config), ["ctr-1", "ctr-2"]);
+        // Letting go of a named image leaves it as it is; then it can be removed.
+        assert!(
+            images
+                .remove_volume_user(&f.config, "ctr-1")
+                .unwrap()
+                .is_empty()
+        );
+        assert!(images.remove(&f.config.to_string()).is_err());
+        assert!(
+            images
+                .remove_volume_user(&f.config, "ctr-2")
+                .unwrap()
+                .is_empty()
+        );
+        assert!(images.get("x.io/a:1").unwrap().is_some());
+        assert_eq!(images.remove("x.io/a:1").unwrap().images.len(), 1);
+    }
+
+    #[test]
+    fn a_name_moving_off_an_image_a_volume_uses_leaves_it_without_names_until_then() {
+        let (f, images) = fixture();
+        let newer = blob(&f.content, b"config b");
+        images
+            .add(
+                record(&f.config, "x.io/a:1", &[&f.config, &f.own]),
+                &f.content,
+            )
+            .unwrap();
+        images.add_volume_user(&f.config, "ctr-1").unwrap();
+        // The tag moves to another image: the old one stays, nameless, for its volume.
+        let (_, freed) = images
+            .add(record(&newer, "x.io/a:1", &[&newer]), &f.content)
+            .unwrap();
+        assert!(freed.is_empty());
+        let old = images.get(f.config.as_str()).unwrap().expect("kept");
+        assert!(old.repo_tags.is_empty() && old.repo_digests.is_empty());
+        assert_eq!(images.list().len(), 2, "both listed");
+        // Across a restart (volume users are the runtime's to restore) it is still there.
+        drop(images);
+        let images = ImageStore::open(f.dir.path(), &f.content).unwrap();
+        assert!(images.get(f.config.as_str()).unwrap().is_some());
+        images.add_volume_user(&f.config, "ctr-1").unwrap();
+        assert!(images.remove_unused_nameless().unwrap().is_empty());
+        // Its last volume user gone, it goes, with the blobs only it held.
+        let removed = images.remove_volume_user(&f.config, "ctr-1").unwrap();
+        assert_eq!(removed.images.len(), 1);
+        images.finish_removal(&removed, &f.content).unwrap();
+        assert!(images.get(f.config.as_str()).unwrap().is_none());
+        assert!(f.content.size(&f.own).is_none());
+        assert!(images.get("x.io/a:1").unwrap().is_some(), "the newer one");
+    }
+
+    #[test]
+    fn nameless_images_whose_volume_users_went_while_down_are_removed_at_start() {
+        let (f, images) = fixture();
+        let newer = blob(&f.content, b"config b");
+        images
+            .add(record(&f.config, "x.io/a:1", &[&f.config]), &f.content)
+            .unwrap();
+        images.add_volume_user(&f.config, "ctr-1").unwrap();
+        images
+            .add(record(&newer, "x.io/a:1", &[&newer]), &f.content)
+            .unwrap();
+        drop(images);
+        let images = ImageStore::open(f.dir.path(), &f.content).unwrap();
+        // No container restored as its user.
+        let removed = images.remove_unused_nameless().unwrap();
+        assert_eq!(removed.images.len(), 1);
+        assert_eq!(removed.images[0].id, f.config);
+        assert_eq!(images.list().len(), 1);
+    }
+
+    #[test]
+    fn a_volume_user_of_an_image_that_is_gone_is_not_found() {
+        let (f, images) = fixture();
+        let err = images.add_volume_user(&f.config, "ctr-1").unwrap_err();
+        assert_eq!(err.kind(), crate::ErrorKind::NotFound);
+        // Nothing was recorded: a later image of that id is removable.
+        images
+            .add(record(&f.config, "x.io/a:1", &[&f.config]), &f.content)
+            .unwrap();
+        assert_eq!(images.remove("x.io/a:1").unwrap().images.len(), 1);
     }
 
     thread_local! {

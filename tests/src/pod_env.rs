@@ -35,11 +35,18 @@ pub fn skip_reason() -> Option<String> {
 /// The start of most pod tests: a [`PodEnv`] with the OCI busybox pulled, busybox's reference
 /// and a runtime client; `None`, having said why, where pod tests cannot run ([`skip_reason`]).
 pub async fn with_busybox() -> Option<(PodEnv, String, RuntimeServiceClient<Channel>)> {
+    with_busybox_args(&[]).await
+}
+
+/// [`with_busybox`], the daemon started with `extra_args` as well.
+pub async fn with_busybox_args(
+    extra_args: &[&str],
+) -> Option<(PodEnv, String, RuntimeServiceClient<Channel>)> {
     if let Some(why) = skip_reason() {
         eprintln!("skipping: {why}");
         return None;
     }
-    let env = PodEnv::new().await;
+    let env = PodEnv::with_args(extra_args).await;
     env.pull_busybox().await;
     let image = env.set.busybox_oci.reference.clone();
     let c = env.runtime().await;

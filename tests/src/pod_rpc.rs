@@ -1,6 +1,6 @@
 //! CRI RuntimeService calls the pod tests make again and again: run, inspect, stop and remove a
 //! pod sandbox; build, create and start a container (also a web server, [`run_http_server`]);
-//! ExecSync; ContainerStatus.
+//! ExecSync; ContainerStatus; whether pods may have user namespaces ([`pod_userns`]).
 //!
 //! Each helper makes exactly one request per RPC it names and panics, naming the RPC, when that
 //! RPC fails; a test that expects an error makes the call itself (or uses [`create_container`],
@@ -154,6 +154,15 @@ pub async fn run_container(
     id
 }
 
+/// RemoveContainer of container `id`.
+pub async fn remove_container(c: &mut RuntimeClient, id: &str) {
+    c.remove_container(cri::RemoveContainerRequest {
+        container_id: id.into(),
+    })
+    .await
+    .expect("RemoveContainer");
+}
+
 /// StopContainer of container `id`, with `timeout_secs` between SIGTERM and SIGKILL.
 pub async fn stop_container(c: &mut RuntimeClient, id: &str, timeout_secs: i64) {
     c.stop_container(cri::StopContainerRequest {
@@ -237,4 +246,49 @@ pub async fn run_http_server(
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     panic!("httpd did not start in the pod");
+}
+
+/// Whether a runtime handler of the daemon reports user namespace support (Status): pods with a
+/// user namespace of their own run only then.
+pub async fn user_namespaces_supported(c: &mut RuntimeClient) -> bool {
+    c.status(cri::StatusRequest { verbose: false })
+        .await
+        .expect("Status")
+        .into_inner()
+        .runtime_handlers
+        .iter()
+        .any(|h| h.features.as_ref().is_some_and(|f| f.user_namespaces))
+}
+
+/// `pod` in the user namespace of `userns` ([`pod_userns`]).
+pub fn in_userns(
+    mut pod: cri::PodSandboxConfig,
+    userns: &cri::NamespaceOption,
+) -> cri::PodSandboxConfig {
+    pod.linux = Some(cri::LinuxPodSandboxConfig {
+        security_context: Some(cri::LinuxSandboxSecurityContext {
+            namespace_options: Some(userns.clone()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    pod
+}
+
+/// The namespace options of a pod (and of its containers) in a user namespace of its own, with
+/// container ids 0 to 65535 mapped to host ids from `host_id`, as the kubelet allocates them.
+pub fn pod_userns(host_id: u32) -> cri::NamespaceOption {
+    let map = vec![cri::IdMapping {
+        host_id,
+        container_id: 0,
+        length: 65_536,
+    }];
+    cri::NamespaceOption {
+        userns_options: Some(cri::UserNamespace {
+            mode: cri::NamespaceMode::Pod as i32,
+            uids: map.clone(),
+            gids: map,
+        }),
+        ..Default::default()
+    }
 }

@@ -14,9 +14,9 @@ use std::time::Duration;
 use minicri_proto::runtime::v1 as cri;
 use minicri_tests::pod_env::{PodEnv, mounts_under, pod_config, with_busybox};
 use minicri_tests::pod_rpc::{
-    RuntimeClient, container_config, container_status, create_container, exec_text,
-    list_containers, pod_sandbox_status, run_container, run_pod, stop_and_remove_pod,
-    stop_container,
+    RuntimeClient, container_config, container_status, create_container, exec_text, in_userns,
+    list_containers, pod_sandbox_status, pod_userns, run_container, run_pod, stop_and_remove_pod,
+    stop_container, user_namespaces_supported,
 };
 use tonic::Code;
 
@@ -643,40 +643,13 @@ async fn pod_user_namespace() {
     let Some((env, image, mut c)) = with_busybox().await else {
         return;
     };
-    let supported = c
-        .status(cri::StatusRequest { verbose: false })
-        .await
-        .unwrap()
-        .into_inner()
-        .runtime_handlers
-        .iter()
-        .any(|h| h.features.as_ref().is_some_and(|f| f.user_namespaces));
-    if !supported {
+    if !user_namespaces_supported(&mut c).await {
         eprintln!("skipping: the runtime reports no user namespaces here");
         return;
     }
     const HOST_ID: u32 = 2_000_000;
-    let map = vec![cri::IdMapping {
-        host_id: HOST_ID,
-        container_id: 0,
-        length: 65_536,
-    }];
-    let userns = cri::NamespaceOption {
-        userns_options: Some(cri::UserNamespace {
-            mode: cri::NamespaceMode::Pod as i32,
-            uids: map.clone(),
-            gids: map,
-        }),
-        ..Default::default()
-    };
-    let mut pod = pod_config("userns", env.logs.path());
-    pod.linux = Some(cri::LinuxPodSandboxConfig {
-        security_context: Some(cri::LinuxSandboxSecurityContext {
-            namespace_options: Some(userns.clone()),
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
+    let userns = pod_userns(HOST_ID);
+    let pod = in_userns(pod_config("userns", env.logs.path()), &userns);
     let sb = run_pod(&mut c, &pod).await;
     let ip = pod_sandbox_status(&mut c, &sb).await.network.unwrap().ip;
     assert!(

@@ -17,8 +17,9 @@
 //!   mappings, when it has one ([`super::userns`]);
 //! - mounts: [`super::defaults::standard_mounts`], `/dev/shm` from the sandbox, the sandbox's
 //!   `/etc/hostname`, `/etc/resolv.conf` and `/etc/hosts`, then the CRI mounts (bind, with
-//!   `rprivate` / `rslave` / `rshared` propagation and `ro`); a CRI mount replaces a default
-//!   one at the same destination; CRI mounts are ordered parents first;
+//!   `rprivate` / `rslave` / `rshared` propagation and `ro`; image volumes read-only, `nosuid`
+//!   and `nodev`, from where CreateContainer mounted the image, see [`check_mount`]); a CRI
+//!   mount replaces a default one at the same destination; CRI mounts are ordered parents first;
 //! - security: capabilities (the 14 defaults, `add`/`drop` with `ALL`), `privileged` (every
 //!   capability and host device, no masked paths, no seccomp, read-write `/sys`, and only in a
 //!   privileged sandbox), seccomp ([`super::seccomp::select_seccomp`]), the AppArmor profile
@@ -244,14 +245,60 @@ fn propagation(p: i32) -> Result<&'static str> {
     }
 }
 
+/// The image a CRI mount names (`Mount.image.image`, an image volume), if any.
+pub fn image_of(m: &cri::Mount) -> Option<&str> {
+    m.image
+        .as_ref()
+        .map(|i| i.image.as_str())
+        .filter(|i| !i.is_empty())
+}
+
+/// The longest `image_sub_path` taken (the kernel's `PATH_MAX`).
+const MAX_SUB_PATH: usize = 4096;
+
+/// Checks the form of an image volume's `image_sub_path` (where it leads is checked in the image,
+/// `crate::pods::imagevol`): relative to the image's root and without `..`, as Kubernetes
+/// validates `subPath`.
+fn check_image_sub_path(m: &cri::Mount) -> Result<()> {
+    let sub = &m.image_sub_path;
+    let bad = |why: &str| {
+        Err(OciError::invalid(format!(
+            "mount {:?}: image_sub_path {sub:?} {why}",
+            m.container_path
+        )))
+    };
+    if sub.len() > MAX_SUB_PATH {
+        return bad(&format!("is longer than {MAX_SUB_PATH} bytes"));
+    }
+    if sub.starts_with('/') {
+        return bad("is not relative to the image's root");
+    }
+    if Path::new(sub)
+        .components()
+        .any(|c| c == std::path::Component::ParentDir)
+    {
+        return bad("has a '..' component");
+    }
+    Ok(())
+}
+
 /// Checks one CRI mount (everything but id mappings, see [`cri_mounts`]) and returns its OCI
 /// propagation option.
 ///
 /// `recursive_read_only` (CRI): every mount below the source is read-only too (the OCI runtime's
 /// `rro` option, `mount_setattr(2)` with `AT_RECURSIVE`); it requires `readonly` and private
 /// propagation, as the CRI says, and a host that can do it ([`HostInfo::recursive_read_only`]).
+///
+/// An image volume (`image` set) has no `host_path` of the caller's: CreateContainer mounts the
+/// image and names that mount as its `host_path` (`crate::pods::imagevol`), which is what the
+/// spec binds. It is read-only and private whatever is asked: nothing is written to it and
+/// nothing is ever mounted below it on the host, so there is nothing to propagate; asking for
+/// `Bidirectional` is refused.
 fn check_mount(m: &cri::Mount, host: &HostInfo) -> Result<&'static str> {
-    if m.container_path.contains('\0') || m.host_path.contains('\0') {
+    if m.container_path.contains('\0')
+        || m.host_path.contains('\0')
+        || m.image_sub_path.contains('\0')
+    {
         return Err(OciError::invalid(format!(
             "mount {:?} (host_path {:?}) holds a NUL byte",
             m.container_path, m.host_path
@@ -263,7 +310,14 @@ fn check_mount(m: &cri::Mount, host: &HostInfo) -> Result<&'static str> {
             m.container_path
         )));
     }
-    if m.host_path.is_empty() {
+    let image = image_of(m);
+    if image.is_none() && !m.image_sub_path.is_empty() {
+        return Err(OciError::invalid(format!(
+            "mount {:?} has an image_sub_path but names no image",
+            m.container_path
+        )));
+    }
+    if image.is_none() && m.host_path.is_empty() {
         return Err(OciError::invalid(format!(
             "mount {:?} has no host_path",
             m.container_path
@@ -271,16 +325,23 @@ fn check_mount(m: &cri::Mount, host: &HostInfo) -> Result<&'static str> {
     }
     // A relative source would be resolved by the OCI runtime against its working directory, the
     // container's bundle (its config.json and shim socket), and by minicri against its own.
-    if !m.host_path.starts_with('/') {
+    if !m.host_path.is_empty() && !m.host_path.starts_with('/') {
         return Err(OciError::invalid(format!(
             "mount {:?}: host_path {:?} is not absolute",
             m.container_path, m.host_path
         )));
     }
-    if m.image.as_ref().is_some_and(|i| !i.image.is_empty()) {
-        return Err(OciError::invalid("image volume mounts are not supported"));
-    }
     let prop = propagation(m.propagation)?;
+    if image.is_some() {
+        check_image_sub_path(m)?;
+        if prop == "rshared" {
+            return Err(OciError::invalid(format!(
+                "mount {:?}: an image volume is read-only, it cannot propagate mounts back \
+                 (Bidirectional)",
+                m.container_path
+            )));
+        }
+    }
     if m.recursive_read_only {
         if !m.readonly {
             return Err(OciError::invalid(format!(
@@ -301,7 +362,7 @@ fn check_mount(m: &cri::Mount, host: &HostInfo) -> Result<&'static str> {
             ));
         }
     }
-    Ok(prop)
+    Ok(if image.is_some() { "rprivate" } else { prop })
 }
 
 /// Checks the CRI mounts of a container, but for id mappings (which
@@ -314,10 +375,28 @@ pub fn validate_mounts(mounts: &[cri::Mount], host: &HostInfo) -> Result<()> {
             mounts.len()
         )));
     }
-    mounts
-        .iter()
-        .try_for_each(|m| check_mount(m, host).map(drop))
+    let images = mounts.iter().filter(|m| image_of(m).is_some()).count();
+    if images > MAX_IMAGE_VOLUMES {
+        return Err(OciError::invalid(format!(
+            "{images} image volumes, at most {MAX_IMAGE_VOLUMES} are taken"
+        )));
+    }
+    mounts.iter().try_for_each(|m| {
+        if image_of(m).is_some() && !m.host_path.is_empty() {
+            return Err(OciError::invalid(format!(
+                "mount {:?} names both an image and a host_path",
+                m.container_path
+            )));
+        }
+        check_mount(m, host).map(drop)
+    })
 }
+
+/// The most image volumes a container may ask for. Each is a snapshot and one or two mounts on
+/// the host for the container's life (an overlay of the image's layers, which the kernel
+/// stacks at most 500 deep, and the bind of its sub path); a pod's image volumes, one per
+/// volume mount, stay far below it.
+pub const MAX_IMAGE_VOLUMES: usize = 64;
 
 /// The most mounts a container may ask for. Each costs the runtime a mount at every start (and a
 /// lookup in the host's mount table when propagated); in a pod with its own user namespace each
@@ -341,6 +420,13 @@ pub fn cri_mounts(
     sorted.sort_by_key(|m| Path::new(&m.container_path).components().count());
     for m in sorted {
         let prop = check_mount(m, host)?;
+        let image = image_of(m).is_some();
+        if image && m.host_path.is_empty() {
+            return Err(OciError::invalid(format!(
+                "image volume {:?} was not mounted on the host before the spec was built",
+                m.container_path
+            )));
+        }
         if !m.uid_mappings.is_empty() || !m.gid_mappings.is_empty() {
             return Err(OciError::invalid(format!(
                 "mount {:?}: id mappings are only supported in a pod with its own user namespace",
@@ -352,7 +438,11 @@ pub fn cri_mounts(
             "rslave" if root_propagation.is_none() => root_propagation = Some("rslave"),
             _ => {}
         }
-        let mut opts = vec![prop, if m.readonly { "ro" } else { "rw" }];
+        let mut opts = vec![prop, if m.readonly || image { "ro" } else { "rw" }];
+        if image {
+            // An image's files are not the node's: no setuid programs, no device nodes.
+            opts.extend(["nosuid", "nodev"]);
+        }
         if m.recursive_read_only {
             opts.push("rro");
         }

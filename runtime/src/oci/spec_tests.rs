@@ -1036,6 +1036,105 @@ fn recursive_read_only_mounts() {
     }
 }
 
+/// Image volumes: checked before CreateContainer mounts them (no host_path of the caller's, a
+/// sub path relative and without `..`, no Bidirectional), then bound from where it mounted them,
+/// read-only, nosuid and nodev, private, whatever was asked.
+#[test]
+fn image_volume_mounts() {
+    let f = fixture();
+    let image = |sub: &str| cri::Mount {
+        container_path: "/models".into(),
+        readonly: true,
+        image: Some(cri::ImageSpec {
+            image: "sha256:abc".into(),
+            ..Default::default()
+        }),
+        image_sub_path: sub.into(),
+        ..Default::default()
+    };
+    spec::validate_mounts(&[image(""), image("a/b")], &f.host).unwrap();
+    let refused = |m: cri::Mount, want: &str| {
+        let err = spec::validate_mounts(&[m], &f.host).unwrap_err();
+        assert!(
+            matches!(&err, crate::oci::OciError::InvalidArgument(msg) if msg.contains(want)),
+            "{want}: {err:?}"
+        );
+    };
+    refused(
+        cri::Mount {
+            host_path: "/h".into(),
+            ..image("")
+        },
+        "both an image and a host_path",
+    );
+    refused(image("../up"), "'..'");
+    refused(image("a/../../up"), "'..'");
+    refused(image("/abs"), "not relative");
+    refused(image("a\0b"), "NUL");
+    refused(image(&"a/".repeat(3000)), "longer than");
+    refused(
+        cri::Mount {
+            propagation: cri::MountPropagation::PropagationBidirectional as i32,
+            ..image("")
+        },
+        "Bidirectional",
+    );
+    refused(
+        cri::Mount {
+            container_path: "/x".into(),
+            host_path: "/h".into(),
+            image_sub_path: "a".into(),
+            ..Default::default()
+        },
+        "names no image",
+    );
+    let many: Vec<cri::Mount> = (0..=spec::MAX_IMAGE_VOLUMES)
+        .map(|n| cri::Mount {
+            container_path: format!("/m{n}"),
+            ..image("")
+        })
+        .collect();
+    let err = spec::validate_mounts(&many, &f.host).unwrap_err();
+    assert!(err.to_string().contains("image volumes"), "{err}");
+
+    // The spec needs the volume mounted first.
+    let unprepared = cri::ContainerConfig {
+        mounts: vec![image("")],
+        ..Default::default()
+    };
+    let err = build(&f, &unprepared).unwrap_err();
+    assert!(err.to_string().contains("was not mounted"), "{err}");
+    // Mounted: bound read-only even if not asked, private even if asked HostToContainer.
+    let prepared = cri::ContainerConfig {
+        mounts: vec![cri::Mount {
+            host_path: "/state/containers/c/volumes/0/image".into(),
+            readonly: false,
+            propagation: cri::MountPropagation::PropagationHostToContainer as i32,
+            ..image("")
+        }],
+        ..Default::default()
+    };
+    let spec = build(&f, &prepared).unwrap();
+    let m = mount_of(&spec, "/models").unwrap();
+    assert_eq!(
+        m.source().as_deref(),
+        Some(Path::new("/state/containers/c/volumes/0/image"))
+    );
+    assert_eq!(
+        m.options().as_ref().unwrap(),
+        &["rbind", "rprivate", "ro", "nosuid", "nodev"]
+    );
+    assert_eq!(
+        spec.linux()
+            .as_ref()
+            .unwrap()
+            .rootfs_propagation()
+            .as_deref(),
+        None,
+        "no propagation asked of the rootfs for it"
+    );
+}
+
 /// Each mount costs a mount at every start (and, in a pod user namespace, one kept in the host's
 /// mount namespace): a spec listing thousands is refused, naming the count.
 #[test]

@@ -450,12 +450,25 @@ fn mounts_stacked_in(dir: &Path) -> Result<std::collections::HashMap<PathBuf, us
 }
 
 /// Removes what [`mount_rootfs`] and [`idmap_volumes`] made under a container's `dir` (given
-/// them as `dir/layers` and `dir/volumes`), then `dir`. Only unmounts and non-recursive
+/// them as `dir/layers`, `dir/volumes` and, for image volumes, `dir/image-volumes/<n>`), then
+/// `dir`. Only unmounts and non-recursive
 /// removals: a mount that cannot be unmounted makes this fail rather than reach into a volume.
 /// Idempotent.
 pub fn remove_idmapped(dir: &Path) -> Result<()> {
     unmount_idmapped(&dir.join("layers"))?;
     unmount_idmapped(&dir.join("volumes"))?;
+    // The layers of image volumes, one directory each (`crate::pods::imagevol`).
+    let images = dir.join("image-volumes");
+    match std::fs::read_dir(&images) {
+        Ok(entries) => {
+            for e in entries.flatten() {
+                unmount_idmapped(&e.path())?;
+            }
+            std::fs::remove_dir(&images).map_err(|e| OciError::io("remove", &images, e))?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(OciError::io("list", &images, e)),
+    }
     match std::fs::remove_dir(dir) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(OciError::io("remove", dir, e)),
         _ => Ok(()),

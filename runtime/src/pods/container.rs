@@ -2,7 +2,8 @@
 //! ReopenContainerLog, UpdateContainerResources.
 //!
 //! CreateContainer prepares the writable snapshot (key: the container id, parent: the image's
-//! top layer chain id), mounts it at `<state>/containers/<id>/rootfs` and writes the bundle;
+//! top layer chain id), mounts it at `<state>/containers/<id>/rootfs`, mounts the image volumes
+//! ([`super::imagevol`]) and writes the bundle;
 //! StartContainer starts the shim (which creates the container through runc and writes its CRI
 //! log) and then `runc start`s it; a task waits for the exit and records it.
 
@@ -51,7 +52,7 @@ fn container_user(u: &oci_spec::runtime::User) -> cri::ContainerUser {
 
 impl PodService {
     /// Where the idmapped mounts of container `id` go (only in a pod user namespace).
-    fn idmap_dir(&self, id: &str) -> PathBuf {
+    pub(crate) fn idmap_dir(&self, id: &str) -> PathBuf {
         self.state_dir.join("idmap").join(id)
     }
 
@@ -209,6 +210,7 @@ impl PodService {
         let userns = pod_userns
             .zip(userns_path.clone())
             .map(|(u, path)| (path, (u.uid.host_id(), u.gid.host_id())));
+        let volume_userns = userns.clone();
         let dir = self.container_dir(&id);
         let rootfs = dir.join("rootfs");
         // Idmapped mounts stay out of `dir`, which undo removes recursively (crate::oci::userns).
@@ -240,6 +242,13 @@ impl PodService {
             .await?;
         }
 
+        // Image volumes, mounted in the container's directory (private by now).
+        let image_volumes = self
+            .mount_image_volumes(&id, &config.mounts, volume_userns.as_ref(), undo)
+            .await?;
+        // The mounts as the spec binds them: image volumes from where they were mounted.
+        let bound = super::imagevol::spec_mounts(&config.mounts, &image_volumes);
+
         // The spec.
         let namespaces = SandboxNamespaces::of_infra(sb.infra_pid, &sb_config);
         let files_dir = self.sandbox_dir(sandbox_id).join("files");
@@ -261,8 +270,8 @@ impl PodService {
         let volumes = idmap.join("volumes");
         let spec_config = cri::ContainerConfig {
             mounts: match &userns_path {
-                Some(_) => oci::userns::idmapped_mounts(&config.mounts, &volumes),
-                None => config.mounts.clone(),
+                Some(_) => oci::userns::idmapped_mounts(&bound, &volumes),
+                None => bound.clone(),
             },
             ..config.clone()
         };
@@ -284,7 +293,7 @@ impl PodService {
         })?;
         // Bind sources: created when missing, made shared when their propagation needs it;
         // in a pod user namespace, idmapped when the kubelet asks.
-        let mounts = config.mounts.clone();
+        let mounts = bound;
         blocking(move || {
             oci::propagation::prepare_bind_sources(&mounts)?;
             if let Some(ns) = &userns_path {
@@ -320,6 +329,7 @@ impl PodService {
             user: spec.process().as_ref().map(|p| p.user().clone()),
             runtime_handler: sb.runtime_handler.clone(),
             runtime_deleted: false,
+            image_volumes,
         };
         self.store.put_container(rec)?;
         tracing::info!(container = %id, sandbox = %sandbox_id, name = %meta.name, "container created");
@@ -643,8 +653,8 @@ impl PodService {
     }
 
     /// Tears down a removed container ([`Store::begin_removal`]): deletes it from its runtime,
-    /// lets its shim go, unmounts its rootfs, removes its snapshot and directories, then its
-    /// record. Every step is idempotent, so a teardown cut short is simply run again; one that
+    /// lets its shim go, unmounts its rootfs and image volumes, removes its snapshots and
+    /// directories, lets go of the images its volumes use, then removes its record. Every step is idempotent, so a teardown cut short is simply run again; one that
     /// another caller finished meanwhile is nothing to do.
     pub(crate) async fn teardown_container(&self, id: &str) -> Result<()> {
         let _guard = self.store.op_lock(id).await;
@@ -661,8 +671,11 @@ impl PodService {
         let (rootfs, key) = (rec.rootfs.clone(), id.to_string());
         let idmap = self.idmap_dir(id);
         let (dir, bundle) = (self.container_dir(id), rec.bundle.clone());
+        let volumes = rec.image_volumes.clone();
         blocking(move || {
             super::unmount_all(&rootfs)?;
+            // Before the directory holding them is removed: it is removed recursively.
+            super::imagevol::unmount(&volumes)?;
             oci::userns::remove_idmapped(&idmap)?;
             match snap.remove(&key) {
                 Ok(_) | Err(minicri_snapshotter::Error::NotFound { .. }) => {}
@@ -672,6 +685,7 @@ impl PodService {
             super::remove_dir(&bundle)
         })
         .await?;
+        self.release_image_volumes(id, &rec.image_volumes).await?;
         self.store.finish_removal(id)
     }
 
@@ -706,7 +720,7 @@ impl PodService {
             message: r.message.clone(),
             labels: c.labels,
             annotations: c.annotations,
-            mounts: c.mounts,
+            mounts: super::imagevol::status_mounts(c.mounts, &r.image_volumes),
             log_path: r
                 .log_path
                 .as_ref()

@@ -24,6 +24,24 @@ fn runtime_spec(bundle: &std::path::Path) -> Value {
         .unwrap_or(Value::Null)
 }
 
+/// The container's image volumes: where each is in the container, which image (and path of
+/// it), and what of the host backs it.
+fn image_volumes(r: &ContainerRecord) -> Value {
+    let mounts = r.config().mounts;
+    let volumes = r.image_volumes.iter().map(|v| {
+        let m = mounts.get(v.mount);
+        json!({
+            "containerPath": m.map(|m| m.container_path.as_str()),
+            "image": v.image_id,
+            "imageSubPath": m.map(|m| m.image_sub_path.as_str()),
+            "snapshotKey": v.snapshot,
+            "hostPath": v.source,
+            "imageRoot": v.root,
+        })
+    });
+    Value::Array(volumes.collect())
+}
+
 /// A CRI message in the protobuf JSON mapping.
 fn cri_json<M: prost::Message>(full_name: &str, msg: &M) -> Result<Value> {
     minicri_proto::to_json(full_name, msg).map_err(Error::Internal)
@@ -53,6 +71,7 @@ impl PodService {
             "bundle": r.bundle,
             "rootfs": r.rootfs,
             "shimPid": r.shim.as_ref().map(|s| s.shim_pid),
+            "imageVolumes": image_volumes(r),
         }))
     }
 

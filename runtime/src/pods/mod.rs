@@ -7,6 +7,7 @@
 //! - [`container`]: CreateContainer … RemoveContainer, status, list, ExecSync, ReopenContainerLog,
 //!   UpdateContainerResources;
 //! - [`exec`]: streaming exec (the Exec RPC's check, the process with piped stdio);
+//! - [`imagevol`]: image volumes (mounts that name an image), their snapshots and mounts;
 //! - [`cgroups`]: what the kernel says about a container's or pod's cgroup (OOM kills, CPU,
 //!   memory and process counters);
 //! - [`stats`]: ContainerStats, ListContainerStats, PodSandboxStats, ListPodSandboxStats;
@@ -19,7 +20,8 @@
 //! tests (`tests.rs`) put a recording fake behind both (`fake.rs`) and run without root.
 //!
 //! Layout under the state directory: `pods/` (records; `pods/inflight/` the undo journals), `sandboxes/<id>/` (hostname, resolv.conf,
-//! hosts, shm), `containers/<id>/rootfs` (the mounted writable snapshot), `b/<id[..32]>/` (OCI
+//! hosts, shm), `containers/<id>/rootfs` (the mounted writable snapshot), `containers/<id>/volumes/`
+//! (its image volumes, see [`imagevol`]), `b/<id[..32]>/` (OCI
 //! bundles with the shim's files: the full id would make the shim's socket path too long),
 //! `netns/<id>` (pinned network namespaces), `infra/` (the infra rootfs), `runc/` (the OCI
 //! runtime's root), `idmap/<id>/` (idmapped layers and volumes of containers in pod user
@@ -37,6 +39,7 @@
 pub mod cgroups;
 pub mod container;
 pub mod exec;
+pub mod imagevol;
 pub mod inspect;
 pub mod sandbox;
 pub mod stats;
@@ -427,6 +430,8 @@ impl PodService {
                 self.watch_infra(s.id.clone(), h);
             }
         }
+        // Before the CRI is served: RemoveImage must find the images volumes use.
+        self.restore_image_volume_users();
         // Containers removed before a crash, whose teardown did not finish.
         if !self.store.removals().is_empty() && tokio::runtime::Handle::try_current().is_ok() {
             let svc = self.clone();

@@ -149,6 +149,9 @@ pub struct ContainerRecord {
     /// runtime call left to make).
     #[serde(default)]
     pub runtime_deleted: bool,
+    /// The images it mounts as volumes, mounted and held until its teardown.
+    #[serde(default)]
+    pub image_volumes: Vec<super::imagevol::ImageVolume>,
 }
 
 impl ContainerRecord {
@@ -579,6 +582,7 @@ impl ContainerRecord {
             user: None,
             runtime_handler: String::new(),
             runtime_deleted: false,
+            image_volumes: Vec::new(),
         }
     }
 }

@@ -47,6 +47,11 @@ pub(crate) enum Undo {
     /// Idmapped mounts of a container in a pod user namespace, and their directory
     /// (`crate::oci::userns::remove_idmapped`: never a recursive removal).
     RemoveIdmapped(PathBuf),
+    /// The container no longer uses the image as a volume (`super::imagevol`).
+    ReleaseImageVolume {
+        image: minicri_store::Digest,
+        container: String,
+    },
 }
 
 /// Which operation a journal belongs to, and the object it makes (once its id is chosen).
@@ -208,6 +213,10 @@ impl PodService {
             Undo::Unmount(p) => blocking(move || unmount_all(&p)).await?,
             Undo::RemoveIdmapped(p) => {
                 blocking(move || Ok(crate::oci::userns::remove_idmapped(&p)?)).await?
+            }
+            Undo::ReleaseImageVolume { image, container } => {
+                let pulls = self.pulls.clone();
+                blocking(move || Ok(pulls.release_volume(&image, &container)?)).await?
             }
             Undo::RemoveSnapshot(key) => {
                 let snap = self.snapshotter.clone();

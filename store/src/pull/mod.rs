@@ -466,6 +466,30 @@ impl PullManager {
         Ok(images)
     }
 
+    /// Records container `container` as mounting image `id` as a volume: RemoveImage refuses
+    /// the image until [`Self::release_volume`] (see [`crate::images`]). NOT_FOUND when the
+    /// image is gone.
+    pub fn hold_for_volume(&self, id: &Digest, container: &str) -> Result<()> {
+        self.images.add_volume_user(id, container)
+    }
+
+    /// Container `container` no longer mounts image `id`: an image kept only for it (its names
+    /// moved to another image meanwhile) is removed, its content in the background. Blocking
+    /// (a journal write): call it off the async threads.
+    pub fn release_volume(self: &Arc<Self>, id: &Digest, container: &str) -> Result<()> {
+        let removed = self.images.remove_volume_user(id, container)?;
+        self.finish_removal(removed);
+        Ok(())
+    }
+
+    /// Removes the images kept only for volume users that are gone (see
+    /// [`ImageStore::remove_unused_nameless`]); at start, once they are restored. Blocking.
+    pub fn drop_unused_nameless(self: &Arc<Self>) -> Result<()> {
+        let removed = self.images.remove_unused_nameless()?;
+        self.finish_removal(removed);
+        Ok(())
+    }
+
     /// Deletes what a removal freed, on a blocking thread: blobs, then layer snapshots (tree
     /// removals that can take seconds for large images).
     pub(crate) fn finish_removal(self: &Arc<Self>, removed: Removed) {
