@@ -167,6 +167,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "BYTES")]
     pub max_blob_size: Option<u64>,
 
+    /// Keep each layer's compressed blob after the layer is unpacked. Off, the blob is deleted
+    /// once the image is recorded, so an image costs its unpacked size on disk; a pull of an
+    /// image whose layers are unpacked downloads nothing for them. [default: false]
+    #[arg(long, value_name = "BOOL")]
+    pub keep_layer_blobs: Option<bool>,
+
     /// Directories searched for CNI network configurations (repeatable). [default: /etc/cni/net.d]
     #[arg(long = "cni-conf-dir", value_name = "DIR")]
     #[serde(default)]
@@ -300,6 +306,8 @@ pub struct Config {
     pub image_fs_reserve: minicri_store::space::Reserve,
     /// Largest blob a descriptor may claim.
     pub max_blob_size: u64,
+    /// Keep compressed layer blobs once their layers are unpacked.
+    pub keep_layer_blobs: bool,
     pub cni_conf_dirs: Vec<PathBuf>,
     pub cni_bin_dirs: Vec<PathBuf>,
     /// Runtime handlers configured (the built-in ones are added by
@@ -374,6 +382,7 @@ impl ServeArgs {
             ingest_min_free: self.ingest_min_free.or(base.ingest_min_free),
             image_fs_reserve: self.image_fs_reserve.or(base.image_fs_reserve),
             max_blob_size: self.max_blob_size.or(base.max_blob_size),
+            keep_layer_blobs: self.keep_layer_blobs.or(base.keep_layer_blobs),
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
                 base.cni_conf_dirs
             } else {
@@ -619,6 +628,7 @@ impl ServeArgs {
             ingest_min_free,
             image_fs_reserve,
             max_blob_size,
+            keep_layer_blobs: self.keep_layer_blobs.unwrap_or(false),
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
                 vec!["/etc/cni/net.d".into()]
             } else {

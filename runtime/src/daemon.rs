@@ -76,6 +76,7 @@ impl Daemon {
             detach_after: config.pull_detach_after,
             holds_dir: Some(config.state.join("pulls")),
             max_blob_size: config.max_blob_size,
+            keep_layer_blobs: config.keep_layer_blobs,
         };
         let snapshotter = open_snapshotter(&config, snapshots_space.clone())?;
         reconcile_snapshots(snapshotter.as_ref(), &images);
@@ -86,6 +87,11 @@ impl Daemon {
             pull_config,
             Some(snapshotter.clone()),
         );
+        // Before any pull runs: blobs of layers unpacked before a crash (or while
+        // keep_layer_blobs was on) go now.
+        if let Err(e) = pulls.discard_unpacked_layer_blobs() {
+            tracing::warn!(error = %e, "cannot discard the blobs of unpacked layers");
+        }
         let mut ingest_gc = minicri_store::gc::IngestGc::new(
             content.clone(),
             pulls.blobs().clone(),
@@ -262,6 +268,7 @@ impl Daemon {
             "ingestMinFreePercent": c.ingest_min_free * 100.0,
             "imageFsReserve": c.image_fs_reserve.to_string(),
             "maxBlobSize": c.max_blob_size,
+            "keepLayerBlobs": c.keep_layer_blobs,
             "cniConfDirs": c.cni_conf_dirs, "cniBinDirs": c.cni_bin_dirs,
             "streamAddress": self.streaming.address().to_string(),
             "podCIDR": *self.pod_cidr.lock().unwrap(),

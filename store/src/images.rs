@@ -501,6 +501,83 @@ impl ImageStore {
     }
 }
 
+impl ImageStore {
+    /// Deletes those of `candidates` (compressed layer blobs whose layers are unpacked) that
+    /// no record holds and `pinned` does not keep (a running pull that may still read them).
+    /// Under the operation lock, so no record that holds one is added meanwhile; the files are
+    /// deleted after it. Returns the digests deleted. Blocking.
+    pub fn discard_unheld(
+        &self,
+        candidates: &[Digest],
+        content: &ContentStore,
+        pinned: impl Fn(&Digest) -> bool,
+    ) -> Result<Vec<Digest>> {
+        let mut gone = Vec::new();
+        let mut discarded = Vec::new();
+        {
+            let _ops = self.ops();
+            let held: BTreeSet<Digest> = {
+                let st = self.state.lock().unwrap();
+                st.images
+                    .values()
+                    .flat_map(|r| r.blobs.iter().cloned())
+                    .collect()
+            };
+            let mut seen = BTreeSet::new();
+            for d in candidates {
+                if !seen.insert(d) || held.contains(d) || pinned(d) {
+                    continue;
+                }
+                if let Some(p) = content.take_out(d)? {
+                    gone.push(p);
+                    discarded.push(d.clone());
+                }
+            }
+        }
+        for p in gone {
+            if let Err(e) = fs::remove_file(&p) {
+                tracing::warn!(file = %p.display(), error = %e, "cannot delete a discarded layer blob (the next start does)");
+            }
+        }
+        Ok(discarded)
+    }
+
+    /// For every record whose layers are unpacked (`unpacked_size` gives their unpacked bytes,
+    /// `None` when not unpacked): its compressed layer blobs are no longer held by it, and its
+    /// size counts the unpacked layers instead (the record is rewritten if it held them, as
+    /// records written with `keep_layer_blobs` on do). Returns the layer digests of those
+    /// records, for [`ImageStore::discard_unheld`]. Blocking; called at start.
+    pub fn unhold_layer_blobs(
+        &self,
+        unpacked_size: impl Fn(&ImageRecord) -> Option<u64>,
+    ) -> Result<Vec<Digest>> {
+        let _ops = self.ops();
+        let mut st = self.state.lock().unwrap().clone();
+        let mut layers = Vec::new();
+        let mut changed = Vec::new();
+        for rec in st.images.values_mut() {
+            let Some(unpacked) = unpacked_size(rec) else {
+                continue;
+            };
+            let before = rec.blobs.len();
+            for l in &rec.layers {
+                rec.blobs.remove(&l.digest);
+                layers.push(l.digest.clone());
+            }
+            if rec.blobs.len() != before {
+                let compressed: u64 = rec.layers.iter().map(|l| l.size).sum();
+                rec.size = rec.size.saturating_sub(compressed) + unpacked;
+                changed.push(rec.clone());
+            }
+        }
+        for rec in &changed {
+            self.persist(rec)?;
+        }
+        *self.state.lock().unwrap() = st;
+        Ok(layers)
+    }
+}
+
 /// Whether `r` has no name and is not pinned: kept only for volume users.
 fn is_unused_nameless(r: &ImageRecord) -> bool {
     r.repo_tags.is_empty() && r.repo_digests.is_empty() && !r.pinned

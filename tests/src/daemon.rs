@@ -278,6 +278,13 @@ impl Daemon {
         self.kill();
         self.spawn().await
     }
+
+    /// [`Daemon::restart`] with other extra arguments (a changed configuration).
+    pub async fn restart_with(&mut self, extra_args: &[&str]) -> Result<()> {
+        self.kill();
+        self.extra_args = extra_args.iter().map(|s| s.to_string()).collect();
+        self.spawn().await
+    }
 }
 
 impl Drop for Daemon {

@@ -26,6 +26,7 @@
 //!   requester entries (lock order: `jobs`, then a job's `requesters`).
 
 pub mod detach;
+mod discard;
 mod procedure;
 pub use procedure::{DEFAULT_MAX_BLOB_SIZE, MAX_BLOB_BYTES};
 
@@ -91,6 +92,9 @@ pub struct PullConfig {
     pub holds_dir: Option<PathBuf>,
     /// Largest blob a descriptor may claim; a larger one is refused before any byte is fetched.
     pub max_blob_size: u64,
+    /// Keep a layer's compressed blob once the layer is unpacked (off: it is deleted, see
+    /// [`discard`]). Without a snapshotter blobs are always kept.
+    pub keep_layer_blobs: bool,
 }
 
 impl Default for PullConfig {
@@ -106,6 +110,7 @@ impl Default for PullConfig {
             detach_after: Some(Duration::from_secs(30)),
             holds_dir: None,
             max_blob_size: DEFAULT_MAX_BLOB_SIZE,
+            keep_layer_blobs: false,
         }
     }
 }
@@ -214,6 +219,8 @@ struct Part {
     digest: Digest,
     size: u64,
     progress: Option<Arc<BlobProgress>>,
+    /// A layer whose snapshot was committed already: nothing to download.
+    unpacked: bool,
 }
 
 /// What a job's requesters are told when it ends.
@@ -269,7 +276,7 @@ impl Job {
             rate: 0.0,
             connections: 0,
         };
-        for p in parts.iter() {
+        for p in parts.iter().filter(|p| !p.unpacked) {
             b.total += p.size;
             if let Some(pr) = &p.progress {
                 b.done += pr.done();
@@ -396,6 +403,8 @@ pub struct PullManager {
     /// removal then never releases the snapshots of an image a pull has recorded again meanwhile,
     /// and a pull never records an image whose snapshots a removal has just released.
     snapshot_users: Mutex<()>,
+    /// Layer digests running pulls may still read ([`discard`]).
+    pins: discard::LayerPins,
 }
 
 /// A call's reference on a job; dropping it releases the reference.
@@ -444,6 +453,7 @@ impl PullManager {
             budgets,
             counters: PullCounters::default(),
             snapshot_users: Mutex::new(()),
+            pins: Default::default(),
         })
     }
 
@@ -1203,9 +1213,9 @@ fn snapshot(j: &Job) -> JobSnapshot {
             None => PartSnapshot {
                 digest: p.digest.to_string(),
                 size: p.size,
-                done: 0,
+                done: if p.unpacked { p.size } else { 0 },
                 resumed_from: 0,
-                state: "waiting".into(),
+                state: if p.unpacked { "unpacked" } else { "waiting" }.into(),
                 bytes_per_second: 0.0,
                 source: String::new(),
                 connections: 0,

@@ -147,33 +147,30 @@ impl PullManager {
                 ),
             ));
         }
+        // Pinned before the content store is looked at: a blob found there is not discarded
+        // by another pull's end while this one may still read it (see `discard`).
+        let pinned = self.pins.pin(&layer_digests);
+        let discard = self.discards_layer_blobs();
         // The blobs still to download must fit above the image filesystem's reserve, or the
         // pull is refused before its first byte. (Each download checks again as it starts and
         // claims its bytes as it writes; the unpack, whose size no descriptor gives, claims its
-        // own.)
-        let content = &self.content;
-        let missing = crate::fsutil::off_async(|| {
-            let mut seen = BTreeSet::new();
+        // own.) When unpacked layers' blobs are discarded, which layers need a download is known
+        // only from the config (their chains): they are checked once it is read.
+        let blobs_first: Vec<_> = if discard {
+            vec![(&config_digest, config_desc)]
+        } else {
             std::iter::once((&config_digest, config_desc))
                 .chain(layer_digests.iter().zip(&layers))
-                .filter(|&(d, _)| seen.insert(d) && content.size(d).is_none())
-                .map(|(d, desc)| (desc.size as u64).saturating_sub(content.ingest_bytes(d)))
-                .sum::<u64>()
-        });
-        crate::fsutil::off_async(|| {
-            content.check_fits(missing, || {
-                format!(
-                    "pull of {reference} ({} of blobs to download)",
-                    crate::human_bytes(missing as f64)
-                )
-            })
-        })?;
+                .collect()
+        };
+        self.check_fits(reference, &blobs_first)?;
         *job.parts.lock().unwrap() = std::iter::once((&config_digest, config_desc))
             .chain(layer_digests.iter().zip(&layers))
             .map(|(d, desc)| Part {
                 digest: d.clone(),
                 size: desc.size as u64,
                 progress: None,
+                unpacked: false,
             })
             .collect();
 
@@ -220,13 +217,23 @@ impl PullManager {
         }
         blobs.insert(config_digest.clone());
 
+        // Layers whose chains are committed already need nothing (their blobs may be gone).
+        let chains = minicri_snapshotter::chain_ids(&diff_ids);
+        let mut have = 0;
+        if discard {
+            have = crate::fsutil::off_async(|| self.claim_unpacked(&chains, &config_digest));
+            self.mark_unpacked(job, have);
+            let rest: Vec<_> = layer_digests.iter().zip(&layers).skip(have).collect();
+            self.check_fits(reference, &rest)?;
+        }
+
         // Downloads (a bounded number at once) and unpacking run together: each layer is applied
         // as soon as the one below it is, reading its bytes as they arrive.
         let permits = tokio::sync::Semaphore::new(self.config.max_concurrent_layers.max(1));
         // Built in a loop, not with a closure: a closure here gives the futures a higher-ranked
         // lifetime that tonic's Send bound cannot be proven for (a rustc limitation).
         let mut waits = Vec::with_capacity(layers.len());
-        for i in 0..layers.len() {
+        for i in have..layers.len() {
             waits.push(self.fetch_part_bounded(job, i + 1, session, &permits));
         }
         let downloads = futures::future::try_join_all(waits);
@@ -240,14 +247,22 @@ impl PullManager {
                 diff_id: diff_id.clone(),
             })
             .collect();
-        let unpacking = self.unpack_layers(job, reference, &config_digest, &to_apply);
+        let unpacking = self.unpack_layers(job, reference, &config_digest, &to_apply, have);
         let (_, chain_id) = tokio::try_join!(downloads, unpacking)?;
-        blobs.extend(layer_digests.iter().cloned());
+        if !discard {
+            blobs.extend(layer_digests.iter().cloned());
+        }
 
         let (uid, username) = manifest::user_of(user);
-        let size = config_desc.size as u64
-            + manifest.bytes.len() as u64
-            + layers.iter().map(|l| l.size as u64).sum::<u64>();
+        // What the image costs on disk: its layers' unpacked size when their blobs go.
+        let layer_bytes = if discard {
+            crate::fsutil::off_async(|| {
+                self.unpacked_sizes(&chains, layers.iter().map(|l| l.size as u64))
+            })
+        } else {
+            layers.iter().map(|l| l.size as u64).sum::<u64>()
+        };
+        let size = config_desc.size as u64 + manifest.bytes.len() as u64 + layer_bytes;
         let platform = Platform {
             os: config.os.clone(),
             architecture: config.architecture.clone(),
@@ -284,17 +299,24 @@ impl PullManager {
             match crate::fsutil::off_async(|| self.record_image(&record)) {
                 Err(StoreError::BlobNotFound(b)) => {
                     tracing::info!(image = %reference, blob = %b, "content removed during pull; fetching again");
-                    for i in 0..=layers.len() {
+                    // The record holds the layer blobs only when they are kept.
+                    let parts = if discard { 0 } else { layers.len() };
+                    for i in 0..=parts {
                         self.fetch_part(job, i, session).await?;
                     }
                 }
                 Err(StoreError::Snapshotter(minicri_snapshotter::Error::NotFound { key })) => {
                     tracing::info!(image = %reference, snapshot = %key, "layer snapshots removed during pull; unpacking again");
-                    for i in 0..=layers.len() {
+                    let have = if discard {
+                        crate::fsutil::off_async(|| self.claim_unpacked(&chains, &record.config))
+                    } else {
+                        0
+                    };
+                    for i in (have + 1)..=layers.len() {
                         self.fetch_part(job, i, session).await?;
                     }
                     record.chain_id = self
-                        .unpack_layers(job, reference, &record.config, &to_apply)
+                        .unpack_layers(job, reference, &record.config, &to_apply, have)
                         .await?;
                 }
                 Ok((stored, removed)) => {
@@ -302,6 +324,11 @@ impl PullManager {
                         tracing::info!(image = %old.id, "image lost its last name to a newer pull and was removed");
                     }
                     self.finish_removal(removed);
+                    if discard {
+                        crate::fsutil::off_async(|| {
+                            self.discard_layer_blobs(&layer_digests, pinned)
+                        });
+                    }
                     return Ok(stored);
                 }
                 Err(e) => return Err(e),
@@ -311,6 +338,36 @@ impl PullManager {
             reference: reference.to_string(),
             reason: "content kept being removed during the pull".into(),
         })
+    }
+
+    /// Refuses the pull if `blobs` still to download do not fit above the image filesystem's
+    /// reserve.
+    fn check_fits(&self, reference: &Reference, blobs: &[(&Digest, &Descriptor)]) -> Result<()> {
+        let content = &self.content;
+        crate::fsutil::off_async(|| {
+            let mut seen = BTreeSet::new();
+            let missing = blobs
+                .iter()
+                .filter(|&&(d, _)| seen.insert(d) && content.size(d).is_none())
+                .map(|&(d, desc)| (desc.size as u64).saturating_sub(content.ingest_bytes(d)))
+                .sum::<u64>();
+            content.check_fits(missing, || {
+                format!(
+                    "pull of {reference} ({} of blobs to download)",
+                    crate::human_bytes(missing as f64)
+                )
+            })
+        })
+    }
+
+    /// Layers `0..have` need no download: their chains are committed.
+    fn mark_unpacked(&self, job: &Job, have: usize) {
+        let mut parts = job.parts.lock().unwrap();
+        for p in parts.iter_mut().skip(1).take(have) {
+            p.unpacked = true;
+        }
+        drop(parts);
+        job.parts_changed.notify_waiters();
     }
 
     async fn fetch_part_bounded(
@@ -324,15 +381,17 @@ impl PullManager {
         self.fetch_part(job, i, session).await
     }
 
-    /// Unpacks the image's layers, up to `max_concurrent_unpacks` at once in chain order (each
-    /// starts as its download does; a layer whose parent is still unpacking is applied ahead of
-    /// it); returns the top chain id, if unpacking.
+    /// Unpacks the image's layers above the `have` committed already (and claimed), up to
+    /// `max_concurrent_unpacks` at once in chain order (each starts as its download does; a
+    /// layer whose parent is still unpacking is applied ahead of it); returns the top chain id,
+    /// if unpacking.
     async fn unpack_layers(
         &self,
         job: &Job,
         reference: &Reference,
         image_id: &Digest,
         layers: &[LayerToApply],
+        have: usize,
     ) -> Result<Option<String>> {
         let Some(snap) = &self.snapshotter else {
             return Ok(None);
@@ -344,9 +403,12 @@ impl PullManager {
                 .collect::<Vec<_>>(),
         );
         let gates: Vec<Arc<unpack::Gate>> = layers.iter().map(|_| Arc::default()).collect();
+        for g in &gates[..have] {
+            g.open(true);
+        }
         let window = self.config.max_concurrent_unpacks.max(1);
         let mut running = FuturesUnordered::new();
-        let mut next = 0;
+        let mut next = have;
         // Admitted in chain order, and a slot frees only when a layer ends: the lowest layer not
         // yet committed is always running, so every waiting layer waits on one that runs.
         while next < layers.len() || !running.is_empty() {
