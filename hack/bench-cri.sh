@@ -123,6 +123,9 @@ cni_conf() { # runtime dir subnet-octet -> a conflist of the runtime's own
 JSON
 }
 
+# shellcheck source=hack/lib/containerd-config.sh
+source hack/lib/containerd-config.sh
+
 start_daemon() { # runtime root -> sets daemon_pid and sock
     local rt=$1 root=$2 state=$run/state/$1
     rm -rf "$root" "$state" && mkdir -p "$root" "$state"
@@ -137,33 +140,7 @@ start_daemon() { # runtime root -> sets daemon_pid and sock
             local exe=containerd path=$PATH
             if [ "$rt" = containerd2 ]; then exe=$containerd2; path=$(dirname "$containerd2"):$PATH; fi
             cni_conf "$rt" "$root/net.d" 78
-            cat > "$root/config.toml" <<TOML
-version = 2
-root = "$root/root"
-state = "$state"
-[grpc]
-  address = "$sock"
-[ttrpc]
-  address = "$sock.ttrpc"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "$sandbox_image"
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-  enable_selinux = false
-  restrict_oom_score_adj = true
-[plugins."io.containerd.grpc.v1.cri".containerd]
-  snapshotter = "overlayfs"
-  default_runtime_name = "runc"
-[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-  runtime_type = "io.containerd.runc.v2"
-[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-  SystemdCgroup = false
-[plugins."io.containerd.grpc.v1.cri".cni]
-  bin_dir = "/usr/lib/cni"
-  conf_dir = "$root/net.d"
-[plugins."io.containerd.grpc.v1.cri".registry]
-  config_path = "$certs"
-TOML
+            containerd_config "$rt" "$root/root" "$state" "$sock" "$root/net.d" > "$root/config.toml"
             PATH=$path "$exe" --config "$root/config.toml" >"$root/log" 2>&1 &
             ;;
     esac

@@ -28,8 +28,14 @@
 # `sync` and the page cache dropped, the daemon started afresh. The pull is one CRI PullImage
 # (minicri-testimg pull, the project's CRI client), timed by the client; the daemon's CPU seconds
 # (user + system, its waited-for children included) and peak RSS (VmHWM) are read from /proc.
-# Containerd pulls in its own process through its CRI plugin, unpacking into overlayfs snapshots.
-# Output: one line per pull, then the medians; the load average before and after.
+# Containerd pulls in its own process through its CRI plugin, unpacking into overlayfs snapshots
+# (configured by hack/lib/containerd-config.sh: version 2 for 1.6, version 3 for 2.x).
+# The floor: the same work with no runtime in between, on the same run: for every layer at once,
+# curl fetches the blob from the same registry, sha256sum hashes it, gzip decompresses it,
+# sha256sum hashes the diff and GNU tar writes the files, then one `sync -f` (syncfs) per layer,
+# the durability minicri promises; the digests and diff_ids are checked afterwards.
+# Output: one line per pull, then the medians (minicri's time as a ratio to the floor's), each
+# runtime's configuration, and the load average before and after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -147,7 +153,7 @@ for h in "$reg" "$capped"; do
 done
 
 # --- runtimes -----------------------------------------------------------------------------------
-runtimes="minicri containerd"
+runtimes="minicri containerd floor"
 if [ -n "$containerd2" ]; then
     runtimes="$runtimes containerd2"
     [ -n "$multipart" ] && runtimes="$runtimes containerd2mp"
@@ -163,9 +169,62 @@ cpu_ticks() { # pid -> utime + stime + cutime + cstime, in clock ticks
     awk '{print $14 + $15 + $16 + $17}' "/proc/$1/stat"
 }
 
+# The floor's pipeline for every layer of image reference $1 at once, into $2.
+floor_pull() {
+    local ref=$1 dest=$2
+    local host=${ref%%/*} path=${ref#*/}
+    local name=${path%:*} tag=${path##*:}
+    local accept='application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.v2+json'
+    local manifest config
+    manifest=$(curl -fsS -H "Accept: $accept" "http://$host/v2/$name/manifests/$tag")
+    config=$(curl -fsS "http://$host/v2/$name/blobs/$(jq -r .config.digest <<<"$manifest")")
+    local digests diffs
+    mapfile -t digests < <(jq -r '.layers[].digest' <<<"$manifest")
+    mapfile -t diffs < <(jq -r '.rootfs.diff_ids[]' <<<"$config")
+    local pids=()
+    for i in "${!digests[@]}"; do
+        mkdir -p "$dest/$i"
+        ( set -o pipefail
+          curl -fsS "http://$host/v2/$name/blobs/${digests[$i]}" | tee >(sha256sum > "$dest/$i.blob") |
+            gzip -dc | tee >(sha256sum > "$dest/$i.diff") | tar -x --numeric-owner -C "$dest/$i" -f - &&
+            sync -f "$dest/$i" ) &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || { echo "floor: a layer's pipeline failed" >&2; return 1; }; done
+    for i in "${!digests[@]}"; do
+        for f in "$dest/$i.blob" "$dest/$i.diff"; do
+            for _ in $(seq 500); do [ -s "$f" ] && break; sleep 0.01; done
+        done
+        [ "sha256:$(cut -d' ' -f1 "$dest/$i.blob")" = "${digests[$i]}" ] || { echo "floor: layer $i digest mismatch" >&2; return 1; }
+        [ "sha256:$(cut -d' ' -f1 "$dest/$i.diff")" = "${diffs[$i]}" ] || { echo "floor: layer $i diff_id mismatch" >&2; return 1; }
+    done
+}
+export -f floor_pull
+
+floor_once() { # image -> "seconds cpu_seconds peak_rss_mib"
+    local img=$1 root=$work/daemon-floor
+    rm -rf "$root" && mkdir -p "$root"
+    sync; echo 3 > /proc/sys/vm/drop_caches
+    if ! /usr/bin/time -o "$root/time" -f '%e %U %S %M' bash -c 'floor_pull "$1" "$2"' floor "$(ref_of "$img")" "$root/fs" 2>"$root/err"; then
+        echo "bench-pull: the floor failed for $img: $(cat "$root/err")" >&2; exit 1
+    fi
+    read -r secs user sys rss < "$root/time"
+    rm -rf "$root"
+    printf '%s %.2f %.1f\n' "$secs" "$(echo "$user + $sys" | bc -l)" "$(echo "$rss / 1024" | bc -l)"
+}
+
 pull_once() { # runtime image -> "seconds cpu_seconds peak_rss_mib"
     local rt=$1 img=$2 root=$work/daemon-$1
+    if [ "$rt" = floor ]; then floor_once "$img"; return; fi
     start_daemon "$rt" "$root"
+    # What the runtime ran with, printed with the results.
+    if [ ! -e "$run/config-$rt" ]; then
+        if [ "$rt" = minicri ]; then
+            echo "minicri serve --registry-config-dir CERTS ${minicri_args:-} (embedded defaults otherwise)" > "$run/config-$rt"
+        else
+            sed "s#$root#ROOT#g; s#$certs#CERTS#g" "$root/config.toml" > "$run/config-$rt"
+        fi
+    fi
     sync; echo 3 > /proc/sys/vm/drop_caches
     local hz; hz=$(getconf CLK_TCK)
     local before; before=$(cpu_ticks "$daemon_pid")
@@ -203,14 +262,21 @@ done
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$run/load"
 
 echo
-echo "medians of $runs cold pulls (MB/s: compressed bytes / seconds)"
-printf '%-7s %8s %-12s %9s %8s %8s %9s\n' image MB runtime seconds MB/s cpu_s rss_MiB
+echo "medians of $runs cold pulls (MB/s: compressed bytes / seconds; x floor: seconds / the floor's)"
+printf '%-7s %8s %-12s %9s %8s %8s %9s %8s\n' image MB runtime seconds MB/s cpu_s rss_MiB x_floor
 for img in $images; do
     bytes=$(bytes_of "$img")
+    sel() { awk -v i="$img" -v r="$1" -v c="$2" '$1 == i && $2 == r {print $c}' "$log"; }
+    floor_s=$(sel floor 4 | median)
     for rt in $runtimes; do
-        sel() { awk -v i="$img" -v r="$rt" -v c="$1" '$1 == i && $2 == r {print $c}' "$log"; }
-        s=$(sel 4 | median); c=$(sel 5 | median); m=$(sel 6 | median)
-        printf '%-7s %8.0f %-12s %9.2f %8.1f %8.1f %9.1f\n' "$img" "$(echo "$bytes / 1000000" | bc)" "$rt" "$s" \
-            "$(echo "$bytes / 1000000 / $s" | bc -l)" "$c" "$m"
+        s=$(sel "$rt" 4 | median); c=$(sel "$rt" 5 | median); m=$(sel "$rt" 6 | median)
+        printf '%-7s %8.0f %-12s %9.2f %8.1f %8.1f %9.1f %8.2f\n' "$img" "$(echo "$bytes / 1000000" | bc)" "$rt" "$s" \
+            "$(echo "$bytes / 1000000 / $s" | bc -l)" "$c" "$m" "$(echo "$s / $floor_s" | bc -l)"
     done
+done
+echo
+for rt in $runtimes; do
+    [ -e "$run/config-$rt" ] || continue
+    echo "--- configuration of $rt (ROOT: its fresh root, CERTS: the hosts.toml directory) ---"
+    cat "$run/config-$rt"
 done

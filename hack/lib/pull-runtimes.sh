@@ -4,10 +4,16 @@
 # directory; containerd (Debian's 1.6, or a 2.x binary) with its CRI plugin, the overlayfs
 # snapshotter and the same directory as `config_path`.
 #
+# containerd's configuration comes from hack/lib/containerd-config.sh: version 2 for Debian's 1.6,
+# version 3 for 2.x, each as a node configures it.
+#
 # Globals read: prog (the caller's name, for messages), bin (minicri's build directory), certs
 # (the hosts.toml directory), and optionally minicri_args (extra `minicri serve` flags),
 # containerd2 (a containerd 2.x binary, runtimes containerd2 and containerd2mp) and multipart
 # (containerd2mp's `concurrent_layer_fetch_buffer`). Sets daemon_pid and sock.
+
+# shellcheck source=hack/lib/containerd-config.sh
+source "$(dirname "${BASH_SOURCE[0]}")/containerd-config.sh"
 
 start_daemon() { # runtime root -> sets daemon_pid and sock
     local rt=$1 root=$2
@@ -21,26 +27,9 @@ start_daemon() { # runtime root -> sets daemon_pid and sock
         containerd|containerd2|containerd2mp)
             local exe=containerd
             [ "$rt" != containerd ] && exe=${containerd2:?}
-            cat > "$root/config.toml" <<TOML
-version = 2
-root = "$root/root"
-state = "$root/state"
-[grpc]
-  address = "$sock"
-[ttrpc]
-  address = "$sock.ttrpc"
-[plugins."io.containerd.grpc.v1.cri"]
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-[plugins."io.containerd.grpc.v1.cri".containerd]
-  snapshotter = "overlayfs"
-[plugins."io.containerd.grpc.v1.cri".cni]
-  conf_dir = "$root/net.d"
-[plugins."io.containerd.grpc.v1.cri".registry]
-  config_path = "$certs"
-TOML
+            containerd_config "$rt" "$root/root" "$root/state" "$sock" "$root/net.d" > "$root/config.toml"
             if [ "$rt" = containerd2mp ]; then
-                printf '[plugins."io.containerd.transfer.v1.local"]\n  concurrent_layer_fetch_buffer = %s\n  max_concurrent_downloads = 6\n' \
+                printf "[plugins.'io.containerd.transfer.v1.local']\n  concurrent_layer_fetch_buffer = %s\n  max_concurrent_downloads = 6\n" \
                     "$multipart" >> "$root/config.toml"
             fi
             "$exe" --config "$root/config.toml" >"$root/log" 2>&1 &
