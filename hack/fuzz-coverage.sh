@@ -7,7 +7,8 @@
 #
 # Needs the targets built (`cargo fuzz build -O`, or a hack/fuzz-smoke.sh run) and
 # llvm-symbolizer on PATH (Debian: apt-get install llvm), which names each function's source file.
-# Usage: hack/fuzz-coverage.sh TARGET [CORPUS_DIR]   (default: the committed fuzz/corpus/TARGET)
+# Usage: hack/fuzz-coverage.sh TARGET [CORPUS_DIR]   (default: the committed corpus of TARGET,
+#        fuzz/corpus/TARGET and fuzz/grown/TARGET.tar.xz, see hack/fuzz-corpus.sh)
 #        hack/fuzz-coverage.sh --new TARGET OLD_CORPUS NEW_CORPUS
 #        FUZZ_COVERAGE_RAW=FILE keeps libFuzzer's per-function list in FILE (first form only).
 #        layer_apply unpacks every input under TMPDIR: a tmpfs (TMPDIR=/dev/shm) replays it fast.
@@ -120,9 +121,16 @@ if $compare; then
     exit 0
 fi
 
-corpus=$(realpath "${2:-$root/fuzz/corpus/$target}")
 raw=${FUZZ_COVERAGE_RAW:-$(mktemp)}
-[[ -n ${FUZZ_COVERAGE_RAW:-} ]] || trap 'rm -f "$raw"' EXIT
+unpacked=$(mktemp -d)
+trap 'rm -rf "$unpacked"; [[ -n ${FUZZ_COVERAGE_RAW:-} ]] || rm -f "$raw"' EXIT
+if [[ -n ${2:-} ]]; then
+    corpus=$(realpath "$2")
+else
+    # The committed corpus: the named inputs and the grown archive.
+    "$root/hack/fuzz-corpus.sh" unpack "$target" "$unpacked"
+    corpus=$unpacked
+fi
 replay "$corpus" "$raw"
 # Lines: "COVERED_FUNC: hits: H edges: C/T NAME FILE:LINE" (UNCOVERED_FUNC likewise, C = 0).
 grep -E '^(UN)?COVERED_FUNC' "$raw" | sort -u | awk -v root="$root/" "$origin"'

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # fuzz-smoke.sh - builds every cargo-fuzz target in fuzz/ and runs each for a short while
-# (FUZZ_SECONDS, default 25) from its committed seed corpus, so a parser change that crashes on
-# the seeds or on what the fuzzer finds in half a minute shows up. hack/test.sh ends with it (10 s
+# (FUZZ_SECONDS, default 25) from its committed corpus (the named seeds and reproducers in
+# fuzz/corpus/TARGET and the grown inputs in fuzz/grown/TARGET.tar.xz, unpacked to a scratch
+# directory by hack/fuzz-corpus.sh), so a parser change that crashes on anything the fuzzing
+# hours reached, or on what the fuzzer finds in half a minute, shows up. hack/test.sh ends with it (10 s
 # each); longer runs are the same script with a larger FUZZ_SECONDS. See docs/fuzzing.md.
 #
 # Fails loudly when cargo-fuzz is missing (hack/install-fuzz.sh installs the pinned version).
@@ -40,8 +42,10 @@ for t in "${targets[@]}"; do
     if [[ -f dicts/$t.dict ]]; then
         dict=(-dict="dicts/$t.dict")
     fi
-    echo "fuzz-smoke: $t for ${SECONDS_EACH}s"
-    if ! cargo fuzz run -O "$t" "$found" "corpus/$t" -- "${dict[@]}" \
+    corpus="$scratch/corpus/$t"
+    ../hack/fuzz-corpus.sh unpack "$t" "$corpus"
+    echo "fuzz-smoke: $t for ${SECONDS_EACH}s ($(ls "$corpus" | wc -l) inputs)"
+    if ! cargo fuzz run -O "$t" "$found" "$corpus" -- "${dict[@]}" \
         -max_total_time="$SECONDS_EACH" -malloc_limit_mb="$MALLOC_LIMIT_MB" \
         -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
         -artifact_prefix="$scratch/$t-" >"$scratch/$t.log" 2>&1; then
