@@ -1,8 +1,8 @@
 //! The crate's one error type.
 //!
 //! Every variant carries the context the daemon needs to answer a CRI call: which snapshot, which layer
-//! entry, which digest. [`Error::grpc_code_name`] says which gRPC status each variant maps to, so the
-//! daemon converts errors in one place without matching on message text.
+//! entry, which digest. The store's error kinds (`minicri_store::error`) say which gRPC status each
+//! variant becomes, in the one place the daemon maps errors, without matching on message text.
 
 use std::io;
 use std::path::PathBuf;
@@ -89,24 +89,6 @@ pub enum Error {
 }
 
 impl Error {
-    /// The gRPC status code name this error should become (`"NOT_FOUND"`, `"ALREADY_EXISTS"`, ...).
-    pub fn grpc_code_name(&self) -> &'static str {
-        match self {
-            Error::NotFound { .. } => "NOT_FOUND",
-            Error::AlreadyExists { .. } => "ALREADY_EXISTS",
-            Error::InUse { .. } => "FAILED_PRECONDITION",
-            Error::InvalidArgument(_) => "INVALID_ARGUMENT",
-            Error::UnsupportedMediaType(_) => "INVALID_ARGUMENT",
-            Error::UnsafePath { .. } | Error::InvalidEntry { .. } => "INVALID_ARGUMENT",
-            Error::DiffIdMismatch { .. } => "DATA_LOSS",
-            Error::LayerLimit { .. } => "FAILED_PRECONDITION",
-            Error::LayerStream { .. } => "UNAVAILABLE",
-            Error::OverlayUnsupported(_) => "FAILED_PRECONDITION",
-            Error::NeedsParent { .. } => "INTERNAL",
-            Error::Record { .. } | Error::Io { .. } => "INTERNAL",
-        }
-    }
-
     pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
         Error::Io {
             context: context.into(),
