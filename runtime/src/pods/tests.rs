@@ -577,22 +577,33 @@ async fn long_container_names_and_exec_commands_are_refused() {
     super::exec::check_cmd(&vec!["x".repeat(1 << 16); 3]).unwrap();
 }
 
+/// A host-network pod with labels and annotations just under the per-object cap each.
+fn big_pod(name: &str) -> cri::PodSandboxConfig {
+    let mut c = host_pod(name);
+    let near_cap = "x".repeat(super::MAX_METADATA_BYTES - 16);
+    c.labels.insert("note".into(), near_cap.clone());
+    c.annotations.insert("note".into(), near_cap);
+    c
+}
+
+/// How many [`big_pod`]s the node's budget holds.
+const PODS_AT_THE_CAP: usize = super::MAX_NODE_METADATA_BYTES / (2 * super::MAX_METADATA_BYTES);
+
 /// Pods created side by side (a scale-up onto one node) share the budget too: each claims its
 /// bytes at its check, so the ones past the budget are refused although none is recorded yet.
 #[tokio::test]
 async fn pods_created_at_once_cannot_all_take_the_same_room() {
     let node = Node::new();
     let svc = node.service();
-    let fit = super::MAX_NODE_METADATA_BYTES / super::MAX_METADATA_BYTES;
-    let runs = (0..fit + 4).map(|i| {
-        let mut c = host_pod(&format!("p{i}"));
-        c.annotations
-            .insert("note".into(), "x".repeat(super::MAX_METADATA_BYTES - 16));
-        svc.run_pod_sandbox(c, String::new())
-    });
+    let runs = (0..PODS_AT_THE_CAP + 4)
+        .map(|i| svc.run_pod_sandbox(big_pod(&format!("p{i}")), String::new()));
     let results = futures::future::join_all(runs).await;
     let refused: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
-    assert_eq!(results.len() - refused.len(), fit, "{refused:?}");
+    assert_eq!(
+        results.len() - refused.len(),
+        PODS_AT_THE_CAP,
+        "{refused:?}"
+    );
     assert!(
         refused
             .iter()
@@ -604,22 +615,15 @@ async fn pods_created_at_once_cannot_all_take_the_same_room() {
     assert_eq!(svc.metadata_claims.lock().unwrap().pods, 0);
 }
 
-/// The labels and annotations of all the node's pods stay within what one relist can carry:
-/// past the node's budget a new pod is refused (RESOURCE_EXHAUSTED, naming the budget), and
+/// The labels and annotations of all the node's pods stay within the node's budget: past it a new pod is refused (RESOURCE_EXHAUSTED, naming the budget), and
 /// room comes back when a pod is removed.
 #[tokio::test]
 async fn the_pods_of_a_node_share_a_metadata_budget() {
     let node = Node::new();
     let svc = node.service();
-    let big = |name: &str| {
-        let mut c = host_pod(name);
-        c.annotations
-            .insert("note".into(), "x".repeat(super::MAX_METADATA_BYTES - 16));
-        c
-    };
-    let fit = super::MAX_NODE_METADATA_BYTES / super::MAX_METADATA_BYTES;
+    let big = big_pod;
     let mut ids = Vec::new();
-    for i in 0..fit {
+    for i in 0..PODS_AT_THE_CAP {
         let id = svc
             .run_pod_sandbox(big(&format!("p{i}")), String::new())
             .await
@@ -631,7 +635,11 @@ async fn the_pods_of_a_node_share_a_metadata_budget() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
-    assert!(err.to_string().contains("past 8388608"), "{err}");
+    let budget = format!(
+        "past the node's budget of {}",
+        super::MAX_NODE_METADATA_BYTES
+    );
+    assert!(err.to_string().contains(&budget), "{err}");
     // A small pod still fits.
     let small = svc.run_pod_sandbox(host_pod("small"), String::new()).await;
     small.unwrap();
