@@ -2,8 +2,8 @@
 //! calls the daemon's services ([`crate::pods::PodService`] for pods, containers, stats and
 //! streaming targets; [`crate::stream`] registers streaming sessions), and converts back, inside
 //! [`crate::rpc::call`]. GetContainerEvents's stream is built by [`super::events`]; the streamed
-//! lists by [`super::stream`]; the pod metrics, UpdatePodSandboxResources and
-//! CheckpointContainer answer UNIMPLEMENTED through the generated default stubs.
+//! lists by [`super::stream`]; UpdatePodSandboxResources and CheckpointContainer answer
+//! UNIMPLEMENTED through the generated default stubs.
 //! The kubelet polls the status, list and stats RPCs, so their successes log at debug level
 //! ([`Verbosity::Poll`]).
 
@@ -682,5 +682,38 @@ impl RuntimeService for RuntimeHandler {
         req: Request<cri::StreamPodSandboxStatsRequest>,
     ) -> Streamed<cri::StreamPodSandboxStatsResponse> {
         super::stream::pod_sandbox_stats(&self.daemon, req).await
+    }
+
+    async fn list_metric_descriptors(
+        &self,
+        req: Request<cri::ListMetricDescriptorsRequest>,
+    ) -> Reply<cri::ListMetricDescriptorsResponse> {
+        let dl = deadline(&req);
+        call("ListMetricDescriptors", "", dl, Verbosity::Poll, async {
+            Ok(cri::ListMetricDescriptorsResponse {
+                descriptors: crate::pods::metrics::metric_descriptors(),
+            })
+        })
+        .await
+    }
+
+    async fn list_pod_sandbox_metrics(
+        &self,
+        req: Request<cri::ListPodSandboxMetricsRequest>,
+    ) -> Reply<cri::ListPodSandboxMetricsResponse> {
+        let dl = deadline(&req);
+        call("ListPodSandboxMetrics", "", dl, Verbosity::Poll, async {
+            Ok(cri::ListPodSandboxMetricsResponse {
+                pod_metrics: self.daemon.pods.list_pod_sandbox_metrics().await?,
+            })
+        })
+        .await
+    }
+
+    async fn stream_pod_sandbox_metrics(
+        &self,
+        req: Request<cri::StreamPodSandboxMetricsRequest>,
+    ) -> Streamed<cri::StreamPodSandboxMetricsResponse> {
+        super::stream::pod_sandbox_metrics(&self.daemon, req).await
     }
 }

@@ -1,5 +1,5 @@
 //! The streamed lists of CRI v0.36 (StreamPodSandboxes, StreamContainers, StreamImages,
-//! StreamContainerStats, StreamPodSandboxStats): each answers what its
+//! StreamContainerStats, StreamPodSandboxStats, StreamPodSandboxMetrics): each answers what its
 //! list RPC answers, from the same function with the same filter, in batches
 //! ([`crate::rpc::call_batched`]) so that a node whose list is more than one gRPC message (the
 //! kubelet's limit is 16 MiB) still lists.
@@ -97,5 +97,23 @@ pub async fn images(
     call_batched("StreamImages", dl, Verbosity::Poll, list, |images| {
         cri::StreamImagesResponse { images }
     })
+    .await
+}
+
+pub async fn pod_sandbox_metrics(
+    daemon: &Arc<Daemon>,
+    req: Request<cri::StreamPodSandboxMetricsRequest>,
+) -> Streamed<cri::StreamPodSandboxMetricsResponse> {
+    let dl = deadline(&req);
+    let list = daemon.pods.list_pod_sandbox_metrics();
+    call_batched(
+        "StreamPodSandboxMetrics",
+        dl,
+        Verbosity::Poll,
+        list,
+        |pod_sandbox_metrics| cri::StreamPodSandboxMetricsResponse {
+            pod_sandbox_metrics,
+        },
+    )
     .await
 }

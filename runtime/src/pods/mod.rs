@@ -11,6 +11,8 @@
 //! - [`cgroups`]: what the kernel says about a container's or pod's cgroup (OOM kills, CPU,
 //!   memory and process counters);
 //! - [`stats`]: ContainerStats, ListContainerStats, PodSandboxStats, ListPodSandboxStats;
+//! - [`metrics`]: ListMetricDescriptors, ListPodSandboxMetrics (cAdvisor's metrics, from the
+//!   stats' readers);
 //! - [`stopping`]: the SIGKILL deadlines of containers being stopped, shared by their stops;
 //! - [`streaming`]: exec and attach for the streaming server (its `ExecBackend`);
 //! - [`undo`]: multi-step operations, their undo steps and the on-disk journal of them.
@@ -41,6 +43,7 @@ pub mod container;
 pub mod exec;
 pub mod imagevol;
 pub mod inspect;
+pub mod metrics;
 pub mod sandbox;
 pub mod stats;
 pub mod stopping;
