@@ -2,8 +2,8 @@
 //! calls the daemon's services ([`crate::pods::PodService`] for pods, containers, stats and
 //! streaming targets; [`crate::stream`] registers streaming sessions), and converts back, inside
 //! [`crate::rpc::call`]. GetContainerEvents's stream is built by [`super::events`]; the streamed
-//! lists by [`super::stream`]; UpdatePodSandboxResources and CheckpointContainer answer
-//! UNIMPLEMENTED through the generated default stubs.
+//! lists by [`super::stream`]; CheckpointContainer answers UNIMPLEMENTED through the generated
+//! default stub.
 //! The kubelet polls the status, list and stats RPCs, so their successes log at debug level
 //! ([`Verbosity::Poll`]).
 
@@ -715,5 +715,22 @@ impl RuntimeService for RuntimeHandler {
         req: Request<cri::StreamPodSandboxMetricsRequest>,
     ) -> Streamed<cri::StreamPodSandboxMetricsResponse> {
         super::stream::pod_sandbox_metrics(&self.daemon, req).await
+    }
+
+    async fn update_pod_sandbox_resources(
+        &self,
+        req: Request<cri::UpdatePodSandboxResourcesRequest>,
+    ) -> Reply<cri::UpdatePodSandboxResourcesResponse> {
+        call_on(
+            "UpdatePodSandboxResources",
+            Verbosity::Normal,
+            req,
+            ("pod_sandbox_id", |r| r.pod_sandbox_id.clone()),
+            |r| async move {
+                self.daemon.pods.update_pod_sandbox_resources(r).await?;
+                Ok(cri::UpdatePodSandboxResourcesResponse {})
+            },
+        )
+        .await
     }
 }

@@ -13,6 +13,7 @@
 //! - [`stats`]: ContainerStats, ListContainerStats, PodSandboxStats, ListPodSandboxStats;
 //! - [`metrics`]: ListMetricDescriptors, ListPodSandboxMetrics (cAdvisor's metrics, from the
 //!   stats' readers);
+//! - [`resize`]: UpdatePodSandboxResources (the pod's cgroup, undone on failure);
 //! - [`stopping`]: the SIGKILL deadlines of containers being stopped, shared by their stops;
 //! - [`streaming`]: exec and attach for the streaming server (its `ExecBackend`);
 //! - [`undo`]: multi-step operations, their undo steps and the on-disk journal of them.
@@ -44,6 +45,7 @@ pub mod exec;
 pub mod imagevol;
 pub mod inspect;
 pub mod metrics;
+pub mod resize;
 pub mod sandbox;
 pub mod stats;
 pub mod stopping;

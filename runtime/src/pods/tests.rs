@@ -649,3 +649,67 @@ async fn the_pods_of_a_node_share_a_metadata_budget() {
         .await
         .unwrap();
 }
+
+/// UpdatePodSandboxResources on a cgroup v2 layout (a temporary directory laid out as the
+/// unified hierarchy: this host is cgroup v1): the files get the new values; a write that fails
+/// part way puts back the ones written before it.
+#[tokio::test]
+async fn a_pod_resize_on_cgroup_v2_is_written_and_undone_on_failure() {
+    use super::resize::pod_total;
+    use std::path::PathBuf;
+    let node = Node::new();
+    let svc = node.service();
+    let cg = tempfile::tempdir().unwrap();
+    let rel = PathBuf::from("kubepods.slice/kubepods-pod1.slice");
+    let dir = cg.path().join(&rel);
+    std::fs::create_dir_all(&dir).unwrap();
+    let files = [
+        ("memory.max", "max"),
+        ("cpu.weight", "100"),
+        ("cpu.max", "max 100000"),
+        ("cpuset.cpus", ""),
+    ];
+    for (f, v) in files {
+        std::fs::write(dir.join(f), format!("{v}\n")).unwrap();
+    }
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+    let h = super::cgroups::Hierarchy::V2 {
+        root: cg.path().into(),
+    };
+    let resize = |total: cri::LinuxContainerResources| {
+        let (h, rel) = (h.clone(), rel.clone());
+        svc.undoable(
+            super::Operation::UpdatePodSandboxResources,
+            move |svc, j| Box::pin(async move { svc.write_pod_cgroup(h, rel, total, j).await }),
+        )
+    };
+    let grow = cri::LinuxContainerResources {
+        cpu_shares: 2048,
+        cpu_quota: 150_000,
+        memory_limit_in_bytes: 256 << 20,
+        ..Default::default()
+    };
+    resize(pod_total(None, Some(&grow))).await.unwrap();
+    assert_eq!(read("memory.max"), (256u64 << 20).to_string());
+    assert_eq!(read("cpu.weight"), "79");
+    assert_eq!(read("cpu.max"), "150000 100000");
+    // The cpuset cannot be written (here: it is a directory, as a refused value would be
+    // refused by the kernel): memory and CPU go back to the grown values.
+    std::fs::remove_file(dir.join("cpuset.cpus")).unwrap();
+    std::fs::create_dir(dir.join("cpuset.cpus")).unwrap();
+    let shrink = cri::LinuxContainerResources {
+        cpu_shares: 512,
+        cpu_quota: 50_000,
+        memory_limit_in_bytes: 64 << 20,
+        cpuset_cpus: "0".into(),
+        ..Default::default()
+    };
+    let err = resize(pod_total(None, Some(&shrink))).await.unwrap_err();
+    assert!(err.to_string().contains("cpuset.cpus"), "{err}");
+    assert_eq!(read("memory.max"), (256u64 << 20).to_string());
+    assert_eq!(read("cpu.weight"), "79");
+    assert_eq!(read("cpu.max"), "150000 100000");
+    // No journal is left behind.
+    let journals = std::fs::read_dir(node.state().join("pods/inflight")).unwrap();
+    assert_eq!(journals.count(), 0);
+}
