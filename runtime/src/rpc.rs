@@ -4,10 +4,16 @@
 //! Read-only calls the kubelet makes every second or so log at debug level; everything else, and
 //! every failure, logs at info or above. A call whose client goes away before it finishes is logged
 //! as cancelled when its future is dropped.
+//!
+//! The streamed lists (StreamPodSandboxes and the other `Stream*` RPCs) go through [`call`] too,
+//! by [`call_batched`]: the list is made inside the call (under its deadline, logged as any call),
+//! then sent as [`batches`] of at most [`MAX_BATCH_BYTES`] and [`MAX_BATCH_ITEMS`] each.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
+use tonic::codegen::BoxStream;
 use tonic::{Code, Response, Status};
 
 use crate::error::Error;
@@ -146,6 +152,67 @@ where
     }
 }
 
+/// Most encoded bytes of the items of one batch of a streamed list. A gRPC client's default
+/// receive limit is 4 MiB (Go's and tonic's alike; the kubelet raises its own to 16 MiB): half of
+/// it leaves room for any client. One item larger than this (none is: labels and annotations are
+/// capped at 272 KiB each) is sent alone.
+pub const MAX_BATCH_BYTES: usize = 2 << 20;
+
+/// Most items of one batch of a streamed list: many small items make batches of bounded work
+/// for the client to decode too.
+pub const MAX_BATCH_ITEMS: usize = 1000;
+
+/// `items` cut, in order, into batches whose encoded size (as entries of a repeated field) stays
+/// within `max_bytes` and whose count within `max_items`; an item over `max_bytes` makes a batch
+/// of its own. No batch is empty; no items, no batches.
+pub fn batches<T: prost::Message>(
+    items: Vec<T>,
+    max_bytes: usize,
+    max_items: usize,
+) -> Vec<Vec<T>> {
+    let mut out = Vec::new();
+    let mut cur: Vec<T> = Vec::new();
+    let mut bytes = 0;
+    for item in items {
+        let len = item.encoded_len();
+        // The field's tag (one byte for the fields numbered below 16) and the length prefix.
+        let entry = 1 + prost::length_delimiter_len(len) + len;
+        if !cur.is_empty() && (bytes + entry > max_bytes || cur.len() >= max_items) {
+            out.push(std::mem::take(&mut cur));
+            bytes = 0;
+        }
+        bytes += entry;
+        cur.push(item);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// [`call`] for a server-streamed list: `list` (the very function the list RPC answers with) runs
+/// under the call's deadline and is logged as one call; its items are then sent in [`batches`],
+/// each made into a response by `batch`.
+pub async fn call_batched<T, R, F>(
+    method: &'static str,
+    deadline: Option<Duration>,
+    verbosity: Verbosity,
+    list: F,
+    batch: fn(Vec<T>) -> R,
+) -> Result<Response<BoxStream<R>>, Status>
+where
+    T: prost::Message + Send + 'static,
+    R: Send + 'static,
+    F: Future<Output = Result<Vec<T>, Error>>,
+{
+    call(method, "", deadline, verbosity, async move {
+        let items = list.await?;
+        let out = batches(items, MAX_BATCH_BYTES, MAX_BATCH_ITEMS);
+        Ok(futures::stream::iter(out.into_iter().map(move |b| Ok(batch(b)))).boxed())
+    })
+    .await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -221,5 +288,61 @@ mod tests {
         let ok = call_on("Op", Verbosity::Normal, req("abc"), field, body).await;
         assert_eq!(ok.unwrap().into_inner(), 3);
         assert!(ran.load(std::sync::atomic::Ordering::SeqCst));
+    }
+
+    /// Batches keep every item in order, stay within both bounds, and an item over the byte
+    /// bound travels alone.
+    #[test]
+    fn batches_are_bounded_by_bytes_and_count() {
+        let items: Vec<String> = (0..1000).map(|i| format!("{i:04}")).collect();
+        // Each entry: tag, one length byte, and the item (a `StringValue`: tag, length, four
+        // bytes), eight bytes.
+        let b = batches(items.clone(), 80, 1000);
+        assert_eq!(b.len(), 100);
+        assert!(b.iter().all(|x| x.len() == 10));
+        assert_eq!(b.concat(), items);
+        let b = batches(items.clone(), usize::MAX, 300);
+        assert_eq!(
+            b.iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![300, 300, 300, 100]
+        );
+        assert_eq!(b.concat(), items);
+        let mixed = vec!["a".to_string(), "x".repeat(100), "b".to_string()];
+        let b = batches(mixed.clone(), 50, 10);
+        assert_eq!(b.len(), 3, "{b:?}");
+        assert_eq!(b.concat(), mixed);
+        assert!(batches(Vec::<String>::new(), 50, 10).is_empty());
+    }
+
+    /// A streamed list answers every item of its list, in batches, through [`call`]'s mapping
+    /// of errors.
+    #[tokio::test]
+    async fn call_batched_streams_the_list_or_its_error() {
+        let items: Vec<String> = (0..2500).map(|i| i.to_string()).collect();
+        let want = items.clone();
+        let r = call_batched(
+            "List",
+            None,
+            Verbosity::Poll,
+            async move { Ok(items) },
+            |v| v,
+        )
+        .await
+        .unwrap()
+        .into_inner();
+        let got: Vec<Vec<String>> = r.map(|b| b.unwrap()).collect().await;
+        assert_eq!(got.len(), 3);
+        assert_eq!(got.concat(), want);
+        let err = call_batched(
+            "List",
+            None,
+            Verbosity::Poll,
+            async { Err::<Vec<String>, _>(Error::NotFound("gone".into())) },
+            |v| v,
+        )
+        .await
+        .err()
+        .unwrap();
+        assert_eq!(err.code(), Code::NotFound);
     }
 }

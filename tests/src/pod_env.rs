@@ -366,6 +366,18 @@ impl PodEnv {
         out
     }
 
+    /// [`pod_config`] named `name` under a fresh cgroup parent of its own
+    /// ([`PodEnv::cgroup_parent`]): the config and the parent.
+    pub fn pod_with_own_cgroup(&self, name: &str) -> (cri::PodSandboxConfig, String) {
+        let parent = self.cgroup_parent();
+        let mut pod = pod_config(name, self.logs.path());
+        pod.linux = Some(cri::LinuxPodSandboxConfig {
+            cgroup_parent: parent.clone(),
+            ..Default::default()
+        });
+        (pod, parent)
+    }
+
     /// A fresh cgroupfs cgroup parent (`/minicri-test-<hex>`), removed from every hierarchy
     /// when the environment is dropped.
     pub fn cgroup_parent(&self) -> String {
@@ -395,6 +407,16 @@ pub fn pod_config(name: &str, log_dir: &Path) -> cri::PodSandboxConfig {
         annotations: [("note".to_string(), "a b\nc=d".to_string())].into(),
         ..Default::default()
     }
+}
+
+/// `pod` with the node's network namespace (no CNI: quicker to make).
+pub fn host_network(mut pod: cri::PodSandboxConfig) -> cri::PodSandboxConfig {
+    let linux = pod.linux.get_or_insert_with(Default::default);
+    let ctx = linux.security_context.get_or_insert_with(Default::default);
+    ctx.namespace_options
+        .get_or_insert_with(Default::default)
+        .network = cri::NamespaceMode::Node as i32;
+    pod
 }
 
 /// Polls `f` every 20 ms for up to 10 s.

@@ -75,6 +75,24 @@ fn credentials(auth: Option<cri::AuthConfig>) -> Credentials {
     .unwrap_or_default()
 }
 
+/// The image a list filter names (`""`: every image).
+pub fn image_filter(filter: Option<cri::ImageFilter>) -> String {
+    filter
+        .and_then(|f| f.image)
+        .map(|s| s.image)
+        .unwrap_or_default()
+}
+
+/// ListImages and StreamImages: every image, or the one `filter` names (none when unknown).
+pub fn list_images(daemon: &Daemon, filter: &str) -> Result<Vec<cri::Image>, Error> {
+    let images = if filter.is_empty() {
+        daemon.images.list()
+    } else {
+        daemon.images.get(filter)?.into_iter().collect()
+    };
+    Ok(images.iter().map(to_cri_image).collect())
+}
+
 #[tonic::async_trait]
 impl ImageService for ImageHandler {
     async fn list_images(
@@ -82,23 +100,20 @@ impl ImageService for ImageHandler {
         req: Request<cri::ListImagesRequest>,
     ) -> Result<Response<cri::ListImagesResponse>, Status> {
         let dl = deadline(&req);
-        let filter = req
-            .into_inner()
-            .filter
-            .and_then(|f| f.image)
-            .map(|s| s.image)
-            .unwrap_or_default();
+        let filter = image_filter(req.into_inner().filter);
         call("ListImages", filter.clone(), dl, Verbosity::Poll, async {
-            let images = if filter.is_empty() {
-                self.daemon.images.list()
-            } else {
-                self.daemon.images.get(&filter)?.into_iter().collect()
-            };
             Ok(cri::ListImagesResponse {
-                images: images.iter().map(to_cri_image).collect(),
+                images: list_images(&self.daemon, &filter)?,
             })
         })
         .await
+    }
+
+    async fn stream_images(
+        &self,
+        req: Request<cri::StreamImagesRequest>,
+    ) -> Result<Response<tonic::codegen::BoxStream<cri::StreamImagesResponse>>, Status> {
+        super::stream::images(&self.daemon, req).await
     }
 
     async fn image_status(

@@ -2,7 +2,8 @@
 //! calls the daemon's services ([`crate::pods::PodService`] for pods, containers, stats and
 //! streaming targets; [`crate::stream`] registers streaming sessions), and converts back, inside
 //! [`crate::rpc::call`]. GetContainerEvents's stream is built by [`super::events`]; the streamed
-//! stats variants and the newer RPCs answer UNIMPLEMENTED through the generated default stubs.
+//! lists by [`super::stream`]; CheckpointContainer answers UNIMPLEMENTED through the generated
+//! default stub.
 //! The kubelet polls the status, list and stats RPCs, so their successes log at debug level
 //! ([`Verbosity::Poll`]).
 
@@ -24,6 +25,7 @@ use crate::stream::{AttachRequest, ExecRequest, PortForwardRequest};
 pub const CRI_API_VERSION: &str = "v1";
 
 type Reply<T> = Result<Response<T>, Status>;
+type Streamed<T> = Result<Response<tonic::codegen::BoxStream<T>>, Status>;
 
 /// The `info` map of a status reply: the object's JSON under [`INFO_KEY`] when `verbose`.
 fn info(
@@ -651,6 +653,84 @@ impl RuntimeService for RuntimeHandler {
                 stats: self.daemon.pods.list_pod_sandbox_stats(filter).await?,
             })
         })
+        .await
+    }
+
+    async fn stream_pod_sandboxes(
+        &self,
+        req: Request<cri::StreamPodSandboxesRequest>,
+    ) -> Streamed<cri::StreamPodSandboxesResponse> {
+        super::stream::pod_sandboxes(&self.daemon, req).await
+    }
+
+    async fn stream_containers(
+        &self,
+        req: Request<cri::StreamContainersRequest>,
+    ) -> Streamed<cri::StreamContainersResponse> {
+        super::stream::containers(&self.daemon, req).await
+    }
+
+    async fn stream_container_stats(
+        &self,
+        req: Request<cri::StreamContainerStatsRequest>,
+    ) -> Streamed<cri::StreamContainerStatsResponse> {
+        super::stream::container_stats(&self.daemon, req).await
+    }
+
+    async fn stream_pod_sandbox_stats(
+        &self,
+        req: Request<cri::StreamPodSandboxStatsRequest>,
+    ) -> Streamed<cri::StreamPodSandboxStatsResponse> {
+        super::stream::pod_sandbox_stats(&self.daemon, req).await
+    }
+
+    async fn list_metric_descriptors(
+        &self,
+        req: Request<cri::ListMetricDescriptorsRequest>,
+    ) -> Reply<cri::ListMetricDescriptorsResponse> {
+        let dl = deadline(&req);
+        call("ListMetricDescriptors", "", dl, Verbosity::Poll, async {
+            Ok(cri::ListMetricDescriptorsResponse {
+                descriptors: crate::pods::metrics::metric_descriptors(),
+            })
+        })
+        .await
+    }
+
+    async fn list_pod_sandbox_metrics(
+        &self,
+        req: Request<cri::ListPodSandboxMetricsRequest>,
+    ) -> Reply<cri::ListPodSandboxMetricsResponse> {
+        let dl = deadline(&req);
+        call("ListPodSandboxMetrics", "", dl, Verbosity::Poll, async {
+            Ok(cri::ListPodSandboxMetricsResponse {
+                pod_metrics: self.daemon.pods.list_pod_sandbox_metrics().await?,
+            })
+        })
+        .await
+    }
+
+    async fn stream_pod_sandbox_metrics(
+        &self,
+        req: Request<cri::StreamPodSandboxMetricsRequest>,
+    ) -> Streamed<cri::StreamPodSandboxMetricsResponse> {
+        super::stream::pod_sandbox_metrics(&self.daemon, req).await
+    }
+
+    async fn update_pod_sandbox_resources(
+        &self,
+        req: Request<cri::UpdatePodSandboxResourcesRequest>,
+    ) -> Reply<cri::UpdatePodSandboxResourcesResponse> {
+        call_on(
+            "UpdatePodSandboxResources",
+            Verbosity::Normal,
+            req,
+            ("pod_sandbox_id", |r| r.pod_sandbox_id.clone()),
+            |r| async move {
+                self.daemon.pods.update_pod_sandbox_resources(r).await?;
+                Ok(cri::UpdatePodSandboxResourcesResponse {})
+            },
+        )
         .await
     }
 }

@@ -51,6 +51,9 @@ pub enum Hierarchy {
         memory: Option<PathBuf>,
         cpuacct: Option<PathBuf>,
         pids: Option<PathBuf>,
+        /// The CPU limits (`cpu.shares`, `cpu.cfs_*`): often mounted with `cpuacct`.
+        cpu: Option<PathBuf>,
+        cpuset: Option<PathBuf>,
     },
     /// The unified hierarchy.
     V2 { root: PathBuf },
@@ -64,6 +67,8 @@ pub struct Memory {
     pub working_set: u64,
     /// Anonymous memory (v1 `total_rss`, v2 `anon`).
     pub rss: u64,
+    /// Page cache (v1 `total_cache`, v2 `file`).
+    pub cache: u64,
     pub page_faults: u64,
     pub major_page_faults: u64,
     /// The effective limit; `None` without one.
@@ -81,6 +86,7 @@ impl Memory {
         self.usage += o.usage;
         self.working_set += o.working_set;
         self.rss += o.rss;
+        self.cache += o.cache;
         self.page_faults += o.page_faults;
         self.major_page_faults += o.major_page_faults;
         self.limit = None;
@@ -143,6 +149,8 @@ impl Hierarchy {
                             memory: Some(root.join("memory")),
                             cpuacct: Some(root.join("cpuacct")),
                             pids: Some(root.join("pids")),
+                            cpu: Some(root.join("cpu")),
+                            cpuset: Some(root.join("cpuset")),
                         }
                     }
                 })
@@ -153,6 +161,7 @@ impl Hierarchy {
     /// mounted, else v2 when a cgroup2 filesystem is; `None` when neither is.
     pub fn from_mountinfo(text: &str) -> Option<Hierarchy> {
         let (mut memory, mut cpuacct, mut pids, mut unified) = (None, None, None, None);
+        let (mut cpu, mut cpuset) = (None, None);
         for line in text.lines() {
             // `<id> <parent> <dev> <root> <mountpoint> <options> [optional…] - <fstype> <source> <super options>`
             let Some((left, right)) = line.split_once(" - ") else {
@@ -171,6 +180,8 @@ impl Hierarchy {
                             "memory" => &mut memory,
                             "cpuacct" => &mut cpuacct,
                             "pids" => &mut pids,
+                            "cpu" => &mut cpu,
+                            "cpuset" => &mut cpuset,
                             _ => continue,
                         };
                         slot.get_or_insert_with(|| mountpoint.clone());
@@ -187,6 +198,8 @@ impl Hierarchy {
                 memory,
                 cpuacct,
                 pids,
+                cpu,
+                cpuset,
             })
         } else {
             unified.map(|root| Hierarchy::V2 { root })
@@ -195,17 +208,21 @@ impl Hierarchy {
 
     /// The directory of cgroup `rel` (relative to the hierarchy's root) in the hierarchy that
     /// holds `controller`'s files.
-    fn dir(&self, controller: &str, rel: &Path) -> Option<PathBuf> {
+    pub(crate) fn dir(&self, controller: &str, rel: &Path) -> Option<PathBuf> {
         let base = match self {
             Hierarchy::V2 { root } => root,
             Hierarchy::V1 {
                 memory,
                 cpuacct,
                 pids,
+                cpu,
+                cpuset,
             } => match controller {
                 "memory" => memory.as_ref()?,
                 "cpuacct" => cpuacct.as_ref()?,
                 "pids" => pids.as_ref()?,
+                "cpu" => cpu.as_ref()?,
+                "cpuset" => cpuset.as_ref()?,
                 _ => return None,
             },
         };
@@ -249,6 +266,37 @@ impl Hierarchy {
         }
     }
 
+    /// The CPU limits set on cgroup `rel`, in cgroup v1 units (v2's `cpu.weight` converted back
+    /// to shares as the runtimes convert shares to it); `None` where unreadable or unset.
+    pub fn cpu_limits(&self, rel: &Path) -> CpuLimits {
+        let read = |file: &str| {
+            self.dir("cpu", rel)
+                .and_then(|d| std::fs::read_to_string(d.join(file)).ok())
+        };
+        match self {
+            Hierarchy::V1 { .. } => CpuLimits {
+                shares: read("cpu.shares").and_then(|t| parse_u64(&t)),
+                // -1: no quota.
+                quota: read("cpu.cfs_quota_us")
+                    .and_then(|t| t.trim().parse::<i64>().ok())
+                    .and_then(|q| u64::try_from(q).ok()),
+                period: read("cpu.cfs_period_us").and_then(|t| parse_u64(&t)),
+            },
+            Hierarchy::V2 { .. } => {
+                let max = read("cpu.max").unwrap_or_default();
+                let mut f = max.split_whitespace();
+                let (quota, period) = (f.next(), f.next());
+                CpuLimits {
+                    shares: read("cpu.weight")
+                        .and_then(|t| parse_u64(&t))
+                        .map(shares_of_weight),
+                    quota: quota.and_then(parse_u64),
+                    period: period.and_then(parse_u64),
+                }
+            }
+        }
+    }
+
     /// How many processes of cgroup `rel` the OOM killer killed; `None` when unreadable.
     pub fn oom_kills(&self, rel: &Path) -> Option<u64> {
         let file = match self {
@@ -258,6 +306,26 @@ impl Hierarchy {
         let text = std::fs::read_to_string(self.dir("memory", rel)?.join(file)).ok()?;
         keyed(&text).get("oom_kill").copied()
     }
+}
+
+/// The CPU limits of one cgroup (v1 units: shares, and microseconds of quota per period).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CpuLimits {
+    pub shares: Option<u64>,
+    pub quota: Option<u64>,
+    pub period: Option<u64>,
+}
+
+/// cgroup v2 `cpu.weight` (1 to 10000) from v1 shares (2 to 262144), as runc and crun convert.
+pub fn weight_of_shares(shares: u64) -> u64 {
+    let shares = shares.clamp(2, 262_144);
+    1 + ((shares - 2) * 9999) / 262_142
+}
+
+/// v1 shares from a cgroup v2 `cpu.weight` (the inverse of [`weight_of_shares`], rounded down).
+pub fn shares_of_weight(weight: u64) -> u64 {
+    let weight = weight.clamp(1, 10_000);
+    2 + ((weight - 1) * 262_142) / 9999
 }
 
 /// The directory systemd gives slice `name`, relative to the hierarchy's root: each `-` nests
@@ -470,6 +538,7 @@ fn memory_v1(usage: Option<&str>, stat: Option<&str>, limit: Option<&str>) -> Op
         usage,
         working_set: usage.saturating_sub(get("inactive_file")),
         rss: get("rss"),
+        cache: get("cache"),
         page_faults: get("pgfault"),
         major_page_faults: get("pgmajfault"),
         limit,
@@ -490,6 +559,7 @@ fn memory_v2<'a>(
         usage,
         working_set: usage.saturating_sub(get("inactive_file")),
         rss: get("anon"),
+        cache: get("file"),
         page_faults: get("pgfault"),
         major_page_faults: get("pgmajfault"),
         limit: maxes.filter_map(limit_v2).min(),
@@ -627,6 +697,8 @@ mod tests {
                 memory: Some("/sys/fs/cgroup/memory".into()),
                 cpuacct: Some("/sys/fs/cgroup/cpu,cpuacct".into()),
                 pids: Some("/sys/fs/cgroup/pids".into()),
+                cpu: Some("/sys/fs/cgroup/cpu,cpuacct".into()),
+                cpuset: None,
             })
         );
         assert_eq!(
@@ -673,6 +745,7 @@ total_active_file 0
                 usage: 2_170_880,
                 working_set: 2_170_880 - 8192,
                 rss: 2_097_152,
+                cache: 8192,
                 page_faults: 250,
                 major_page_faults: 3,
                 // The parent's limit bounds a container without its own.
@@ -721,6 +794,7 @@ pgmajfault 7
                 usage: 4_395_008,
                 working_set: 4_395_008 - 1_040_384,
                 rss: 3_145_728,
+                cache: 1_048_576,
                 page_faults: 1234,
                 major_page_faults: 7,
                 limit: Some(536_870_912),
@@ -750,6 +824,7 @@ pgmajfault 7
                 usage: 100,
                 working_set: 80,
                 rss: 50,
+                cache: 20,
                 page_faults: 1,
                 major_page_faults: 0,
                 limit: Some(1000),
@@ -857,6 +932,8 @@ pgmajfault 7
             memory: Some(d.path().join("memory")),
             cpuacct: Some(d.path().join("cpuacct")),
             pids: Some(d.path().join("pids")),
+            cpu: Some(d.path().join("cpu")),
+            cpuset: None,
         };
         let got = h.read(Path::new("minicri/c1"));
         assert_eq!(got.cpu_ns, Some(123_456_789));
@@ -867,7 +944,49 @@ pgmajfault 7
             memory: Some(d.path().join("memory")),
             cpuacct: Some(d.path().join("cpuacct")),
             pids: None,
+            cpu: None,
+            cpuset: None,
         };
         assert_eq!(no_pids.read(Path::new("minicri/c1")).pids, None);
+        // CPU limits: -1 is no quota; none at all without the controller.
+        std::fs::create_dir_all(dir("cpu")).unwrap();
+        std::fs::write(dir("cpu").join("cpu.shares"), "512\n").unwrap();
+        std::fs::write(dir("cpu").join("cpu.cfs_quota_us"), "-1\n").unwrap();
+        std::fs::write(dir("cpu").join("cpu.cfs_period_us"), "100000\n").unwrap();
+        let want = CpuLimits {
+            shares: Some(512),
+            quota: None,
+            period: Some(100_000),
+        };
+        assert_eq!(h.cpu_limits(Path::new("minicri/c1")), want);
+        assert_eq!(
+            no_pids.cpu_limits(Path::new("minicri/c1")),
+            CpuLimits::default()
+        );
+    }
+
+    /// v2 CPU limits: `cpu.weight` as shares, `cpu.max` as quota and period.
+    #[test]
+    fn reads_v2_cpu_limits() {
+        let d = tempfile::tempdir().unwrap();
+        let c = d.path().join("pod1");
+        std::fs::create_dir_all(&c).unwrap();
+        std::fs::write(c.join("cpu.weight"), "39\n").unwrap();
+        std::fs::write(c.join("cpu.max"), "50000 100000\n").unwrap();
+        let h = Hierarchy::V2 {
+            root: d.path().into(),
+        };
+        let got = h.cpu_limits(Path::new("pod1"));
+        assert_eq!((got.quota, got.period), (Some(50_000), Some(100_000)));
+        // 1024 shares are weight 39, which reads back as 998 shares (the conversion rounds down).
+        assert_eq!(weight_of_shares(1024), 39);
+        assert_eq!(got.shares, Some(shares_of_weight(39)));
+        assert_eq!(shares_of_weight(39), 998);
+        std::fs::write(c.join("cpu.max"), "max 100000\n").unwrap();
+        assert_eq!(h.cpu_limits(Path::new("pod1")).quota, None);
+        assert_eq!(
+            (weight_of_shares(2), weight_of_shares(262_144)),
+            (1, 10_000)
+        );
     }
 }

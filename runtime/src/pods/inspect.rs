@@ -97,6 +97,12 @@ impl PodService {
             "bundle": bundle,
             "ips": r.ips,
             "shimPid": r.shim.as_ref().map(|s| s.shim_pid),
+            // What UpdatePodSandboxResources last applied (the CRI's PodSandboxStatus has no
+            // field for it).
+            "podResources": match PodService::applied_resources(r) {
+                Some(req) => cri_json("runtime.v1.UpdatePodSandboxResourcesRequest", &req)?,
+                None => Value::Null,
+            },
         }))
     }
 }

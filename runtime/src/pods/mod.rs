@@ -11,6 +11,9 @@
 //! - [`cgroups`]: what the kernel says about a container's or pod's cgroup (OOM kills, CPU,
 //!   memory and process counters);
 //! - [`stats`]: ContainerStats, ListContainerStats, PodSandboxStats, ListPodSandboxStats;
+//! - [`metrics`]: ListMetricDescriptors, ListPodSandboxMetrics (cAdvisor's metrics, from the
+//!   stats' readers);
+//! - [`resize`]: UpdatePodSandboxResources (the pod's cgroup, undone on failure);
 //! - [`stopping`]: the SIGKILL deadlines of containers being stopped, shared by their stops;
 //! - [`streaming`]: exec and attach for the streaming server (its `ExecBackend`);
 //! - [`undo`]: multi-step operations, their undo steps and the on-disk journal of them.
@@ -41,6 +44,8 @@ pub mod container;
 pub mod exec;
 pub mod imagevol;
 pub mod inspect;
+pub mod metrics;
+pub mod resize;
 pub mod sandbox;
 pub mod stats;
 pub mod stopping;
@@ -116,16 +121,17 @@ pub fn now_ns() -> i64 {
 /// Runs blocking work on tokio's blocking pool.
 /// Most bytes (keys and values) of a pod's or container's labels, and of its annotations: the
 /// API server's own limit for annotations, plus room for the ones the kubelet adds
-/// (`kubernetes.io/config.*`). Every relist sends them all, in one message the kubelet caps at
-/// 16 MiB.
+/// (`kubernetes.io/config.*`).
 pub const MAX_METADATA_BYTES: usize = (256 + 16) << 10;
 
 /// Most bytes of labels and annotations of all the node's pods together, and of all its
-/// containers: each relist (and stats list) carries all of one kind in one message, which the
-/// kubelet caps at 16 MiB; past it the relist fails and the node goes NotReady. The per-object
-/// cap alone allows that from about 30 pods. Half of the message leaves room for the rest of
-/// each entry.
-pub const MAX_NODE_METADATA_BYTES: usize = 8 << 20;
+/// containers: a memory bound (the records, and each list made of them, hold them all). Every
+/// list RPC (ListPodSandbox, ListContainers, the stats lists) carries all of one kind in one
+/// message, which the kubelet caps at 16 MiB; the streamed lists (`crate::cri::stream`) carry
+/// them in batches of at most 2 MiB, so past 16 MiB a node still lists to a client that streams,
+/// while one that only lists gets RESOURCE_EXHAUSTED from its own message limit (docs/hardening.md).
+/// Twice the kubelet's message limit.
+pub const MAX_NODE_METADATA_BYTES: usize = 32 << 20;
 
 type Strings = std::collections::HashMap<String, String>;
 
@@ -214,7 +220,7 @@ impl PodService {
             };
             return Err(Error::ResourceExhausted(format!(
                 "its labels and annotations ({adding} bytes) would bring those of the node's \
-                 {what} to {} bytes, past {MAX_NODE_METADATA_BYTES}: every relist carries them all",
+                 {what} to {} bytes, past the node's budget of {MAX_NODE_METADATA_BYTES}",
                 held + adding
             )));
         }

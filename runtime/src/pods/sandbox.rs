@@ -228,6 +228,7 @@ impl PodService {
             infra_pid: shim.init_pid,
             shim: Some(shim.clone()),
             network_attached: !host_network(&config),
+            resources: Default::default(),
         };
         self.store.put_sandbox(rec)?;
         self.watch_infra(id.clone(), shim);

@@ -268,7 +268,7 @@ fn not_found(kind: &str, id: &str) -> Error {
 }
 
 /// The pod's cgroup parent, decoding nothing else of its config (called for every container).
-fn cgroup_parent(sb: Option<&SandboxRecord>) -> String {
+pub(super) fn cgroup_parent(sb: Option<&SandboxRecord>) -> String {
     sb.and_then(|s| s.summary().linux.map(|l| l.cgroup_parent))
         .unwrap_or_default()
 }
@@ -368,7 +368,7 @@ impl PodService {
 
     /// The counters of the cgroup the runtime made for `id` (a container or an infra process)
     /// under `parent`.
-    fn cgroup_counters(&self, parent: &str, id: &str) -> Counters {
+    pub(super) fn cgroup_counters(&self, parent: &str, id: &str) -> Counters {
         cgroups::container_cgroup(self.cgroup_driver, parent, id)
             .map(|rel| Hierarchy::host().read(&rel))
             .unwrap_or_default()
@@ -390,23 +390,52 @@ impl PodService {
         r: &ContainerRecord,
         parent: &str,
     ) -> (cri::ContainerStats, Counters) {
+        let counters = self.cgroup_counters(parent, &r.id);
+        (self.container_stats_of(r, &counters), counters)
+    }
+
+    fn container_stats_of(&self, r: &ContainerRecord, counters: &Counters) -> cri::ContainerStats {
         let config = r.summary();
         let at = now_ns();
-        let counters = self.cgroup_counters(parent, &r.id);
-        let stats = cri::ContainerStats {
+        cri::ContainerStats {
             attributes: Some(cri::ContainerAttributes {
                 id: r.id.clone(),
                 metadata: config.metadata,
                 labels: config.labels,
                 annotations: config.annotations,
             }),
-            cpu: self.cpu_usage(&r.id, at, &counters),
-            memory: memory_usage(at, &counters),
+            cpu: self.cpu_usage(&r.id, at, counters),
+            memory: memory_usage(at, counters),
             writable_layer: self.writable_layer(&r.id),
             swap: None,
             io: None,
-        };
-        (stats, counters)
+        }
+    }
+
+    /// The counters of pod `sb` (under its cgroup `parent`): its own cgroup's when it has one,
+    /// else the sum of its infra's and its containers'; and each container's, in creation order.
+    /// What the pod stats and the pod metrics report.
+    pub(super) fn pod_counters(
+        &self,
+        sb: &SandboxRecord,
+        parent: &str,
+    ) -> (Counters, Vec<(ContainerRecord, Counters)>) {
+        let mut recs = self.store.containers_of(&sb.id);
+        recs.sort_by_key(|r| r.created_at);
+        let mut sum = self.cgroup_counters(parent, &sb.id);
+        let containers: Vec<_> = recs
+            .into_iter()
+            .map(|r| {
+                let c = self.cgroup_counters(parent, &r.id);
+                sum.add(&c);
+                (r, c)
+            })
+            .collect();
+        let counters = cgroups::pod_cgroup(self.cgroup_driver, parent)
+            .map(|rel| Hierarchy::host().read(&rel))
+            .filter(|c| !c.is_empty())
+            .unwrap_or(sum);
+        (counters, containers)
     }
 
     /// The writable layer's usage as last measured in the background (see the module's doc);
@@ -427,20 +456,11 @@ impl PodService {
         // Only the summary: the whole config (port mappings, DNS, sysctls) is not needed here.
         let config = sb.summary();
         let parent = cgroup_parent(Some(sb));
-        let mut recs = self.store.containers_of(&sb.id);
-        recs.sort_by_key(|r| r.created_at);
-        let mut sum = self.cgroup_counters(&parent, &sb.id);
-        let mut containers = Vec::with_capacity(recs.len());
-        for r in &recs {
-            let (stats, counters) = self.one_container_stats(r, &parent);
-            sum.add(&counters);
-            containers.push(stats);
-        }
+        let (counters, recs) = self.pod_counters(sb, &parent);
+        let containers = (recs.iter())
+            .map(|(r, c)| self.container_stats_of(r, c))
+            .collect();
         let at = now_ns();
-        let counters = cgroups::pod_cgroup(self.cgroup_driver, &parent)
-            .map(|rel| Hierarchy::host().read(&rel))
-            .filter(|c| !c.is_empty())
-            .unwrap_or(sum);
         cri::PodSandboxStats {
             attributes: Some(cri::PodSandboxAttributes {
                 id: sb.id.clone(),
@@ -464,7 +484,7 @@ impl PodService {
     }
 
     /// The pod's interfaces, from its infra's `/proc/<pid>/net/dev`.
-    fn network_usage(&self, sb: &SandboxRecord, at: i64) -> Option<cri::NetworkUsage> {
+    pub(super) fn network_usage(&self, sb: &SandboxRecord, at: i64) -> Option<cri::NetworkUsage> {
         let netns = sb.netns.as_ref()?;
         if sb.state != SandboxState::Ready || sb.infra_pid <= 0 {
             return None;
@@ -571,6 +591,7 @@ Inter-|   Receive                                                |  Transmit
                 usage: 100,
                 working_set: 60,
                 rss: 50,
+                cache: 40,
                 page_faults: 3,
                 major_page_faults: 1,
                 limit: None,

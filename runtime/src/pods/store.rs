@@ -58,6 +58,10 @@ pub struct SandboxRecord {
     pub infra_pid: i32,
     /// Whether the CNI ADD succeeded and no DEL has yet.
     pub network_attached: bool,
+    /// The last UpdatePodSandboxResources request applied to the pod's cgroup (encoded, without
+    /// its id); empty before any (`super::resize`).
+    #[serde(default, with = "hex_bytes")]
+    pub resources: Arc<[u8]>,
 }
 
 impl SandboxRecord {
@@ -177,7 +181,7 @@ pub struct ContainerSummary {
     pub annotations: HashMap<String, String>,
 }
 
-mod hex_bytes {
+pub(crate) mod hex_bytes {
     use std::sync::Arc;
 
     use serde::{Deserialize, Deserializer, Serializer};
@@ -608,6 +612,7 @@ mod tests {
             shim: None,
             infra_pid: 0,
             network_attached: false,
+            resources: Default::default(),
         }
     }
 

@@ -577,22 +577,33 @@ async fn long_container_names_and_exec_commands_are_refused() {
     super::exec::check_cmd(&vec!["x".repeat(1 << 16); 3]).unwrap();
 }
 
+/// A host-network pod with labels and annotations just under the per-object cap each.
+fn big_pod(name: &str) -> cri::PodSandboxConfig {
+    let mut c = host_pod(name);
+    let near_cap = "x".repeat(super::MAX_METADATA_BYTES - 16);
+    c.labels.insert("note".into(), near_cap.clone());
+    c.annotations.insert("note".into(), near_cap);
+    c
+}
+
+/// How many [`big_pod`]s the node's budget holds.
+const PODS_AT_THE_CAP: usize = super::MAX_NODE_METADATA_BYTES / (2 * super::MAX_METADATA_BYTES);
+
 /// Pods created side by side (a scale-up onto one node) share the budget too: each claims its
 /// bytes at its check, so the ones past the budget are refused although none is recorded yet.
 #[tokio::test]
 async fn pods_created_at_once_cannot_all_take_the_same_room() {
     let node = Node::new();
     let svc = node.service();
-    let fit = super::MAX_NODE_METADATA_BYTES / super::MAX_METADATA_BYTES;
-    let runs = (0..fit + 4).map(|i| {
-        let mut c = host_pod(&format!("p{i}"));
-        c.annotations
-            .insert("note".into(), "x".repeat(super::MAX_METADATA_BYTES - 16));
-        svc.run_pod_sandbox(c, String::new())
-    });
+    let runs = (0..PODS_AT_THE_CAP + 4)
+        .map(|i| svc.run_pod_sandbox(big_pod(&format!("p{i}")), String::new()));
     let results = futures::future::join_all(runs).await;
     let refused: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
-    assert_eq!(results.len() - refused.len(), fit, "{refused:?}");
+    assert_eq!(
+        results.len() - refused.len(),
+        PODS_AT_THE_CAP,
+        "{refused:?}"
+    );
     assert!(
         refused
             .iter()
@@ -604,22 +615,15 @@ async fn pods_created_at_once_cannot_all_take_the_same_room() {
     assert_eq!(svc.metadata_claims.lock().unwrap().pods, 0);
 }
 
-/// The labels and annotations of all the node's pods stay within what one relist can carry:
-/// past the node's budget a new pod is refused (RESOURCE_EXHAUSTED, naming the budget), and
+/// The labels and annotations of all the node's pods stay within the node's budget: past it a new pod is refused (RESOURCE_EXHAUSTED, naming the budget), and
 /// room comes back when a pod is removed.
 #[tokio::test]
 async fn the_pods_of_a_node_share_a_metadata_budget() {
     let node = Node::new();
     let svc = node.service();
-    let big = |name: &str| {
-        let mut c = host_pod(name);
-        c.annotations
-            .insert("note".into(), "x".repeat(super::MAX_METADATA_BYTES - 16));
-        c
-    };
-    let fit = super::MAX_NODE_METADATA_BYTES / super::MAX_METADATA_BYTES;
+    let big = big_pod;
     let mut ids = Vec::new();
-    for i in 0..fit {
+    for i in 0..PODS_AT_THE_CAP {
         let id = svc
             .run_pod_sandbox(big(&format!("p{i}")), String::new())
             .await
@@ -631,7 +635,11 @@ async fn the_pods_of_a_node_share_a_metadata_budget() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
-    assert!(err.to_string().contains("past 8388608"), "{err}");
+    let budget = format!(
+        "past the node's budget of {}",
+        super::MAX_NODE_METADATA_BYTES
+    );
+    assert!(err.to_string().contains(&budget), "{err}");
     // A small pod still fits.
     let small = svc.run_pod_sandbox(host_pod("small"), String::new()).await;
     small.unwrap();
@@ -640,4 +648,68 @@ async fn the_pods_of_a_node_share_a_metadata_budget() {
     svc.run_pod_sandbox(big("one-more"), String::new())
         .await
         .unwrap();
+}
+
+/// UpdatePodSandboxResources on a cgroup v2 layout (a temporary directory laid out as the
+/// unified hierarchy: this host is cgroup v1): the files get the new values; a write that fails
+/// part way puts back the ones written before it.
+#[tokio::test]
+async fn a_pod_resize_on_cgroup_v2_is_written_and_undone_on_failure() {
+    use super::resize::pod_total;
+    use std::path::PathBuf;
+    let node = Node::new();
+    let svc = node.service();
+    let cg = tempfile::tempdir().unwrap();
+    let rel = PathBuf::from("kubepods.slice/kubepods-pod1.slice");
+    let dir = cg.path().join(&rel);
+    std::fs::create_dir_all(&dir).unwrap();
+    let files = [
+        ("memory.max", "max"),
+        ("cpu.weight", "100"),
+        ("cpu.max", "max 100000"),
+        ("cpuset.cpus", ""),
+    ];
+    for (f, v) in files {
+        std::fs::write(dir.join(f), format!("{v}\n")).unwrap();
+    }
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+    let h = super::cgroups::Hierarchy::V2 {
+        root: cg.path().into(),
+    };
+    let resize = |total: cri::LinuxContainerResources| {
+        let (h, rel) = (h.clone(), rel.clone());
+        svc.undoable(
+            super::Operation::UpdatePodSandboxResources,
+            move |svc, j| Box::pin(async move { svc.write_pod_cgroup(h, rel, total, j).await }),
+        )
+    };
+    let grow = cri::LinuxContainerResources {
+        cpu_shares: 2048,
+        cpu_quota: 150_000,
+        memory_limit_in_bytes: 256 << 20,
+        ..Default::default()
+    };
+    resize(pod_total(None, Some(&grow))).await.unwrap();
+    assert_eq!(read("memory.max"), (256u64 << 20).to_string());
+    assert_eq!(read("cpu.weight"), "79");
+    assert_eq!(read("cpu.max"), "150000 100000");
+    // The cpuset cannot be written (here: it is a directory, as a refused value would be
+    // refused by the kernel): memory and CPU go back to the grown values.
+    std::fs::remove_file(dir.join("cpuset.cpus")).unwrap();
+    std::fs::create_dir(dir.join("cpuset.cpus")).unwrap();
+    let shrink = cri::LinuxContainerResources {
+        cpu_shares: 512,
+        cpu_quota: 50_000,
+        memory_limit_in_bytes: 64 << 20,
+        cpuset_cpus: "0".into(),
+        ..Default::default()
+    };
+    let err = resize(pod_total(None, Some(&shrink))).await.unwrap_err();
+    assert!(err.to_string().contains("cpuset.cpus"), "{err}");
+    assert_eq!(read("memory.max"), (256u64 << 20).to_string());
+    assert_eq!(read("cpu.weight"), "79");
+    assert_eq!(read("cpu.max"), "150000 100000");
+    // No journal is left behind.
+    let journals = std::fs::read_dir(node.state().join("pods/inflight")).unwrap();
+    assert_eq!(journals.count(), 0);
 }

@@ -52,6 +52,17 @@ pub(crate) enum Undo {
         image: minicri_store::Digest,
         container: String,
     },
+    /// A cgroup file of a pod's cgroup gets back the value it had (`super::resize`).
+    RestoreCgroupFile {
+        path: PathBuf,
+        value: String,
+    },
+    /// The sandbox record gets back the resources it recorded (`super::resize`).
+    SandboxResources {
+        id: String,
+        #[serde(with = "super::store::hex_bytes")]
+        old: std::sync::Arc<[u8]>,
+    },
 }
 
 /// Which operation a journal belongs to, and the object it makes (once its id is chosen).
@@ -60,6 +71,7 @@ pub(crate) enum Operation {
     RunPodSandbox,
     CreateContainer,
     StartContainer,
+    UpdatePodSandboxResources,
 }
 
 impl Operation {
@@ -68,6 +80,7 @@ impl Operation {
             Operation::RunPodSandbox => "RunPodSandbox",
             Operation::CreateContainer => "CreateContainer",
             Operation::StartContainer => "StartContainer",
+            Operation::UpdatePodSandboxResources => "UpdatePodSandboxResources",
         }
     }
 }
@@ -218,6 +231,24 @@ impl PodService {
                 let pulls = self.pulls.clone();
                 blocking(move || Ok(pulls.release_volume(&image, &container)?)).await?
             }
+            Undo::RestoreCgroupFile { path, value } => {
+                blocking(
+                    move || match super::resize::write_cgroup_file(&path, &value) {
+                        // The cgroup went with its pod.
+                        Err(_) if !path.exists() => Ok(()),
+                        r => r,
+                    },
+                )
+                .await?
+            }
+            Undo::SandboxResources { id, old } => {
+                let store = &self.store;
+                let _ = store
+                    .update_sandbox(&id, |r| r.resources = old)
+                    .map_err(|e| {
+                        Error::Internal(format!("restoring the resources of {id}: {e}"))
+                    })?;
+            }
             Undo::RemoveSnapshot(key) => {
                 let snap = self.snapshotter.clone();
                 blocking(move || match snap.remove(&key) {
@@ -289,6 +320,9 @@ impl PodService {
                         .store
                         .container(id)
                         .is_none_or(|c| c.state != super::store::ContainerState::Created),
+                    // Its journal is removed once the record says the new resources: one left
+                    // behind is an update cut short, whose files and record go back.
+                    Operation::UpdatePodSandboxResources => false,
                 });
             if !finished {
                 tracing::warn!(
