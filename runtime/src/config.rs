@@ -173,6 +173,14 @@ pub struct ServeArgs {
     #[arg(long, value_name = "BOOL")]
     pub keep_layer_blobs: Option<bool>,
 
+    /// Most bytes of labels and annotations of all the node's pods together (and, separately,
+    /// of all its containers); a pod or container past it is refused with RESOURCE_EXHAUSTED.
+    /// The default keeps every List RPC under the kubelet's 16 MiB message limit; past it, only
+    /// clients that use the streamed lists (StreamPodSandboxes, ...) still list everything.
+    /// [default: 8388608 (8 MiB)]
+    #[arg(long, value_name = "BYTES")]
+    pub node_metadata_budget: Option<u64>,
+
     /// Directories searched for CNI network configurations (repeatable). [default: /etc/cni/net.d]
     #[arg(long = "cni-conf-dir", value_name = "DIR")]
     #[serde(default)]
@@ -308,6 +316,8 @@ pub struct Config {
     pub max_blob_size: u64,
     /// Keep compressed layer blobs once their layers are unpacked.
     pub keep_layer_blobs: bool,
+    /// Most bytes of labels and annotations of the node's pods (and of its containers).
+    pub node_metadata_budget: usize,
     pub cni_conf_dirs: Vec<PathBuf>,
     pub cni_bin_dirs: Vec<PathBuf>,
     /// Runtime handlers configured (the built-in ones are added by
@@ -383,6 +393,7 @@ impl ServeArgs {
             image_fs_reserve: self.image_fs_reserve.or(base.image_fs_reserve),
             max_blob_size: self.max_blob_size.or(base.max_blob_size),
             keep_layer_blobs: self.keep_layer_blobs.or(base.keep_layer_blobs),
+            node_metadata_budget: self.node_metadata_budget.or(base.node_metadata_budget),
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
                 base.cni_conf_dirs
             } else {
@@ -529,6 +540,16 @@ impl ServeArgs {
                 minicri_store::pull::MAX_BLOB_BYTES
             );
         }
+        let node_metadata_budget = self
+            .node_metadata_budget
+            .unwrap_or(crate::pods::DEFAULT_NODE_METADATA_BYTES as u64);
+        // At least one pod's labels and annotations at their caps; at most 1 GiB of memory.
+        let least = 2 * crate::pods::MAX_METADATA_BYTES as u64;
+        if !(least..=1 << 30).contains(&node_metadata_budget) {
+            bail!(
+                "node_metadata_budget must be {least} (one object's labels and annotations at their caps) to 1073741824 bytes (1 GiB)"
+            );
+        }
         let ingest_ttl = match self.ingest_ttl.unwrap_or(24.0) {
             t if !t.is_finite() || !(0.0..=100_000.0).contains(&t) => {
                 bail!("ingest_ttl must be a number of hours, 0 to 100000")
@@ -629,6 +650,7 @@ impl ServeArgs {
             image_fs_reserve,
             max_blob_size,
             keep_layer_blobs: self.keep_layer_blobs.unwrap_or(false),
+            node_metadata_budget: node_metadata_budget as usize,
             cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
                 vec!["/etc/cni/net.d".into()]
             } else {
@@ -725,6 +747,38 @@ mod tests {
             },
         ] {
             assert!(bad.finish().is_err());
+        }
+    }
+
+    #[test]
+    fn layer_blobs_and_the_node_metadata_budget() {
+        let c = ServeArgs::default().finish().unwrap();
+        assert!(!c.keep_layer_blobs);
+        assert_eq!(c.node_metadata_budget, 8 << 20);
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(
+            &f,
+            "keep_layer_blobs = true\nnode_metadata_budget = 33554432\n",
+        )
+        .unwrap();
+        let c = ServeArgs {
+            config: Some(f),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        assert!(c.keep_layer_blobs);
+        assert_eq!(c.node_metadata_budget, 32 << 20);
+        for bad in [0, 1024, (1 << 30) + 1] {
+            let err = ServeArgs {
+                node_metadata_budget: Some(bad),
+                ..Default::default()
+            }
+            .finish()
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("node_metadata_budget"), "{err}");
         }
     }
 

@@ -269,6 +269,7 @@ impl Daemon {
             "imageFsReserve": c.image_fs_reserve.to_string(),
             "maxBlobSize": c.max_blob_size,
             "keepLayerBlobs": c.keep_layer_blobs,
+            "nodeMetadataBudget": c.node_metadata_budget,
             "cniConfDirs": c.cni_conf_dirs, "cniBinDirs": c.cni_bin_dirs,
             "streamAddress": self.streaming.address().to_string(),
             "podCIDR": *self.pod_cidr.lock().unwrap(),

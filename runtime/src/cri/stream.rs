@@ -5,7 +5,7 @@
 //! kubelet's limit is 16 MiB) still lists.
 //!
 //! The list is made whole before the first batch is sent (the records are in memory anyway): what
-//! bounds its size is the node's metadata budget ([`crate::pods::MAX_NODE_METADATA_BYTES`]), a
+//! bounds its size is the node's metadata budget (`node_metadata_budget` ([`crate::pods::DEFAULT_NODE_METADATA_BYTES`] by default)), a
 //! memory bound now that no answer has to fit one message.
 
 use std::sync::Arc;

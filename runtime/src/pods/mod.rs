@@ -100,6 +100,8 @@ pub struct PodService {
     infra: Mutex<Option<crate::pause::InfraRootfs>>,
     /// Label and annotation bytes of the pods and containers being created, not recorded yet.
     metadata_claims: Mutex<Claimed>,
+    /// Most bytes of labels and annotations of the node's pods, and of its containers.
+    node_metadata_budget: usize,
 }
 
 /// The service's process seams: each runtime handler's OCI runtime and the containers'
@@ -124,14 +126,15 @@ pub fn now_ns() -> i64 {
 /// (`kubernetes.io/config.*`).
 pub const MAX_METADATA_BYTES: usize = (256 + 16) << 10;
 
-/// Most bytes of labels and annotations of all the node's pods together, and of all its
-/// containers: a memory bound (the records, and each list made of them, hold them all). Every
-/// list RPC (ListPodSandbox, ListContainers, the stats lists) carries all of one kind in one
-/// message, which the kubelet caps at 16 MiB; the streamed lists (`crate::cri::stream`) carry
-/// them in batches of at most 2 MiB, so past 16 MiB a node still lists to a client that streams,
-/// while one that only lists gets RESOURCE_EXHAUSTED from its own message limit (docs/hardening.md).
-/// Twice the kubelet's message limit.
-pub const MAX_NODE_METADATA_BYTES: usize = 32 << 20;
+/// Default of `node_metadata_budget`: most bytes of labels and annotations of all the node's
+/// pods together, and of all its containers. A memory bound (the records, and each list made of
+/// them, hold them all), and by default also what keeps every list RPC (ListPodSandbox,
+/// ListContainers, the stats lists), which carries all of one kind in one message, under the
+/// kubelet's 16 MiB message limit, with room for the rest of each item. The streamed lists
+/// (`crate::cri::stream`) carry them in batches of at most 2 MiB, so a node configured past
+/// this still lists to a client that streams, while one that only lists gets RESOURCE_EXHAUSTED
+/// from its own message limit (docs/hardening.md).
+pub const DEFAULT_NODE_METADATA_BYTES: usize = 8 << 20;
 
 type Strings = std::collections::HashMap<String, String>;
 
@@ -190,7 +193,8 @@ impl Drop for MetadataClaim<'_> {
 impl PodService {
     /// Refuses a new pod or container whose labels and annotations would bring those of its
     /// kind on the node (recorded, or claimed by creations in progress) past
-    /// [`MAX_NODE_METADATA_BYTES`] (RESOURCE_EXHAUSTED: room comes back as others are removed).
+    /// the node's budget, `node_metadata_budget` (RESOURCE_EXHAUSTED: room comes back as others
+    /// are removed).
     /// Keep the claim until the record is stored.
     pub(crate) fn check_node_metadata(
         &self,
@@ -213,14 +217,15 @@ impl PodService {
                 .sum(),
         };
         let held = recorded + *claimed.of(of);
-        if held + adding > MAX_NODE_METADATA_BYTES {
+        let budget = self.node_metadata_budget;
+        if held + adding > budget {
             let what = match of {
                 Listed::Pods => "pods",
                 Listed::Containers => "containers",
             };
             return Err(Error::ResourceExhausted(format!(
                 "its labels and annotations ({adding} bytes) would bring those of the node's \
-                 {what} to {} bytes, past the node's budget of {MAX_NODE_METADATA_BYTES}",
+                 {what} to {} bytes, past the node's budget of {budget} (node_metadata_budget)",
                 held + adding
             )));
         }
@@ -354,6 +359,7 @@ impl PodService {
             stop_deadlines: Default::default(),
             infra: Mutex::new(None),
             metadata_claims: Mutex::new(Claimed::default()),
+            node_metadata_budget: config.node_metadata_budget,
         });
         svc.recover();
         Ok(svc)

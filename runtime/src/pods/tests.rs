@@ -587,7 +587,7 @@ fn big_pod(name: &str) -> cri::PodSandboxConfig {
 }
 
 /// How many [`big_pod`]s the node's budget holds.
-const PODS_AT_THE_CAP: usize = super::MAX_NODE_METADATA_BYTES / (2 * super::MAX_METADATA_BYTES);
+const PODS_AT_THE_CAP: usize = super::DEFAULT_NODE_METADATA_BYTES / (2 * super::MAX_METADATA_BYTES);
 
 /// Pods created side by side (a scale-up onto one node) share the budget too: each claims its
 /// bytes at its check, so the ones past the budget are refused although none is recorded yet.
@@ -637,7 +637,7 @@ async fn the_pods_of_a_node_share_a_metadata_budget() {
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
     let budget = format!(
         "past the node's budget of {}",
-        super::MAX_NODE_METADATA_BYTES
+        super::DEFAULT_NODE_METADATA_BYTES
     );
     assert!(err.to_string().contains(&budget), "{err}");
     // A small pod still fits.
