@@ -222,6 +222,15 @@ pub struct ServeArgs {
     #[arg(long = "pull-priority-namespace", value_name = "NAMESPACE")]
     #[serde(default)]
     pub pull_priority_namespaces: Vec<String>,
+
+    /// Host paths a container may mount (or name as a device) although they are minicri's
+    /// root, state directory or socket, lie inside them, or hold them (`/`, `/var/lib`, `/run`):
+    /// CreateContainer refuses such mounts with INVALID_ARGUMENT unless their host path, resolved
+    /// through symlinks, is listed here exactly (repeatable). `kubectl debug node/...` and
+    /// node-exporter mount `/`. [default: none]
+    #[arg(long = "allow-own-path-mount", value_name = "PATH")]
+    #[serde(default)]
+    pub allow_own_path_mounts: Vec<PathBuf>,
 }
 
 /// A `[runtimes.NAME]` table of the configuration file.
@@ -313,6 +322,8 @@ pub struct Config {
     /// Which pod annotations reach the OCI spec.
     pub pod_annotations: crate::oci::annotations::AnnotationPolicy,
     pub pull_priority_namespaces: Vec<String>,
+    /// Host paths containers may mount although they touch minicri's own (resolved when checked).
+    pub allow_own_path_mounts: Vec<PathBuf>,
 }
 
 impl ServeArgs {
@@ -403,6 +414,11 @@ impl ServeArgs {
                 base.pull_priority_namespaces
             } else {
                 self.pull_priority_namespaces
+            },
+            allow_own_path_mounts: if self.allow_own_path_mounts.is_empty() {
+                base.allow_own_path_mounts
+            } else {
+                self.allow_own_path_mounts
             },
         }
     }
@@ -590,6 +606,13 @@ impl ServeArgs {
             .filter(|d| !d.is_empty())
             .unwrap_or_else(|| crate::oci::handlers::DEFAULT_HANDLER.into());
         crate::oci::handlers::check_config(&runtimes, &default_runtime)?;
+        if let Some(p) = self.allow_own_path_mounts.iter().find(|p| !p.is_absolute()) {
+            bail!(
+                "{} entry {} is not an absolute path",
+                crate::oci::own_paths::SETTING,
+                p.display()
+            );
+        }
         Ok(Config {
             socket: self
                 .socket
@@ -635,6 +658,7 @@ impl ServeArgs {
             stream_address,
             pod_annotations,
             pull_priority_namespaces: self.pull_priority_namespaces,
+            allow_own_path_mounts: self.allow_own_path_mounts,
         })
     }
 }
