@@ -231,6 +231,13 @@ pub struct ServeArgs {
     #[arg(long = "allow-own-path-mount", value_name = "PATH")]
     #[serde(default)]
     pub allow_own_path_mounts: Vec<PathBuf>,
+
+    /// Bytes the node's port-forward sessions may hold buffered together, both ways (what
+    /// clients send before the pod reads it, what pods send before the client reads it): past
+    /// it, forwards wait until bytes are delivered. At least 2097152 (2 MiB).
+    /// [default: 67108864 (64 MiB)]
+    #[arg(long, value_name = "BYTES")]
+    pub port_forward_buffer_bytes: Option<u64>,
 }
 
 /// A `[runtimes.NAME]` table of the configuration file.
@@ -324,7 +331,15 @@ pub struct Config {
     pub pull_priority_namespaces: Vec<String>,
     /// Host paths containers may mount although they touch minicri's own (resolved when checked).
     pub allow_own_path_mounts: Vec<PathBuf>,
+    /// Bytes all port-forward sessions may hold buffered together.
+    pub port_forward_buffer_bytes: u64,
 }
+
+/// The default of `port_forward_buffer_bytes`.
+pub const DEFAULT_PORT_FORWARD_BUFFER_BYTES: u64 = 64 << 20;
+/// The least `port_forward_buffer_bytes` taken: a SPDY DATA frame of up to 1 MiB is charged
+/// whole before it is read, so the total must hold one with room for the other direction.
+pub const MIN_PORT_FORWARD_BUFFER_BYTES: u64 = 2 << 20;
 
 impl ServeArgs {
     /// Reads the config file (if any) and lays the flags over it.
@@ -420,6 +435,9 @@ impl ServeArgs {
             } else {
                 self.allow_own_path_mounts
             },
+            port_forward_buffer_bytes: self
+                .port_forward_buffer_bytes
+                .or(base.port_forward_buffer_bytes),
         }
     }
 
@@ -613,6 +631,14 @@ impl ServeArgs {
                 p.display()
             );
         }
+        let port_forward_buffer_bytes = self
+            .port_forward_buffer_bytes
+            .unwrap_or(DEFAULT_PORT_FORWARD_BUFFER_BYTES);
+        if port_forward_buffer_bytes < MIN_PORT_FORWARD_BUFFER_BYTES {
+            bail!(
+                "port_forward_buffer_bytes must be at least {MIN_PORT_FORWARD_BUFFER_BYTES} (2 MiB)"
+            );
+        }
         Ok(Config {
             socket: self
                 .socket
@@ -659,6 +685,7 @@ impl ServeArgs {
             pod_annotations,
             pull_priority_namespaces: self.pull_priority_namespaces,
             allow_own_path_mounts: self.allow_own_path_mounts,
+            port_forward_buffer_bytes,
         })
     }
 }
@@ -1030,5 +1057,36 @@ mod tests {
             assert!(bad.finish().is_err());
         }
         assert!(parse_runtime_flag("kata").is_err() && parse_runtime_flag("=x").is_err());
+    }
+
+    #[test]
+    fn own_path_mounts_allowed_must_be_absolute() {
+        let with = |p: &str| {
+            ServeArgs {
+                allow_own_path_mounts: vec![p.into()],
+                ..Default::default()
+            }
+            .finish()
+        };
+        assert!(ServeArgs::default().finish().unwrap().allow_own_path_mounts.is_empty());
+        assert_eq!(with("/").unwrap().allow_own_path_mounts, vec![PathBuf::from("/")]);
+        let err = with("var/lib").unwrap_err().to_string();
+        assert!(err.contains("allow_own_path_mounts") && err.contains("absolute"), "{err}");
+    }
+
+    #[test]
+    fn port_forward_buffer_defaults_to_64_mib_and_holds_a_frame_at_least() {
+        let with = |n: u64| {
+            ServeArgs {
+                port_forward_buffer_bytes: Some(n),
+                ..Default::default()
+            }
+            .finish()
+        };
+        let c = ServeArgs::default().finish().unwrap();
+        assert_eq!(c.port_forward_buffer_bytes, 64 << 20);
+        assert_eq!(with(2 << 20).unwrap().port_forward_buffer_bytes, 2 << 20);
+        let err = with((2 << 20) - 1).unwrap_err().to_string();
+        assert!(err.contains("port_forward_buffer_bytes"), "{err}");
     }
 }
