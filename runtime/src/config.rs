@@ -1068,10 +1068,22 @@ mod tests {
             }
             .finish()
         };
-        assert!(ServeArgs::default().finish().unwrap().allow_own_path_mounts.is_empty());
-        assert_eq!(with("/").unwrap().allow_own_path_mounts, vec![PathBuf::from("/")]);
+        assert!(
+            ServeArgs::default()
+                .finish()
+                .unwrap()
+                .allow_own_path_mounts
+                .is_empty()
+        );
+        assert_eq!(
+            with("/").unwrap().allow_own_path_mounts,
+            vec![PathBuf::from("/")]
+        );
         let err = with("var/lib").unwrap_err().to_string();
-        assert!(err.contains("allow_own_path_mounts") && err.contains("absolute"), "{err}");
+        assert!(
+            err.contains("allow_own_path_mounts") && err.contains("absolute"),
+            "{err}"
+        );
     }
 
     #[test]
