@@ -36,6 +36,11 @@ PACKAGES=(
     g++
     pkg-config
     ca-certificates
+    # The Debian package (hack/package-deb.sh: dpkg-shlibdeps, objcopy) and the fresh Debian
+    # root its test installs it into (hack/debian-root.sh).
+    dpkg-dev
+    binutils
+    debootstrap
 )
 
 SUDO=()

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Runs inside the node VM (hack/node-vm/run.sh shares it as /mnt/host/guest.sh; the guest's
-# minicri-node-vm.service runs it once at boot and powers off after). Installs minicri with
-# hack/install-node.sh as a systemd service, then per cgroup driver: restarts the service with
+# minicri-node-vm.service runs it once at boot and powers off after). Installs minicri from its
+# Debian package (hack/package-deb.sh; `apt-get install`, offline: the image has the package's
+# dependencies) as an operator would, then per cgroup driver: restarts the service with
 # that driver, runs critest, and checks what critest does not: stats read from cgroup v2 files,
 # the container and infra cgroups gone after RemovePodSandbox, a container outliving a restart
 # of the service (KillMode=process), AppArmor's default profile, OOM kills. Writes
@@ -60,13 +61,19 @@ sock=/run/minicri/minicri.sock
 # crictl's default deadline (2 s) is too short for a first RunPodSandbox under emulation: a call
 # past its deadline goes on in the daemon, leaving a pod crictl never heard of.
 printf 'runtime-endpoint: unix://%s\nimage-endpoint: unix://%s\ntimeout: 60\n' "$sock" "$sock" > /etc/crictl.yaml
-say "installing minicri as a service"
+say "installing minicri from its package"
+check "apt-get install of the package (offline: its dependencies are in the image)" \
+    env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$host/$MINICRI_DEB"
+check "the package's postinst starts minicri.service (no other runtime on this node)" \
+    systemctl is-active --quiet minicri.service
+check "/etc/minicri/config.toml is the package's conffile" \
+    sh -c 'dpkg-query -W -f "\${Conffiles}" minicri | grep -q "/etc/minicri/config.toml"'
 # The pod service at debug level: how each exit was judged (OOM counts, systemd's account of a
-# scope) is in the journal kept with the results.
+# scope) is in the journal kept with the results. Written over the package's commented default
+# file, as an operator edits it; the service restarts on it.
 log_level='log_level = "info,minicri::pods=debug"'
 printf 'cgroup_driver = "systemd"\n%s\n' "$log_level" > /etc/minicri/config.toml
-check "hack/install-node.sh installs, enables and starts minicri.service" \
-    "$host/hack/install-node.sh" --binary "$host/minicri"
+systemctl restart minicri.service
 check "minicri.service is active (Type=notify: started means READY=1 was sent)" \
     systemctl is-active --quiet minicri.service
 check "minicri.service is enabled" systemctl is-enabled --quiet minicri.service
@@ -200,7 +207,7 @@ for driver in $DRIVERS; do
     printf 'cgroup_driver = "%s"\n%s\n' "$driver" "$log_level" > /etc/minicri/config.toml
     systemctl restart minicri.service
     check "$driver: minicri reports the driver (crictl info)" \
-        bash -c "crictl info -o json | jq -e --arg d $driver '[.. | .cgroupDriver? // empty] | any(. == \$d)' > /dev/null"
+        bash -c "set -o pipefail; crictl info -o json | jq -e --arg d $driver '[.. | .cgroupDriver? // empty] | any(. == \$d)' > /dev/null"
     pod_and_stats "$driver"
     args=(-runtime-endpoint "unix://$sock" -image-endpoint "unix://$sock" -ginkgo.no-color)
     [[ -n $FOCUS ]] && args+=(-ginkgo.focus "$FOCUS")

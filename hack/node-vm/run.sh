@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Boots the node VM (built by hack/node-vm/build.sh) under qemu and runs, inside it, minicri as a
-# systemd service (the project's unit, installed by hack/install-node.sh) on cgroup v2, then
+# systemd service (installed from its Debian package, hack/package-deb.sh) on cgroup v2, then
 # critest once per cgroup driver (systemd, cgroupfs) and the guest's own checks (stats read from
 # cgroup v2 files, no container or pod cgroup left after RemovePodSandbox, containers surviving a
 # restart of the service). Results go to OUT: guest.log, critest-<driver>.log and summary.txt.
@@ -14,7 +14,9 @@
 #                        makes the mirror of registry.k8s.io, k8s.gcr.io, gcr.io, docker.io,
 #                        quay.io and public.ecr.aws
 #   --critest PATH       critest (default: on PATH); --crictl PATH likewise
-#   --minicri PATH       minicri's binary (default: target/release/minicri, built if missing)
+#   --minicri PATH       minicri's binary, packaged here (default: target/release/minicri,
+#                        built if missing)
+#   --deb FILE           minicri's package, instead of packaging --minicri
 #   --drivers LIST       cgroup drivers to run critest with (default: "systemd cgroupfs")
 #   --focus REGEX        critest's -ginkgo.focus (default: every spec)
 #   --skip REGEX         critest's -ginkgo.skip (default: none)
@@ -32,6 +34,7 @@ registry_data=""
 critest=$(command -v critest || true)
 crictl=$(command -v crictl || true)
 minicri=""
+deb=""
 drivers="systemd cgroupfs"
 focus=""
 skip=""
@@ -45,6 +48,7 @@ while [[ $# -gt 0 ]]; do
         --critest) critest=$2; shift 2;;
         --crictl) crictl=$2; shift 2;;
         --minicri) minicri=$2; shift 2;;
+        --deb) deb=$2; shift 2;;
         --drivers) drivers=$2; shift 2;;
         --focus) focus=$2; shift 2;;
         --skip) skip=$2; shift 2;;
@@ -53,7 +57,7 @@ while [[ $# -gt 0 ]]; do
         --smp) smp=$2; shift 2;;
         --mem) mem=$2; shift 2;;
         --accel) accel=$2; shift 2;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0;;
+        -h|--help) sed -n '2,29p' "$0"; exit 0;;
         *) echo "node-vm: unknown argument $1" >&2; exit 2;;
     esac
 done
@@ -62,11 +66,13 @@ fail() { echo "node-vm: $*" >&2; exit 1; }
 [[ -d $registry_data/docker/registry/v2 ]] || fail "--registry-data $registry_data is not a registry storage root (no docker/registry/v2)"
 [[ -x $critest ]] || fail "no critest (--critest PATH)"
 [[ -x $crictl ]] || fail "no crictl (--crictl PATH)"
-if [[ -z $minicri ]]; then
-    minicri=$repo/target/release/minicri
-    [[ -x $minicri ]] || (cd "$repo" && cargo build --release --bin minicri)
+if [[ -z $deb ]]; then
+    if [[ -z $minicri ]]; then
+        minicri=${CARGO_TARGET_DIR:-$repo/target}/release/minicri
+        [[ -x $minicri ]] || (cd "$repo" && cargo build --release --bin minicri)
+    fi
+    [[ -x $minicri ]] || fail "$minicri is not an executable"
 fi
-[[ -x $minicri ]] || fail "$minicri is not an executable"
 [[ -f $dir/disk.img ]] || "$here/build.sh" --dir "$dir"
 if [[ -z $accel ]]; then
     accel=tcg
@@ -80,12 +86,13 @@ fi
 out=${out:-$dir/results-$(date -u +%Y%m%dT%H%M%SZ)}
 share=$out/share
 mkdir -p "$share/results"
-install -m 0755 "$minicri" "$share/minicri"
+if [[ -z $deb ]]; then
+    "$repo/hack/package-deb.sh" --binary "$minicri" --out "$out/debs"
+    deb=$(ls "$out"/debs/minicri_*.deb)
+fi
+install -m 0644 "$deb" "$share/"
 install -m 0755 "$critest" "$share/critest"
 install -m 0755 "$crictl" "$share/crictl"
-mkdir -p "$share/hack/systemd"
-install -m 0755 "$repo/hack/install-node.sh" "$repo/hack/install-cni-config.sh" "$share/hack/"
-install -m 0644 "$repo/hack/systemd/minicri.service" "$share/hack/systemd/"
 install -m 0755 "$here/guest.sh" "$share/guest.sh"
 cp -a "$registry_data" "$share/registry-data"
 {
@@ -93,6 +100,7 @@ cp -a "$registry_data" "$share/registry-data"
     printf 'FOCUS=%q\n' "$focus"
     printf 'SKIP=%q\n' "$skip"
     printf 'ACCEL=%q\n' "$accel"
+    printf 'MINICRI_DEB=%q\n' "$(basename "$deb")"
     printf 'MINICRI_COMMIT=%q\n' "$(git -C "$repo" describe --always --dirty 2> /dev/null || echo unknown)"
 } > "$share/params.env"
 

@@ -236,6 +236,22 @@ pub struct ServeArgs {
     #[arg(long = "pull-priority-namespace", value_name = "NAMESPACE")]
     #[serde(default)]
     pub pull_priority_namespaces: Vec<String>,
+
+    /// Host paths a container may mount (or name as a device) although they are minicri's
+    /// root, state directory or socket, lie inside them, or hold them (`/`, `/var/lib`, `/run`):
+    /// CreateContainer refuses such mounts with INVALID_ARGUMENT unless their host path, resolved
+    /// through symlinks, is listed here exactly (repeatable). `kubectl debug node/...` and
+    /// node-exporter mount `/`. [default: none]
+    #[arg(long = "allow-own-path-mount", value_name = "PATH")]
+    #[serde(default)]
+    pub allow_own_path_mounts: Vec<PathBuf>,
+
+    /// Bytes the node's port-forward sessions may hold buffered together, both ways (what
+    /// clients send before the pod reads it, what pods send before the client reads it): past
+    /// it, forwards wait until bytes are delivered. At least 2097152 (2 MiB).
+    /// [default: 67108864 (64 MiB)]
+    #[arg(long, value_name = "BYTES")]
+    pub port_forward_buffer_bytes: Option<u64>,
 }
 
 /// A `[runtimes.NAME]` table of the configuration file.
@@ -331,7 +347,17 @@ pub struct Config {
     /// Which pod annotations reach the OCI spec.
     pub pod_annotations: crate::oci::annotations::AnnotationPolicy,
     pub pull_priority_namespaces: Vec<String>,
+    /// Host paths containers may mount although they touch minicri's own (resolved when checked).
+    pub allow_own_path_mounts: Vec<PathBuf>,
+    /// Bytes all port-forward sessions may hold buffered together.
+    pub port_forward_buffer_bytes: u64,
 }
+
+/// The default of `port_forward_buffer_bytes`.
+pub const DEFAULT_PORT_FORWARD_BUFFER_BYTES: u64 = 64 << 20;
+/// The least `port_forward_buffer_bytes` taken: a SPDY DATA frame of up to 1 MiB is charged
+/// whole before it is read, so the total must hold one with room for the other direction.
+pub const MIN_PORT_FORWARD_BUFFER_BYTES: u64 = 2 << 20;
 
 impl ServeArgs {
     /// Reads the config file (if any) and lays the flags over it.
@@ -424,6 +450,14 @@ impl ServeArgs {
             } else {
                 self.pull_priority_namespaces
             },
+            allow_own_path_mounts: if self.allow_own_path_mounts.is_empty() {
+                base.allow_own_path_mounts
+            } else {
+                self.allow_own_path_mounts
+            },
+            port_forward_buffer_bytes: self
+                .port_forward_buffer_bytes
+                .or(base.port_forward_buffer_bytes),
         }
     }
 
@@ -620,6 +654,21 @@ impl ServeArgs {
             .filter(|d| !d.is_empty())
             .unwrap_or_else(|| crate::oci::handlers::DEFAULT_HANDLER.into());
         crate::oci::handlers::check_config(&runtimes, &default_runtime)?;
+        if let Some(p) = self.allow_own_path_mounts.iter().find(|p| !p.is_absolute()) {
+            bail!(
+                "{} entry {} is not an absolute path",
+                crate::oci::own_paths::SETTING,
+                p.display()
+            );
+        }
+        let port_forward_buffer_bytes = self
+            .port_forward_buffer_bytes
+            .unwrap_or(DEFAULT_PORT_FORWARD_BUFFER_BYTES);
+        if port_forward_buffer_bytes < MIN_PORT_FORWARD_BUFFER_BYTES {
+            bail!(
+                "port_forward_buffer_bytes must be at least {MIN_PORT_FORWARD_BUFFER_BYTES} (2 MiB)"
+            );
+        }
         Ok(Config {
             socket: self
                 .socket
@@ -667,6 +716,8 @@ impl ServeArgs {
             stream_address,
             pod_annotations,
             pull_priority_namespaces: self.pull_priority_namespaces,
+            allow_own_path_mounts: self.allow_own_path_mounts,
+            port_forward_buffer_bytes,
         })
     }
 }
@@ -1070,5 +1121,48 @@ mod tests {
             assert!(bad.finish().is_err());
         }
         assert!(parse_runtime_flag("kata").is_err() && parse_runtime_flag("=x").is_err());
+    }
+
+    #[test]
+    fn own_path_mounts_allowed_must_be_absolute() {
+        let with = |p: &str| {
+            ServeArgs {
+                allow_own_path_mounts: vec![p.into()],
+                ..Default::default()
+            }
+            .finish()
+        };
+        assert!(
+            ServeArgs::default()
+                .finish()
+                .unwrap()
+                .allow_own_path_mounts
+                .is_empty()
+        );
+        assert_eq!(
+            with("/").unwrap().allow_own_path_mounts,
+            vec![PathBuf::from("/")]
+        );
+        let err = with("var/lib").unwrap_err().to_string();
+        assert!(
+            err.contains("allow_own_path_mounts") && err.contains("absolute"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn port_forward_buffer_defaults_to_64_mib_and_holds_a_frame_at_least() {
+        let with = |n: u64| {
+            ServeArgs {
+                port_forward_buffer_bytes: Some(n),
+                ..Default::default()
+            }
+            .finish()
+        };
+        let c = ServeArgs::default().finish().unwrap();
+        assert_eq!(c.port_forward_buffer_bytes, 64 << 20);
+        assert_eq!(with(2 << 20).unwrap().port_forward_buffer_bytes, 2 << 20);
+        let err = with((2 << 20) - 1).unwrap_err().to_string();
+        assert!(err.contains("port_forward_buffer_bytes"), "{err}");
     }
 }

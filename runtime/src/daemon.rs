@@ -117,7 +117,10 @@ impl Daemon {
                 "resuming background downloads held by pod sandboxes"
             );
         }
-        let streaming = Arc::new(crate::stream::StreamServer::bind(config.stream_address)?);
+        let streaming = Arc::new(
+            crate::stream::StreamServer::bind(config.stream_address)?
+                .with_port_forward_buffer(config.port_forward_buffer_bytes),
+        );
         let mut space = vec![content_space];
         if !Arc::ptr_eq(&space[0], &snapshots_space) {
             space.push(snapshots_space);

@@ -1,6 +1,7 @@
 //! minicri's daemon, as a library the `minicri` binary runs.
 //!
-//! - [`config`]: embedded defaults, the TOML file and the flags;
+//! - [`config`]: embedded defaults, the TOML file and the flags; [`config_default`]: the
+//!   commented default file (`minicri config default`);
 //! - [`server`]: the unix socket, the single-instance lock, serving and shutdown;
 //! - [`rpc`]: per-call deadline, logging and error-to-status mapping;
 //! - [`cri`]: the CRI handlers (thin);
@@ -27,6 +28,7 @@
 pub mod admin;
 pub mod cni;
 pub mod config;
+pub mod config_default;
 pub mod cri;
 pub mod daemon;
 pub mod error;

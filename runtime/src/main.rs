@@ -22,6 +22,10 @@ struct Cli {
 enum Command {
     /// Run the CRI daemon (needs root). Runs with built-in defaults; no config file is needed.
     Serve(Box<config::ServeArgs>),
+    /// Print configuration files: `minicri config default` writes the file with every
+    /// setting commented out at its default.
+    #[command(subcommand)]
+    Config(ConfigCommand),
     /// Show the pulls in progress (`--watch`: live progress bars), or abort them.
     Pulls(minicri::pulls_cli::PullsArgs),
     /// Per-container monitor, started by the daemon (see `minicri::shim`).
@@ -30,6 +34,13 @@ enum Command {
     /// Sandbox infra process, run by the OCI runtime (see `minicri::pause`).
     #[command(hide = true)]
     Pause,
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Print /etc/minicri/config.toml as installed: every key, its help and its default,
+    /// commented out.
+    Default,
 }
 
 fn init_logging(level: &str) {
@@ -50,6 +61,16 @@ fn main() -> std::process::ExitCode {
     match cli.command {
         Command::Shim(args) => minicri::shim::main(args),
         Command::Pause => minicri::pause::main(),
+        Command::Config(ConfigCommand::Default) => match minicri::config_default::default_file() {
+            Ok(text) => {
+                print!("{text}");
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("minicri config default: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        },
         Command::Pulls(args) => {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

@@ -1,5 +1,5 @@
-//! Prometheus metrics of the pull machinery and the API-server watch, served over HTTP on a
-//! loopback address.
+//! Prometheus metrics of the pull machinery, the API-server watch and the port-forward sessions'
+//! buffers, served over HTTP on a loopback address.
 //!
 //! Off by default; `--metrics-address 127.0.0.1:PORT` turns it on (the configuration refuses
 //! other addresses: the numbers name images and nothing here authenticates the reader).
@@ -32,6 +32,8 @@ pub struct Sample<'a> {
     /// Writes refused by the image filesystem's reserve.
     pub reserve_refusals: u64,
     pub kube_watch: KubeWatchSample,
+    /// The port-forward sessions' buffered bytes (`port_forward_buffer_bytes`).
+    pub port_forward: crate::stream::budget::BudgetSample,
 }
 
 /// The API-server watch's state at the scrape.
@@ -332,6 +334,35 @@ pub fn render(s: &Sample) -> String {
         "Downloads and unpacks stopped (or refused before their first byte) to keep the image filesystem's reserve free (image_fs_reserve).",
         &one(s.reserve_refusals),
     );
+    let pf = &s.port_forward;
+    metric(
+        &mut out,
+        "minicri_port_forward_buffer_limit_bytes",
+        "gauge",
+        "Bytes all port-forward sessions may hold buffered together (port_forward_buffer_bytes).",
+        &one(pf.total as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_port_forward_buffered_bytes",
+        "gauge",
+        "Bytes the port-forward sessions hold buffered now, both ways.",
+        &one(pf.in_use as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_port_forward_buffered_bytes_peak",
+        "gauge",
+        "The most bytes the port-forward sessions held buffered at once since the daemon started.",
+        &one(pf.peak as u64),
+    );
+    metric(
+        &mut out,
+        "minicri_port_forward_buffer_waiting",
+        "gauge",
+        "Port-forward reads waiting for room in the total now (their clients or pods are held back).",
+        &one(pf.waiting as u64),
+    );
     out
 }
 
@@ -366,6 +397,7 @@ fn respond(daemon: &Daemon, req: &Request<hyper::body::Incoming>) -> Response<Fu
             events_failed: kube.events.failed.load(Ordering::Relaxed),
             events_deferred: kube.events.deferred.load(Ordering::Relaxed),
         },
+        port_forward: daemon.streaming.port_forward_budget().sample(),
     });
     Response::builder()
         .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
@@ -428,8 +460,18 @@ mod tests {
                 pods: 7,
                 ..Default::default()
             },
+            port_forward: crate::stream::budget::BudgetSample {
+                total: 64 << 20,
+                in_use: 4096,
+                peak: 8192,
+                waiting: 2,
+            },
         });
         assert!(text.contains("\nminicri_pull_calls_total 10\n"), "{text}");
+        assert!(text.contains("\nminicri_port_forward_buffer_limit_bytes 67108864\n"));
+        assert!(text.contains("\nminicri_port_forward_buffered_bytes 4096\n"));
+        assert!(text.contains("\nminicri_port_forward_buffered_bytes_peak 8192\n"));
+        assert!(text.contains("\nminicri_port_forward_buffer_waiting 2\n"));
         assert!(text.contains("\nminicri_pull_calls_joined_total 9\n"));
         assert!(text.contains("minicri_pull_jobs_finished_total{outcome=\"done\"} 1\n"));
         assert!(text.contains("minicri_pull_jobs_finished_total{outcome=\"failed\"} 0\n"));

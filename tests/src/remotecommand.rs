@@ -256,23 +256,7 @@ impl PortForward {
     /// finished both the data and the error stream; half-closes the data stream when the server
     /// has finished it.
     pub async fn forward(&mut self, port: u16, request: &[u8]) -> anyhow::Result<Forwarded> {
-        let (error_id, data_id) = (self.next_id, self.next_id + 2);
-        self.next_id += 4;
-        let rid = self.next_request.to_string();
-        self.next_request += 1;
-        let port = port.to_string();
-        for (id, kind) in [(error_id, "error"), (data_id, "data")] {
-            self.s
-                .syn_stream_with(
-                    id,
-                    &[("streamtype", kind), ("port", &port), ("requestid", &rid)],
-                )
-                .await?;
-            if kind == "error" {
-                // client-go half-closes the error stream at once: it only reads from it.
-                self.s.data(error_id, &[], true).await?;
-            }
-        }
+        let (error_id, data_id) = self.open(port).await?;
         if !request.is_empty() {
             self.s.data(data_id, request, false).await?;
         }
@@ -310,6 +294,56 @@ impl PortForward {
             }
         }
         Ok(out)
+    }
+
+    /// Opens a forwarded connection to `port` as client-go does (its error stream, half-closed
+    /// at once, then its data stream): (error stream, data stream).
+    pub async fn open(&mut self, port: u16) -> anyhow::Result<(u32, u32)> {
+        let (error_id, data_id) = (self.next_id, self.next_id + 2);
+        self.next_id += 4;
+        let rid = self.next_request.to_string();
+        self.next_request += 1;
+        let port = port.to_string();
+        for (id, kind) in [(error_id, "error"), (data_id, "data")] {
+            self.s
+                .syn_stream_with(
+                    id,
+                    &[("streamtype", kind), ("port", &port), ("requestid", &rid)],
+                )
+                .await?;
+            if kind == "error" {
+                // client-go half-closes the error stream at once: it only reads from it.
+                self.s.data(error_id, &[], true).await?;
+            }
+        }
+        Ok((error_id, data_id))
+    }
+
+    /// Sends `data` on a forward's data stream as one DATA frame (no FIN), reading nothing.
+    pub async fn push(&mut self, data_id: u32, data: &[u8]) -> anyhow::Result<()> {
+        self.s.data(data_id, data, false).await
+    }
+
+    /// Reads frames until `n` bytes have come on the data stream `data_id` (others' DATA is
+    /// dropped); fails if the stream ends or is reset first.
+    pub async fn read_data(&mut self, data_id: u32, n: usize) -> anyhow::Result<()> {
+        let mut got = 0;
+        while got < n {
+            let Some((kind, id, flags, payload)) = self.s.frame().await? else {
+                bail!("connection closed after {got} bytes");
+            };
+            match kind {
+                None if id == data_id => {
+                    got += payload.len();
+                    if flags & 1 != 0 && got < n {
+                        bail!("the stream ended after {got} bytes");
+                    }
+                }
+                Some(3) if id == data_id => bail!("stream {id} reset after {got} bytes"),
+                _ => {}
+            }
+        }
+        Ok(())
     }
 }
 

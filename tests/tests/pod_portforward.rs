@@ -3,7 +3,8 @@
 //! client-go) connects to it and forwards TCP connections to a busybox httpd listening on
 //! 127.0.0.1:8080 inside the pod's network namespace. Also: two connections on one session, a
 //! refused connection reported on the error stream, a token works once, the RPC's refusals, and
-//! a host-network pod forwarding to the host's loopback.
+//! a host-network pod forwarding to the host's loopback, and the node-wide total of what the
+//! sessions buffer holding under clients and pods that never read.
 //!
 //! Root only, with runc and Debian's CNI plugins ([`skip_reason`]).
 
@@ -16,6 +17,7 @@ use minicri_tests::pod_rpc::{
     stop_and_remove_pod, stop_pod_sandbox,
 };
 use minicri_tests::remotecommand::{self, PortForward};
+use minicri_tests::websocket::Ws;
 
 const GET: &[u8] = b"GET / HTTP/1.0\r\nHost: localhost\r\n\r\n";
 
@@ -170,6 +172,233 @@ async fn host_network_pods_forward_to_the_hosts_loopback() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(body.ends_with("hello-host-network\n"), "{body}");
+    drop(pf);
+    stop_and_remove_pod(&mut c, &sb).await;
+}
+
+/// The daemon's resident set in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS");
+    kib * 1024
+}
+
+/// The port-forward bytes buffered once they reach 0, or after 10 s.
+async fn drained(metrics: &str) -> u64 {
+    use minicri_tests::pull_env::{sample, scrape};
+    let mut left = u64::MAX;
+    for _ in 0..100 {
+        left = sample(
+            &scrape(metrics).await,
+            "minicri_port_forward_buffered_bytes",
+        );
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    left
+}
+
+/// Pushes 1 MiB DATA frames round-robin on `streams` of `pf` until a frame has not gone out in
+/// 3 s (the daemon stopped reading) or `most` bytes went: the bytes pushed.
+async fn push_until_held(pf: &mut PortForward, streams: &[u32], most: usize) -> usize {
+    let frame = vec![b'x'; 1 << 20];
+    let mut pushed = 0;
+    for id in streams.iter().cycle() {
+        if pushed >= most {
+            break;
+        }
+        match tokio::time::timeout(Duration::from_secs(3), pf.push(*id, &frame)).await {
+            Ok(Ok(())) => pushed += frame.len(),
+            Ok(Err(e)) => panic!("pushing after {pushed} bytes: {e}"),
+            Err(_) => break,
+        }
+    }
+    pushed
+}
+
+/// Clients that never read, and pods that never read, cannot make the daemon buffer more than
+/// `port_forward_buffer_bytes` for all port-forward sessions together (8 MiB here): three SPDY
+/// sessions push 1 MiB DATA frames on 24 connections each to a pod port that never reads, a
+/// WebSocket session of the channel form pushes 1 MiB messages to 16 such connections, and
+/// another session opens 24 connections to a pod port that sends without end and never reads
+/// them. The daemon's buffered total (its metrics) fills up to the bound and stops there, with
+/// reads waiting; its resident set grows by less than three times the bound (without the total
+/// it grew by 105 MiB here). When the sessions go, their bytes are given back, and a new
+/// session forwards again. (The kernel's socket buffers, each up to `net.ipv4.tcp_wmem`'s
+/// maximum, take what the clients push first: they are not the daemon's.)
+#[tokio::test(flavor = "multi_thread")]
+async fn port_forward_buffers_stay_under_the_node_total() {
+    use minicri_tests::pull_env::{free_metrics_address, sample, scrape};
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    const LIMIT: u64 = 8 << 20;
+    const CONNECTIONS: usize = 24;
+    let metrics = free_metrics_address();
+    let limit = LIMIT.to_string();
+    let env = PodEnv::with_args(&[
+        "--port-forward-buffer-bytes",
+        &limit,
+        "--metrics-address",
+        &metrics,
+    ])
+    .await;
+    let image = env.pull_busybox().await;
+    let mut c = env.runtime().await;
+    let pod = pod_config("pf-budget", env.logs.path());
+    let sb = run_pod(&mut c, &pod).await;
+    // 8080 sends zeros to each connection without end; 8081 never reads what it gets.
+    let script = "nc -ll -p 8080 -e cat /dev/zero & exec nc -ll -p 8081 -e sleep 100000";
+    run_container(
+        &mut c,
+        &sb,
+        &pod,
+        sh_container_config("flood", &image, script),
+    )
+    .await;
+    // Both listen (nc starts in the background): a forward reads from 8080.
+    let mut ready = false;
+    for _ in 0..100 {
+        let mut pf = PortForward::connect(&port_forward(&mut c, &sb, &[]).await.unwrap())
+            .await
+            .unwrap();
+        let (_, data) = pf.open(8080).await.unwrap();
+        let read = tokio::time::timeout(Duration::from_secs(5), pf.read_data(data, 1 << 20));
+        if let Ok(Ok(())) = read.await {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ready, "the pod's port 8080 did not send");
+    let pid = env.daemon.pid().expect("daemon pid");
+    assert_eq!(
+        drained(&metrics).await,
+        0,
+        "the first sessions' bytes stay charged"
+    );
+    let before = rss(pid);
+    let text = scrape(&metrics).await;
+    assert_eq!(
+        sample(&text, "minicri_port_forward_buffer_limit_bytes"),
+        LIMIT
+    );
+
+    // A client that never reads what the pod sends.
+    let mut reader = PortForward::connect(&port_forward(&mut c, &sb, &[]).await.unwrap())
+        .await
+        .unwrap();
+    for _ in 0..CONNECTIONS {
+        reader.open(8080).await.unwrap();
+    }
+    // Clients that send to a pod that never reads, and never read either.
+    let mut pushers = Vec::new();
+    for _ in 0..3 {
+        let mut pf = PortForward::connect(&port_forward(&mut c, &sb, &[]).await.unwrap())
+            .await
+            .unwrap();
+        let mut streams = Vec::new();
+        for _ in 0..CONNECTIONS {
+            streams.push(pf.open(8081).await.unwrap().1);
+        }
+        pushers.push(tokio::spawn(async move {
+            let pushed = push_until_held(&mut pf, &streams, 256 << 20).await;
+            (pf, pushed)
+        }));
+    }
+    // And one of the kubelet's per-port channel form (WebSocket), whose ports queue whole
+    // messages of up to 1 MiB: 4 per port, 64 MiB for this session without a total.
+    let query: Vec<String> = (0..16).map(|_| "port=8081".to_string()).collect();
+    let ws_url = format!(
+        "{}?{}",
+        port_forward(&mut c, &sb, &[]).await.unwrap(),
+        query.join("&")
+    );
+    let ws_pusher = tokio::spawn(async move {
+        let mut ws = Ws::connect(&ws_url, &["v4.channel.k8s.io"]).await.unwrap();
+        // With its channel byte, a message of the most the daemon takes (1 MiB).
+        let message = vec![b'x'; (1 << 20) - 1];
+        let mut pushed = 0usize;
+        for port in (0..16u8).cycle() {
+            if pushed >= 256 << 20 {
+                break;
+            }
+            let send = ws.send_channel(2 * port, &message);
+            match tokio::time::timeout(Duration::from_secs(3), send).await {
+                Ok(Ok(())) => pushed += message.len(),
+                Ok(Err(e)) => panic!("pushing after {pushed} bytes: {e}"),
+                Err(_) => break,
+            }
+        }
+        (ws, pushed)
+    });
+    let mut sessions = Vec::new();
+    for p in pushers {
+        let (pf, pushed) = p.await.unwrap();
+        eprintln!(
+            "a pushing client got {} MiB out before it was held",
+            pushed >> 20
+        );
+        assert!(
+            pushed < 256 << 20,
+            "a client pushed 256 MiB without being held"
+        );
+        sessions.push(pf);
+    }
+    let (ws, pushed) = ws_pusher.await.unwrap();
+    eprintln!(
+        "the channel-form client got {} MiB out before it was held",
+        pushed >> 20
+    );
+    assert!(
+        pushed < 256 << 20,
+        "a client pushed 256 MiB without being held"
+    );
+    // Held: the total is reached and stays there; reads wait for it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let text = scrape(&metrics).await;
+    let (buffered, peak, waiting) = (
+        sample(&text, "minicri_port_forward_buffered_bytes"),
+        sample(&text, "minicri_port_forward_buffered_bytes_peak"),
+        sample(&text, "minicri_port_forward_buffer_waiting"),
+    );
+    let grown = rss(pid).saturating_sub(before);
+    eprintln!(
+        "buffered {buffered} B, peak {peak} B, {waiting} reads waiting; RSS grew {} MiB",
+        grown >> 20
+    );
+    assert!(buffered <= LIMIT && peak <= LIMIT, "{text}");
+    assert!(
+        buffered >= LIMIT / 2,
+        "the clients did not fill the total: {text}"
+    );
+    assert!(waiting > 0, "nothing waits for room: {text}");
+    assert!(grown < 3 * LIMIT, "the daemon's RSS grew by {grown} bytes");
+
+    // The sessions go: their bytes come back, and forwarding works again.
+    drop(sessions);
+    drop(reader);
+    drop(ws);
+    assert_eq!(
+        drained(&metrics).await,
+        0,
+        "bytes still charged after the sessions ended"
+    );
+    let mut pf = PortForward::connect(&port_forward(&mut c, &sb, &[]).await.unwrap())
+        .await
+        .unwrap();
+    let (_, data) = pf.open(8080).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), pf.read_data(data, 4 << 20))
+        .await
+        .expect("a new session reads in 30 s")
+        .unwrap();
     drop(pf);
     stop_and_remove_pod(&mut c, &sb).await;
 }

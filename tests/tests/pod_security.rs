@@ -892,3 +892,90 @@ async fn pid_targets_stay_in_the_pod_and_refusals_leave_the_host_alone() {
     stop_and_remove_pod(&mut c, &b).await;
     drop(host);
 }
+
+/// A container may not mount (or take as a device) minicri's root, state directory or socket,
+/// anything inside them or a directory holding them, however the host path reaches them (a
+/// symlink here): CreateContainer refuses with INVALID_ARGUMENT naming the host path and the
+/// setting, and creates nothing for it. A host path listed in `allow_own_path_mounts` (a link to
+/// the state directory's network namespaces, resolved when checked) is mounted, as is a volume
+/// elsewhere.
+#[tokio::test(flavor = "multi_thread")]
+async fn minicris_own_paths_are_refused_unless_listed() {
+    if let Some(why) = minicri_tests::pod_env::skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let links = tempfile::tempdir().unwrap();
+    let allowed = links.path().join("netns");
+    let env = PodEnv::with_args(&["--allow-own-path-mount", allowed.to_str().unwrap()]).await;
+    env.pull_busybox().await;
+    let image = env.set.busybox_oci.reference.clone();
+    let mut c = env.runtime().await;
+    let (root, state, socket) = (env.daemon.root(), env.state(), env.daemon.socket());
+    std::os::unix::fs::symlink(&root, links.path().join("to-root")).unwrap();
+    std::os::unix::fs::symlink(state.join("netns"), &allowed).unwrap();
+    let pod = pod_config("own-paths", env.logs.path());
+    let sb = run_pod(&mut c, &pod).await;
+    let with_mount = |name: &str, host: &Path| {
+        let mut config = container_config(name, &image, &["sleep", "1000"]);
+        config.mounts = vec![cri::Mount {
+            container_path: "/host".into(),
+            host_path: host.display().to_string(),
+            readonly: true,
+            ..Default::default()
+        }];
+        config
+    };
+    let not_yet = root.join("snapshots/not-yet");
+    for (host, says) in [
+        (root.clone(), "is minicri's root"),
+        (not_yet.clone(), "is inside minicri's root"),
+        (state.clone(), "is minicri's state directory"),
+        (socket.clone(), "is minicri's socket"),
+        (root.parent().unwrap().to_path_buf(), "holds minicri's root"),
+        (
+            links.path().join("to-root/content"),
+            "is inside minicri's root",
+        ),
+    ] {
+        let err = create_container(&mut c, &sb, &pod, with_mount("refused", &host))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{host:?}: {err:?}");
+        let msg = err.message();
+        assert!(msg.contains(says), "{host:?}: {msg}");
+        assert!(msg.contains(&host.display().to_string()), "{msg}");
+        assert!(msg.contains("allow_own_path_mounts"), "{msg}");
+    }
+    assert!(!not_yet.exists(), "the refused mount's source was created");
+    let mut device = container_config("device", &image, &["sleep", "1000"]);
+    device.devices = vec![cri::Device {
+        container_path: "/dev/cri".into(),
+        host_path: socket.display().to_string(),
+        permissions: "rw".into(),
+    }];
+    let err = create_container(&mut c, &sb, &pod, device)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().starts_with("device \"/dev/cri\""), "{err:?}");
+    assert!(list_containers(&mut c).await.is_empty());
+
+    // The listed path, and a volume that is not minicri's: created, and the listed one is
+    // what the container sees.
+    let id = run_container(&mut c, &sb, &pod, with_mount("allowed", &allowed)).await;
+    let netns = ok(&mut c, &id, "ls /host").await;
+    let on_host: Vec<String> = std::fs::read_dir(state.join("netns"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        on_host.iter().any(|n| netns.contains(n.as_str())),
+        "{netns} / {on_host:?}"
+    );
+    let volume = tempfile::tempdir().unwrap();
+    create_container(&mut c, &sb, &pod, with_mount("volume", volume.path()))
+        .await
+        .unwrap();
+    stop_and_remove_pod(&mut c, &sb).await;
+}

@@ -56,6 +56,11 @@ impl AnnotationPolicy {
         Ok(AnnotationPolicy { patterns })
     }
 
+    /// The patterns, as configured.
+    pub fn patterns(&self) -> &[String] {
+        &self.patterns
+    }
+
     /// Whether `key` passes.
     pub fn allows(&self, key: &str) -> bool {
         if RESERVED.iter().any(|r| key.starts_with(r)) {

@@ -10,6 +10,8 @@
 //! - [`userns`]: pods in their own user namespace: validation, idmapped rootfs layers;
 //! - [`namespaces`]: the pod's namespace options and OCI namespace entries;
 //! - [`annotations`]: which pod annotations reach the OCI spec (an allowlist);
+//! - [`own_paths`]: container mounts and devices kept away from minicri's own root, state
+//!   directory and socket;
 //! - [`defaults`]: default capabilities, mounts, masked paths and device rules;
 //! - [`seccomp`]: the `RuntimeDefault` profile and `Localhost` profiles;
 //! - [`apparmor`]: the AppArmor profile of a container's process, minicri's `RuntimeDefault`
@@ -33,6 +35,7 @@ pub mod handlers;
 pub mod host;
 pub mod image_config;
 pub mod namespaces;
+pub mod own_paths;
 pub mod propagation;
 pub mod runc;
 pub mod runtime;

@@ -184,6 +184,8 @@ impl PodService {
         // be made shared below, which is not undone).
         let pod_userns = oci::userns::pod_userns(&sb_config)?;
         oci::spec::validate_mounts(&config.mounts, &host)?;
+        // Nor may they reach minicri's own files (a lookup per path component).
+        crate::fsutil::off_async(|| self.own_paths.check(&config.mounts, &config.devices))?;
         oci::userns::check_volume_mappings(&config.mounts, pod_userns.as_ref())?;
         // CRI: the log is <sandbox log_directory>/<container log_path>.
         let log_path = crate::logs::container_log_path(&sb_config.log_directory, &config.log_path)

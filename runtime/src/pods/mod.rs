@@ -87,6 +87,8 @@ pub struct PodService {
     pub cgroup_driver: CgroupDriver,
     /// Which pod annotations reach the OCI spec.
     pub annotations: crate::oci::annotations::AnnotationPolicy,
+    /// minicri's own paths, which container mounts and devices may not reach.
+    pub own_paths: crate::oci::own_paths::OwnPaths,
     pub state_dir: PathBuf,
     pub shim_binary: PathBuf,
     pub images: Arc<ImageStore>,
@@ -349,6 +351,12 @@ impl PodService {
             host,
             cgroup_driver: config.cgroup_driver,
             annotations: config.pod_annotations.clone(),
+            own_paths: crate::oci::own_paths::OwnPaths::new(
+                &config.root,
+                &state,
+                &config.socket,
+                config.allow_own_path_mounts.clone(),
+            ),
             shim_binary: std::env::current_exe()?,
             state_dir: state,
             images,

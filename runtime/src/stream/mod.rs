@@ -20,11 +20,13 @@
 //! - [`exec`]: one exec session, and [`ExecBackend`], the seam to the pod service;
 //! - [`portforward`]: one port-forward session (`portforward.k8s.io`): TCP connections into
 //!   the pod's network namespace;
+//! - [`budget`]: the node-wide total of bytes port-forward sessions hold buffered;
 //! - [`pty`]: a pty master as async I/O, and terminal resizes (exec with a tty).
 //!
 //! Attach shares exec's upgrade and streams; the container's stdio comes from its shim.
 
 pub mod attach;
+pub mod budget;
 pub mod exec;
 pub mod http;
 pub mod portforward;
@@ -119,6 +121,8 @@ pub struct StreamServer {
     /// Running sessions per pod, and their most ([`MAX_POD_SESSIONS`]).
     pod_sessions: Arc<Mutex<HashMap<String, usize>>>,
     max_pod_sessions: usize,
+    /// What the port-forward sessions buffer, node-wide (`port_forward_buffer_bytes`).
+    port_forward_budget: budget::Budget,
 }
 
 impl StreamServer {
@@ -135,7 +139,21 @@ impl StreamServer {
             sessions: Arc::new(tokio::sync::Semaphore::new(MAX_SESSIONS)),
             pod_sessions: Arc::new(Mutex::new(HashMap::new())),
             max_pod_sessions: MAX_POD_SESSIONS,
+            port_forward_budget: budget::Budget::new(
+                crate::config::DEFAULT_PORT_FORWARD_BUFFER_BYTES,
+            ),
         })
+    }
+
+    /// Port-forward sessions share a total of `bytes` for what they buffer.
+    pub fn with_port_forward_buffer(mut self, bytes: u64) -> StreamServer {
+        self.port_forward_budget = budget::Budget::new(bytes);
+        self
+    }
+
+    /// The port-forward sessions' total and what they hold of it.
+    pub fn port_forward_budget(&self) -> &budget::Budget {
+        &self.port_forward_budget
     }
 
     /// The address actually bound.

@@ -23,6 +23,12 @@
 //! The same session runs on SPDY tunnelled through WebSocket; WebSocket clients may also use the
 //! kubelet's per-port channel form ([`super::ws::portforward`]); [`super::http`] picks.
 //!
+//! Everything a session buffers counts against the node's port-forward total
+//! ([`super::budget`], `port_forward_buffer_bytes`): its connection's own buffers
+//! ([`SESSION_BYTES`], taken when it starts), the client's DATA until it is written to the pod's
+//! socket, and each read from the pod's socket until the client's connection has taken it. A
+//! forward whose bytes do not fit waits.
+//!
 //! A pair left incomplete for [`super::session::STREAM_CREATION_TIMEOUT`] gets "timed out waiting
 //! for complete stream pair" on its error stream (as the kubelet). A stream of another type, or
 //! a second stream of one type for a key, is refused (RST_STREAM REFUSED_STREAM). The session
@@ -33,11 +39,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::budget::{Budget, Input};
 use super::remotecommand::STREAM_TYPE_HEADER;
 use super::session::{LINGER, Output, STREAM_CREATION_TIMEOUT};
 use super::spdy::conn::{self, Event, IncomingStream, MAX_DATA_CHUNK};
@@ -61,6 +68,11 @@ const POD_CLOSED_GRACE: Duration = Duration::from_secs(1);
 /// Connections one session forwards at once (each a socket in the pod and two tasks); a pair
 /// completed past this gets the reason on its error stream.
 const MAX_FORWARDS: usize = 512;
+
+/// What a SPDY port-forward session's connection buffers of its own, charged when it starts:
+/// the reader's and the writer's buffers (8 KiB each), the frame being encoded (up to 32 KiB)
+/// and the header blocks being inflated.
+pub const SESSION_BYTES: usize = 64 << 10;
 
 /// What the PortForward RPC accepted, kept under its token until the client connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,13 +107,14 @@ pub fn parse_port(v: Option<&str>) -> Result<u16, String> {
     }
 }
 
-/// Runs one port-forward session on an upgraded connection.
-pub async fn serve<IO>(io: IO, req: PortForwardRequest)
+/// Runs one port-forward session on an upgraded connection, its buffers charged to `budget`.
+pub async fn serve<IO>(io: IO, req: PortForwardRequest, budget: Budget)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
+    let _own = budget.charge(SESSION_BYTES).await;
     let req = Arc::new(req);
-    let (conn, mut events) = conn::serve(io);
+    let (conn, mut events) = conn::serve_budgeted(io, budget.clone());
     // Tells the forwards in progress that the connection is gone.
     let (closed_tx, closed_rx) = watch::channel(false);
     let mut pairs: HashMap<String, (Instant, Pair)> = HashMap::new();
@@ -164,9 +177,9 @@ where
                 continue;
             };
             forwards += 1;
-            let (req, closed) = (req.clone(), closed_rx.clone());
+            let (req, closed, budget) = (req.clone(), closed_rx.clone(), budget.clone());
             tokio::spawn(async move {
-                forward(req, error, data, closed).await;
+                forward(req, error, data, closed, budget).await;
                 drop(slot);
             });
         }
@@ -260,13 +273,14 @@ async fn forward(
     error: IncomingStream,
     data: IncomingStream,
     closed: watch::Receiver<bool>,
+    budget: Budget,
 ) {
     let data_writer = data.writer.clone();
     let result = async {
         let port = parse_port(data.headers.get(PORT_HEADER))?;
         let socket = dial(&req, port).await?;
         tracing::debug!(sandbox = %req.sandbox_id, port, "port-forward connected");
-        copy(socket, data, closed).await
+        copy(socket, data, closed, &budget).await
     }
     .await;
     if let Err(msg) = result {
@@ -279,12 +293,13 @@ async fn forward(
 }
 
 /// Copies the client's bytes to the pod's socket until the client's side ends (or the pod stops
-/// reading), then half-closes the socket (`shutdown(SHUT_WR)`).
+/// reading), then half-closes the socket (`shutdown(SHUT_WR)`). Each piece's charge is given
+/// back once the socket has taken it.
 pub(super) async fn client_to_socket(
-    mut from_client: tokio::sync::mpsc::Receiver<Vec<u8>>,
+    mut from_client: Input,
     mut wr: tokio::net::tcp::OwnedWriteHalf,
 ) {
-    while let Some(buf) = from_client.recv().await {
+    while let Some((buf, _charge)) = from_client.recv_charged().await {
         if wr.write_all(&buf).await.is_err() {
             // The pod's side closed its read half: nothing more can be delivered.
             break;
@@ -294,21 +309,31 @@ pub(super) async fn client_to_socket(
 }
 
 /// Copies the pod's bytes to the client until the socket's EOF, or until the client cannot be
-/// written to (it reset the stream or went away); a read error is the text to report.
+/// written to (it reset the stream or went away); a read error is the text to report. A read
+/// waits until the socket has bytes, then for their room in `budget`, then takes at most
+/// [`MAX_DATA_CHUNK`] into a buffer of its own that goes to the client's connection as it is:
+/// an idle forward holds no buffer, and one whose client does not read holds one.
 pub(super) async fn socket_to_client(
-    mut rd: tokio::net::tcp::OwnedReadHalf,
+    rd: tokio::net::tcp::OwnedReadHalf,
     to: &Output,
+    budget: &Budget,
 ) -> Result<(), String> {
-    let mut buf = vec![0u8; MAX_DATA_CHUNK];
+    let failed = |e: std::io::Error| format!("reading from the pod: {e}");
     loop {
-        match rd.read(&mut buf).await {
+        rd.readable().await.map_err(failed)?;
+        let charge = budget.charge(to.charge_for(MAX_DATA_CHUNK)).await;
+        let head = to.head();
+        let mut buf = Vec::with_capacity(head.len() + MAX_DATA_CHUNK);
+        buf.extend_from_slice(head);
+        match rd.try_read_buf(&mut buf) {
             Ok(0) => return Ok(()),
-            Ok(n) => {
-                if to.write(&buf[..n]).await.is_err() {
+            Ok(_) => {
+                if to.write_owned(buf, charge).await.is_err() {
                     return Ok(());
                 }
             }
-            Err(e) => return Err(format!("reading from the pod: {e}")),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(failed(e)),
         }
     }
 }
@@ -322,6 +347,7 @@ async fn copy(
     socket: TcpStream,
     data: IncomingStream,
     mut closed: watch::Receiver<bool>,
+    budget: &Budget,
 ) -> Result<(), String> {
     let IncomingStream {
         data: from_client,
@@ -332,7 +358,7 @@ async fn copy(
     let to_socket = client_to_socket(from_client, wr);
     let we_closed = std::sync::atomic::AtomicBool::new(false);
     let to_client = async {
-        let res = socket_to_client(rd, &Output::Spdy(writer.clone())).await;
+        let res = socket_to_client(rd, &Output::Spdy(writer.clone()), budget).await;
         we_closed.store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = writer.close().await;
         res
@@ -378,6 +404,7 @@ mod tests {
     use crate::stream::spdy::headers::Headers;
     use crate::stream::spdy::test_peer::Peer;
     use crate::stream::spdy::{FLAG_FIN, Frame};
+    use tokio::io::AsyncReadExt;
 
     /// A listener that never accepts, with a full backlog, drops the SYNs sent to it: a dial
     /// there waits for its timeout. It waits on the async workers, not on a blocking thread, so
@@ -503,6 +530,10 @@ mod tests {
     }
 
     fn session() -> Peer<tokio::io::DuplexStream> {
+        session_with(Budget::new(64 << 20))
+    }
+
+    fn session_with(budget: Budget) -> Peer<tokio::io::DuplexStream> {
         let (client, server) = tokio::io::duplex(1 << 20);
         tokio::spawn(serve(
             server,
@@ -510,6 +541,7 @@ mod tests {
                 sandbox_id: "sb1".into(),
                 netns: None,
             },
+            budget,
         ));
         Peer::new(client)
     }

@@ -17,6 +17,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
+use super::budget::{Charge, Input};
 use super::exec::{BoxRead, BoxWrite, Resize};
 use super::remotecommand::{
     Outcome, Protocol, STREAM_TYPE_HEADER, StreamType, error_stream_payload,
@@ -51,6 +52,34 @@ impl Output {
         }
     }
 
+    /// What a buffer handed to [`Output::write_owned`] starts with (WebSocket: the channel
+    /// byte; SPDY: nothing).
+    pub fn head(&self) -> &[u8] {
+        match self {
+            Output::Spdy(_) => &[],
+            Output::Ws(w) => w.head(),
+        }
+    }
+
+    /// What a buffer of `n` bytes (and the head) costs while [`Output::write_owned`] sends it:
+    /// twice on a SPDY stream whose peer does flow control (it may be sent as copied pieces).
+    pub fn charge_for(&self, n: usize) -> usize {
+        match self {
+            Output::Spdy(w) if w.flow_controlled() => 2 * n,
+            Output::Spdy(_) => n,
+            Output::Ws(w) => w.head().len() + n,
+        }
+    }
+
+    /// Sends `buf` (starting with [`Output::head`], at most [`MAX_DATA_CHUNK`] bytes after it)
+    /// without copying it where it can, holding `charge` until it is written.
+    pub async fn write_owned(&self, buf: Vec<u8>, charge: Charge) -> Result<(), Gone> {
+        match self {
+            Output::Spdy(w) => w.write_charged(buf, charge).await.map_err(|_| Gone),
+            Output::Ws(w) => w.send_charged(buf, charge).await.map_err(|_| Gone),
+        }
+    }
+
     /// The end of this channel's output: FIN on SPDY; nothing on WebSocket (the close frame
     /// ends every channel).
     pub async fn close(&self) {
@@ -65,11 +94,11 @@ impl Output {
 pub struct Channels {
     pub error: Option<Output>,
     /// The client's input; ends when the client closes it (SPDY FIN, v5 close signal) or goes.
-    pub stdin: Option<mpsc::Receiver<Vec<u8>>>,
+    pub stdin: Option<Input>,
     pub stdout: Option<Output>,
     pub stderr: Option<Output>,
     /// Terminal sizes, `{"Width":W,"Height":H}` one per line.
-    pub resize: Option<mpsc::Receiver<Vec<u8>>>,
+    pub resize: Option<Input>,
     /// The writers of the client's input streams: half-closed when the session ends (SPDY).
     pub inputs: Vec<Output>,
 }
@@ -275,7 +304,7 @@ impl Pumps {
 }
 
 /// Copies the client's input to a process's stdin, then closes it.
-async fn copy_in(mut rx: mpsc::Receiver<Vec<u8>>, mut w: BoxWrite) {
+async fn copy_in(mut rx: Input, mut w: BoxWrite) {
     while let Some(chunk) = rx.recv().await {
         if w.write_all(&chunk).await.is_err() || w.flush().await.is_err() {
             return;
@@ -311,7 +340,7 @@ async fn copy_out(r: Option<BoxRead>, mut w: Option<Output>) {
 /// A client may send a megabyte of lines in one message: they are read in one pass (linear in
 /// what arrived), and of the sizes one read brings only the last is applied, so the terminal gets
 /// one resize (an ioctl and a SIGWINCH) per read, not one per line.
-async fn apply_resizes(mut rx: mpsc::Receiver<Vec<u8>>, resize: Resize) {
+async fn apply_resizes(mut rx: Input, resize: Resize) {
     let mut buf = Vec::new();
     while let Some(chunk) = rx.recv().await {
         buf.extend_from_slice(&chunk);

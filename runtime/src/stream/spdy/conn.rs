@@ -12,6 +12,12 @@
 //! [`StreamWriter`] stops at the peer's RST_STREAM or after its own FIN; when the connection
 //! ends (EOF, I/O or protocol error, [`Handle::close`]) every channel ends, waiting writers give
 //! up and [`Event::Closed`] is the last event.
+//!
+//! A connection served with a [`Budget`] ([`serve_budgeted`], port-forward's) charges what it
+//! buffers of the peer's DATA: a DATA frame's payload before it is read (twice a frame larger
+//! than [`MAX_DATA_CHUNK`], which is copied into pieces), each piece's share going with it to
+//! its consumer ([`Input`]); DATA this side sends with [`StreamWriter::write_charged`] holds its
+//! charge until the writer has written it. See [`crate::stream::budget`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -25,6 +31,7 @@ use super::flow::{RecvWindow, SendBlocked, SendWindows};
 use super::headers::{HeaderCompressor, HeaderDecompressor, Headers};
 use super::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
 use super::{FLAG_FIN, FLAG_UNIDIRECTIONAL, Frame, SpdyError, decode, encode, goaway, rst};
+use crate::stream::budget::{self, Budget, Charge, Input, InputTx};
 
 /// Largest DATA frame this side sends.
 pub const MAX_DATA_CHUNK: usize = 32 * 1024;
@@ -52,12 +59,14 @@ pub struct IncomingStream {
     pub id: u32,
     pub headers: Headers,
     /// The peer's DATA; ends at its FIN or RST_STREAM (or when the connection ends).
-    pub data: mpsc::Receiver<Vec<u8>>,
+    pub data: Input,
     pub writer: StreamWriter,
 }
 
 enum Outgoing {
     Frame(Frame),
+    /// A frame whose bytes are charged until it is written.
+    Charged(Frame, Charge),
     /// Flush, shut the write side down, then answer.
     Shutdown(oneshot::Sender<()>),
 }
@@ -100,6 +109,48 @@ impl StreamWriter {
             data = &data[n..];
         }
         Ok(())
+    }
+
+    /// Sends `data` (at most [`MAX_DATA_CHUNK`] bytes), holding `charge` until the connection's
+    /// writer has written it: as one DATA frame without a copy when the send windows allow it
+    /// (always with Kubernetes' clients, which do no flow control), else in pieces as the
+    /// windows open (copies, which [`StreamWriter::flow_controlled`] tells the caller to charge
+    /// for).
+    pub async fn write_charged(&self, data: Vec<u8>, charge: Charge) -> Result<(), SendBlocked> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let n = self.windows.reserve(self.id, data.len()).await?;
+        if n == data.len() {
+            let frame = Frame::Data {
+                stream_id: self.id,
+                flags: 0,
+                data,
+            };
+            return self
+                .out
+                .send(Outgoing::Charged(frame, charge))
+                .await
+                .map_err(|_| SendBlocked::Closed);
+        }
+        // The peer's window took only `n`: the rest follows as the windows open.
+        let first = Frame::Data {
+            stream_id: self.id,
+            flags: 0,
+            data: data[..n].to_vec(),
+        };
+        self.out
+            .send(Outgoing::Frame(first))
+            .await
+            .map_err(|_| SendBlocked::Closed)?;
+        let res = self.write(&data[n..]).await;
+        drop(charge);
+        res
+    }
+
+    /// Whether the peer does flow control (so a write may be cut into copied pieces).
+    pub fn flow_controlled(&self) -> bool {
+        self.windows.enforced()
     }
 
     /// Half-closes the stream: an empty DATA frame with FIN. Later writes fail.
@@ -181,12 +232,32 @@ where
     serve_with(io, IDLE_TIMEOUT, KEEPALIVE)
 }
 
+/// [`serve`], charging the peer's DATA to `budget` (see the module docs).
+pub fn serve_budgeted<IO>(io: IO, budget: Budget) -> (Handle, mpsc::Receiver<Event>)
+where
+    IO: AsyncRead + AsyncWrite + Send + 'static,
+{
+    start(io, IDLE_TIMEOUT, KEEPALIVE, Some(budget))
+}
+
 /// [`serve`], ending the connection after `idle` without a frame either way, and pinging the
 /// client after `keepalive` without a frame to send.
 pub fn serve_with<IO>(
     io: IO,
     idle: Duration,
     keepalive: Duration,
+) -> (Handle, mpsc::Receiver<Event>)
+where
+    IO: AsyncRead + AsyncWrite + Send + 'static,
+{
+    start(io, idle, keepalive, None)
+}
+
+fn start<IO>(
+    io: IO,
+    idle: Duration,
+    keepalive: Duration,
+    budget: Option<Budget>,
 ) -> (Handle, mpsc::Receiver<Event>)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
@@ -208,6 +279,7 @@ where
         last_id: 0,
         goaway: false,
         session_recv: RecvWindow::default(),
+        budget,
     };
     let reader = tokio::spawn(reader.run(rd));
     (
@@ -242,8 +314,10 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                 (Outgoing::Frame(Frame::Ping { id: ping_id.max(2) }), true)
             }
         };
-        let frame = match item {
-            Outgoing::Frame(f) => f,
+        // A charged frame's charge goes once its bytes are in the connection's buffer.
+        let (frame, _charge) = match item {
+            Outgoing::Frame(f) => (f, Charge::none()),
+            Outgoing::Charged(f, c) => (f, c),
             Outgoing::Shutdown(done) => {
                 let _ = wr.flush().await;
                 let _ = wr.shutdown().await;
@@ -275,7 +349,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
 
 struct StreamIn {
     /// `None` once the peer half-closed the stream.
-    data: Option<mpsc::Sender<Vec<u8>>>,
+    data: Option<InputTx>,
     recv: RecvWindow,
 }
 
@@ -289,6 +363,8 @@ struct Reader {
     shared_last_id: Arc<AtomicU32>,
     goaway: bool,
     session_recv: RecvWindow,
+    /// What the peer's DATA is charged to (port-forward's connections).
+    budget: Option<Budget>,
 }
 
 impl Reader {
@@ -302,7 +378,8 @@ impl Reader {
         let reason = loop {
             // Handling a frame may wait for a stream's consumer: the connection can end meanwhile.
             let step = async {
-                let frame = match read_frame(&mut rd, &mut z).await {
+                let (frame, charge) = match read_frame(&mut rd, &mut z, self.budget.as_ref()).await
+                {
                     Ok(Some(f)) => f,
                     Ok(None) => return Err("the peer closed the connection".to_string()),
                     Err(e @ (SpdyError::Protocol(_) | SpdyError::Compression(_))) => {
@@ -317,7 +394,7 @@ impl Reader {
                     Err(e) => return Err(format!("reading the connection: {e}")),
                 };
                 live.touch();
-                self.handle(frame).await
+                self.handle(frame, charge).await
             };
             tokio::select! {
                 r = step => if let Err(reason) = r {
@@ -339,7 +416,8 @@ impl Reader {
             .map_err(|_| "the connection's writer is gone".to_string())
     }
 
-    async fn handle(&mut self, frame: Frame) -> Result<(), String> {
+    /// Handles one frame; `charge` is what a DATA frame's payload holds of the budget.
+    async fn handle(&mut self, frame: Frame, mut charge: Charge) -> Result<(), String> {
         match frame {
             Frame::SynStream {
                 stream_id,
@@ -383,7 +461,7 @@ impl Reader {
                 if flags & FLAG_UNIDIRECTIONAL == 0 {
                     self.windows.open_stream(stream_id);
                 }
-                let (tx, rx) = mpsc::channel(DATA_QUEUE);
+                let (tx, rx) = budget::input(DATA_QUEUE);
                 // A stream the peer opened half-closed has nothing to read: not kept.
                 if flags & FLAG_FIN == 0 {
                     self.streams.insert(
@@ -424,10 +502,11 @@ impl Reader {
                         {
                             // A reader that went away just means the data is not wanted.
                             if data.len() <= MAX_DATA_CHUNK {
-                                let _ = tx.send(data).await;
+                                let _ = tx.send((data, charge)).await;
                             } else {
                                 for piece in data.chunks(MAX_DATA_CHUNK) {
-                                    if tx.send(piece.to_vec()).await.is_err() {
+                                    let share = charge.split(piece.len());
+                                    if tx.send((piece.to_vec(), share)).await.is_err() {
                                         break;
                                     }
                                 }
@@ -524,10 +603,13 @@ impl Reader {
 }
 
 /// Reads one frame; `None` at a clean end of the connection (EOF between frames).
+/// Reads one frame; a DATA frame's payload is charged to `budget` before it is read (twice when
+/// it is larger than [`MAX_DATA_CHUNK`]: its pieces are copies while it lives).
 async fn read_frame<R: AsyncRead + Unpin>(
     rd: &mut R,
     z: &mut HeaderDecompressor,
-) -> Result<Option<Frame>, SpdyError> {
+    budget: Option<&Budget>,
+) -> Result<Option<(Frame, Charge)>, SpdyError> {
     let mut header = [0u8; 8];
     let mut got = 0;
     while got < 8 {
@@ -549,9 +631,15 @@ async fn read_frame<R: AsyncRead + Unpin>(
             super::MAX_RECV_PAYLOAD
         )));
     }
+    let is_data = header[0] & 0x80 == 0;
+    let charge = match budget {
+        Some(b) if is_data && len > MAX_DATA_CHUNK => b.charge(2 * len).await,
+        Some(b) if is_data => b.charge(len).await,
+        _ => Charge::none(),
+    };
     let mut payload = vec![0u8; len];
     rd.read_exact(&mut payload).await?;
-    decode(&header, payload, z).map(Some)
+    decode(&header, payload, z).map(|f| Some((f, charge)))
 }
 
 #[cfg(test)]

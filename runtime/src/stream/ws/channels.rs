@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::close;
 use super::conn::{self, Closed, Conn, Event};
+use crate::stream::budget::{self, Charge, InputTx};
 use crate::stream::remotecommand::{CLOSE_CHANNEL, Protocol, StreamType};
 use crate::stream::session::{Channels, Link, Output};
 use crate::stream::spdy::conn::MAX_DATA_CHUNK;
@@ -35,6 +36,18 @@ pub struct ChannelWriter {
 impl ChannelWriter {
     pub fn new(channel: u8, sender: conn::Sender) -> ChannelWriter {
         ChannelWriter { channel, sender }
+    }
+
+    /// What each message of the channel starts with: its channel byte.
+    pub fn head(&self) -> &[u8] {
+        std::slice::from_ref(&self.channel)
+    }
+
+    /// Sends `message` (starting with [`ChannelWriter::head`]) as it is, holding `charge`
+    /// until it is written.
+    pub async fn send_charged(&self, message: Vec<u8>, charge: Charge) -> Result<(), Closed> {
+        debug_assert_eq!(message.first(), Some(&self.channel));
+        self.sender.send_charged(message, charge).await
     }
 
     /// Sends `data` as messages of at most [`MAX_DATA_CHUNK`] bytes after the channel byte.
@@ -83,7 +96,7 @@ where
             .contains(&t)
             .then(|| Output::Ws(ChannelWriter::new(t.channel(), conn.sender.clone())))
     };
-    let input = |t: StreamType| streams.contains(&t).then(|| mpsc::channel(INPUT_QUEUE));
+    let input = |t: StreamType| streams.contains(&t).then(|| budget::input(INPUT_QUEUE));
     let (stdin_tx, stdin) = input(StreamType::Stdin).unzip();
     let (resize_tx, resize) = input(StreamType::Resize).unzip();
     let channels = Channels {
@@ -111,13 +124,13 @@ async fn demux(
     mut events: mpsc::Receiver<Event>,
     ended: CancellationToken,
     protocol: Protocol,
-    mut stdin: Option<mpsc::Sender<Vec<u8>>>,
-    mut resize: Option<mpsc::Sender<Vec<u8>>>,
+    mut stdin: Option<InputTx>,
+    mut resize: Option<InputTx>,
     gone: watch::Sender<bool>,
 ) {
     const STDIN: u8 = 0;
     const RESIZE: u8 = 4;
-    while let Some(Event::Message(m)) = events.recv().await {
+    while let Some(Event::Message(m, _)) = events.recv().await {
         let Some((&channel, data)) = m.split_first() else {
             continue;
         };
@@ -132,7 +145,10 @@ async fn demux(
                     && !data.is_empty()
                 {
                     // A reader that went away just means the input is not wanted.
-                    if !conn::deliver(tx, data.to_vec(), &ended).await && ended.is_cancelled() {
+                    let data = data.to_vec();
+                    if !conn::deliver(tx, data, Charge::none(), &ended).await
+                        && ended.is_cancelled()
+                    {
                         break;
                     }
                 }
@@ -145,7 +161,9 @@ async fn demux(
                     if line.last() != Some(&b'\n') {
                         line.push(b'\n');
                     }
-                    if !conn::deliver(tx, line, &ended).await && ended.is_cancelled() {
+                    if !conn::deliver(tx, line, Charge::none(), &ended).await
+                        && ended.is_cancelled()
+                    {
                         break;
                     }
                 }

@@ -13,6 +13,11 @@
 //! EOF, an I/O error or a broken rule (then a close frame with the rule's code is sent first).
 //! [`Conn::finish`] closes from the server side and waits a bounded time for the client's
 //! answer.
+//!
+//! Served with a [`Budget`] ([`serve_budgeted`], port-forward's), the bytes of each read are
+//! charged before the decoder takes them (frames and fragments being put together included),
+//! a whole message's share going with it ([`Event::Message`]), and messages sent with
+//! [`Sender::send_charged`] hold theirs until written. See [`crate::stream::budget`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,6 +28,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{Decoder, MAX_MESSAGE, Message, close, close_payload, encode, opcode};
+use crate::stream::budget::{self, Budget, Charge, InputTx};
 use crate::stream::spdy::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
 
 /// Whole messages queued for the user before the reader stops reading.
@@ -33,8 +39,8 @@ const OUT_QUEUE: usize = 64;
 /// What the connection tells its user.
 #[derive(Debug)]
 pub enum Event {
-    /// A whole binary message.
-    Message(Vec<u8>),
+    /// A whole binary message, with its charge (none on a connection without a budget).
+    Message(Vec<u8>, Charge),
     /// The connection ended (why); the last event.
     Closed(String),
 }
@@ -46,7 +52,7 @@ pub struct Closed;
 /// Sends messages on a connection; cheap to clone.
 #[derive(Clone)]
 pub struct Sender {
-    out: mpsc::Sender<(u8, Vec<u8>)>,
+    out: mpsc::Sender<(u8, Vec<u8>, Charge)>,
     /// A close frame has been queued.
     closing: Arc<AtomicBool>,
 }
@@ -60,11 +66,16 @@ impl std::fmt::Debug for Sender {
 impl Sender {
     /// Sends `data` as one binary message (waits while the writer's queue is full).
     pub async fn send(&self, data: Vec<u8>) -> Result<(), Closed> {
+        self.send_charged(data, Charge::none()).await
+    }
+
+    /// [`Sender::send`], holding `charge` until the message is written.
+    pub async fn send_charged(&self, data: Vec<u8>, charge: Charge) -> Result<(), Closed> {
         if self.closing.load(Ordering::SeqCst) {
             return Err(Closed);
         }
         self.out
-            .send((opcode::BINARY, data))
+            .send((opcode::BINARY, data, charge))
             .await
             .map_err(|_| Closed)
     }
@@ -74,14 +85,14 @@ impl Sender {
         if !self.closing.swap(true, Ordering::SeqCst) {
             let _ = self
                 .out
-                .send((opcode::CLOSE, close_payload(code, reason)))
+                .send((opcode::CLOSE, close_payload(code, reason), Charge::none()))
                 .await;
         }
     }
 
     async fn pong(&self, payload: Vec<u8>) {
         if !self.closing.load(Ordering::SeqCst) {
-            let _ = self.out.send((opcode::PONG, payload)).await;
+            let _ = self.out.send((opcode::PONG, payload, Charge::none())).await;
         }
     }
 }
@@ -98,9 +109,14 @@ pub struct Conn {
 
 /// Hands `data` to a consumer's queue, waiting while it is full, unless the connection ends
 /// first. False if it was not delivered (the consumer is gone or the connection ended).
-pub async fn deliver(tx: &mpsc::Sender<Vec<u8>>, data: Vec<u8>, ended: &CancellationToken) -> bool {
+pub async fn deliver(
+    tx: &InputTx,
+    data: Vec<u8>,
+    charge: Charge,
+    ended: &CancellationToken,
+) -> bool {
     tokio::select! {
-        r = tx.send(data) => r.is_ok(),
+        r = tx.send((data, charge)) => r.is_ok(),
         () = ended.cancelled() => false,
     }
 }
@@ -131,9 +147,29 @@ where
     serve_with(io, IDLE_TIMEOUT, KEEPALIVE)
 }
 
+/// [`serve`], charging the client's messages to `budget` (see the module docs).
+pub fn serve_budgeted<IO>(io: IO, budget: Budget) -> (Conn, mpsc::Receiver<Event>)
+where
+    IO: AsyncRead + AsyncWrite + Send + 'static,
+{
+    start(io, IDLE_TIMEOUT, KEEPALIVE, Some(budget))
+}
+
 /// [`serve`], ending the connection after `idle` without a frame either way, and pinging the
 /// client after `keepalive` without a frame to send.
 pub fn serve_with<IO>(io: IO, idle: Duration, keepalive: Duration) -> (Conn, mpsc::Receiver<Event>)
+where
+    IO: AsyncRead + AsyncWrite + Send + 'static,
+{
+    start(io, idle, keepalive, None)
+}
+
+fn start<IO>(
+    io: IO,
+    idle: Duration,
+    keepalive: Duration,
+    budget: Option<Budget>,
+) -> (Conn, mpsc::Receiver<Event>)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
@@ -147,7 +183,14 @@ where
     };
     let ended = CancellationToken::new();
     let writer = tokio::spawn(write_loop(wr, out_rx, live.clone()));
-    let reader = tokio::spawn(read_loop(rd, sender.clone(), ev_tx, live, ended.clone()));
+    let reader = tokio::spawn(read_loop(
+        rd,
+        sender.clone(),
+        ev_tx,
+        live,
+        ended.clone(),
+        budget,
+    ));
     (
         Conn {
             sender,
@@ -161,17 +204,18 @@ where
 
 async fn write_loop<W: AsyncWrite + Unpin>(
     wr: W,
-    mut rx: mpsc::Receiver<(u8, Vec<u8>)>,
+    mut rx: mpsc::Receiver<(u8, Vec<u8>, Charge)>,
     live: Liveness,
 ) {
     let mut wr = BufWriter::new(wr);
     let mut buf = Vec::new();
     loop {
-        let ((op, payload), keepalive) =
+        // A charged message's charge goes once it is in the connection's buffer.
+        let ((op, payload, _charge), keepalive) =
             match tokio::time::timeout(live.keepalive(), rx.recv()).await {
                 Ok(Some(item)) => (item, false),
                 Ok(None) => break,
-                Err(_) => ((opcode::PING, Vec::new()), true),
+                Err(_) => ((opcode::PING, Vec::new(), Charge::none()), true),
             };
         buf.clear();
         encode(op, &payload, &mut buf);
@@ -200,9 +244,12 @@ async fn read_loop<R: AsyncRead + Unpin>(
     events: mpsc::Sender<Event>,
     live: Liveness,
     ended: CancellationToken,
+    budget: Option<Budget>,
 ) {
     let mut decoder = Decoder::new(MAX_MESSAGE);
     let mut buf = vec![0u8; 64 * 1024];
+    // The budget's bytes held for what the decoder holds (none without a budget).
+    let mut held = Charge::none();
     // One future for the whole connection: it re-reads the last activity when it wakes.
     let over = live.over();
     tokio::pin!(over);
@@ -215,13 +262,22 @@ async fn read_loop<R: AsyncRead + Unpin>(
                 Err(e) => return Err(format!("reading the connection: {e}")),
             };
             live.touch();
+            // What the decoder will hold is charged before it takes the bytes; a whole
+            // message takes its share along, and the rest is trimmed to what the decoder
+            // still holds once it has given out what it could.
+            held.merge(budget::charge(budget.as_ref(), n).await);
             decoder.feed(&buf[..n]);
             loop {
                 match decoder.next_message() {
-                    Ok(None) => return Ok(()),
+                    Ok(None) => {
+                        let over = held.bytes().saturating_sub(decoder.held());
+                        drop(held.split(over));
+                        return Ok(());
+                    }
                     Ok(Some(Message::Binary(m))) => {
                         // A user that stopped listening just does not want the data.
-                        let _ = events.send(Event::Message(m)).await;
+                        let charge = held.split(m.len());
+                        let _ = events.send(Event::Message(m, charge)).await;
                     }
                     Ok(Some(Message::Ping(p))) => sender.pong(p).await,
                     Ok(Some(Message::Pong(_))) => {}
@@ -297,7 +353,7 @@ mod tests {
         let (mut c, conn, mut ev) = start();
         c.send(opcode::BINARY, b"\x00hello").await;
         match ev.recv().await.unwrap() {
-            Event::Message(m) => assert_eq!(m, b"\x00hello"),
+            Event::Message(m, _) => assert_eq!(m, b"\x00hello"),
             e => panic!("{e:?}"),
         }
         // Fragments make one message; a ping between them is answered at once.
@@ -307,7 +363,7 @@ mod tests {
         c.raw(&client_frame(true, opcode::CONTINUATION, b"cd"))
             .await;
         match ev.recv().await.unwrap() {
-            Event::Message(m) => assert_eq!(m, b"abcd"),
+            Event::Message(m, _) => assert_eq!(m, b"abcd"),
             e => panic!("{e:?}"),
         }
         conn.sender.send(b"\x01out".to_vec()).await.unwrap();
@@ -403,7 +459,7 @@ mod tests {
         assert!(!writer.is_finished(), "the client is held up, not buffered");
         for i in 0..1024u32 {
             match ev.recv().await.unwrap() {
-                Event::Message(m) => assert_eq!(m, message(i)),
+                Event::Message(m, _) => assert_eq!(m, message(i)),
                 e => panic!("{e:?}"),
             }
         }

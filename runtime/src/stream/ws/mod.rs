@@ -260,6 +260,12 @@ impl Decoder {
     pub fn pending(&self) -> usize {
         self.buf.len() - self.pos
     }
+
+    /// Bytes the decoder holds: [`Decoder::pending`] and the fragments of the message being
+    /// received.
+    pub fn held(&self) -> usize {
+        self.pending() + self.partial.as_ref().map_or(0, Vec::len)
+    }
 }
 
 fn close_message(p: Vec<u8>) -> Result<Message, Violation> {

@@ -13,6 +13,11 @@
 //!   port's forward ends when the pod closes its socket; when every port's has ended, the
 //!   server closes the connection (the client has no half-close here). The client closing the
 //!   connection stops them all.
+//!
+//! Both charge what they buffer to the node's port-forward total ([`crate::stream::budget`]):
+//! the WebSocket connection's own buffers when the session starts ([`SESSION_BYTES`],
+//! [`TUNNEL_BYTES`]), each message of the client until it is handed on, and what goes back to
+//! the client until it is written.
 
 use std::sync::Arc;
 
@@ -23,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 use super::channels::ChannelWriter;
 use super::close;
 use super::conn::{self, Event};
+use crate::stream::budget::{self, Budget, InputTx};
 use crate::stream::portforward::{
     PortForwardRequest, client_to_socket, dial, parse_port, socket_to_client,
 };
@@ -36,6 +42,16 @@ pub const CHANNEL_PROTOCOL: &str = "v4.channel.k8s.io";
 pub const MAX_PORTS: usize = 128;
 /// Messages queued per port before the demux (and so the connection's reader) waits.
 const INPUT_QUEUE: usize = 4;
+
+/// What a WebSocket port-forward session's connection buffers of its own, charged when it
+/// starts: the reader's buffer (64 KiB). Messages being put together are charged as they
+/// arrive ([`super::conn`]).
+pub const SESSION_BYTES: usize = 64 << 10;
+
+/// What the tunnelled form adds, charged with [`SESSION_BYTES`]: its pipe (64 KiB each way) and
+/// its read buffer (32 KiB); the SPDY connection inside charges its own
+/// ([`crate::stream::portforward::SESSION_BYTES`]).
+pub const TUNNEL_BYTES: usize = 160 << 10;
 
 /// The ports of a channel-form request: every `port=` query parameter (1 to 65535), at least
 /// one, at most [`MAX_PORTS`].
@@ -59,26 +75,29 @@ pub fn ports_from_query(query: Option<&str>) -> Result<Vec<u16>, String> {
 }
 
 /// Serves the tunnelled form on `io` (the handshake is done).
-pub async fn serve_tunnel<IO>(io: IO, req: PortForwardRequest)
+pub async fn serve_tunnel<IO>(io: IO, req: PortForwardRequest, budget: Budget)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let (c, events) = conn::serve(io);
-    crate::stream::portforward::serve(super::tunnel::byte_stream(c, events), req).await;
+    let _own = budget.charge(SESSION_BYTES + TUNNEL_BYTES).await;
+    let (c, events) = conn::serve_budgeted(io, budget.clone());
+    let stream = super::tunnel::byte_stream(c, events, Some(budget.clone()));
+    crate::stream::portforward::serve(stream, req, budget).await;
 }
 
 /// Serves the channel form on `io` (the handshake is done) for `ports`.
-pub async fn serve_channels<IO>(io: IO, req: PortForwardRequest, ports: Vec<u16>)
+pub async fn serve_channels<IO>(io: IO, req: PortForwardRequest, ports: Vec<u16>, budget: Budget)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let (c, events) = conn::serve(io);
+    let _own = budget.charge(SESSION_BYTES).await;
+    let (c, events) = conn::serve_budgeted(io, budget.clone());
     let req = Arc::new(req);
     let (gone_tx, gone) = watch::channel(false);
     let mut inputs = Vec::new();
     let mut forwards = tokio::task::JoinSet::new();
     for (i, port) in ports.iter().copied().enumerate() {
-        let (tx, rx) = mpsc::channel(INPUT_QUEUE);
+        let (tx, rx) = budget::input(INPUT_QUEUE);
         inputs.push(tx);
         let data = (2 * i) as u8;
         for channel in [data, data + 1] {
@@ -89,7 +108,7 @@ where
             }
         }
         let (req, sender, gone) = (req.clone(), c.sender.clone(), gone.clone());
-        forwards.spawn(forward(req, port, data, rx, sender, gone));
+        forwards.spawn(forward(req, port, data, rx, sender, gone, budget.clone()));
     }
     tokio::spawn(demux(events, c.ended.clone(), inputs, gone_tx));
     let mut gone_now = gone.clone();
@@ -106,10 +125,11 @@ where
 async fn demux(
     mut events: mpsc::Receiver<Event>,
     ended: CancellationToken,
-    inputs: Vec<mpsc::Sender<Vec<u8>>>,
+    inputs: Vec<InputTx>,
     gone: watch::Sender<bool>,
 ) {
-    while let Some(Event::Message(m)) = events.recv().await {
+    // A message's charge goes with its bytes to the port (less the channel byte, dropped).
+    while let Some(Event::Message(m, charge)) = events.recv().await {
         let Some((&channel, data)) = m.split_first() else {
             continue;
         };
@@ -117,7 +137,7 @@ async fn demux(
         if channel % 2 == 0
             && let Some(tx) = inputs.get(usize::from(channel / 2))
             && !data.is_empty()
-            && !conn::deliver(tx, data.to_vec(), &ended).await
+            && !conn::deliver(tx, data.to_vec(), charge, &ended).await
             && ended.is_cancelled()
         {
             break;
@@ -132,9 +152,10 @@ async fn forward(
     req: Arc<PortForwardRequest>,
     port: u16,
     channel: u8,
-    from_client: mpsc::Receiver<Vec<u8>>,
+    from_client: budget::Input,
     sender: conn::Sender,
     mut gone: watch::Receiver<bool>,
+    budget: Budget,
 ) {
     let socket = match dial(&req, port).await {
         Ok(s) => s,
@@ -150,7 +171,7 @@ async fn forward(
     let to_socket = tokio::spawn(client_to_socket(from_client, wr));
     let to_client = async {
         let data = Output::Ws(ChannelWriter::new(channel, sender.clone()));
-        if let Err(msg) = socket_to_client(rd, &data).await {
+        if let Err(msg) = socket_to_client(rd, &data, &budget).await {
             let _ = ChannelWriter::new(channel + 1, sender)
                 .write(msg.as_bytes())
                 .await;
@@ -210,7 +231,12 @@ mod tests {
             sandbox_id: "sb1".into(),
             netns: None,
         };
-        tokio::spawn(serve_channels(b, req, vec![port, closed]));
+        tokio::spawn(serve_channels(
+            b,
+            req,
+            vec![port, closed],
+            Budget::new(64 << 20),
+        ));
         let mut c = Client::new(a);
         let mut by_channel: std::collections::HashMap<u8, Vec<Vec<u8>>> = Default::default();
         // Each channel's first message is its port, little-endian.

@@ -6,13 +6,15 @@
 //! copies: the client's messages into the pipe (its end: EOF), and what the caller writes out
 //! as messages of at most [`MAX_DATA_CHUNK`] bytes (the caller's EOF: a close frame, then up to
 //! [`LINGER`] for the client's answer). Neither direction buffers more than the pipe and the
-//! connection's queues.
+//! connection's queues. With a budget (port-forward), each message's charge is held until the
+//! pipe has taken its bytes, and each read going out is charged until it is written.
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 use tokio::sync::mpsc;
 
 use super::close;
 use super::conn::{Conn, Event};
+use crate::stream::budget::{self, Budget};
 use crate::stream::session::LINGER;
 use crate::stream::spdy::conn::MAX_DATA_CHUNK;
 
@@ -20,12 +22,16 @@ use crate::stream::spdy::conn::MAX_DATA_CHUNK;
 const PIPE: usize = 64 * 1024;
 
 /// The tunnelled byte stream of a served connection.
-pub fn byte_stream(conn: Conn, mut events: mpsc::Receiver<Event>) -> DuplexStream {
+pub fn byte_stream(
+    conn: Conn,
+    mut events: mpsc::Receiver<Event>,
+    budget: Option<Budget>,
+) -> DuplexStream {
     let (theirs, ours) = tokio::io::duplex(PIPE);
     let (mut rd, mut wr) = tokio::io::split(ours);
     let ended = conn.ended.clone();
     tokio::spawn(async move {
-        while let Some(Event::Message(m)) = events.recv().await {
+        while let Some(Event::Message(m, _charge)) = events.recv().await {
             // The pipe's reader may wait on a consumer of its own: the connection can end
             // meanwhile.
             let written = tokio::select! {
@@ -46,7 +52,13 @@ pub fn byte_stream(conn: Conn, mut events: mpsc::Receiver<Event>) -> DuplexStrea
             match rd.read(&mut buf).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
-                    if conn.sender.send(buf[..n].to_vec()).await.is_err() {
+                    let charge = budget::charge(budget.as_ref(), n).await;
+                    if conn
+                        .sender
+                        .send_charged(buf[..n].to_vec(), charge)
+                        .await
+                        .is_err()
+                    {
                         break;
                     }
                 }
@@ -68,7 +80,7 @@ mod tests {
     async fn bytes_cross_whatever_the_message_boundaries() {
         let (a, b) = tokio::io::duplex(1 << 20);
         let (c, events) = conn::serve(b);
-        let mut stream = byte_stream(c, events);
+        let mut stream = byte_stream(c, events, None);
         let mut client = Client::new(a);
         client.send(opcode::BINARY, b"hel").await;
         client.send(opcode::BINARY, b"lo").await;
