@@ -127,6 +127,8 @@ pub fn settings_of(c: &Config) -> ServeArgs {
         ingest_min_free: Some(c.ingest_min_free * 100.0),
         image_fs_reserve: Some(c.image_fs_reserve),
         max_blob_size: Some(c.max_blob_size),
+        keep_layer_blobs: Some(c.keep_layer_blobs),
+        node_metadata_budget: Some(c.node_metadata_budget as u64),
         cni_conf_dirs: c.cni_conf_dirs.clone(),
         cni_bin_dirs: c.cni_bin_dirs.clone(),
         // The built-in handler's binary is found on PATH unless one is named.
