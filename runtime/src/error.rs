@@ -24,6 +24,9 @@ pub enum Error {
     Unavailable(String),
     #[error("{0}")]
     ResourceExhausted(String),
+    /// An RPC minicri does not implement, saying which and why.
+    #[error("{0}")]
+    Unimplemented(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -39,6 +42,7 @@ impl Error {
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::Unavailable(_) => Code::Unavailable,
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
+            Error::Unimplemented(_) => Code::Unimplemented,
             Error::Store(e) => match e.kind() {
                 ErrorKind::InvalidArgument => Code::InvalidArgument,
                 ErrorKind::NotFound => Code::NotFound,

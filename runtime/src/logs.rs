@@ -237,8 +237,14 @@ fn c_name(n: &OsStr) -> io::Result<CString> {
 }
 
 /// Creates the directories between `root` and the log at `path` as [`CriLogFile::open`] would,
-/// without opening the log.
+/// without opening the log. The pod's log directory `root` is created first if it is missing
+/// (0755 before the umask): the kubelet makes it before RunPodSandbox, but an operator running
+/// pods with crictl names one that may not exist yet. It is the caller's (the kubelet's) path,
+/// so symlinks in it are followed as they would be for the kubelet.
 pub fn create_log_dirs(root: &Path, path: &Path) -> io::Result<()> {
+    if !root.exists() {
+        std::fs::create_dir_all(root)?;
+    }
     dir_beneath(root, path).map(drop)
 }
 
@@ -402,6 +408,18 @@ mod tests {
         let e = CriLogFile::open(d.path(), &log).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::ELOOP), "{e}");
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious\n");
+    }
+
+    /// A pod log directory that does not exist yet (crictl, not the kubelet, made the pod) is
+    /// created with the log's own directories.
+    #[test]
+    fn a_missing_pod_log_directory_is_created() {
+        let d = tempfile::tempdir().unwrap();
+        let pod = d.path().join("logs/pod");
+        create_log_dirs(&pod, &pod.join("app/0.log")).unwrap();
+        assert!(pod.join("app").is_dir());
+        let mut f = CriLogFile::open(&pod, &pod.join("app/0.log")).unwrap();
+        f.write_entry(Stream::Stdout, false, b"hi").unwrap();
     }
 
     /// No directory between the pod's log directory and the log is followed if it is a symlink

@@ -23,6 +23,21 @@ async fn version_status_and_runtime_config() {
     assert_eq!(v.runtime_api_version, "v1");
     assert_eq!(v.runtime_version, env!("CARGO_PKG_VERSION"));
 
+    // An RPC minicri does not implement says which and why.
+    let err = rt
+        .checkpoint_container(cri::CheckpointContainerRequest {
+            container_id: "abc".into(),
+            location: "/tmp/x.tar".into(),
+            timeout: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unimplemented, "{err:?}");
+    assert!(
+        err.message().contains("CheckpointContainer") && err.message().contains("CRIU"),
+        "{err:?}"
+    );
+
     let cond = |s: &cri::StatusResponse, t: &str| {
         s.status
             .as_ref()
@@ -98,7 +113,7 @@ async fn version_status_and_runtime_config() {
         cri::CgroupDriver::Systemd as i32
     );
 
-    // A fresh daemon has no pods; RPCs not written yet answer UNIMPLEMENTED.
+    // A fresh daemon has no pods; a request without its id is refused before anything else.
     let pods = rt
         .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
         .await
@@ -109,7 +124,8 @@ async fn version_status_and_runtime_config() {
         .checkpoint_container(cri::CheckpointContainerRequest::default())
         .await
         .unwrap_err();
-    assert_eq!(err.code(), tonic::Code::Unimplemented);
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("container_id"), "{err:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -2,8 +2,7 @@
 //! calls the daemon's services ([`crate::pods::PodService`] for pods, containers, stats and
 //! streaming targets; [`crate::stream`] registers streaming sessions), and converts back, inside
 //! [`crate::rpc::call`]. GetContainerEvents's stream is built by [`super::events`]; the streamed
-//! lists by [`super::stream`]; CheckpointContainer answers UNIMPLEMENTED through the generated
-//! default stub.
+//! lists by [`super::stream`]; CheckpointContainer answers UNIMPLEMENTED, saying so.
 //! The kubelet polls the status, list and stats RPCs, so their successes log at debug level
 //! ([`Verbosity::Poll`]).
 
@@ -715,6 +714,28 @@ impl RuntimeService for RuntimeHandler {
         req: Request<cri::StreamPodSandboxMetricsRequest>,
     ) -> Streamed<cri::StreamPodSandboxMetricsResponse> {
         super::stream::pod_sandbox_metrics(&self.daemon, req).await
+    }
+
+    /// Not implemented (checkpoints need CRIU, docs/cri-coverage.md): the answer says so, for
+    /// `crictl checkpoint` and the kubelet's checkpoint API, and the container is not touched.
+    async fn checkpoint_container(
+        &self,
+        req: Request<cri::CheckpointContainerRequest>,
+    ) -> Reply<cri::CheckpointContainerResponse> {
+        call_on(
+            "CheckpointContainer",
+            Verbosity::Normal,
+            req,
+            ("container_id", |r| r.container_id.clone()),
+            |r| async move {
+                Err::<cri::CheckpointContainerResponse, _>(Error::Unimplemented(format!(
+                    "CheckpointContainer of {:?}: minicri does not checkpoint containers (no CRIU \
+                     support); the container was not touched",
+                    r.container_id
+                )))
+            },
+        )
+        .await
     }
 
     async fn update_pod_sandbox_resources(
