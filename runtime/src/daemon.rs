@@ -351,7 +351,12 @@ fn open_snapshotter(
     Ok(Arc::new(snap))
 }
 
-/// Drops snapshot claims of images that have no record (a crash between unpack and record).
+/// Drops snapshot claims of images that have no record (a crash between unpack and record), then
+/// removes the layer snapshots nobody holds: a release killed after it had dropped its image's
+/// claim from some of the image's snapshots but before it removed them leaves them so (the
+/// release at the next start finds the claim on the lower ones only, and they have children).
+/// Every layer snapshot minicri makes carries the id of an image, so one with no user and no
+/// child can serve nothing.
 fn reconcile_snapshots(snap: &dyn Snapshotter, images: &ImageStore) {
     let known: std::collections::HashSet<String> = images
         .list()
@@ -372,5 +377,72 @@ fn reconcile_snapshots(snap: &dyn Snapshotter, images: &ImageStore) {
             }
             Err(e) => tracing::warn!(image = %user, error = %e, "cannot release snapshots"),
         }
+    }
+    let Ok(list) = snap.list() else { return };
+    let parents: std::collections::HashSet<&str> =
+        list.iter().filter_map(|i| i.parent.as_deref()).collect();
+    for i in list.iter().filter(|i| {
+        i.kind == minicri_snapshotter::Kind::Committed
+            && i.users.is_empty()
+            && !parents.contains(i.key.as_str())
+    }) {
+        match snap.remove(&i.key) {
+            Ok(gone) => {
+                tracing::info!(snapshot = %i.key, snapshots_removed = gone.len(), "removed layer snapshots nobody holds")
+            }
+            Err(e) => {
+                tracing::warn!(snapshot = %i.key, error = %e, "cannot remove a layer snapshot nobody holds")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tar of one small file, as a layer.
+    fn layer(name: &str) -> (Vec<u8>, String) {
+        let mut b = tar::Builder::new(Vec::new());
+        let data = name.as_bytes();
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_cksum();
+        b.append_data(&mut h, name, data).unwrap();
+        let bytes = b.into_inner().unwrap();
+        let diff_id = minicri_store::digest::Digest::of(&bytes).to_string();
+        (bytes, diff_id)
+    }
+
+    /// Layer snapshots left without users and children (a release killed half-way) go at
+    /// start, with their ancestors nobody holds; snapshots an image holds stay.
+    #[test]
+    fn layer_snapshots_nobody_holds_are_removed_at_start() {
+        let d = tempfile::tempdir().unwrap();
+        let snap = LocalSnapshotter::open(d.path().join("snap"), Backend::Copy, Options::default())
+            .unwrap();
+        let content = minicri_store::ContentStore::open(&d.path().join("content")).unwrap();
+        let images = ImageStore::open(d.path(), &content).unwrap();
+        let apply = |name: &str, parent: Option<&str>, user: Option<&str>| {
+            let (bytes, diff_id) = layer(name);
+            let spec = minicri_snapshotter::LayerSpec {
+                media_type: "application/vnd.oci.image.layer.v1.tar",
+                diff_id: &diff_id,
+                parent,
+                user,
+            };
+            snap.apply_layer(&spec, &mut bytes.as_slice())
+                .unwrap()
+                .chain_id
+        };
+        // Two layers whose image's claim is gone, and one layer a snapshot of a kept image
+        // holds (its holder is not an image: no record is needed for it).
+        let bottom = apply("a", None, None);
+        let top = apply("b", Some(&bottom), None);
+        let held = apply("c", None, Some("container-1"));
+        reconcile_snapshots(&snap, &images);
+        let keys: Vec<String> = snap.list().unwrap().into_iter().map(|i| i.key).collect();
+        assert_eq!(keys, vec![held], "{top} and {bottom} should be gone");
     }
 }
