@@ -8,9 +8,10 @@ use minicri_proto::runtime::v1::image_service_server::ImageService;
 use minicri_store::{Credentials, ImageRecord, PodRef, Requester};
 use tonic::{Request, Response, Status};
 
+use super::Streamed;
 use crate::daemon::Daemon;
 use crate::error::Error;
-use crate::rpc::{Verbosity, call, deadline};
+use crate::rpc::{Verbosity, call, call_batched, deadline};
 
 pub struct ImageHandler {
     pub daemon: Arc<Daemon>,
@@ -76,7 +77,7 @@ fn credentials(auth: Option<cri::AuthConfig>) -> Credentials {
 }
 
 /// The image a list filter names (`""`: every image).
-pub fn image_filter(filter: Option<cri::ImageFilter>) -> String {
+fn image_filter(filter: Option<cri::ImageFilter>) -> String {
     filter
         .and_then(|f| f.image)
         .map(|s| s.image)
@@ -84,7 +85,7 @@ pub fn image_filter(filter: Option<cri::ImageFilter>) -> String {
 }
 
 /// ListImages and StreamImages: every image, or the one `filter` names (none when unknown).
-pub fn list_images(daemon: &Daemon, filter: &str) -> Result<Vec<cri::Image>, Error> {
+fn list_images(daemon: &Daemon, filter: &str) -> Result<Vec<cri::Image>, Error> {
     let images = if filter.is_empty() {
         daemon.images.list()
     } else {
@@ -112,8 +113,15 @@ impl ImageService for ImageHandler {
     async fn stream_images(
         &self,
         req: Request<cri::StreamImagesRequest>,
-    ) -> Result<Response<tonic::codegen::BoxStream<cri::StreamImagesResponse>>, Status> {
-        super::stream::images(&self.daemon, req).await
+    ) -> Streamed<cri::StreamImagesResponse> {
+        let dl = deadline(&req);
+        let filter = image_filter(req.into_inner().filter);
+        let daemon = &self.daemon;
+        let list = async { list_images(daemon, &filter) };
+        call_batched("StreamImages", dl, Verbosity::Poll, list, |images| {
+            cri::StreamImagesResponse { images }
+        })
+        .await
     }
 
     async fn image_status(
