@@ -1,11 +1,12 @@
-//! Container operations: create, start, stop, remove, status, list, ExecSync,
-//! ReopenContainerLog, UpdateContainerResources.
+//! Container operations: create, start, stop, remove, status, list, ReopenContainerLog.
 //!
 //! CreateContainer prepares the writable snapshot (key: the container id, parent: the image's
 //! top layer chain id), mounts it at `<state>/containers/<id>/rootfs`, mounts the image volumes
 //! ([`super::imagevol`]) and writes the bundle;
 //! StartContainer starts the shim (which creates the container through runc and writes its CRI
-//! log) and then `runc start`s it; a task waits for the exit and records it.
+//! log) and then `runc start`s it; a task waits for the exit and records it ([`super::exits`]).
+//! ExecSync is with the other exec paths ([`super::exec`]), UpdateContainerResources with the
+//! pod resize ([`super::resize`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -18,15 +19,13 @@ use prost::Message;
 use super::store::{ContainerRecord, ContainerState, SandboxState};
 use super::{Journal, Operation, PodService, Undo, blocking, now_ns};
 use crate::error::{Error, Result};
-use crate::oci::{
-    self, ContainerSpecParams, ExecOpts, ImageConfig, SandboxFiles, SandboxNamespaces,
-};
-use crate::shim::{ExitRecord, LogTarget, ShimConfig, ShimHandle};
+use crate::oci::{self, ContainerSpecParams, ImageConfig, SandboxFiles, SandboxNamespaces};
+use crate::shim::{LogTarget, ShimConfig};
 
 /// How long StopContainer waits for the exit after SIGKILL.
 const KILL_WAIT: Duration = Duration::from_secs(10);
 
-fn not_found(id: &str) -> Error {
+pub(super) fn not_found(id: &str) -> Error {
     Error::NotFound(format!("container {id} not found"))
 }
 
@@ -440,120 +439,6 @@ impl PodService {
         Ok(())
     }
 
-    /// Records the exit of a container when its shim reports it.
-    pub(crate) fn watch_exit(self: &Arc<Self>, id: String, shim: ShimHandle) {
-        let svc = self.clone();
-        tokio::spawn(async move {
-            let exit = svc.monitors.wait(&shim).await;
-            {
-                // After a stop that is recording the same exit (it holds the lock while it
-                // waits), so the exit is judged once.
-                let _guard = svc.store.op_lock(&id).await;
-                match exit {
-                    Ok(exit) => svc.record_exit(&id, &exit).await,
-                    Err(e) => svc.record_lost(&id, &e.to_string()),
-                }
-            }
-            svc.delete_exited(&id).await;
-        });
-    }
-
-    /// Deletes an exited container from its OCI runtime at once (its state directory and
-    /// cgroup go; the record, logs and rootfs stay until RemoveContainer), so that RemoveContainer
-    /// has no runtime call to wait for. A failure leaves it to RemoveContainer.
-    pub(crate) async fn delete_exited(&self, id: &str) {
-        let _guard = self.store.op_lock(id).await;
-        let Some(rec) = self.store.container(id) else {
-            return;
-        };
-        if rec.state != ContainerState::Exited || rec.runtime_deleted {
-            return;
-        }
-        let deleted = match self.runtime(&rec.runtime_handler) {
-            Ok(runtime) => runtime.delete(id, true).await.map_err(Error::from),
-            Err(e) => Err(e),
-        };
-        match deleted {
-            Ok(()) => {
-                if let Err(e) = self
-                    .store
-                    .update_container(id, |r| r.runtime_deleted = true)
-                {
-                    tracing::debug!(container = %id, error = %e, "recording the runtime delete");
-                }
-            }
-            Err(e) => {
-                tracing::debug!(container = %id, error = %e, "delete after exit; RemoveContainer retries")
-            }
-        }
-    }
-
-    /// Marks a container exited with `exit` (once; later calls change nothing), finding out off
-    /// the async workers whether the OOM killer ended it
-    /// ([`super::cgroups::oom_killed_after_exit`]).
-    pub(crate) async fn record_exit(&self, id: &str, exit: &ExitRecord) {
-        // Recorded already (a stop and the exit watch both report it), or removed since:
-        // nothing to ask.
-        let Some(c) = self
-            .store
-            .container(id)
-            .filter(|c| c.state != ContainerState::Exited)
-        else {
-            return;
-        };
-        let (driver, parent, e) = (self.cgroup_driver, self.cgroup_parent(&c), exit.clone());
-        let oom = tokio::task::spawn_blocking(move || {
-            super::cgroups::oom_killed_after_exit(driver, &parent, &c.id, &e)
-        })
-        .await
-        .unwrap_or(false);
-        self.record_exit_as(id, exit, oom);
-    }
-
-    /// The cgroup parent of the container's sandbox ("" when the sandbox names none or is gone).
-    pub(crate) fn cgroup_parent(&self, c: &ContainerRecord) -> String {
-        self.store
-            .sandbox(&c.sandbox_id)
-            .and_then(|s| s.config().linux)
-            .map(|l| l.cgroup_parent)
-            .unwrap_or_default()
-    }
-
-    pub(crate) fn record_exit_as(&self, id: &str, exit: &ExitRecord, oom: bool) {
-        let r = self.store.update_container(id, |r| {
-            if r.state == ContainerState::Exited {
-                return;
-            }
-            r.state = ContainerState::Exited;
-            r.exit_code = exit.exit_code;
-            r.finished_at = exit.exited_at_ns;
-            r.reason = if oom {
-                "OOMKilled"
-            } else if exit.exit_code == 0 {
-                "Completed"
-            } else {
-                "Error"
-            }
-            .into();
-        });
-        if let Err(e) = r {
-            tracing::warn!(container = %id, error = %e, "cannot record the exit");
-        }
-    }
-
-    fn record_lost(&self, id: &str, why: &str) {
-        let _ = self.store.update_container(id, |r| {
-            if r.state == ContainerState::Exited {
-                return;
-            }
-            r.state = ContainerState::Exited;
-            r.exit_code = 255;
-            r.finished_at = now_ns();
-            r.reason = "Unknown".into();
-            r.message = why.to_string();
-        });
-    }
-
     /// StopContainer: the stop signal, `timeout` seconds, then SIGKILL to every process of the
     /// container. Idempotent; an unknown id is success (CRI).
     pub async fn stop_container(self: &Arc<Self>, id: String, timeout: i64) -> Result<()> {
@@ -654,54 +539,6 @@ impl PodService {
         Ok(())
     }
 
-    /// Tears down a removed container ([`Store::begin_removal`]): deletes it from its runtime,
-    /// lets its shim go, unmounts its rootfs and image volumes, removes its snapshots and
-    /// directories, lets go of the images its volumes use, then removes its record. Every step is idempotent, so a teardown cut short is simply run again; one that
-    /// another caller finished meanwhile is nothing to do.
-    pub(crate) async fn teardown_container(&self, id: &str) -> Result<()> {
-        let _guard = self.store.op_lock(id).await;
-        let Some(rec) = self.store.removal(id) else {
-            return Ok(());
-        };
-        if !rec.runtime_deleted {
-            self.runtime(&rec.runtime_handler)?.delete(id, true).await?;
-        }
-        if let Some(shim) = &rec.shim {
-            self.reap_shim(shim).await;
-        }
-        let snap = self.snapshotter.clone();
-        let (rootfs, key) = (rec.rootfs.clone(), id.to_string());
-        let idmap = self.idmap_dir(id);
-        let (dir, bundle) = (self.container_dir(id), rec.bundle.clone());
-        let volumes = rec.image_volumes.clone();
-        blocking(move || {
-            super::unmount_all(&rootfs)?;
-            // Before the directory holding them is removed: it is removed recursively.
-            super::imagevol::unmount(&volumes)?;
-            oci::userns::remove_idmapped(&idmap)?;
-            match snap.remove(&key) {
-                Ok(_) | Err(minicri_snapshotter::Error::NotFound { .. }) => {}
-                Err(e) => return Err(e.into()),
-            }
-            super::remove_dir(&dir)?;
-            super::remove_dir(&bundle)
-        })
-        .await?;
-        self.release_image_volumes(id, &rec.image_volumes).await?;
-        self.store.finish_removal(id)
-    }
-
-    /// Finishes the teardown of every removed container of sandbox `sandbox_id` (all of them
-    /// when `None`), in the background ones' stead if they are still running.
-    pub(crate) async fn finish_teardowns(&self, sandbox_id: Option<&str>) -> Result<()> {
-        for rec in self.store.removals() {
-            if sandbox_id.is_none_or(|s| s == rec.sandbox_id) {
-                self.teardown_container(&rec.id).await?;
-            }
-        }
-        Ok(())
-    }
-
     pub fn container_status(&self, id: &str) -> Result<cri::ContainerStatus> {
         let r = self.store.container(id).ok_or_else(|| not_found(id))?;
         let c = r.config();
@@ -771,7 +608,8 @@ impl PodService {
         out
     }
 
-    fn running(&self, id: &str) -> Result<ContainerRecord> {
+    /// The record of container `id` if it is running: NOT_FOUND or FAILED_PRECONDITION naming it.
+    pub(super) fn running(&self, id: &str) -> Result<ContainerRecord> {
         let r = self.store.container(id).ok_or_else(|| not_found(id))?;
         if r.state != ContainerState::Running {
             return Err(Error::FailedPrecondition(format!(
@@ -779,40 +617,6 @@ impl PodService {
             )));
         }
         Ok(r)
-    }
-
-    /// ExecSync: runs `cmd` in the container with its process settings (user, env, cwd),
-    /// output captured; killed after `timeout` seconds (0: no limit).
-    pub async fn exec_sync(
-        &self,
-        id: &str,
-        cmd: Vec<String>,
-        timeout: i64,
-    ) -> Result<cri::ExecSyncResponse> {
-        let r = self.running(id)?;
-        super::exec::check_cmd(&cmd)?;
-        let mut process = super::exec::bundle_process(id, &r.bundle)?;
-        process.set_args(Some(cmd));
-        process.set_terminal(Some(false));
-        let out = self
-            .runtime(&r.runtime_handler)?
-            .exec(ExecOpts {
-                id: id.to_string(),
-                process,
-                stdin: None,
-                timeout: (timeout > 0).then(|| Duration::from_secs(timeout as u64)),
-            })
-            .await?;
-        if out.timed_out {
-            return Err(Error::DeadlineExceeded(format!(
-                "command in container {id} timed out after {timeout}s"
-            )));
-        }
-        Ok(cri::ExecSyncResponse {
-            stdout: out.stdout,
-            stderr: out.stderr,
-            exit_code: out.exit_code,
-        })
     }
 
     /// ReopenContainerLog: the shim reopens the log file (after the kubelet rotated it).
@@ -827,42 +631,5 @@ impl PodService {
             .shim
             .ok_or_else(|| Error::FailedPrecondition(format!("container {id} is not running")))?;
         Ok(self.monitors.reopen_log(&shim).await?)
-    }
-
-    /// UpdateContainerResources: applied through the runtime to a running container, and to
-    /// the bundle of a created one. Serialised with StartContainer (the object's op lock), so an
-    /// update of a created container is either in the bundle runc reads or sent to the running
-    /// container, never written after runc read it and lost.
-    pub async fn update_container_resources(
-        &self,
-        id: &str,
-        linux: Option<cri::LinuxContainerResources>,
-    ) -> Result<()> {
-        let _guard = self.store.op_lock(id).await;
-        let r = self.store.container(id).ok_or_else(|| not_found(id))?;
-        let Some(linux) = linux else { return Ok(()) };
-        let resources = oci::spec::linux_resources(&linux, &self.host)?;
-        match r.state {
-            ContainerState::Running => Ok(self
-                .runtime(&r.runtime_handler)?
-                .update(id, &resources)
-                .await?),
-            ContainerState::Created => crate::fsutil::off_async(|| {
-                let path = r.bundle.join("config.json");
-                let mut spec = oci_spec::runtime::Spec::load(&path)
-                    .map_err(|e| Error::Internal(format!("reading the spec of {id}: {e}")))?;
-                let mut l = spec.linux().clone().unwrap_or_default();
-                let mut merged = resources;
-                if let Some(old) = l.resources() {
-                    merged.set_devices(old.devices().clone());
-                }
-                l.set_resources(Some(merged));
-                spec.set_linux(Some(l));
-                Ok(oci::write_bundle(&r.bundle, &spec)?)
-            }),
-            _ => Err(Error::FailedPrecondition(format!(
-                "container {id} is not running"
-            ))),
-        }
     }
 }

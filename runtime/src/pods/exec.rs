@@ -12,6 +12,7 @@
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
 
@@ -170,5 +171,41 @@ impl PodService {
             Stdio::from(pty.slave),
         )?;
         Ok((p, pty.master))
+    }
+}
+
+impl PodService {
+    /// ExecSync: runs `cmd` in the container with its process settings (user, env, cwd),
+    /// output captured; killed after `timeout` seconds (0: no limit).
+    pub async fn exec_sync(
+        &self,
+        id: &str,
+        cmd: Vec<String>,
+        timeout: i64,
+    ) -> Result<cri::ExecSyncResponse> {
+        let r = self.running(id)?;
+        super::exec::check_cmd(&cmd)?;
+        let mut process = super::exec::bundle_process(id, &r.bundle)?;
+        process.set_args(Some(cmd));
+        process.set_terminal(Some(false));
+        let out = self
+            .runtime(&r.runtime_handler)?
+            .exec(ExecOpts {
+                id: id.to_string(),
+                process,
+                stdin: None,
+                timeout: (timeout > 0).then(|| Duration::from_secs(timeout as u64)),
+            })
+            .await?;
+        if out.timed_out {
+            return Err(Error::DeadlineExceeded(format!(
+                "command in container {id} timed out after {timeout}s"
+            )));
+        }
+        Ok(cri::ExecSyncResponse {
+            stdout: out.stdout,
+            stderr: out.stderr,
+            exit_code: out.exit_code,
+        })
     }
 }

@@ -4,16 +4,18 @@
 //! - [`store`]: sandbox and container records, in memory and as JSON files under
 //!   `<state>/pods/`, and name reservations;
 //! - [`sandbox`]: RunPodSandbox, StopPodSandbox, RemovePodSandbox, status and list;
-//! - [`container`]: CreateContainer … RemoveContainer, status, list, ExecSync, ReopenContainerLog,
-//!   UpdateContainerResources;
-//! - [`exec`]: streaming exec (the Exec RPC's check, the process with piped stdio);
+//! - [`container`]: CreateContainer … RemoveContainer, status, list, ReopenContainerLog;
+//! - [`exits`]: a container's exit watched, recorded and deleted from its runtime; the teardown
+//!   RemoveContainer leaves to the background;
+//! - [`exec`]: ExecSync and streaming exec (the Exec RPC's check, the process with piped stdio);
 //! - [`imagevol`]: image volumes (mounts that name an image), their snapshots and mounts;
 //! - [`cgroups`]: what the kernel says about a container's or pod's cgroup (OOM kills, CPU,
 //!   memory and process counters);
 //! - [`stats`]: ContainerStats, ListContainerStats, PodSandboxStats, ListPodSandboxStats;
 //! - [`metrics`]: ListMetricDescriptors, ListPodSandboxMetrics (cAdvisor's metrics, from the
 //!   stats' readers);
-//! - [`resize`]: UpdatePodSandboxResources (the pod's cgroup, undone on failure);
+//! - [`resize`]: UpdateContainerResources and UpdatePodSandboxResources (the pod's cgroup,
+//!   undone on failure);
 //! - [`stopping`]: the SIGKILL deadlines of containers being stopped, shared by their stops;
 //! - [`streaming`]: exec and attach for the streaming server (its `ExecBackend`);
 //! - [`undo`]: multi-step operations, their undo steps and the on-disk journal of them.
@@ -42,6 +44,7 @@
 pub mod cgroups;
 pub mod container;
 pub mod exec;
+pub mod exits;
 pub mod imagevol;
 pub mod inspect;
 pub mod metrics;
@@ -133,7 +136,7 @@ pub const MAX_METADATA_BYTES: usize = (256 + 16) << 10;
 /// them, hold them all), and by default also what keeps every list RPC (ListPodSandbox,
 /// ListContainers, the stats lists), which carries all of one kind in one message, under the
 /// kubelet's 16 MiB message limit, with room for the rest of each item. The streamed lists
-/// (`crate::cri::stream`) carry them in batches of at most 2 MiB, so a node configured past
+/// (the Stream* handlers in `crate::cri`) carry them in batches of at most 2 MiB, so a node configured past
 /// this still lists to a client that streams, while one that only lists gets RESOURCE_EXHAUSTED
 /// from its own message limit (docs/hardening.md).
 pub const DEFAULT_NODE_METADATA_BYTES: usize = 8 << 20;
