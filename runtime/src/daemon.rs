@@ -147,7 +147,7 @@ impl Daemon {
 
     /// Verbose ImageStatus info: the image config and where the image came from, as JSON.
     pub fn image_info(&self, rec: &ImageRecord) -> Result<String> {
-        let bytes = crate::fsutil::off_async(|| self.content.read(&rec.config))?;
+        let bytes = minicri_store::fsutil::off_async(|| self.content.read(&rec.config))?;
         let config: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
             Error::Internal(format!("image config {} is not JSON: {e}", rec.config))
         })?;
@@ -235,7 +235,7 @@ impl Daemon {
     /// configuration now (a file that does not parse, or names no plugin, does not count; the
     /// message says why each was skipped).
     pub fn network_condition(&self) -> cri::RuntimeCondition {
-        match crate::fsutil::off_async(|| self.pods.cni.network_ready()) {
+        match minicri_store::fsutil::off_async(|| self.pods.cni.network_ready()) {
             Ok(_) => cri::RuntimeCondition {
                 r#type: "NetworkReady".into(),
                 status: true,

@@ -1,6 +1,6 @@
 //! The daemon's error type and the one place where errors become gRPC statuses.
 
-use minicri_store::registry::bounded_to;
+use minicri_store::text::bounded_to;
 use minicri_store::{ErrorKind, StoreError};
 use tonic::{Code, Status};
 

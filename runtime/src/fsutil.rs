@@ -1,10 +1,8 @@
-//! Small filesystem helpers the daemon's modules share: replacing a file atomically and making a
-//! directory's entries durable (the store crate's one implementation of each, re-exported for
-//! the daemon's modules), reading a file someone else wrote without blocking or reading without
-//! end ([`read_regular`]), the modes of the daemon's directories ([`private_layout`]), and a disk
-//! usage walk whose panic is an error ([`walk_caught`]).
-
-pub use minicri_store::fsutil::{off_async, sync_dir, write_atomic};
+//! Small filesystem helpers of the daemon's modules: reading a file someone else wrote without
+//! blocking or reading without end ([`read_regular`]), the modes of the daemon's directories
+//! ([`private_layout`]), and a disk usage walk whose panic is an error ([`walk_caught`]).
+//! Replacing a record durably is `minicri_snapshotter::write_atomic` (with `sync_dir`), running
+//! file work from async code `minicri_store::fsutil::off_async`: one definition each.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;

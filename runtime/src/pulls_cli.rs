@@ -8,7 +8,7 @@ use clap::{Args, Subcommand};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use minicri_proto::minicri::v1 as admin;
 use minicri_proto::minicri::v1::pulls_client::PullsClient;
-use minicri_store::human_bytes as human;
+use minicri_store::text::human_bytes as human;
 use tonic::transport::{Channel, Endpoint};
 
 #[derive(Debug, Args)]
@@ -122,7 +122,7 @@ fn requester(r: &admin::PullRequester) -> String {
         };
         format!(
             " [held by the sandbox for {}{calls}]",
-            minicri_store::human_duration(secs)
+            minicri_store::text::human_duration(secs)
         )
     } else {
         format!(" [{} call(s) waiting]", r.calls)

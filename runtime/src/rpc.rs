@@ -109,7 +109,7 @@ where
     let mut log = CallLog {
         method,
         // A client names the object (an image reference, an id): a long one is cut for the log.
-        object: minicri_store::registry::bounded_to(object.into(), MAX_LOGGED_OBJECT_CHARS),
+        object: minicri_store::text::bounded_to(object.into(), MAX_LOGGED_OBJECT_CHARS),
         start,
         // A client's deadline of centuries is none (`Instant` cannot hold it).
         deadline: deadline.and_then(|d| start.checked_add(d)),

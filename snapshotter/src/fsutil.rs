@@ -397,6 +397,51 @@ pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn replaces_whole_and_leaves_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("rec.json");
+        write_atomic(&p, b"first", 0o600).unwrap();
+        write_atomic(&p, b"second", 0o600).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"second");
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("rec.json")]);
+        // A directory in the way: the error is returned and no temporary stays.
+        let blocked = dir.path().join("sub");
+        std::fs::create_dir(&blocked).unwrap();
+        std::fs::write(blocked.join("x"), b"").unwrap();
+        assert!(write_atomic(&blocked, b"x", 0o600).is_err());
+        assert!(!dir.path().join("sub.tmp").exists());
+    }
+
+    #[test]
+    fn creates_with_the_mode_asked_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("secret.json");
+        write_atomic(&p, b"{}", 0o600).unwrap();
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        // A stale temporary with a wider mode is not reused.
+        let tmp = dir.path().join("open.json.tmp");
+        std::fs::write(&tmp, b"old").unwrap();
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o666)).unwrap();
+        write_atomic(&dir.path().join("open.json"), b"{}", 0o600).unwrap();
+        assert_eq!(
+            std::fs::metadata(dir.path().join("open.json"))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777,
+            0o600
+        );
+    }
 
     #[test]
     fn copy_tree_keeps_links_modes_xattrs_and_times() {

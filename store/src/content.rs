@@ -526,7 +526,7 @@ fn walk_usage(dir: &Path, bytes: &mut u64, inodes: &mut u64) {
 /// What a download is, for messages: the blob, its size, and what of it is on disk (kept for a
 /// resume when the download stops).
 fn describe_download(d: &Digest, size: u64, on_disk: u64) -> String {
-    use crate::pull::detach::human_bytes;
+    use crate::text::human_bytes;
     format!(
         "download of blob {d} ({}, {} on disk, kept for a resume)",
         human_bytes(size as f64),

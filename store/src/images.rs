@@ -225,7 +225,7 @@ impl ImageStore {
     fn persist(&self, rec: &ImageRecord) -> Result<()> {
         let dst = self.record_path(&rec.id);
         let bytes = serde_json::to_vec_pretty(rec).expect("serialisable");
-        crate::fsutil::off_async(|| crate::fsutil::write_atomic(&dst, &bytes, 0o600))
+        crate::fsutil::off_async(|| minicri_snapshotter::write_atomic(&dst, &bytes, 0o600))
             .ctx(|| format!("writing {}", dst.display()))
     }
 
@@ -452,10 +452,10 @@ impl ImageStore {
         let path = self.record_path(id);
         crate::fsutil::off_async(|| -> std::io::Result<()> {
             fs::create_dir_all(self.journal_dir())?;
-            crate::fsutil::write_atomic(&journal, &bytes, 0o600)?;
+            minicri_snapshotter::write_atomic(&journal, &bytes, 0o600)?;
             match fs::remove_file(&path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-                _ => crate::fsutil::sync_dir(&self.dir),
+                _ => minicri_snapshotter::sync_dir(&self.dir),
             }
         })
         .ctx(|| format!("removing image record {}", path.display()))?;

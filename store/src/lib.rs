@@ -28,6 +28,7 @@ pub mod reference;
 pub mod registry;
 pub mod sched;
 pub mod space;
+pub mod text;
 pub mod unpack;
 
 pub use content::ContentStore;
@@ -35,7 +36,7 @@ pub use digest::Digest;
 pub use error::{ErrorKind, Result, StoreError};
 pub use hosts::RegistryHosts;
 pub use images::{ImageRecord, ImageStore};
-pub use pull::detach::{DetachPolicy, human_bytes, human_duration, progress_text};
+pub use pull::detach::{DetachPolicy, progress_text};
 pub use pull::{
     AbortTarget, JobSnapshot, PodRef, PullConfig, PullCounters, PullManager, Requester,
 };

@@ -27,7 +27,7 @@ use std::str::FromStr;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::pull::detach::human_bytes;
+use crate::text::human_bytes;
 
 /// Bytes claimed on a filesystem, by all its writers together, between two measures at most.
 pub const MEASURE_EVERY: u64 = 4 << 20;

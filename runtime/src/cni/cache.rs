@@ -102,7 +102,7 @@ impl Cache {
     /// back to the current configuration).
     pub fn read(&self, id: &str) -> Option<CacheEntry> {
         let path = self.path(id);
-        let bytes = match crate::fsutil::off_async(|| std::fs::read(&path)) {
+        let bytes = match minicri_store::fsutil::off_async(|| std::fs::read(&path)) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return None,
             Err(e) => {
@@ -128,16 +128,16 @@ impl Cache {
         let id = &entry.container_id;
         let path = self.path(id);
         let bytes = serde_json::to_vec_pretty(entry).expect("plain data serialises");
-        crate::fsutil::off_async(|| {
+        minicri_store::fsutil::off_async(|| {
             std::fs::create_dir_all(&self.dir)?;
-            crate::fsutil::write_atomic(&path, &bytes, 0o600)
+            minicri_snapshotter::write_atomic(&path, &bytes, 0o600)
         })
         .map_err(self.io_err(id))
     }
 
     /// Removes the entry of `id`; fine when there is none.
     pub fn remove(&self, id: &str) -> Result<(), CniError> {
-        match crate::fsutil::off_async(|| std::fs::remove_file(self.path(id))) {
+        match minicri_store::fsutil::off_async(|| std::fs::remove_file(self.path(id))) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(self.io_err(id)(e)),

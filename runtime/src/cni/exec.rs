@@ -237,7 +237,7 @@ impl PluginRunner {
         Err(CniError::Plugin {
             plugin: plugin.to_string(),
             command: inv.command,
-            message: minicri_store::registry::bounded(message),
+            message: minicri_store::text::bounded(message),
             code: PluginError::parse(&output.stdout).map(|e| e.code),
         })
     }

@@ -181,7 +181,7 @@ impl CniManager {
     /// Reads the configuration directories now (off the async workers: Status calls it every
     /// few seconds, and the directories are the administrator's).
     pub fn load_config(&self) -> (Option<NetworkConfigList>, LoadReport) {
-        crate::fsutil::off_async(|| config::load(&self.opts.conf_dirs))
+        minicri_store::fsutil::off_async(|| config::load(&self.opts.conf_dirs))
     }
 
     /// NetworkReady: `Ok(file in use)` when a valid configuration exists, else `Err(why not)`

@@ -457,7 +457,7 @@ async fn find_kubeconfig(
     let mut said = false;
     loop {
         let search = cfg.search.clone();
-        let found = crate::fsutil::off_async(|| discovery::find_kubeconfig(&search));
+        let found = minicri_store::fsutil::off_async(|| discovery::find_kubeconfig(&search));
         if let Some(path) = found {
             info!(kubeconfig = %path.display(), "pod watcher: found the kubelet's kubeconfig");
             return Some(path);

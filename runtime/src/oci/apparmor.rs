@@ -96,7 +96,7 @@ pub fn load_default_profile(dir: &Path) -> Result<()> {
         })?;
     std::fs::create_dir_all(dir).map_err(|e| OciError::io("create", dir, e))?;
     let file = dir.join(DEFAULT_PROFILE);
-    crate::fsutil::write_atomic(&file, DEFAULT_PROFILE_TEXT.as_bytes(), 0o600)
+    minicri_snapshotter::write_atomic(&file, DEFAULT_PROFILE_TEXT.as_bytes(), 0o600)
         .map_err(|e| OciError::io("write", &file, e))?;
     let out = std::process::Command::new(&parser)
         .arg("-Kr")

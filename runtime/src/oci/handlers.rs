@@ -268,7 +268,7 @@ pub(super) async fn probe_handler(
         let b = bundle.clone();
         tokio::task::spawn_blocking(move || {
             std::fs::create_dir_all(&b)?;
-            crate::fsutil::write_atomic(&b.join("config.json"), spec.as_bytes(), 0o600)
+            minicri_snapshotter::write_atomic(&b.join("config.json"), spec.as_bytes(), 0o600)
         })
         .await
         .map_err(|e| e.to_string())?

@@ -68,6 +68,6 @@ pub fn write_bundle(bundle: &std::path::Path, spec: &oci_spec::runtime::Spec) ->
     let json = serde_json::to_vec_pretty(spec)
         .map_err(|e| OciError::Other(format!("config.json: {e}")))?;
     // The container's environment is in there: readable by root only.
-    crate::fsutil::write_atomic(&bundle.join("config.json"), &json, 0o600)
+    minicri_snapshotter::write_atomic(&bundle.join("config.json"), &json, 0o600)
         .map_err(|e| OciError::io("write", bundle.join("config.json"), e))
 }

@@ -248,7 +248,7 @@ impl Runc {
         process: &Process,
         detach: bool,
     ) -> Result<(Command, ExecScratch)> {
-        let process_file = crate::fsutil::off_async(|| {
+        let process_file = minicri_store::fsutil::off_async(|| {
             let json = serde_json::to_vec(process)
                 .map_err(|e| OciError::Other(format!("process.json: {e}")))?;
             self.scratch_file(id, "process", &json)
@@ -606,7 +606,8 @@ impl OciRuntime for Runc {
         Box::pin(async move {
             let json = serde_json::to_vec(resources)
                 .map_err(|e| OciError::Other(format!("resources: {e}")))?;
-            let file = crate::fsutil::off_async(|| self.scratch_file(id, "resources", &json))?;
+            let file =
+                minicri_store::fsutil::off_async(|| self.scratch_file(id, "resources", &json))?;
             let r = self
                 .run(
                     "update",

@@ -119,7 +119,8 @@ pub fn hosts_file(hostname: &str) -> String {
 
 fn write(path: &Path, contents: &[u8]) -> Result<()> {
     // Bind-mounted into containers, whose users must read them.
-    crate::fsutil::write_atomic(path, contents, 0o644).map_err(|e| OciError::io("write", path, e))
+    minicri_snapshotter::write_atomic(path, contents, 0o644)
+        .map_err(|e| OciError::io("write", path, e))
 }
 
 /// Room a sandbox's files get beyond what they hold when written: containers may write to their

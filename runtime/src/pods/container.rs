@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_store::registry::bounded_to;
+use minicri_store::text::bounded_to;
 use prost::Message;
 
 use super::store::{ContainerRecord, ContainerState, SandboxState};
@@ -177,14 +177,14 @@ impl PodService {
         let chain_id = image.chain_id.clone().ok_or_else(|| {
             Error::FailedPrecondition(format!("image {image_name:?} is not unpacked"))
         })?;
-        let image_config = crate::fsutil::off_async(|| self.content.read(&image.config))?;
+        let image_config = minicri_store::fsutil::off_async(|| self.content.read(&image.config))?;
         let image_config = ImageConfig::from_document(&image_config)?;
         // Mounts are checked before anything is done on the host for them (their sources may
         // be made shared below, which is not undone).
         let pod_userns = oci::userns::pod_userns(&sb_config)?;
         oci::spec::validate_mounts(&config.mounts, &host)?;
         // Nor may they reach minicri's own files (a lookup per path component).
-        crate::fsutil::off_async(|| self.own_paths.check(&config.mounts, &config.devices))?;
+        minicri_store::fsutil::off_async(|| self.own_paths.check(&config.mounts, &config.devices))?;
         oci::userns::check_volume_mappings(&config.mounts, pod_userns.as_ref())?;
         // CRI: the log is <sandbox log_directory>/<container log_path>.
         let log_path = crate::logs::container_log_path(&sb_config.log_directory, &config.log_path)
@@ -276,7 +276,7 @@ impl PodService {
             },
             ..config.clone()
         };
-        let spec = crate::fsutil::off_async(|| {
+        let spec = minicri_store::fsutil::off_async(|| {
             oci::container_spec(&ContainerSpecParams {
                 id: &id,
                 sandbox_id,
@@ -305,7 +305,7 @@ impl PodService {
         .await?;
         let bundle = self.bundle_dir(&id);
         undo.push(Undo::RemoveDir(bundle.clone()))?;
-        crate::fsutil::off_async(|| oci::write_bundle(&bundle, &spec))?;
+        minicri_store::fsutil::off_async(|| oci::write_bundle(&bundle, &spec))?;
 
         let rec = ContainerRecord {
             id: id.clone(),

@@ -28,9 +28,10 @@ pub(crate) fn bundle_process(
     id: &str,
     bundle: &std::path::Path,
 ) -> Result<oci_spec::runtime::Process> {
-    let spec =
-        crate::fsutil::off_async(|| oci_spec::runtime::Spec::load(bundle.join("config.json")))
-            .map_err(|e| Error::Internal(format!("reading the spec of {id}: {e}")))?;
+    let spec = minicri_store::fsutil::off_async(|| {
+        oci_spec::runtime::Spec::load(bundle.join("config.json"))
+    })
+    .map_err(|e| Error::Internal(format!("reading the spec of {id}: {e}")))?;
     Ok(spec.process().clone().unwrap_or_default())
 }
 

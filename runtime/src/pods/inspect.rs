@@ -18,7 +18,7 @@ pub const INFO_KEY: &str = "info";
 
 /// The OCI spec in `bundle`, as a JSON object; `null` when it cannot be read (e.g. removed).
 fn runtime_spec(bundle: &std::path::Path) -> Value {
-    crate::fsutil::off_async(|| std::fs::read(bundle.join("config.json")))
+    minicri_store::fsutil::off_async(|| std::fs::read(bundle.join("config.json")))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or(Value::Null)

@@ -513,7 +513,7 @@ impl PodService {
     /// The handler a new pod asked for (`""`: the default), known and working here.
     pub(crate) async fn handler_for_new_pod(&self, name: &str) -> Result<&Arc<Handler>> {
         // The first call (or every call while it keeps failing) sets up the infra rootfs on disk.
-        let env = crate::fsutil::off_async(|| self.probe_env())?;
+        let env = minicri_store::fsutil::off_async(|| self.probe_env())?;
         Ok(self.handlers.for_new_pod(name, &env).await?)
     }
 

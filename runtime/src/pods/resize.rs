@@ -245,6 +245,45 @@ impl PodService {
     }
 }
 
+impl PodService {
+    /// UpdateContainerResources: applied through the runtime to a running container, and to
+    /// the bundle of a created one. Serialised with StartContainer (the object's op lock), so an
+    /// update of a created container is either in the bundle runc reads or sent to the running
+    /// container, never written after runc read it and lost.
+    pub async fn update_container_resources(
+        &self,
+        id: &str,
+        linux: Option<cri::LinuxContainerResources>,
+    ) -> Result<()> {
+        let _guard = self.store.op_lock(id).await;
+        let r = self.store.container(id).ok_or_else(|| not_found(id))?;
+        let Some(linux) = linux else { return Ok(()) };
+        let resources = oci::spec::linux_resources(&linux, &self.host)?;
+        match r.state {
+            ContainerState::Running => Ok(self
+                .runtime(&r.runtime_handler)?
+                .update(id, &resources)
+                .await?),
+            ContainerState::Created => minicri_store::fsutil::off_async(|| {
+                let path = r.bundle.join("config.json");
+                let mut spec = oci_spec::runtime::Spec::load(&path)
+                    .map_err(|e| Error::Internal(format!("reading the spec of {id}: {e}")))?;
+                let mut l = spec.linux().clone().unwrap_or_default();
+                let mut merged = resources;
+                if let Some(old) = l.resources() {
+                    merged.set_devices(old.devices().clone());
+                }
+                l.set_resources(Some(merged));
+                spec.set_linux(Some(l));
+                Ok(oci::write_bundle(&r.bundle, &spec)?)
+            }),
+            _ => Err(Error::FailedPrecondition(format!(
+                "container {id} is not running"
+            ))),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -350,44 +389,5 @@ mod tests {
             err.to_string().contains("memory cgroup controller"),
             "{err}"
         );
-    }
-}
-
-impl PodService {
-    /// UpdateContainerResources: applied through the runtime to a running container, and to
-    /// the bundle of a created one. Serialised with StartContainer (the object's op lock), so an
-    /// update of a created container is either in the bundle runc reads or sent to the running
-    /// container, never written after runc read it and lost.
-    pub async fn update_container_resources(
-        &self,
-        id: &str,
-        linux: Option<cri::LinuxContainerResources>,
-    ) -> Result<()> {
-        let _guard = self.store.op_lock(id).await;
-        let r = self.store.container(id).ok_or_else(|| not_found(id))?;
-        let Some(linux) = linux else { return Ok(()) };
-        let resources = oci::spec::linux_resources(&linux, &self.host)?;
-        match r.state {
-            ContainerState::Running => Ok(self
-                .runtime(&r.runtime_handler)?
-                .update(id, &resources)
-                .await?),
-            ContainerState::Created => crate::fsutil::off_async(|| {
-                let path = r.bundle.join("config.json");
-                let mut spec = oci_spec::runtime::Spec::load(&path)
-                    .map_err(|e| Error::Internal(format!("reading the spec of {id}: {e}")))?;
-                let mut l = spec.linux().clone().unwrap_or_default();
-                let mut merged = resources;
-                if let Some(old) = l.resources() {
-                    merged.set_devices(old.devices().clone());
-                }
-                l.set_resources(Some(merged));
-                spec.set_linux(Some(l));
-                Ok(oci::write_bundle(&r.bundle, &spec)?)
-            }),
-            _ => Err(Error::FailedPrecondition(format!(
-                "container {id} is not running"
-            ))),
-        }
     }
 }

@@ -274,7 +274,7 @@ impl PodService {
         undo.push(Undo::RemoveDir(bundle.clone()))?;
         // File work (a Localhost seccomp profile is read, the bundle written and fsynced) kept
         // off the async workers.
-        crate::fsutil::off_async(|| -> Result<()> {
+        minicri_store::fsutil::off_async(|| -> Result<()> {
             let spec = oci::sandbox_spec(&SandboxSpecParams {
                 id,
                 config,

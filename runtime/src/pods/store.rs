@@ -28,8 +28,9 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::fsutil::{off_async, sync_dir, write_atomic};
 use crate::shim::ShimHandle;
+use minicri_snapshotter::{sync_dir, write_atomic};
+use minicri_store::fsutil::off_async;
 
 /// `SANDBOX_READY` / `SANDBOX_NOTREADY`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

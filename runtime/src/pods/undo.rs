@@ -127,13 +127,15 @@ impl Journal {
     fn write(&self) -> Result<()> {
         let bytes = serde_json::to_vec(&self.file)
             .map_err(|e| Error::Internal(format!("encoding the undo journal: {e}")))?;
-        crate::fsutil::off_async(|| crate::fsutil::write_atomic(&self.path, &bytes, 0o600))
-            .map_err(|e| Error::Internal(format!("writing {}: {e}", self.path.display())))
+        minicri_store::fsutil::off_async(|| {
+            minicri_snapshotter::write_atomic(&self.path, &bytes, 0o600)
+        })
+        .map_err(|e| Error::Internal(format!("writing {}: {e}", self.path.display())))
     }
 
     /// The operation ended (done, or undone): the file goes.
     fn close(self) {
-        match crate::fsutil::off_async(|| std::fs::remove_file(&self.path)) {
+        match minicri_store::fsutil::off_async(|| std::fs::remove_file(&self.path)) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 tracing::warn!(path = %self.path.display(), error = %e, "cannot remove an undo journal");
             }

@@ -29,9 +29,9 @@ use super::console::ConsoleSocket;
 use super::control::{Shared, serve};
 use super::output::{SharedLog, pump, signal_loop};
 use super::protocol::{ExitRecord, Ready, ShimPaths};
-use crate::fsutil::write_atomic;
 use crate::logs::{CriLogFile, Stream};
 use crate::oci::runc::{Runc, read_runtime_log};
+use minicri_snapshotter::write_atomic;
 
 /// `minicri shim` flags. The daemon builds them with [`super::spawn_shim`].
 #[derive(Debug, Clone, clap::Args)]

@@ -248,8 +248,6 @@ impl FrameDecoder {
     }
 }
 
-pub use crate::fsutil::write_atomic;
-
 /// Reads the exit file; `Ok(None)` when it is not there (yet).
 pub fn read_exit_file(path: &Path) -> std::io::Result<Option<ExitRecord>> {
     match std::fs::read(path) {
@@ -398,7 +396,8 @@ mod tests {
             exited_at_ns: 2,
             oom_killed: false,
         };
-        write_atomic(&p.exit_file(), &serde_json::to_vec(&e).unwrap(), 0o600).unwrap();
+        minicri_snapshotter::write_atomic(&p.exit_file(), &serde_json::to_vec(&e).unwrap(), 0o600)
+            .unwrap();
         assert_eq!(read_exit_file(&p.exit_file()).unwrap(), Some(e));
     }
 }

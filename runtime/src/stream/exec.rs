@@ -123,7 +123,7 @@ pub async fn run_session(
     let (outcome, client_gone) = run(&req, &mut channels, &mut link, backend.as_ref()).await;
     let ms = format!("{:.1}", started.elapsed().as_secs_f64() * 1e3);
     // The client's command, up to a megabyte: its start is enough for a log line.
-    let cmd = minicri_store::registry::bounded_to(format!("{:?}", req.cmd), 512);
+    let cmd = minicri_store::text::bounded_to(format!("{:?}", req.cmd), 512);
     match &outcome {
         Outcome::Error(e) => {
             tracing::warn!(container = %req.container_id, cmd, error = %e, duration_ms = ms, "exec failed")

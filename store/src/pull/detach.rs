@@ -42,6 +42,7 @@ use crate::digest::Digest;
 use crate::error::StoreError;
 use crate::reference::Reference;
 use crate::registry::Credentials;
+use crate::text::{human_bytes, human_duration};
 
 use super::{Job, JobRef, Joining, PodRef, PullManager, Requester};
 
@@ -210,7 +211,7 @@ fn file_writer() -> &'static Mutex<mpsc::Sender<FileOp>> {
                                 .parent()
                                 .map(create_private_dir)
                                 .unwrap_or(Ok(()))
-                                .and_then(|()| crate::fsutil::write_atomic(&p, &bytes, 0o600));
+                                .and_then(|()| minicri_snapshotter::write_atomic(&p, &bytes, 0o600));
                             (p, r)
                         }
                         FileOp::Remove(p) => {
@@ -248,22 +249,6 @@ fn submit(op: FileOp) {
     let _ = file_writer().lock().unwrap().send(op);
 }
 
-/// `1.5 GiB`-style sizes for people.
-pub fn human_bytes(b: f64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b.max(0.0);
-    let mut i = 0;
-    while v >= 1024.0 && i < UNITS.len() - 1 {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{v:.0} {}", UNITS[i])
-    } else {
-        format!("{v:.1} {}", UNITS[i])
-    }
-}
-
 /// How far a download is, for people: `45% (460.2 MiB of 1.0 GiB) at 38.1 MiB/s, about 15s
 /// left` (`rate`: bytes per second now; `connections`: the transfer connections it holds now),
 /// `resolving its layers` before its size is known, and `100% (1.0 GiB), unpacking` once every
@@ -293,16 +278,6 @@ pub fn progress_text(done: u64, total: u64, rate: f64, connections: usize) -> St
         s.push_str(", waiting for bytes");
     }
     s
-}
-
-/// `1h05m`, `3m20s`, `42s` for people.
-pub fn human_duration(secs: f64) -> String {
-    let s = secs.max(0.0).round() as u64;
-    match s {
-        0..60 => format!("{s}s"),
-        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
-        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
-    }
 }
 
 impl PullManager {
@@ -634,12 +609,7 @@ mod tests {
     }
 
     #[test]
-    fn people_read_sizes_and_durations() {
-        assert_eq!(human_bytes(512.0), "512 B");
-        assert_eq!(human_bytes(1.5 * 1024.0 * 1024.0 * 1024.0), "1.5 GiB");
-        assert_eq!(human_duration(42.4), "42s");
-        assert_eq!(human_duration(200.0), "3m20s");
-        assert_eq!(human_duration(3900.0), "1h05m");
+    fn progress_reads_as_people_read_it() {
         assert_eq!(
             progress_text(460 << 20, 1 << 30, 38.0 * 1048576.0, 4),
             "45% (460.0 MiB of 1.0 GiB) at 38.0 MiB/s, about 15s left"

@@ -354,7 +354,7 @@ impl PullManager {
             content.check_fits(missing, || {
                 format!(
                     "pull of {reference} ({} of blobs to download)",
-                    crate::human_bytes(missing as f64)
+                    crate::text::human_bytes(missing as f64)
                 )
             })
         })

@@ -361,7 +361,7 @@ pub(super) async fn error_of(resp: reqwest::Response) -> (RemoteKind, String) {
             .collect::<Vec<_>>()
             .join("; ")
     };
-    let said = super::excerpt(&said, super::MAX_EXCERPT_CHARS);
+    let said = crate::text::excerpt(&said, super::MAX_EXCERPT_CHARS);
     let message = if said.is_empty() {
         format!("GET {url}: {status}")
     } else {

@@ -18,7 +18,7 @@
 //!   the pull's watchdog (`pull_min_speed`) and to their descriptor's size by the ingest;
 //! - manifests are read up to [`MAX_MANIFEST_BYTES`], token responses up to [`MAX_TOKEN_BYTES`]
 //!   and error bodies up to 64 KiB, each refused as soon as it goes past, while it is read;
-//! - error messages built from a registry's answer are cut to [`MAX_MESSAGE_CHARS`], and what
+//! - error messages built from a registry's answer are cut to [`crate::text::MAX_MESSAGE_CHARS`], and what
 //!   they quote of an error body to a short excerpt ([`MAX_EXCERPT_CHARS`], [`excerpt`]), with
 //!   no control characters: they reach the pod's events;
 //! - redirects and token realms reach the node's own addresses only where [`dest`] allows.
@@ -42,6 +42,7 @@ use crate::digest::Digest;
 use crate::error::{Result, StoreError};
 use crate::hosts::{Endpoint, RegistryHosts};
 use crate::reference::Reference;
+use crate::text::{MAX_MESSAGE_CHARS, bounded, excerpt};
 use auth::EndpointCreds;
 
 /// Largest manifest or index accepted: 4 MiB, the size the OCI distribution spec asks registries
@@ -51,8 +52,6 @@ pub const MAX_MANIFEST_BYTES: u64 = 4 << 20;
 /// included; for a blob request, the time until its response headers
 /// ([`Registry::with_request_deadline`]).
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(60);
-/// Most characters of a registry's answer kept in an error message.
-pub const MAX_MESSAGE_CHARS: usize = 1024;
 /// Most characters of a registry's error body quoted in an error message (which reaches the
 /// pod's events): enough for the distribution spec's error codes and messages, or the first
 /// line of an error page, too little to carry much of whatever a service answered.
@@ -105,51 +104,6 @@ fn describe(e: &(dyn std::error::Error + 'static)) -> String {
         src = s.source();
     }
     msg
-}
-
-/// `message` cut to [`MAX_MESSAGE_CHARS`] characters (also for other strangers' text in errors:
-/// CNI plugins' messages).
-pub fn bounded(message: String) -> String {
-    bounded_to(message, MAX_MESSAGE_CHARS)
-}
-
-/// `message` cut to `max_chars` characters, marked as cut.
-pub fn bounded_to(mut message: String, max_chars: usize) -> String {
-    if let Some((at, _)) = message.char_indices().nth(max_chars) {
-        message.truncate(at);
-        message.push_str("… (cut)");
-    }
-    message
-}
-
-/// Whether `c` may change how the text around it is shown: control characters (line breaks,
-/// escape sequences) and Unicode's bidirectional and zero-width formatting characters.
-fn is_formatting(c: char) -> bool {
-    c.is_control()
-        || matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{feff}')
-}
-
-/// A stranger's `text` made fit for one line of an error message: every run of whitespace and
-/// formatting characters one space, trimmed, cut to `max_chars` characters (marked as cut).
-pub fn excerpt(text: &str, max_chars: usize) -> String {
-    let mut out = String::new();
-    let mut gap = false;
-    for c in text.chars() {
-        if c.is_whitespace() || is_formatting(c) {
-            gap = !out.is_empty();
-            continue;
-        }
-        if gap {
-            out.push(' ');
-            gap = false;
-        }
-        out.push(c);
-        // Enough to know whether it must be cut.
-        if out.len() > max_chars * 4 + 4 {
-            break;
-        }
-    }
-    bounded_to(out, max_chars)
 }
 
 /// Clients are cached per endpoint TLS setting: building one loads the TLS roots, which takes
@@ -844,38 +798,5 @@ impl Session {
                 reason: format!("{what}: {detail}"),
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn messages_are_cut() {
-        assert_eq!(bounded("short".into()), "short");
-        let long = "é".repeat(MAX_MESSAGE_CHARS + 10);
-        let cut = bounded(long);
-        assert_eq!(
-            cut.chars().count(),
-            MAX_MESSAGE_CHARS + "… (cut)".chars().count()
-        );
-    }
-
-    #[test]
-    fn excerpts_are_one_short_line() {
-        assert_eq!(
-            excerpt("  a\r\n\tb  \u{1b}[2Jc\u{202e}d\u{0}", 10),
-            "a b [2Jc d"
-        );
-        assert_eq!(excerpt("\n\n", 10), "");
-        assert_eq!(excerpt("abcdef", 3), "abc… (cut)");
-        // Cut by characters, not bytes; a huge input is not copied whole.
-        let long = format!("{}\n{}", "é".repeat(150), "x".repeat(1 << 20));
-        let cut = excerpt(&long, MAX_EXCERPT_CHARS);
-        assert_eq!(
-            cut,
-            format!("{} {}… (cut)", "é".repeat(150), "x".repeat(49))
-        );
     }
 }

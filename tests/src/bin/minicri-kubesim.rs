@@ -66,7 +66,7 @@ fn served(stats: &Path) -> Result<u64> {
 
 /// `1.5 GiB`-style sizes, as minicri words them.
 fn human(bytes: u64) -> String {
-    minicri_store::human_bytes(bytes as f64)
+    minicri_store::text::human_bytes(bytes as f64)
 }
 
 /// One line of `kubectl describe pod`'s events.
