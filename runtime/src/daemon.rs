@@ -16,6 +16,7 @@ use minicri_snapshotter::{Backend, LocalSnapshotter, Options, Snapshotter};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::pods::stats::SNAPSHOT_USAGE_TTL;
 
 pub struct Daemon {
     pub config: Config,
@@ -300,8 +301,6 @@ struct Measure {
     bytes: u64,
     inodes: u64,
 }
-
-pub(crate) const SNAPSHOT_USAGE_TTL: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A reserve given in bytes cannot be compared with `ingest_min_free` (a percentage) before the
 /// filesystem's size is known: warn when it is smaller, since a download stopped at it would

@@ -17,16 +17,21 @@ pub fn validate_digest(digest: &str) -> Result<()> {
     let hex = digest
         .strip_prefix("sha256:")
         .ok_or_else(|| Error::InvalidArgument(format!("digest {digest:?} is not sha256:<hex>")))?;
-    if hex.len() != 64
-        || !hex
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    {
+    if !is_sha256_hex(hex) {
         return Err(Error::InvalidArgument(format!(
             "digest {digest:?} does not have 64 lowercase hex digits"
         )));
     }
     Ok(())
+}
+
+/// Whether `hex` is what follows `sha256:` in a digest: 64 lowercase hex digits. The one check
+/// of it, for layer diff_ids here and content digests in the store.
+pub fn is_sha256_hex(hex: &str) -> bool {
+    hex.len() == 64
+        && hex
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 /// The chain id of a layer whose diff_id is `diff_id`, stacked on the chain `parent` (None for the

@@ -394,6 +394,16 @@ pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
+/// Deletes snapshot data directories already moved aside (by `LocalSnapshotter::collect`),
+/// logging what cannot be removed: the next start empties `tmp/` again.
+pub(crate) fn empty_trash(trash: Vec<std::path::PathBuf>) {
+    for d in trash {
+        if let Err(e) = remove_all(&d) {
+            tracing::warn!(dir = %d.display(), error = %e, "removing snapshot data");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -28,7 +28,7 @@ mod tree;
 pub use apply::{MAX_LONG_NAME, MAX_PATH_BYTES, MAX_PAX_BYTES, MAX_SPARSE_MAP_BYTES, unpack_into};
 pub use backend::overlay::check_support as overlay_supported;
 pub use compression::Compression;
-pub use digest::{chain_id, chain_ids, validate_digest};
+pub use digest::{chain_id, chain_ids, is_sha256_hex, validate_digest};
 pub use error::{Error, Result};
 pub use fsutil::{sync_dir, write_atomic};
 pub use mount::{Mount, unmount};

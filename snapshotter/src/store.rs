@@ -514,15 +514,6 @@ impl LocalSnapshotter {
     }
 }
 
-/// Deletes snapshot data directories already moved aside by [`LocalSnapshotter::collect`].
-pub(crate) fn empty_trash(trash: Vec<PathBuf>) {
-    for d in trash {
-        if let Err(e) = fsutil::remove_all(&d) {
-            tracing::warn!(dir = %d.display(), error = %e, "removing snapshot data");
-        }
-    }
-}
-
 struct Pin<'a> {
     s: &'a LocalSnapshotter,
     key: Option<String>,
@@ -685,7 +676,7 @@ impl Snapshotter for LocalSnapshotter {
             }
             self.collect(&mut st, key, &mut removed, &mut trash)?;
         }
-        empty_trash(trash);
+        fsutil::empty_trash(trash);
         Ok(removed)
     }
 

@@ -24,11 +24,7 @@ impl Digest {
         if algo != "sha256" {
             return Err(bad("only sha256 digests are supported"));
         }
-        if hex.len() != 64
-            || !hex
-                .bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-        {
+        if !minicri_snapshotter::is_sha256_hex(hex) {
             return Err(bad("a sha256 digest has 64 lower-case hex characters"));
         }
         Ok(Digest(s.to_string()))

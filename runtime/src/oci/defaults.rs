@@ -151,19 +151,30 @@ pub(crate) fn bind_mount(dest: &str, source: &Path, options: &[&str]) -> Mount {
     m
 }
 
+/// A fresh `/proc` (every container's and the infra process's).
+pub fn proc_mount() -> Mount {
+    mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"])
+}
+
+/// A small tmpfs `/dev` the runtime fills with the default device nodes (every container's and
+/// the infra process's).
+pub fn dev_mount() -> Mount {
+    mount(
+        "/dev",
+        "tmpfs",
+        "tmpfs",
+        &["nosuid", "strictatime", "mode=755", "size=65536k"],
+    )
+}
+
 /// The mounts every container has: `/proc`, a tmpfs `/dev` with `/dev/pts` and `/dev/mqueue`,
 /// `/sys` and its cgroup tree (read-only unless privileged). `/dev/shm` is added by the caller
 /// (the sandbox's, or a private tmpfs).
 pub fn standard_mounts(privileged: bool) -> Vec<Mount> {
     let ro = if privileged { "rw" } else { "ro" };
     vec![
-        mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"]),
-        mount(
-            "/dev",
-            "tmpfs",
-            "tmpfs",
-            &["nosuid", "strictatime", "mode=755", "size=65536k"],
-        ),
+        proc_mount(),
+        dev_mount(),
         mount(
             "/dev/pts",
             "devpts",

@@ -19,7 +19,7 @@ use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, Mount, Process, Root, Spec, User};
 
 use super::annotations::AnnotationPolicy;
-use super::defaults::{self, bind_mount, linux_capabilities, mount};
+use super::defaults::{self, bind_mount, dev_mount, linux_capabilities, proc_mount};
 use super::error::{OciError, Result};
 use super::host::{CgroupDriver, HostInfo, cgroups_path};
 use super::namespaces::{namespace, namespace_options};
@@ -388,15 +388,7 @@ pub fn sandbox_spec(p: &SandboxSpecParams<'_>) -> Result<Spec> {
     process.set_rlimits(None);
     process.set_oom_score_adj(Some(p.host.clamp_oom_score_adj(SANDBOX_OOM_SCORE_ADJ)));
 
-    let mut mounts: Vec<Mount> = vec![
-        mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"]),
-        mount(
-            "/dev",
-            "tmpfs",
-            "tmpfs",
-            &["nosuid", "strictatime", "mode=755", "size=65536k"],
-        ),
-    ];
+    let mut mounts: Vec<Mount> = vec![proc_mount(), dev_mount()];
     mounts.push(bind_mount(
         crate::pause::INFRA_BINARY,
         &p.infra.binary,

@@ -7,7 +7,7 @@
 //! - the writable layer: the snapshotter's usage of the container's active snapshot (key = the
 //!   container id), a walk of a tree the container fills as it likes (millions of files take
 //!   seconds). No stats call walks: each answers with the last measurement (none before the
-//!   first) and queues a layer whose measurement is missing or older than [`LAYER_USAGE_TTL`]
+//!   first) and queues a layer whose measurement is missing or older than [`SNAPSHOT_USAGE_TTL`]
 //!   for one background thread, which measures the queue one layer at a time. The figures are
 //!   thus up to one kubelet stats period old, as ImageFsInfo's are. Its `fs_id` is the image
 //!   filesystem ImageFsInfo reports (the daemon's root), which holds the snapshots;
@@ -44,8 +44,9 @@ use crate::error::{Error, Result};
 /// Samples closer than this repeat the previous rate instead of making a new one.
 pub const MIN_RATE_INTERVAL: Duration = Duration::from_secs(1);
 
-/// How long a measured writable-layer usage is reused (ImageFsInfo's snapshot walk uses the same).
-pub const LAYER_USAGE_TTL: Duration = crate::daemon::SNAPSHOT_USAGE_TTL;
+/// How long a measured snapshot usage is reused: a container's writable layer here, the image
+/// filesystem's snapshots in ImageFsInfo (`Daemon::image_fs_usage`).
+pub const SNAPSHOT_USAGE_TTL: Duration = Duration::from_secs(5);
 
 /// One CPU sample of a container or pod.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,10 +152,10 @@ impl StatsState {
     }
 
     /// The last measurement of `id`'s writable layer, if any; queues a new one when there is
-    /// none or it is older than [`LAYER_USAGE_TTL`]. Never walks the layer itself.
+    /// none or it is older than [`SNAPSHOT_USAGE_TTL`]. Never walks the layer itself.
     fn layer_sample(self: &Arc<Self>, id: &str) -> Option<LayerSample> {
         let last = lock(&self.layers).get(id).copied();
-        if last.is_none_or(|s| s.measured.elapsed() >= LAYER_USAGE_TTL) {
+        if last.is_none_or(|s| s.measured.elapsed() >= SNAPSHOT_USAGE_TTL) {
             self.queue_measurement(id);
         }
         last

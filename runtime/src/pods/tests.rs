@@ -417,7 +417,7 @@ async fn a_writable_layer_is_measured_in_the_background() {
     // Once stale, the last figures are served while the layer is measured again; a layer that
     // is gone is forgotten.
     node.snapshotter.remove("c1").unwrap();
-    tokio::time::sleep(super::stats::LAYER_USAGE_TTL).await;
+    tokio::time::sleep(super::stats::SNAPSHOT_USAGE_TTL).await;
     assert!(
         svc.writable_layer("c1").is_some(),
         "stale figures are served"
