@@ -345,7 +345,7 @@ pub struct Config {
     /// Where the streaming server listens (loopback only; port 0: any free port).
     pub stream_address: std::net::SocketAddr,
     /// Which pod annotations reach the OCI spec.
-    pub pod_annotations: crate::oci::annotations::AnnotationPolicy,
+    pub pod_annotations: crate::spec::annotations::AnnotationPolicy,
     pub pull_priority_namespaces: Vec<String>,
     /// Host paths containers may mount although they touch minicri's own (resolved when checked).
     pub allow_own_path_mounts: Vec<PathBuf>,
@@ -617,7 +617,7 @@ impl ServeArgs {
                 "stream_address {stream_address} is not a loopback address: the streaming server (exec, attach, port-forward) is only served on loopback (127.0.0.1 or ::1)"
             );
         }
-        let pod_annotations = crate::oci::annotations::AnnotationPolicy::new(self.pod_annotations)
+        let pod_annotations = crate::spec::annotations::AnnotationPolicy::new(self.pod_annotations)
             .map_err(|e| anyhow::anyhow!(e))?;
         let mut runtimes: BTreeMap<String, crate::oci::HandlerConfig> = self
             .runtimes
@@ -657,7 +657,7 @@ impl ServeArgs {
         if let Some(p) = self.allow_own_path_mounts.iter().find(|p| !p.is_absolute()) {
             bail!(
                 "{} entry {} is not an absolute path",
-                crate::oci::own_paths::SETTING,
+                crate::spec::own_paths::SETTING,
                 p.display()
             );
         }

@@ -48,4 +48,5 @@ pub mod rpc;
 pub mod sdnotify;
 pub mod server;
 pub mod shim;
+pub mod spec;
 pub mod stream;

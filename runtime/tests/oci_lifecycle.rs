@@ -221,7 +221,7 @@ async fn exec_in_a_running_container() {
     env.runc.pause(&c.id).await.unwrap();
     assert_eq!(env.runc.state(&c.id).await.unwrap().status, "paused");
     env.runc.resume(&c.id).await.unwrap();
-    let r = minicri::oci::spec::linux_resources(
+    let r = minicri::spec::container::linux_resources(
         &cri::LinuxContainerResources {
             cpu_shares: 256,
             ..Default::default()
@@ -303,7 +303,7 @@ async fn containers_share_the_sandbox() {
         std::fs::read_link("/proc/self/ns/net").unwrap(),
         "the sandbox has its own netns"
     );
-    assert!(minicri::oci::propagation::is_mountpoint(
+    assert!(minicri::spec::propagation::is_mountpoint(
         sb.files.shm.as_ref().unwrap()
     ));
 }
@@ -395,7 +395,7 @@ fn idmapped_mounts_are_unmounted_however_many_are_stacked() {
     tmpfs(&layers.join("0/sub"));
     tmpfs(&layers.join("1"));
     std::fs::write(layers.join("not-a-mount"), "").unwrap();
-    minicri::oci::userns::unmount_idmapped(&layers).unwrap();
+    minicri::spec::userns::unmount_idmapped(&layers).unwrap();
     assert!(!layers.exists());
     let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     let canon = d.path().canonicalize().unwrap();

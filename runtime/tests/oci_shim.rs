@@ -137,7 +137,7 @@ async fn the_shim_survives_its_spawner() {
         "while [ ! -e /tmp/go ]; do sleep 0.05; done; echo survived".into(),
     ]));
     spec.set_process(Some(p));
-    minicri::oci::write_bundle(&bundle, &spec).unwrap();
+    minicri::spec::write_bundle(&bundle, &spec).unwrap();
 
     let mut spawner = std::process::Command::new(std::env::current_exe().unwrap())
         .args([

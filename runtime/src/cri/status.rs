@@ -53,7 +53,7 @@ pub(super) async fn status(
             }),
             info,
             runtime_handlers,
-            // SupplementalGroupsPolicy: `Strict` is honoured (crate::oci::user) and
+            // SupplementalGroupsPolicy: `Strict` is honoured (crate::spec::user) and
             // ContainerStatus reports the process's groups.
             features: Some(cri::RuntimeFeatures {
                 supplemental_groups_policy: true,

@@ -6,9 +6,22 @@ use std::path::{Path, PathBuf};
 
 pub use crate::config::CgroupDriver;
 
-use super::apparmor::AppArmorHost;
-
 use super::error::{OciError, Result};
+
+/// What this host can do for AppArmor requests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AppArmorHost {
+    /// The kernel enforces AppArmor ([`apparmor_enabled`]).
+    pub enabled: bool,
+    /// minicri's default profile is loaded (`crate::spec::apparmor::load_default_profile`
+    /// succeeded at start).
+    pub default_profile: bool,
+}
+
+/// Whether the kernel enforces AppArmor.
+pub fn apparmor_enabled() -> bool {
+    std::fs::read("/sys/module/apparmor/parameters/enabled").is_ok_and(|b| b.first() == Some(&b'Y'))
+}
 
 /// Read once at startup by the daemon ([`HostInfo::detect`]); tests build their own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,7 +99,7 @@ impl HostInfo {
                     (5, 19),
                 ),
             apparmor: AppArmorHost {
-                enabled: super::apparmor::enabled(),
+                enabled: apparmor_enabled(),
                 default_profile: false,
             },
         }

@@ -19,8 +19,8 @@ use prost::Message;
 use super::store::{ContainerRecord, ContainerState, SandboxState};
 use super::{Journal, Operation, PodService, Undo, blocking, now_ns};
 use crate::error::{Error, Result};
-use crate::oci::{self, ContainerSpecParams, ImageConfig, SandboxFiles, SandboxNamespaces};
 use crate::shim::{LogTarget, ShimConfig};
+use crate::spec::{ContainerSpecParams, ImageConfig, SandboxFiles, SandboxNamespaces};
 
 /// How long StopContainer waits for the exit after SIGKILL.
 const KILL_WAIT: Duration = Duration::from_secs(10);
@@ -181,11 +181,11 @@ impl PodService {
         let image_config = ImageConfig::from_document(&image_config)?;
         // Mounts are checked before anything is done on the host for them (their sources may
         // be made shared below, which is not undone).
-        let pod_userns = oci::userns::pod_userns(&sb_config)?;
-        oci::spec::validate_mounts(&config.mounts, &host)?;
+        let pod_userns = crate::spec::userns::pod_userns(&sb_config)?;
+        crate::spec::container::validate_mounts(&config.mounts, &host)?;
         // Nor may they reach minicri's own files (a lookup per path component).
         minicri_store::fsutil::off_async(|| self.own_paths.check(&config.mounts, &config.devices))?;
-        oci::userns::check_volume_mappings(&config.mounts, pod_userns.as_ref())?;
+        crate::spec::userns::check_volume_mappings(&config.mounts, pod_userns.as_ref())?;
         // CRI: the log is <sandbox log_directory>/<container log_path>.
         let log_path = crate::logs::container_log_path(&sb_config.log_directory, &config.log_path)
             .map_err(Error::InvalidArgument)?;
@@ -205,7 +205,7 @@ impl PodService {
         })?;
 
         // The writable snapshot, mounted; in a pod with its own user namespace, on idmapped
-        // layers (crate::oci::userns).
+        // layers (crate::spec::userns).
         let userns_path =
             pod_userns.map(|_| PathBuf::from(format!("/proc/{}/ns/user", sb.infra_pid)));
         let userns = pod_userns
@@ -214,7 +214,7 @@ impl PodService {
         let volume_userns = userns.clone();
         let dir = self.container_dir(&id);
         let rootfs = dir.join("rootfs");
-        // Idmapped mounts stay out of `dir`, which undo removes recursively (crate::oci::userns).
+        // Idmapped mounts stay out of `dir`, which undo removes recursively (crate::spec::userns).
         let idmap = self.idmap_dir(&id);
         undo.push(Undo::RemoveDir(dir.clone()))?;
         undo.push(Undo::RemoveSnapshot(id.clone()))?;
@@ -234,7 +234,7 @@ impl PodService {
                     .map_err(|e| Error::Internal(format!("creating {}: {e}", rootfs.display())))?;
                 match userns {
                     Some((ns, root)) => {
-                        oci::userns::mount_rootfs(&m, &rootfs, &layers, &ns, root)?;
+                        crate::spec::userns::mount_rootfs(&m, &rootfs, &layers, &ns, root)?;
                     }
                     None => m.mount_at(&rootfs)?,
                 }
@@ -256,7 +256,8 @@ impl PodService {
         let shm = files_dir.join("shm");
         // Reads the node's whole mount table: off the async workers.
         let shm =
-            blocking(move || Ok(oci::propagation::is_mountpoint(&shm).then_some(shm))).await?;
+            blocking(move || Ok(crate::spec::propagation::is_mountpoint(&shm).then_some(shm)))
+                .await?;
         let files = SandboxFiles {
             hostname: Some(files_dir.join("hostname")),
             resolv_conf: Some(files_dir.join("resolv.conf")),
@@ -271,13 +272,13 @@ impl PodService {
         let volumes = idmap.join("volumes");
         let spec_config = cri::ContainerConfig {
             mounts: match &userns_path {
-                Some(_) => oci::userns::idmapped_mounts(&bound, &volumes),
+                Some(_) => crate::spec::userns::idmapped_mounts(&bound, &volumes),
                 None => bound.clone(),
             },
             ..config.clone()
         };
         let spec = minicri_store::fsutil::off_async(|| {
-            oci::container_spec(&ContainerSpecParams {
+            crate::spec::container_spec(&ContainerSpecParams {
                 id: &id,
                 sandbox_id,
                 config: &spec_config,
@@ -296,16 +297,16 @@ impl PodService {
         // in a pod user namespace, idmapped when the kubelet asks.
         let mounts = bound;
         blocking(move || {
-            oci::propagation::prepare_bind_sources(&mounts)?;
+            crate::spec::propagation::prepare_bind_sources(&mounts)?;
             if let Some(ns) = &userns_path {
-                oci::userns::idmap_volumes(&mounts, pod_userns.as_ref(), ns, &volumes)?;
+                crate::spec::userns::idmap_volumes(&mounts, pod_userns.as_ref(), ns, &volumes)?;
             }
             Ok(())
         })
         .await?;
         let bundle = self.bundle_dir(&id);
         undo.push(Undo::RemoveDir(bundle.clone()))?;
-        minicri_store::fsutil::off_async(|| oci::write_bundle(&bundle, &spec))?;
+        minicri_store::fsutil::off_async(|| crate::spec::write_bundle(&bundle, &spec))?;
 
         let rec = ContainerRecord {
             id: id.clone(),

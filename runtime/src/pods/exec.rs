@@ -78,7 +78,7 @@ impl PodService {
     /// FAILED_PRECONDITION naming the sandbox when it is missing, not ready or has none.
     pub fn port_forward_netns(&self, id: &str) -> Result<Option<PathBuf>> {
         let sb = self.ready_sandbox(id)?;
-        let host_network = crate::oci::namespaces::namespace_options(&sb.config())
+        let host_network = crate::spec::namespaces::namespace_options(&sb.config())
             .is_some_and(|o| o.network == cri::NamespaceMode::Node as i32);
         match (&sb.netns, host_network) {
             (Some(p), _) => Ok(Some(p.clone())),
@@ -106,7 +106,7 @@ impl PodService {
         process.set_terminal(Some(terminal));
         if terminal {
             let mut env = process.env().clone().unwrap_or_default();
-            crate::oci::spec::with_term(&mut env);
+            crate::spec::container::with_term(&mut env);
             process.set_env(Some(env));
         }
         Ok(process)

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use super::store::{ContainerRecord, ContainerState};
 use super::{PodService, blocking, now_ns};
 use crate::error::{Error, Result};
-use crate::oci;
 use crate::shim::{ExitRecord, ShimHandle};
 
 impl PodService {
@@ -151,7 +150,7 @@ impl PodService {
             super::unmount_all(&rootfs)?;
             // Before the directory holding them is removed: it is removed recursively.
             super::imagevol::unmount(&volumes)?;
-            oci::userns::remove_idmapped(&idmap)?;
+            crate::spec::userns::remove_idmapped(&idmap)?;
             match snap.remove(&key) {
                 Ok(_) | Err(minicri_snapshotter::Error::NotFound { .. }) => {}
                 Err(e) => return Err(e.into()),

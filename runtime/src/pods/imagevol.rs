@@ -21,7 +21,7 @@
 //!   read-only at `<state>/containers/<id>/volumes/<n>/sub`, through the descriptor, so nothing
 //!   is looked up by path again.
 //!
-//! The spec then binds that mount (read-only, `nosuid`, `nodev`: `crate::oci::spec`). Each step
+//! The spec then binds that mount (read-only, `nosuid`, `nodev`: `crate::spec::container`). Each step
 //! is journaled before it is taken ([`super::undo`]), so a failed or interrupted create leaves
 //! nothing mounted, held or kept. The container's record lists its volumes ([`ImageVolume`]);
 //! teardown after RemoveContainer unmounts them, removes the views and lets go of the images.
@@ -40,7 +40,6 @@ use serde::{Deserialize, Serialize};
 
 use super::{Journal, PodService, Undo, blocking, unmount_all};
 use crate::error::{Error, Result};
-use crate::oci;
 
 /// An image a container mounts as a volume, as the container's record keeps it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,7 +67,7 @@ fn volume_dir(dir: &Path, n: usize) -> PathBuf {
 }
 
 /// Where the idmapped layers of image volume `n` go, below a container's idmap directory
-/// (`crate::oci::userns::remove_idmapped` unmounts them).
+/// (`crate::spec::userns::remove_idmapped` unmounts them).
 fn idmapped_layers(idmap: &Path, n: usize) -> PathBuf {
     idmap.join("image-volumes").join(n.to_string())
 }
@@ -226,7 +225,7 @@ impl PodService {
         let asked = mounts
             .iter()
             .enumerate()
-            .filter_map(|(i, m)| oci::spec::image_of(m).map(|name| (i, m, name)));
+            .filter_map(|(i, m)| crate::spec::container::image_of(m).map(|name| (i, m, name)));
         for (n, (index, m, name)) in asked.enumerate() {
             let image = self.images.get(name)?.ok_or_else(|| {
                 Error::NotFound(format!(
@@ -274,7 +273,7 @@ impl PodService {
                     .map_err(|e| Error::Internal(format!("creating {}: {e}", root2.display())))?;
                 match &userns {
                     Some((ns, ids)) => {
-                        oci::userns::mount_rootfs(&view, &root2, &layers, ns, *ids)?;
+                        crate::spec::userns::mount_rootfs(&view, &root2, &layers, ns, *ids)?;
                     }
                     None => view.mount_at(&root2)?,
                 }

@@ -30,7 +30,7 @@
 //! bundles with the shim's files: the full id would make the shim's socket path too long),
 //! `netns/<id>` (pinned network namespaces), `infra/` (the infra rootfs), `runc/` (the OCI
 //! runtime's root), `idmap/<id>/` (idmapped layers and volumes of containers in pod user
-//! namespaces, see `crate::oci::userns`).
+//! namespaces, see `crate::spec::userns`).
 //!
 //! Invariants:
 //! - a multi-step operation that fails half-way undoes every step it took, and one the daemon
@@ -89,9 +89,9 @@ pub struct PodService {
     pub host: HostInfo,
     pub cgroup_driver: CgroupDriver,
     /// Which pod annotations reach the OCI spec.
-    pub annotations: crate::oci::annotations::AnnotationPolicy,
+    pub annotations: crate::spec::annotations::AnnotationPolicy,
     /// minicri's own paths, which container mounts and devices may not reach.
-    pub own_paths: crate::oci::own_paths::OwnPaths,
+    pub own_paths: crate::spec::own_paths::OwnPaths,
     pub state_dir: PathBuf,
     pub shim_binary: PathBuf,
     pub images: Arc<ImageStore>,
@@ -330,7 +330,7 @@ impl PodService {
         }
         if host.apparmor.enabled {
             let dir = state.join("apparmor");
-            match crate::oci::apparmor::load_default_profile(&dir) {
+            match crate::spec::apparmor::load_default_profile(&dir) {
                 Ok(()) => host.apparmor.default_profile = true,
                 Err(e) => tracing::warn!(
                     error = %e,
@@ -354,7 +354,7 @@ impl PodService {
             host,
             cgroup_driver: config.cgroup_driver,
             annotations: config.pod_annotations.clone(),
-            own_paths: crate::oci::own_paths::OwnPaths::new(
+            own_paths: crate::spec::own_paths::OwnPaths::new(
                 &config.root,
                 &state,
                 &config.socket,
@@ -640,7 +640,7 @@ pub(crate) fn remove_dir(d: &Path) -> Result<()> {
 
 /// Unmounts everything stacked on `p` (idempotent).
 pub(crate) fn unmount_all(p: &Path) -> Result<()> {
-    while crate::oci::propagation::is_mountpoint(p) {
+    while crate::spec::propagation::is_mountpoint(p) {
         nix::mount::umount2(p, nix::mount::MntFlags::MNT_DETACH)
             .map_err(|e| Error::Internal(format!("unmounting {}: {e}", p.display())))?;
     }

@@ -28,7 +28,6 @@ use super::container::not_found;
 use super::store::{ContainerState, SandboxState};
 use super::{Journal, Operation, PodService, Undo, blocking};
 use crate::error::{Error, Result};
-use crate::oci;
 
 /// The sum of two CRI resource figures where zero is unset.
 fn sum(a: i64, b: i64) -> i64 {
@@ -154,7 +153,7 @@ impl PodService {
     ) -> Result<()> {
         let total = pod_total(req.overhead.as_ref(), req.resources.as_ref());
         // The values the CRI allows (the same checks as a container's resources).
-        crate::oci::spec::linux_resources(&total, &self.host)?;
+        crate::spec::container::linux_resources(&total, &self.host)?;
         self.undoable(Operation::UpdatePodSandboxResources, move |svc, journal| {
             Box::pin(async move { svc.resize_steps(req, total, journal).await })
         })
@@ -258,7 +257,7 @@ impl PodService {
         let _guard = self.store.op_lock(id).await;
         let r = self.store.container(id).ok_or_else(|| not_found(id))?;
         let Some(linux) = linux else { return Ok(()) };
-        let resources = oci::spec::linux_resources(&linux, &self.host)?;
+        let resources = crate::spec::container::linux_resources(&linux, &self.host)?;
         match r.state {
             ContainerState::Running => Ok(self
                 .runtime(&r.runtime_handler)?
@@ -275,7 +274,7 @@ impl PodService {
                 }
                 l.set_resources(Some(merged));
                 spec.set_linux(Some(l));
-                Ok(oci::write_bundle(&r.bundle, &spec)?)
+                Ok(crate::spec::write_bundle(&r.bundle, &spec)?)
             }),
             _ => Err(Error::FailedPrecondition(format!(
                 "container {id} is not running"

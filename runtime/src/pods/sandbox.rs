@@ -14,14 +14,15 @@ use super::store::{SandboxRecord, SandboxState};
 use super::{Journal, Operation, PodService, Undo, blocking, now_ns};
 use crate::cni::PodNetwork;
 use crate::error::{Error, Result};
-use crate::oci::{self, SandboxFiles, SandboxSpecParams};
+use crate::oci;
 use crate::shim::{ShimConfig, ShimHandle};
+use crate::spec::{SandboxFiles, SandboxSpecParams};
 
 /// How long the infra process gets to exit after SIGKILL.
 const INFRA_EXIT_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn host_network(config: &cri::PodSandboxConfig) -> bool {
-    oci::namespaces::namespace_options(config)
+    crate::spec::namespaces::namespace_options(config)
         .is_some_and(|o| o.network == cri::NamespaceMode::Node as i32)
 }
 
@@ -135,11 +136,11 @@ impl PodService {
             self.check_node_metadata(super::Listed::Pods, &config.labels, &config.annotations)?;
         let handler = self.handler_for_new_pod(&runtime_handler).await?;
         let host = self.host_for(handler);
-        oci::sandbox::validate_sysctls(&config)?;
-        oci::sandbox::validate_dns_and_hostname(&config)?;
+        crate::spec::sandbox::validate_sysctls(&config)?;
+        crate::spec::sandbox::validate_dns_and_hostname(&config)?;
         // A pod in its own user namespace gets its network namespace from the infra process,
-        // which creates both; CNI attaches it after `create` (see crate::oci::userns).
-        let own_userns = oci::userns::pod_userns(&config)?.is_some();
+        // which creates both; CNI attaches it after `create` (see crate::spec::userns).
+        let own_userns = crate::spec::userns::pod_userns(&config)?.is_some();
         if own_userns && !host.user_namespaces {
             return Err(Error::InvalidArgument(
                 "pod user namespaces need Linux >= 5.19 (idmapped overlay layers)".into(),
@@ -275,7 +276,7 @@ impl PodService {
         // File work (a Localhost seccomp profile is read, the bundle written and fsynced) kept
         // off the async workers.
         minicri_store::fsutil::off_async(|| -> Result<()> {
-            let spec = oci::sandbox_spec(&SandboxSpecParams {
+            let spec = crate::spec::sandbox_spec(&SandboxSpecParams {
                 id,
                 config,
                 infra: &infra,
@@ -284,7 +285,7 @@ impl PodService {
                 host: &self.host_for(handler),
                 annotations: &self.annotations,
             })?;
-            oci::write_bundle(&bundle, &spec)?;
+            crate::spec::write_bundle(&bundle, &spec)?;
             Ok(())
         })?;
         // The shim creates the container; from here on, runc knows the id.
@@ -500,7 +501,7 @@ fn sandbox_status(r: &SandboxRecord) -> cri::PodSandboxStatus {
                 .collect(),
         })
     };
-    let options = oci::namespaces::namespace_options(&c)
+    let options = crate::spec::namespaces::namespace_options(&c)
         .cloned()
         .unwrap_or_default();
     cri::PodSandboxStatus {

@@ -45,7 +45,7 @@ pub(crate) enum Undo {
     Unmount(PathBuf),
     RemoveSnapshot(String),
     /// Idmapped mounts of a container in a pod user namespace, and their directory
-    /// (`crate::oci::userns::remove_idmapped`: never a recursive removal).
+    /// (`crate::spec::userns::remove_idmapped`: never a recursive removal).
     RemoveIdmapped(PathBuf),
     /// The container no longer uses the image as a volume (`super::imagevol`).
     ReleaseImageVolume {
@@ -211,7 +211,7 @@ impl PodService {
             // Mount tables are read and trees removed: off the async workers, as every step
             // of an undo that touches files.
             Undo::SandboxFiles(dir) => {
-                blocking(move || Ok(crate::oci::SandboxFiles::cleanup(&dir)?)).await?
+                blocking(move || Ok(crate::spec::SandboxFiles::cleanup(&dir)?)).await?
             }
             Undo::RemoveDir(d) => blocking(move || remove_dir(&d)).await?,
             Undo::DeleteContainer { id, shim, handler } => {
@@ -227,7 +227,7 @@ impl PodService {
             }
             Undo::Unmount(p) => blocking(move || unmount_all(&p)).await?,
             Undo::RemoveIdmapped(p) => {
-                blocking(move || Ok(crate::oci::userns::remove_idmapped(&p)?)).await?
+                blocking(move || Ok(crate::spec::userns::remove_idmapped(&p)?)).await?
             }
             Undo::ReleaseImageVolume { image, container } => {
                 let pulls = self.pulls.clone();

@@ -9,10 +9,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use minicri::oci::{
-    self, CgroupDriver, HostInfo, ImageConfig, OciRuntime, Runc, SandboxFiles, SandboxNamespaces,
-};
+use minicri::oci::{CgroupDriver, HostInfo, OciRuntime, Runc};
 use minicri::shim::{ShimConfig, ShimHandle, spawn_shim};
+use minicri::spec::{self, ImageConfig, SandboxFiles, SandboxNamespaces};
 use minicri_proto::runtime::v1 as cri;
 
 pub const CGROUP_PARENT: &str = "/minicri-oci-test";
@@ -195,18 +194,18 @@ impl Sandbox {
             runc: env.runc.clone(),
         };
         sb.files = SandboxFiles::prepare(&dir.join("files"), &config).unwrap();
-        let spec = oci::sandbox_spec(&oci::SandboxSpecParams {
+        let spec = spec::sandbox_spec(&spec::SandboxSpecParams {
             id: &id,
             config: &config,
             infra: &env.infra,
             netns: None,
             cgroup_driver: CgroupDriver::Cgroupfs,
             host: &env.host,
-            annotations: &oci::annotations::AnnotationPolicy::NONE,
+            annotations: &spec::annotations::AnnotationPolicy::NONE,
         })
         .unwrap();
         let bundle = dir.join("bundle");
-        oci::write_bundle(&bundle, &spec).unwrap();
+        spec::write_bundle(&bundle, &spec).unwrap();
         let shim = spawn_shim(env.shim_config(&id, &bundle, None))
             .await
             .unwrap();
@@ -269,7 +268,7 @@ impl Container {
             runc: env.runc.clone(),
         };
         let image = ImageConfig::default();
-        let spec = oci::container_spec(&oci::ContainerSpecParams {
+        let spec = spec::container_spec(&spec::ContainerSpecParams {
             id: &id,
             sandbox_id: &sandbox.id,
             config: &config,
@@ -281,11 +280,11 @@ impl Container {
             target_pid_ns: None,
             cgroup_driver: CgroupDriver::Cgroupfs,
             host: &env.host,
-            annotations: &oci::annotations::AnnotationPolicy::NONE,
+            annotations: &spec::annotations::AnnotationPolicy::NONE,
         })
         .unwrap();
         let bundle = dir.join("bundle");
-        oci::write_bundle(&bundle, &spec).unwrap();
+        spec::write_bundle(&bundle, &spec).unwrap();
         c.shim = Some(
             spawn_shim(env.shim_config(&id, &bundle, Some(log)))
                 .await

@@ -20,12 +20,12 @@ use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, Mount, Process, Root
 
 use super::annotations::AnnotationPolicy;
 use super::defaults::{self, bind_mount, dev_mount, linux_capabilities, proc_mount};
-use super::error::{OciError, Result};
-use super::host::{CgroupDriver, HostInfo, cgroups_path};
 use super::namespaces::{namespace, namespace_options};
 use super::propagation::is_mountpoint;
 use super::seccomp::select_seccomp;
 use super::user::id_from_i64;
+use crate::oci::error::{OciError, Result};
+use crate::oci::host::{CgroupDriver, HostInfo, cgroups_path};
 
 /// `oom_score_adj` asked for the infra process (the kubelet's value for pause containers);
 /// clamped like any other.

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Deserializer};
 
-use super::error::{OciError, Result};
+use crate::oci::error::{OciError, Result};
 
 /// `config` of an image config document.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]

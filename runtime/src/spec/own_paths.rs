@@ -34,7 +34,7 @@ use std::path::{Component, Path, PathBuf};
 
 use minicri_proto::runtime::v1 as cri;
 
-use super::error::{OciError, Result};
+use crate::oci::error::{OciError, Result};
 
 /// The setting that lists host paths a container may mount although they touch minicri's own.
 pub const SETTING: &str = "allow_own_path_mounts";

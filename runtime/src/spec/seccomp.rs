@@ -36,7 +36,7 @@ use oci_spec::runtime::{
     LinuxSeccompOperator, LinuxSyscall,
 };
 
-use super::error::{OciError, Result};
+use crate::oci::error::{OciError, Result};
 
 const EPERM: u32 = 1;
 const ENOSYS: u32 = 38;

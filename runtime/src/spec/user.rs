@@ -22,7 +22,7 @@ use std::path::{Component, Path, PathBuf};
 
 use minicri_store::manifest::{MAX_ID, parse_id};
 
-use super::error::{OciError, Result};
+use crate::oci::error::{OciError, Result};
 
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ResolvedUser {

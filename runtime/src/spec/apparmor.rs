@@ -25,7 +25,8 @@ use std::path::{Path, PathBuf};
 
 use minicri_proto::runtime::v1 as cri;
 
-use super::error::{OciError, Result};
+use crate::oci::error::{OciError, Result};
+use crate::oci::host::AppArmorHost;
 
 /// The name of minicri's `RuntimeDefault` profile.
 pub const DEFAULT_PROFILE: &str = "minicri-default";
@@ -62,13 +63,7 @@ profile minicri-default flags=(attach_disconnected,mediate_deleted) {
 }
 "#;
 
-const ENABLED: &str = "/sys/module/apparmor/parameters/enabled";
 const PROFILES: &str = "/sys/kernel/security/apparmor/profiles";
-
-/// Whether the kernel enforces AppArmor.
-pub fn enabled() -> bool {
-    std::fs::read(ENABLED).is_ok_and(|b| b.first() == Some(&b'Y'))
-}
 
 /// Whether a profile named `name` is loaded (`/sys/kernel/security/apparmor/profiles` lists
 /// `NAME (MODE)` per line).
@@ -112,15 +107,6 @@ pub fn load_default_profile(dir: &Path) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-/// What this host can do for AppArmor requests.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct AppArmorHost {
-    /// The kernel enforces AppArmor ([`enabled`]).
-    pub enabled: bool,
-    /// [`DEFAULT_PROFILE`] is loaded ([`load_default_profile`] succeeded at start).
-    pub default_profile: bool,
 }
 
 /// The profile for a container's process (`process.apparmorProfile`), from the CRI's `apparmor`

@@ -27,7 +27,7 @@
 //!   the defaults when it sends none), `no_new_privs`, read-only rootfs;
 //! - resources: cpu shares, quota, period, cpuset, memory limit and swap, hugepages, `unified`
 //!   (cgroup v2 only); `oom_score_adj` clamped by [`HostInfo::clamp_oom_score_adj`];
-//! - `linux.cgroupsPath` from the sandbox's `cgroup_parent` ([`super::host::cgroups_path`]).
+//! - `linux.cgroupsPath` from the sandbox's `cgroup_parent` ([`crate::oci::host::cgroups_path`]).
 //!
 //! Building a spec reads the rootfs's passwd/group files, host device nodes, a `Localhost`
 //! seccomp profile and the kernel's list of AppArmor profiles, and changes nothing.
@@ -44,13 +44,13 @@ use oci_spec::runtime::{
 use super::annotations::AnnotationPolicy;
 use super::apparmor::select_apparmor;
 use super::defaults::{self, bind_mount, linux_capabilities};
-use super::error::{OciError, Result};
-use super::host::{CgroupDriver, HostInfo, cgroups_path};
 use super::image_config::ImageConfig;
 use super::namespaces::namespace;
 use super::sandbox::{SandboxFiles, SandboxNamespaces};
 use super::seccomp::select_seccomp;
 use super::user::{UserRequest, resolve_user};
+use crate::oci::error::{OciError, Result};
+use crate::oci::host::{CgroupDriver, HostInfo, cgroups_path};
 
 pub const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use minicri_proto::runtime::v1 as cri;
 
-use super::error::{OciError, Result};
+use crate::oci::error::{OciError, Result};
 
 /// One line of `/proc/<pid>/mountinfo`, the fields propagation needs.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -11,8 +11,8 @@ use oci_spec::runtime::{
     Capability, LinuxCapabilities, LinuxDevice, LinuxDeviceCgroup, LinuxDeviceType, Mount,
 };
 
-use super::error::{OciError, Result};
-use super::host::HostInfo;
+use crate::oci::error::{OciError, Result};
+use crate::oci::host::HostInfo;
 
 /// The 14 capabilities a non-privileged container keeps by default.
 pub const DEFAULT_CAPABILITIES: [&str; 14] = [

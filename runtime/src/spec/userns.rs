@@ -32,8 +32,8 @@ use std::path::{Path, PathBuf};
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::LinuxIdMapping;
 
-use super::error::{OciError, Result};
 use super::namespaces::namespace_options;
+use crate::oci::error::{OciError, Result};
 
 /// The pod's user namespace mappings (one range each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,4 +1,4 @@
-//! Unit tests of the CRI → OCI mapping ([`super::spec`], [`super::sandbox`]); no root needed.
+//! Unit tests of the CRI → OCI mapping ([`super::container`], [`super::sandbox`]); no root needed.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -8,6 +8,7 @@ use oci_spec::runtime::{Capability, LinuxNamespaceType, Spec};
 
 use super::annotations::AnnotationPolicy;
 use super::*;
+use crate::oci::{CgroupDriver, HostInfo};
 
 struct Fixture {
     rootfs: tempfile::TempDir,
@@ -189,8 +190,8 @@ fn process_from_image_and_cri() {
     empty.image = ImageConfig::default();
     assert!(build(&empty, &cri::ContainerConfig::default()).is_err());
     assert_eq!(
-        spec::process_env("h", &[], &[]).unwrap(),
-        ["HOSTNAME=h", spec::DEFAULT_PATH]
+        container::process_env("h", &[], &[]).unwrap(),
+        ["HOSTNAME=h", container::DEFAULT_PATH]
     );
     assert_eq!(p.terminal(), Some(false));
 }
@@ -205,15 +206,16 @@ fn environments_the_runtime_would_refuse_are_refused_when_created() {
     };
     let image = |e: &[&str]| e.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     assert_eq!(
-        spec::process_env("h", &image(&["A=1", "B=2", "A", "C=3"]), &[kv("A", "cri")]).unwrap(),
-        ["HOSTNAME=h", "A=cri", "B=2", "C=3", spec::DEFAULT_PATH]
+        container::process_env("h", &image(&["A=1", "B=2", "A", "C=3"]), &[kv("A", "cri")])
+            .unwrap(),
+        ["HOSTNAME=h", "A=cri", "B=2", "C=3", container::DEFAULT_PATH]
     );
     assert_eq!(
-        spec::process_env("h", &image(&["A=1", "A"]), &[]).unwrap(),
-        ["HOSTNAME=h", spec::DEFAULT_PATH]
+        container::process_env("h", &image(&["A=1", "A"]), &[]).unwrap(),
+        ["HOSTNAME=h", container::DEFAULT_PATH]
     );
     for bad in [&["=1"][..], &["A=\0"], &[""]] {
-        let e = spec::process_env("h", &image(bad), &[]).unwrap_err();
+        let e = container::process_env("h", &image(bad), &[]).unwrap_err();
         assert!(matches!(e, OciError::InvalidArgument(_)), "{bad:?}: {e}");
     }
     // A key with `=` would name another variable ("A=B" = "v" sets A to "B=v"), or none ("=A").
@@ -224,7 +226,7 @@ fn environments_the_runtime_would_refuse_are_refused_when_created() {
         kv("=A", "1"),
         kv("A=B", "v"),
     ] {
-        let e = spec::process_env("h", &[], std::slice::from_ref(&bad)).unwrap_err();
+        let e = container::process_env("h", &[], std::slice::from_ref(&bad)).unwrap_err();
         assert!(e.to_string().contains("envs[0]"), "{bad:?}: {e}");
     }
     let f = fixture();
@@ -254,7 +256,7 @@ fn a_huge_image_env_is_merged_in_linear_time() {
         value: b"cri".to_vec(),
     }];
     let t = std::time::Instant::now();
-    let env = spec::process_env("h", &image, &cri_env).unwrap();
+    let env = container::process_env("h", &image, &cri_env).unwrap();
     assert!(
         t.elapsed() < std::time::Duration::from_secs(2),
         "{:?}",
@@ -551,26 +553,32 @@ fn mounts_and_propagation() {
 fn capabilities_and_seccomp() {
     let f = fixture();
     let host = f.host;
-    let set = spec::capability_set(None, &host).unwrap();
+    let set = container::capability_set(None, &host).unwrap();
     assert_eq!(set.len(), 14);
     let caps = cri::Capability {
         add_capabilities: vec!["NET_ADMIN".into()],
         drop_capabilities: vec!["CAP_KILL".into()],
         ..Default::default()
     };
-    let set = spec::capability_set(Some(&caps), &host).unwrap();
+    let set = container::capability_set(Some(&caps), &host).unwrap();
     assert!(set.contains(&Capability::NetAdmin) && !set.contains(&Capability::Kill));
     let caps = cri::Capability {
         add_capabilities: vec!["CHOWN".into()],
         drop_capabilities: vec!["ALL".into()],
         ..Default::default()
     };
-    assert_eq!(spec::capability_set(Some(&caps), &host).unwrap().len(), 1);
+    assert_eq!(
+        container::capability_set(Some(&caps), &host).unwrap().len(),
+        1
+    );
     let caps = cri::Capability {
         add_capabilities: vec!["ALL".into()],
         ..Default::default()
     };
-    assert_eq!(spec::capability_set(Some(&caps), &host).unwrap().len(), 41);
+    assert_eq!(
+        container::capability_set(Some(&caps), &host).unwrap().len(),
+        41
+    );
 
     let sc = |p: Option<cri::SecurityProfile>| {
         with_sc(cri::LinuxContainerSecurityContext {
@@ -756,7 +764,7 @@ fn devices() {
             matches!(&e, OciError::InvalidArgument(m) if m.contains("NUL")),
             "{e:?}"
         );
-        assert!(spec::validate_mounts(&c.mounts, &f.host).is_err());
+        assert!(container::validate_mounts(&c.mounts, &f.host).is_err());
     }
 }
 
@@ -776,7 +784,7 @@ fn resources_the_kernel_would_refuse_are_refused() {
         ..Default::default()
     };
     let host = fixture().host;
-    spec::linux_resources(&ok, &host).unwrap();
+    container::linux_resources(&ok, &host).unwrap();
     type Change = fn(&mut cri::LinuxContainerResources);
     let cases: [(&str, Change); 8] = [
         ("cpu_period", |r| r.cpu_period = 999),
@@ -793,7 +801,7 @@ fn resources_the_kernel_would_refuse_are_refused() {
     for (field, change) in cases {
         let mut r = ok.clone();
         change(&mut r);
-        let e = spec::linux_resources(&r, &host).unwrap_err();
+        let e = container::linux_resources(&r, &host).unwrap_err();
         assert!(
             matches!(&e, OciError::InvalidArgument(m) if m.contains(field)),
             "{field}: {e:?}"
@@ -879,7 +887,7 @@ fn capabilities_follow_the_bounding_set() {
         add_capabilities: vec!["ALL".into()],
         ..Default::default()
     };
-    let set = spec::capability_set(Some(&all), &host).unwrap();
+    let set = container::capability_set(Some(&all), &host).unwrap();
     assert_eq!(set.len(), 40);
     assert!(!set.contains(&Capability::SysResource));
     assert!(set.contains(&Capability::SysAdmin) && set.contains(&Capability::CheckpointRestore));
@@ -888,14 +896,14 @@ fn capabilities_follow_the_bounding_set() {
         add_capabilities: vec!["SYS_RESOURCE".into()],
         ..Default::default()
     };
-    let err = spec::capability_set(Some(&explicit), &host).unwrap_err();
+    let err = container::capability_set(Some(&explicit), &host).unwrap_err();
     assert!(err.to_string().contains("SYS_RESOURCE"), "{err}");
     // Defaults the host lacks are left out quietly.
     let no_audit = HostInfo {
         cap_bounding: !(1 << 29), // CAP_AUDIT_WRITE
         ..fixture().host
     };
-    let set = spec::capability_set(None, &no_audit).unwrap();
+    let set = container::capability_set(None, &no_audit).unwrap();
     assert_eq!(set.len(), 13);
     assert!(!set.contains(&Capability::AuditWrite));
     // An older kernel knows fewer capabilities.
@@ -903,7 +911,10 @@ fn capabilities_follow_the_bounding_set() {
         cap_last_cap: 37,
         ..fixture().host
     };
-    assert_eq!(spec::capability_set(Some(&all), &old).unwrap().len(), 38);
+    assert_eq!(
+        container::capability_set(Some(&all), &old).unwrap().len(),
+        38
+    );
 
     // A privileged container gets exactly what the host can give, in every set.
     let mut f = fixture();
@@ -996,9 +1007,9 @@ fn recursive_read_only_mounts() {
         &["rbind", "rprivate", "ro"]
     );
     // The same rules are checked before CreateContainer touches the host; id mappings are
-    // left to the pod's user namespace (crate::oci::userns), cri_mounts refuses them.
+    // left to the pod's user namespace (crate::spec::userns), cri_mounts refuses them.
     let bad = rro(true, cri::MountPropagation::PropagationBidirectional);
-    assert!(spec::validate_mounts(&bad.mounts, &f.host).is_err());
+    assert!(container::validate_mounts(&bad.mounts, &f.host).is_err());
     let mapped = vec![cri::Mount {
         container_path: "/v".into(),
         host_path: "/h/v".into(),
@@ -1009,8 +1020,8 @@ fn recursive_read_only_mounts() {
         }],
         ..Default::default()
     }];
-    spec::validate_mounts(&mapped, &f.host).unwrap();
-    let err = spec::cri_mounts(&mapped, &f.host).unwrap_err();
+    container::validate_mounts(&mapped, &f.host).unwrap();
+    let err = container::cri_mounts(&mapped, &f.host).unwrap_err();
     assert!(err.to_string().contains("user namespace"), "{err}");
     // A mount needs a source.
     let no_source = cri::ContainerConfig {
@@ -1028,7 +1039,7 @@ fn recursive_read_only_mounts() {
             host_path: rel.into(),
             ..Default::default()
         }];
-        let err = spec::validate_mounts(&relative, &f.host).unwrap_err();
+        let err = container::validate_mounts(&relative, &f.host).unwrap_err();
         assert!(
             matches!(&err, crate::oci::OciError::InvalidArgument(m) if m.contains("is not absolute")),
             "{err:?}"
@@ -1052,9 +1063,9 @@ fn image_volume_mounts() {
         image_sub_path: sub.into(),
         ..Default::default()
     };
-    spec::validate_mounts(&[image(""), image("a/b")], &f.host).unwrap();
+    container::validate_mounts(&[image(""), image("a/b")], &f.host).unwrap();
     let refused = |m: cri::Mount, want: &str| {
-        let err = spec::validate_mounts(&[m], &f.host).unwrap_err();
+        let err = container::validate_mounts(&[m], &f.host).unwrap_err();
         assert!(
             matches!(&err, crate::oci::OciError::InvalidArgument(msg) if msg.contains(want)),
             "{want}: {err:?}"
@@ -1088,13 +1099,13 @@ fn image_volume_mounts() {
         },
         "names no image",
     );
-    let many: Vec<cri::Mount> = (0..=spec::MAX_IMAGE_VOLUMES)
+    let many: Vec<cri::Mount> = (0..=container::MAX_IMAGE_VOLUMES)
         .map(|n| cri::Mount {
             container_path: format!("/m{n}"),
             ..image("")
         })
         .collect();
-    let err = spec::validate_mounts(&many, &f.host).unwrap_err();
+    let err = container::validate_mounts(&many, &f.host).unwrap_err();
     assert!(err.to_string().contains("image volumes"), "{err}");
 
     // The spec needs the volume mounted first.
@@ -1149,8 +1160,8 @@ fn the_number_of_mounts_is_capped() {
             })
             .collect()
     };
-    spec::validate_mounts(&mounts(spec::MAX_MOUNTS), &f.host).unwrap();
-    let err = spec::validate_mounts(&mounts(spec::MAX_MOUNTS + 1), &f.host).unwrap_err();
+    container::validate_mounts(&mounts(container::MAX_MOUNTS), &f.host).unwrap();
+    let err = container::validate_mounts(&mounts(container::MAX_MOUNTS + 1), &f.host).unwrap_err();
     assert!(
         matches!(&err, crate::oci::OciError::InvalidArgument(m) if m.contains("1025 mounts, at most 1024")),
         "{err:?}"
@@ -1364,7 +1375,8 @@ fn pod_annotations_stay_out_of_the_spec_unless_allowed() {
 
 #[test]
 fn apparmor_profile_of_the_process() {
-    use crate::oci::apparmor::{AppArmorHost, DEFAULT_PROFILE};
+    use crate::oci::host::AppArmorHost;
+    use crate::spec::apparmor::DEFAULT_PROFILE;
     let mut f = fixture();
     let profile = |f: &Fixture, sc: cri::LinuxContainerSecurityContext| {
         build(f, &with_sc(sc)).map(|s| s.process().as_ref().unwrap().apparmor_profile().clone())

@@ -9,8 +9,9 @@ use oci_spec::runtime::LinuxNamespaceType;
 use super::annotations::AnnotationPolicy;
 use super::sandbox::validate_dns_and_hostname;
 use super::*;
+use crate::oci::{CgroupDriver, HostInfo};
 
-use super::spec_tests::{mount_of, ns_of};
+use super::container_tests::{mount_of, ns_of};
 
 fn sandbox_config() -> cri::PodSandboxConfig {
     cri::PodSandboxConfig {
