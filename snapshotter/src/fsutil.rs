@@ -18,8 +18,6 @@ use std::path::{Path, PathBuf};
 use nix::sys::stat::{Mode, SFlag, UtimensatFlags};
 use nix::sys::time::TimeSpec;
 
-pub(crate) use crate::tree::{disk_usage, remove_all};
-
 /// The xattr overlayfs reads to tell an opaque directory.
 pub(crate) const OVERLAY_OPAQUE: &str = "trusted.overlay.opaque";
 
@@ -394,16 +392,6 @@ pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
-/// Deletes snapshot data directories already moved aside (by `LocalSnapshotter::collect`),
-/// logging what cannot be removed: the next start empties `tmp/` again.
-pub(crate) fn empty_trash(trash: Vec<std::path::PathBuf>) {
-    for d in trash {
-        if let Err(e) = remove_all(&d) {
-            tracing::warn!(dir = %d.display(), error = %e, "removing snapshot data");
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -489,7 +477,7 @@ mod tests {
             mtime_of(&fs::symlink_metadata(dst.join("d")).unwrap()),
             (1_000_000, 5)
         );
-        let (bytes, inodes) = disk_usage(&dst).unwrap();
+        let (bytes, inodes) = crate::tree::disk_usage(&dst).unwrap();
         assert!(bytes > 0);
         assert_eq!(inodes, 5); // dst, d, d/f (=g), s, fifo
     }

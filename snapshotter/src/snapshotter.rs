@@ -92,7 +92,7 @@ impl Released {
 
 impl Drop for Released {
     fn drop(&mut self) {
-        crate::fsutil::empty_trash(std::mem::take(&mut self.trash));
+        crate::tree::empty_trash(std::mem::take(&mut self.trash));
     }
 }
 

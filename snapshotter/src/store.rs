@@ -32,7 +32,6 @@ use crate::backend;
 use crate::compression::Compression;
 use crate::digest::{chain_id, validate_digest};
 use crate::error::{Error, IoContext, Result};
-use crate::fsutil;
 use crate::meta::{Record, Records, now};
 use crate::mount::Mount;
 use crate::pipeline;
@@ -144,7 +143,7 @@ impl LocalSnapshotter {
                 )
             })?;
         backend::check_marker(&root, backend)?;
-        fsutil::remove_all(&root.join("tmp")).ctx(|| "clearing tmp".into())?;
+        crate::tree::remove_all(&root.join("tmp")).ctx(|| "clearing tmp".into())?;
         fs::create_dir(root.join("tmp")).ctx(|| "creating tmp".into())?;
         if backend == Backend::Overlay {
             backend::overlay::check_support(&root.join("tmp"))?;
@@ -153,7 +152,7 @@ impl LocalSnapshotter {
         for id in stray {
             tracing::info!(id, "removing snapshot directory without a record");
             let dir = root.join("snapshots").join(id.to_string());
-            fsutil::remove_all(&dir).ctx(|| format!("removing {}", dir.display()))?;
+            crate::tree::remove_all(&dir).ctx(|| format!("removing {}", dir.display()))?;
         }
         Ok(LocalSnapshotter {
             root,
@@ -229,7 +228,7 @@ impl LocalSnapshotter {
         let mut st = self.lock();
         if st.records.get(&rec.key).is_some() {
             drop(st);
-            let _ = fsutil::remove_all(tmp);
+            let _ = crate::tree::remove_all(tmp);
             return Ok(false);
         }
         rec.id = st.records.alloc_id();
@@ -426,7 +425,7 @@ impl LocalSnapshotter {
         let size = match result {
             Ok(a) => a,
             Err(e) => {
-                let _ = fsutil::remove_all(tmp);
+                let _ = crate::tree::remove_all(tmp);
                 return Err(e);
             }
         };
@@ -462,7 +461,7 @@ impl LocalSnapshotter {
         let (_pin, lowers) = self.pin_parent(parent)?;
         let tmp = self.tmp_dir("prepare")?;
         if let Err(e) = backend::populate(self.backend, kind, &tmp, &lowers) {
-            let _ = fsutil::remove_all(&tmp);
+            let _ = crate::tree::remove_all(&tmp);
             return Err(e);
         }
         let rec = Record {
@@ -635,7 +634,7 @@ impl Snapshotter for LocalSnapshotter {
         drop(st);
         if self.backend == Backend::Overlay {
             let work = self.snapshot_dir(id).join("work");
-            fsutil::remove_all(&work).ctx(|| format!("removing {}", work.display()))?;
+            crate::tree::remove_all(&work).ctx(|| format!("removing {}", work.display()))?;
         }
         Ok(())
     }
@@ -676,7 +675,7 @@ impl Snapshotter for LocalSnapshotter {
             }
             self.collect(&mut st, key, &mut removed, &mut trash)?;
         }
-        fsutil::empty_trash(trash);
+        crate::tree::empty_trash(trash);
         Ok(removed)
     }
 
@@ -703,14 +702,14 @@ impl Snapshotter for LocalSnapshotter {
             .ok_or_else(|| Error::NotFound { key: key.into() })?;
         let dir = self.snapshot_dir(id).join("fs");
         let (bytes, inodes) =
-            fsutil::disk_usage(&dir).ctx(|| format!("measuring {}", dir.display()))?;
+            crate::tree::disk_usage(&dir).ctx(|| format!("measuring {}", dir.display()))?;
         Ok(Usage { bytes, inodes })
     }
 
     fn total_usage(&self) -> Result<Usage> {
         let dir = self.root.join("snapshots");
         let (bytes, inodes) =
-            fsutil::disk_usage(&dir).ctx(|| format!("measuring {}", dir.display()))?;
+            crate::tree::disk_usage(&dir).ctx(|| format!("measuring {}", dir.display()))?;
         Ok(Usage { bytes, inodes })
     }
 

@@ -330,6 +330,16 @@ fn empty_pass(root: &OwnedFd, moved: &mut u64) -> io::Result<bool> {
     }
 }
 
+/// Deletes snapshot data directories already moved aside (by `LocalSnapshotter::collect`),
+/// logging what cannot be removed: the next start empties `tmp/` again.
+pub(crate) fn empty_trash(trash: Vec<std::path::PathBuf>) {
+    for d in trash {
+        if let Err(e) = remove_all(&d) {
+            tracing::warn!(dir = %d.display(), error = %e, "removing snapshot data");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

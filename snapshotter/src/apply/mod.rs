@@ -41,8 +41,9 @@ use nix::sys::stat::SFlag;
 
 use crate::error::Error;
 use crate::fsutil;
-use path::{PathError, Resolver, normalize};
+use path::{Resolver, normalize};
 use reader::{Header, Kind, TarReader};
+use target::PathError;
 use target::Room;
 
 const WHITEOUT_PREFIX: &[u8] = b".wh.";

@@ -29,7 +29,7 @@ use std::fs::{self, Metadata};
 use std::io;
 use std::path::{Path, PathBuf};
 
-use super::path::PathError;
+use super::target::PathError;
 use super::target::{Created, DirTimes, NodeType, Room, Target, not_a_dir};
 use crate::fsutil;
 
@@ -341,7 +341,7 @@ impl Target for OverlayTarget {
             None => Ok(Room::Free),
             Some(m) if m.is_dir() && for_dir => Ok(Room::KeepDir),
             Some(m) => {
-                fsutil::remove_all(&up)?;
+                crate::tree::remove_all(&up)?;
                 // Whatever was here replaced the lower content; a directory in its place must too.
                 Ok(if for_dir && !m.is_dir() {
                     Room::FreeOpaque
@@ -371,7 +371,7 @@ impl Target for OverlayTarget {
         if existing.is_some() {
             // Only copied up (for a hardlink or as a parent): drop the copy, then hide the lower one.
             self.note_parent(rel)?;
-            fsutil::remove_all(&up)?;
+            crate::tree::remove_all(&up)?;
         }
         if self.lookup_for(rel, Probe::Exact)?.is_none() {
             return Ok(());

@@ -15,27 +15,10 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{OsStr, OsString};
-use std::io;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
-use super::target::{NodeType, Target};
-
-/// Why a path cannot be used.
-#[derive(Debug)]
-pub(crate) enum PathError {
-    /// Would reach outside the snapshot.
-    Unsafe(String),
-    /// Not applicable (a parent is a file, symlink loops, link target missing).
-    Invalid(String),
-    Io(io::Error),
-}
-
-impl From<io::Error> for PathError {
-    fn from(e: io::Error) -> Self {
-        PathError::Io(e)
-    }
-}
+use super::target::{NodeType, PathError, Target};
 
 /// The cleaned relative form of an entry path: no leading `./`, no `.` or empty components.
 /// The empty path is the snapshot root.

@@ -17,8 +17,23 @@ use std::io;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use super::path::PathError;
 use crate::fsutil;
+
+/// Why a path cannot be used.
+#[derive(Debug)]
+pub(crate) enum PathError {
+    /// Would reach outside the snapshot.
+    Unsafe(String),
+    /// Not applicable (a parent is a file, symlink loops, link target missing).
+    Invalid(String),
+    Io(io::Error),
+}
+
+impl From<io::Error> for PathError {
+    fn from(e: io::Error) -> Self {
+        PathError::Io(e)
+    }
+}
 
 /// What the view has at a path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,7 +181,7 @@ impl Created {
         for e in fs::read_dir(root.join(dir))? {
             let rel = dir.join(e?.file_name());
             if !self.at_or_under(&rel) {
-                fsutil::remove_all(&root.join(&rel))?;
+                crate::tree::remove_all(&root.join(&rel))?;
             } else if fs::symlink_metadata(root.join(&rel))?.is_dir() {
                 self.strip(root, &rel, times)?;
             }
@@ -247,7 +262,7 @@ impl Target for CopyTarget {
             None => Ok(Room::Free),
             Some(m) if m.is_dir() && for_dir => Ok(Room::KeepDir),
             Some(_) => {
-                fsutil::remove_all(&path)?;
+                crate::tree::remove_all(&path)?;
                 Ok(Room::Free)
             }
         }
@@ -260,7 +275,7 @@ impl Target for CopyTarget {
         };
         if !self.created.at_or_under(rel) {
             self.note_parent(rel)?;
-            fsutil::remove_all(&path)
+            crate::tree::remove_all(&path)
         } else if m.is_dir() {
             // This layer wrote here too: the whiteout removes only what lies below.
             self.created.strip(&self.root, rel, &mut self.times)
