@@ -25,7 +25,7 @@ mod store;
 mod stream;
 mod tree;
 
-pub use apply::{MAX_LONG_NAME, MAX_PATH_BYTES, MAX_PAX_BYTES, MAX_SPARSE_MAP_BYTES, unpack_into};
+pub use apply::{MAX_LONG_NAME, MAX_PATH_BYTES, MAX_PAX_BYTES, MAX_SPARSE_MAP_BYTES};
 pub use backend::overlay::check_support as overlay_supported;
 pub use compression::Compression;
 pub use digest::{chain_id, chain_ids, is_sha256_hex, validate_digest};
@@ -35,5 +35,7 @@ pub use mount::{Mount, unmount};
 pub use snapshotter::{
     Backend, Info, Kind, LayerApplied, LayerSpec, Released, Snapshotter, SpaceCheck, Usage,
 };
-pub use store::{DEFAULT_MAX_LAYER_BYTES, DEFAULT_MAX_LAYER_ENTRIES, LocalSnapshotter, Options};
+pub use store::{
+    DEFAULT_MAX_LAYER_BYTES, DEFAULT_MAX_LAYER_ENTRIES, LocalSnapshotter, Options, unpack_into,
+};
 pub use stream::{ChunkReader, FollowReader, WriterStatus};

@@ -749,3 +749,14 @@ impl Snapshotter for LocalSnapshotter {
         Ok(Released::new(removed, trash))
     }
 }
+/// Unpacks the uncompressed layer `tar` into the existing directory `dir` the way the copy
+/// backend applies a layer (whiteouts delete), within `options`' layer limits. For tools and for
+/// fuzzing the applier; snapshots go through [`crate::Snapshotter::apply_layer`].
+pub fn unpack_into(dir: &Path, tar: impl Read, options: &Options) -> Result<(), Error> {
+    let mut target = crate::apply::CopyTarget::new(dir.to_path_buf());
+    let limits = crate::apply::Limits {
+        max_bytes: options.max_layer_bytes,
+        max_entries: options.max_layer_entries,
+    };
+    crate::apply::apply_tar(&mut target, tar, limits)
+}

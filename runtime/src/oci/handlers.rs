@@ -21,10 +21,8 @@ use std::time::Duration;
 use tokio::sync::OnceCell;
 
 use super::error::{OciError, Result};
-use super::host::{CgroupDriver, cgroups_path};
 use super::runc::Runc;
-use super::runtime::{CreateIo, CreateOpts, OciRuntime};
-use crate::pause::InfraRootfs;
+use super::runtime::{OciRuntime, ProbeEnv};
 
 /// The handler used when none is configured as the default.
 pub const DEFAULT_HANDLER: &str = "runc";
@@ -72,17 +70,6 @@ impl Handler {
             .await
             .clone()
     }
-}
-
-/// What the availability probe needs from the daemon.
-#[derive(Debug, Clone)]
-pub struct ProbeEnv {
-    /// Where each handler's throwaway bundle and runtime root go (`<dir>/<name>/`).
-    pub dir: PathBuf,
-    pub infra: InfraRootfs,
-    pub cgroup_driver: CgroupDriver,
-    /// How long one probe may take ([`PROBE_TIMEOUT`]); a runtime still running then is killed.
-    pub timeout: Duration,
 }
 
 impl std::fmt::Debug for Handler {
@@ -240,126 +227,11 @@ impl Handlers {
     }
 }
 
-/// Creates and deletes a throwaway container with `runtime` (under a root of its own, so
-/// nothing of it is ever taken for a pod's container), bounded by [`PROBE_TIMEOUT`].
-pub(super) async fn probe_handler(
-    name: &str,
-    runtime: &Runc,
-    env: &ProbeEnv,
-) -> std::result::Result<(), String> {
-    if which(&runtime.binary).is_none() {
-        return Err(format!(
-            "binary {} not found (PATH or path)",
-            runtime.binary.display()
-        ));
-    }
-    let dir = env.dir.join(name);
-    let _ = tokio::fs::remove_dir_all(&dir).await;
-    let mut probe_runtime = runtime.clone();
-    probe_runtime.root = dir.join("root");
-    probe_runtime.kill_on_drop = true;
-    let id = match crate::ids::random_hex::<6>() {
-        Ok(hex) => format!("minicri-probe-{hex}"),
-        Err(e) => return Err(e.to_string()),
-    };
-    let result = tokio::time::timeout(env.timeout, async {
-        let bundle = dir.join("bundle");
-        let spec = probe_spec(env, &id).map_err(|e| e.to_string())?;
-        let b = bundle.clone();
-        tokio::task::spawn_blocking(move || {
-            std::fs::create_dir_all(&b)?;
-            minicri_snapshotter::write_atomic(&b.join("config.json"), spec.as_bytes(), 0o600)
-        })
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("writing the probe bundle {}: {e}", bundle.display()))?;
-        let created = probe_runtime
-            .create(CreateOpts {
-                id: id.clone(),
-                pid_file: bundle.join("pid"),
-                bundle: bundle.clone(),
-                io: CreateIo::Null,
-            })
-            .await;
-        let deleted = probe_runtime.delete(&id, true).await;
-        created.map_err(runtime_message)?;
-        deleted.map_err(|e| format!("deleting the probe container: {}", runtime_message(e)))
-    })
-    .await
-    .unwrap_or_else(|_| Err(format!("no answer within {:?}", env.timeout)));
-    let _ = tokio::fs::remove_dir_all(&dir).await;
-    result
-}
-
-/// What the runtime said, without the command line around it.
-fn runtime_message(e: OciError) -> String {
-    match e {
-        OciError::Runtime { message, .. } => message,
-        other => other.to_string(),
-    }
-}
-
-/// The probe container: the infra process's rootfs and binary, its own cgroup, PID, mount,
-/// IPC, UTS and network namespaces. It is created, never started.
-fn probe_spec(env: &ProbeEnv, id: &str) -> Result<String> {
-    let parent = match env.cgroup_driver {
-        CgroupDriver::Cgroupfs => "/minicri",
-        CgroupDriver::Systemd => "system.slice",
-    };
-    let cgroups = cgroups_path(env.cgroup_driver, parent, id)?;
-    let bind = |dest: &Path, src: &Path| {
-        serde_json::json!({
-            "destination": dest, "type": "bind", "source": src,
-            "options": ["rbind", "rprivate", "ro"],
-        })
-    };
-    // /dev on a tmpfs of its own, as in the sandbox spec: the runtime sets up device nodes and
-    // the ptmx link there, not in the shared infra rootfs (concurrent probes would collide).
-    let mut mounts = vec![
-        serde_json::json!({"destination": "/proc", "type": "proc", "source": "proc"}),
-        serde_json::json!({
-            "destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-            "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
-        }),
-        bind(Path::new(crate::pause::INFRA_BINARY), &env.infra.binary),
-    ];
-    mounts.extend(env.infra.lib_dirs.iter().map(|d| bind(d, d)));
-    let spec = serde_json::json!({
-        "ociVersion": "1.0.2",
-        "process": {
-            "args": [crate::pause::INFRA_BINARY, "pause"],
-            "cwd": "/",
-            "env": ["PATH=/"],
-            "user": {"uid": 0, "gid": 0},
-        },
-        "root": {"path": env.infra.rootfs, "readonly": true},
-        "hostname": "probe",
-        "mounts": mounts,
-        "linux": {
-            "cgroupsPath": cgroups,
-            "namespaces": [
-                {"type": "pid"}, {"type": "mount"}, {"type": "ipc"}, {"type": "uts"},
-                {"type": "network"},
-            ],
-        },
-    });
-    Ok(spec.to_string())
-}
-
-/// `binary` as the runtime command would find it: a path as is, a bare name on PATH.
-fn which(binary: &Path) -> Option<PathBuf> {
-    if binary.components().count() > 1 {
-        return binary.is_file().then(|| binary.to_path_buf());
-    }
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(binary))
-        .find(|p| p.is_file())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::oci::CgroupDriver;
+    use crate::pause::InfraRootfs;
 
     fn handlers(configured: &[(&str, &str)], default: &str) -> Result<Handlers> {
         let configured = configured

@@ -17,9 +17,10 @@ pub mod runc;
 pub mod runtime;
 
 pub use error::{OciError, Result};
-pub use handlers::{Handler, HandlerConfig, HandlerFeatures, Handlers, ProbeEnv};
+pub use handlers::{Handler, HandlerConfig, HandlerFeatures, Handlers};
 pub use host::{CgroupDriver, HostInfo, cgroups_path, systemd_slice};
 pub use runc::Runc;
 pub use runtime::{
-    CreateIo, CreateOpts, ExecOpts, ExecOutput, ExecProcess, OciRuntime, OciState, RuntimeCommand,
+    CreateIo, CreateOpts, ExecOpts, ExecOutput, ExecProcess, OciRuntime, OciState, ProbeEnv,
+    RuntimeCommand,
 };

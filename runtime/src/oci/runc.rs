@@ -24,18 +24,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 
 use super::error::{OciError, Result};
-use super::handlers::ProbeEnv;
+use super::host::{CgroupDriver, cgroups_path};
 use super::runtime::{
-    CreateIo, CreateOpts, ExecOpts, ExecOutput, OciRuntime, OciState, RuntimeCommand,
+    CreateIo, CreateOpts, ExecOpts, ExecOutput, ExecProcess, OciRuntime, OciState, ProbeEnv,
+    RuntimeCommand,
 };
-
-/// A running exec with piped stdio (`runc exec` stays its parent and relays its status).
-pub struct ExecProcess {
-    pub child: Child,
-    scratch: ExecScratch,
-    binary: String,
-    id: String,
-}
 
 /// The files of one `exec`: process.json (the container's environment), the pid file and the
 /// runtime's JSON log, under [`Runc::scratch_dir`]. Removed when dropped, on every path: an
@@ -51,31 +44,6 @@ impl Drop for ExecScratch {
         for f in [&self.process, &self.pid, &self.log] {
             let _ = std::fs::remove_file(f);
         }
-    }
-}
-
-impl ExecProcess {
-    /// The `--pid-file` where the runtime writes the host pid of the process in the container
-    /// once it runs (killing `runc exec` itself would leave that process running). Removed by
-    /// [`ExecProcess::wait`].
-    pub fn pid_file(&self) -> Option<PathBuf> {
-        Some(self.scratch.pid.clone())
-    }
-
-    /// Waits for the process and returns its exit code; a failure of the runtime itself (e.g.
-    /// the executable is missing) is an error.
-    pub async fn wait(mut self) -> Result<i32> {
-        let status = self
-            .child
-            .wait()
-            .await
-            .map_err(|e| OciError::io("wait for", "runc exec", e))?;
-        let runtime_error = read_runtime_log(&self.scratch.log);
-        drop(self.scratch);
-        if let Some(message) = runtime_error {
-            return Err(classify(&self.binary, "exec", &self.id, message));
-        }
-        Ok(exit_code(status))
     }
 }
 
@@ -306,6 +274,20 @@ fn runtime_message(stderr: &[u8]) -> String {
     } else {
         msgs.join("; ")
     }
+}
+
+/// An exec's process: its end judged by the runtime's JSON log (the runtime's own failure, e.g.
+/// a missing executable) or else the exit code it relayed; the scratch files go with it.
+fn exec_process(child: Child, scratch: ExecScratch, binary: String, id: String) -> ExecProcess {
+    let pid_file = Some(scratch.pid.clone());
+    ExecProcess::new(child, pid_file, move |status| {
+        let runtime_error = read_runtime_log(&scratch.log);
+        drop(scratch);
+        match runtime_error {
+            Some(message) => Err(classify(&binary, "exec", &id, message)),
+            None => Ok(exit_code(status)),
+        }
+    })
 }
 
 /// Error-level messages of a runtime's JSON log (`--log-format json`), if any.
@@ -674,12 +656,7 @@ impl OciRuntime for Runc {
         let child = c
             .spawn()
             .map_err(|e| OciError::io("run", &self.binary, e))?;
-        Ok(ExecProcess {
-            child,
-            scratch,
-            binary: self.name(),
-            id: opts.id,
-        })
+        Ok(exec_process(child, scratch, self.name(), opts.id))
     }
 
     fn command(&self) -> RuntimeCommand {
@@ -695,8 +672,126 @@ impl OciRuntime for Runc {
         name: &'a str,
         env: &'a ProbeEnv,
     ) -> BoxFuture<'a, std::result::Result<(), String>> {
-        Box::pin(super::handlers::probe_handler(name, self, env))
+        Box::pin(probe_handler(name, self, env))
     }
+}
+
+/// Creates and deletes a throwaway container with `runtime` (under a root of its own, so
+/// nothing of it is ever taken for a pod's container), bounded by the
+/// probe environment's timeout (`super::handlers::PROBE_TIMEOUT`).
+pub(super) async fn probe_handler(
+    name: &str,
+    runtime: &Runc,
+    env: &ProbeEnv,
+) -> std::result::Result<(), String> {
+    if which(&runtime.binary).is_none() {
+        return Err(format!(
+            "binary {} not found (PATH or path)",
+            runtime.binary.display()
+        ));
+    }
+    let dir = env.dir.join(name);
+    let _ = tokio::fs::remove_dir_all(&dir).await;
+    let mut probe_runtime = runtime.clone();
+    probe_runtime.root = dir.join("root");
+    probe_runtime.kill_on_drop = true;
+    let id = match crate::ids::random_hex::<6>() {
+        Ok(hex) => format!("minicri-probe-{hex}"),
+        Err(e) => return Err(e.to_string()),
+    };
+    let result = tokio::time::timeout(env.timeout, async {
+        let bundle = dir.join("bundle");
+        let spec = probe_spec(env, &id).map_err(|e| e.to_string())?;
+        let b = bundle.clone();
+        tokio::task::spawn_blocking(move || {
+            std::fs::create_dir_all(&b)?;
+            minicri_snapshotter::write_atomic(&b.join("config.json"), spec.as_bytes(), 0o600)
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("writing the probe bundle {}: {e}", bundle.display()))?;
+        let created = probe_runtime
+            .create(CreateOpts {
+                id: id.clone(),
+                pid_file: bundle.join("pid"),
+                bundle: bundle.clone(),
+                io: CreateIo::Null,
+            })
+            .await;
+        let deleted = probe_runtime.delete(&id, true).await;
+        created.map_err(probe_message)?;
+        deleted.map_err(|e| format!("deleting the probe container: {}", probe_message(e)))
+    })
+    .await
+    .unwrap_or_else(|_| Err(format!("no answer within {:?}", env.timeout)));
+    let _ = tokio::fs::remove_dir_all(&dir).await;
+    result
+}
+
+/// What the runtime said, without the command line around it.
+fn probe_message(e: OciError) -> String {
+    match e {
+        OciError::Runtime { message, .. } => message,
+        other => other.to_string(),
+    }
+}
+
+/// The probe container: the infra process's rootfs and binary, its own cgroup, PID, mount,
+/// IPC, UTS and network namespaces. It is created, never started.
+fn probe_spec(env: &ProbeEnv, id: &str) -> Result<String> {
+    let parent = match env.cgroup_driver {
+        CgroupDriver::Cgroupfs => "/minicri",
+        CgroupDriver::Systemd => "system.slice",
+    };
+    let cgroups = cgroups_path(env.cgroup_driver, parent, id)?;
+    let bind = |dest: &Path, src: &Path| {
+        serde_json::json!({
+            "destination": dest, "type": "bind", "source": src,
+            "options": ["rbind", "rprivate", "ro"],
+        })
+    };
+    // /dev on a tmpfs of its own, as in the sandbox spec: the runtime sets up device nodes and
+    // the ptmx link there, not in the shared infra rootfs (concurrent probes would collide).
+    let mut mounts = vec![
+        serde_json::json!({"destination": "/proc", "type": "proc", "source": "proc"}),
+        serde_json::json!({
+            "destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+            "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+        }),
+        bind(Path::new(crate::pause::INFRA_BINARY), &env.infra.binary),
+    ];
+    mounts.extend(env.infra.lib_dirs.iter().map(|d| bind(d, d)));
+    let spec = serde_json::json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "args": [crate::pause::INFRA_BINARY, "pause"],
+            "cwd": "/",
+            "env": ["PATH=/"],
+            "user": {"uid": 0, "gid": 0},
+        },
+        "root": {"path": env.infra.rootfs, "readonly": true},
+        "hostname": "probe",
+        "mounts": mounts,
+        "linux": {
+            "cgroupsPath": cgroups,
+            "namespaces": [
+                {"type": "pid"}, {"type": "mount"}, {"type": "ipc"}, {"type": "uts"},
+                {"type": "network"},
+            ],
+        },
+    });
+    Ok(spec.to_string())
+}
+
+/// `binary` as the runtime command would find it: a path as is, a bare name on PATH.
+fn which(binary: &Path) -> Option<PathBuf> {
+    if binary.components().count() > 1 {
+        return binary.is_file().then(|| binary.to_path_buf());
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(binary))
+        .find(|p| p.is_file())
 }
 
 #[cfg(test)]

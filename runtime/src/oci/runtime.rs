@@ -21,8 +21,63 @@ use futures::future::BoxFuture;
 use oci_spec::runtime::{LinuxResources, Process};
 use serde::{Deserialize, Serialize};
 
-use super::error::Result;
-pub use super::runc::ExecProcess;
+use super::error::{OciError, Result};
+use super::host::CgroupDriver;
+use crate::pause::InfraRootfs;
+
+/// A running exec with piped stdio: the runtime's process (`runc exec` stays the parent of the
+/// process in the container and relays its status) and how its end is judged.
+pub struct ExecProcess {
+    pub child: tokio::process::Child,
+    pid_file: Option<PathBuf>,
+    /// The exec's exit code, or the runtime's own failure, from the runtime process's exit
+    /// status. Owns the exec's scratch files, so dropping it (waited or not) removes them.
+    finish: Box<dyn FnOnce(std::process::ExitStatus) -> Result<i32> + Send>,
+}
+
+impl ExecProcess {
+    pub fn new(
+        child: tokio::process::Child,
+        pid_file: Option<PathBuf>,
+        finish: impl FnOnce(std::process::ExitStatus) -> Result<i32> + Send + 'static,
+    ) -> ExecProcess {
+        ExecProcess {
+            child,
+            pid_file,
+            finish: Box::new(finish),
+        }
+    }
+
+    /// The `--pid-file` where the runtime writes the host pid of the process in the container
+    /// once it runs (killing `runc exec` itself would leave that process running). Removed by
+    /// [`ExecProcess::wait`].
+    pub fn pid_file(&self) -> Option<PathBuf> {
+        self.pid_file.clone()
+    }
+
+    /// Waits for the process and returns its exit code; a failure of the runtime itself (e.g.
+    /// the executable is missing) is an error.
+    pub async fn wait(mut self) -> Result<i32> {
+        let status = self
+            .child
+            .wait()
+            .await
+            .map_err(|e| OciError::io("wait for", "the runtime's exec", e))?;
+        (self.finish)(status)
+    }
+}
+
+/// What the availability probe needs from the daemon.
+#[derive(Debug, Clone)]
+pub struct ProbeEnv {
+    /// Where each handler's throwaway bundle and runtime root go (`<dir>/<name>/`).
+    pub dir: PathBuf,
+    pub infra: InfraRootfs,
+    pub cgroup_driver: CgroupDriver,
+    /// How long one probe may take ([`super::handlers::PROBE_TIMEOUT`]); a runtime still
+    /// running then is killed.
+    pub timeout: Duration,
+}
 
 /// How another process (the shim) runs the runtime: the binary and its global flags.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -145,6 +200,6 @@ pub trait OciRuntime: Send + Sync {
     fn check_available<'a>(
         &'a self,
         name: &'a str,
-        env: &'a super::ProbeEnv,
+        env: &'a ProbeEnv,
     ) -> BoxFuture<'a, std::result::Result<(), String>>;
 }

@@ -79,18 +79,6 @@ pub(crate) fn apply_tar(
     reader.drain()
 }
 
-/// Unpacks the uncompressed layer `tar` into the existing directory `dir` the way the copy
-/// backend applies a layer (whiteouts delete), within `options`' layer limits. For tools and for
-/// fuzzing the applier; snapshots go through [`crate::Snapshotter::apply_layer`].
-pub fn unpack_into(dir: &Path, tar: impl Read, options: &crate::Options) -> Result<(), Error> {
-    let mut target = CopyTarget::new(dir.to_path_buf());
-    let limits = Limits {
-        max_bytes: options.max_layer_bytes,
-        max_entries: options.max_layer_entries,
-    };
-    apply_tar(&mut target, tar, limits)
-}
-
 /// Why one entry failed; becomes an [`Error`] naming the entry.
 enum EntryError {
     Path(PathError),
