@@ -4,7 +4,7 @@
 //! the channels and a process or a container's stdio.
 //!
 //! Two transports carry the same channels:
-//! - SPDY/3.1 ([`super::spdy`]): the client opens one stream per channel, each with a
+//! - SPDY/3.1 ([`minicri_codecs::spdy`]): the client opens one stream per channel, each with a
 //!   `streamType` header; [`collect`] waits for the ones the request needs. Outputs end with
 //!   FIN; at the end the client's input streams are half-closed too and the connection gets
 //!   GOAWAY.
@@ -14,16 +14,16 @@
 
 use std::time::Duration;
 
+use minicri_codecs::budget::{Charge, Input};
+use minicri_codecs::spdy::conn::{self, Event, IncomingStream, MAX_DATA_CHUNK, StreamWriter};
+use minicri_codecs::spdy::rst;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use super::budget::{Charge, Input};
 use super::exec::{BoxRead, BoxWrite, Resize};
 use super::remotecommand::{
     Outcome, Protocol, STREAM_TYPE_HEADER, StreamType, error_stream_payload,
 };
-use super::spdy::conn::{self, Event, IncomingStream, MAX_DATA_CHUNK, StreamWriter};
-use super::spdy::rst;
 use super::ws;
 
 /// How long the client has to open its streams after the upgrade (SPDY; as the kubelet).

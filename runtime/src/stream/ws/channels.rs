@@ -12,16 +12,16 @@
 
 use std::time::Duration;
 
+use minicri_codecs::budget::{self, Charge, InputTx};
+use minicri_codecs::spdy::conn::MAX_DATA_CHUNK;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::close;
 use super::conn::{self, Closed, Conn, Event};
-use crate::stream::budget::{self, Charge, InputTx};
 use crate::stream::remotecommand::{CLOSE_CHANNEL, Protocol, StreamType};
 use crate::stream::session::{Channels, Link, Output};
-use crate::stream::spdy::conn::MAX_DATA_CHUNK;
 
 /// Messages queued per input channel before the demux (and so the connection's reader) waits.
 const INPUT_QUEUE: usize = 4;
