@@ -18,7 +18,9 @@
 //! - [`session`]: what exec and attach sessions share whatever the transport: channels, the
 //!   link to the client, the copies;
 //! - [`attach`]: one attach session, on the container's own stdio through its shim;
-//! - [`exec`]: one exec session, and [`ExecBackend`], the seam to the pod service;
+//! - [`exec`]: one exec session;
+//! - [`backend`]: [`ExecBackend`], the seam to the pod service, and the stdio types exec and
+//!   attach share;
 //! - [`portforward`]: one port-forward session (`portforward.k8s.io`): TCP connections into
 //!   the pod's network namespace;
 //! - [`minicri_codecs::budget`]: the node-wide total of bytes port-forward sessions hold
@@ -28,8 +30,11 @@
 //! Attach shares exec's upgrade and streams; the container's stdio comes from its shim.
 
 pub mod attach;
+pub mod backend;
 pub mod exec;
 pub mod http;
+#[cfg(test)]
+mod layering_tests;
 pub mod portforward;
 pub mod pty;
 pub mod remotecommand;
@@ -49,7 +54,8 @@ use minicri_codecs::budget;
 
 use crate::error::{Error, Result};
 pub use attach::AttachRequest;
-pub use exec::{ExecBackend, ExecRequest};
+pub use backend::ExecBackend;
+pub use exec::ExecRequest;
 pub use portforward::PortForwardRequest;
 
 /// How long a URL handed out by Exec stays valid.

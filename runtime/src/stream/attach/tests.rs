@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use minicri_codecs::spdy::test_peer::Peer;
 use minicri_codecs::spdy::{FLAG_FIN, Frame as SpdyFrame};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
@@ -12,7 +13,7 @@ use tokio::net::UnixStream;
 
 use super::*;
 use crate::shim::ShimAttach;
-use crate::stream::exec::Spawned;
+use crate::stream::backend::Spawned;
 use crate::stream::remotecommand::{Failure, FailureKind};
 
 /// Hands out one prepared shim connection.
