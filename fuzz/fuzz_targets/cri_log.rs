@@ -1,5 +1,6 @@
-//! The CRI log format (minicri_codecs::crilog, codecs/src/crilog.rs): the entry parser and reassembly never panic on any
-//! log bytes, and output split into entries by the line splitter reassembles to the original lines.
+//! The CRI log format (minicri_codecs::crilog, codecs/src/crilog.rs): the entry parser and
+//! reassembly never panic on any log bytes, and output split into entries by the line splitter
+//! reassembles to the original lines.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

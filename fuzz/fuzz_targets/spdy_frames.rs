@@ -1,13 +1,13 @@
-//! SPDY/3.1 framing and header blocks (minicri_codecs::spdy, codecs/src/spdy): any bytes a streaming client
-//! sends, cut into frames as the connection's reader cuts them and decoded with one header
-//! decompressor (one zlib stream per direction), never panic and never inflate a header block past
-//! its cap; every frame that decodes encodes again and decodes back to itself; any bytes as an
-//! uncompressed header block never panic either.
+//! SPDY/3.1 framing and header blocks (minicri_codecs::spdy, codecs/src/spdy): any bytes a
+//! streaming client sends, cut into frames as the connection's reader cuts them and decoded with
+//! one header decompressor (one zlib stream per direction), never panic and never inflate a header
+//! block past its cap; every frame that decodes encodes again and decodes back to itself; any
+//! bytes as an uncompressed header block never panic either.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use minicri_codecs::spdy::{self, Frame};
 use minicri_codecs::spdy::headers::{HeaderCompressor, HeaderDecompressor, Headers};
+use minicri_codecs::spdy::{self, Frame};
 
 fuzz_target!(|data: &[u8]| {
     let _ = Headers::decode(data);
