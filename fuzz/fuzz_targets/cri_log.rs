@@ -1,13 +1,10 @@
-//! The CRI log format (runtime/src/logs.rs, compiled in from its source file: the runtime crate
-//! itself is too heavy to build instrumented): the entry parser and reassembly never panic on any
-//! log bytes, and output split into entries by the line splitter reassembles to the original lines.
+//! The CRI log format (minicri_codecs::crilog, codecs/src/crilog.rs): the entry parser and
+//! reassembly never panic on any log bytes, and output split into entries by the line splitter
+//! reassembles to the original lines.
 #![no_main]
 
-#[allow(dead_code)]
-#[path = "../../runtime/src/logs.rs"]
-mod logs;
-
 use libfuzzer_sys::fuzz_target;
+use minicri_codecs::crilog as logs;
 
 fuzz_target!(|data: &[u8]| {
     // Any bytes as a log file.

@@ -1,23 +1,10 @@
-//! A SPDY/3.1 streaming session (runtime/src/stream/spdy/conn.rs, compiled in from its source
-//! files): whatever bytes a client sends, the server side answers, ends the session and lets go of
+//! A SPDY/3.1 streaming session (minicri_codecs::spdy::conn, codecs/src/spdy/conn.rs):
+//! whatever bytes a client sends, the server side answers, ends the session and lets go of
 //! its tasks (a hang is reported by libFuzzer's -timeout), without panicking.
 #![no_main]
 
-#[allow(dead_code)]
-#[path = "../../runtime/src/stream/spdy/mod.rs"]
-mod spdy;
-
-// The connection code charges its buffers to the runtime's port-forward budget, which it finds
-// at `crate::stream::budget`: compiled in from its source file too.
-#[allow(dead_code)]
-#[path = "../../runtime/src/stream/budget.rs"]
-mod budget;
-mod stream {
-    pub(crate) use crate::budget;
-}
-
 use libfuzzer_sys::fuzz_target;
-use spdy::conn::{Event, serve};
+use minicri_codecs::spdy::conn::{Event, serve};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fuzz_target!(|data: &[u8]| {

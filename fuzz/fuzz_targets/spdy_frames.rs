@@ -1,27 +1,13 @@
-//! SPDY/3.1 framing and header blocks (runtime/src/stream/spdy, compiled in from its source files:
-//! the runtime crate itself is too heavy to build instrumented): any bytes a streaming client
-//! sends, cut into frames as the connection's reader cuts them and decoded with one header
-//! decompressor (one zlib stream per direction), never panic and never inflate a header block past
-//! its cap; every frame that decodes encodes again and decodes back to itself; any bytes as an
-//! uncompressed header block never panic either.
+//! SPDY/3.1 framing and header blocks (minicri_codecs::spdy, codecs/src/spdy): any bytes a
+//! streaming client sends, cut into frames as the connection's reader cuts them and decoded with
+//! one header decompressor (one zlib stream per direction), never panic and never inflate a header
+//! block past its cap; every frame that decodes encodes again and decodes back to itself; any
+//! bytes as an uncompressed header block never panic either.
 #![no_main]
 
-#[allow(dead_code)]
-#[path = "../../runtime/src/stream/spdy/mod.rs"]
-mod spdy;
-
-// The connection code charges its buffers to the runtime's port-forward budget, which it finds
-// at `crate::stream::budget`: compiled in from its source file too.
-#[allow(dead_code)]
-#[path = "../../runtime/src/stream/budget.rs"]
-mod budget;
-mod stream {
-    pub(crate) use crate::budget;
-}
-
 use libfuzzer_sys::fuzz_target;
-use spdy::Frame;
-use spdy::headers::{HeaderCompressor, HeaderDecompressor, Headers};
+use minicri_codecs::spdy::headers::{HeaderCompressor, HeaderDecompressor, Headers};
+use minicri_codecs::spdy::{self, Frame};
 
 fuzz_target!(|data: &[u8]| {
     let _ = Headers::decode(data);

@@ -33,7 +33,7 @@ pub struct Sample<'a> {
     pub reserve_refusals: u64,
     pub kube_watch: KubeWatchSample,
     /// The port-forward sessions' buffered bytes (`port_forward_buffer_bytes`).
-    pub port_forward: crate::stream::budget::BudgetSample,
+    pub port_forward: minicri_codecs::budget::BudgetSample,
 }
 
 /// The API-server watch's state at the scrape.
@@ -460,7 +460,7 @@ mod tests {
                 pods: 7,
                 ..Default::default()
             },
-            port_forward: crate::stream::budget::BudgetSample {
+            port_forward: minicri_codecs::budget::BudgetSample {
                 total: 64 << 20,
                 in_use: 4096,
                 peak: 8192,

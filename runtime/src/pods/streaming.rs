@@ -6,8 +6,8 @@
 use futures::future::BoxFuture;
 
 use super::PodService;
-use crate::stream::attach::{Attached, from_shim};
-use crate::stream::exec::{BoxRead, BoxWrite, ExecBackend, Resize, Spawned};
+use crate::stream::attach::from_shim;
+use crate::stream::backend::{Attached, BoxRead, BoxWrite, ExecBackend, Resize, Spawned};
 use crate::stream::remotecommand::{Failure, FailureKind};
 
 /// How often (every 20 ms) a kill looks for the pid file of an exec's process.

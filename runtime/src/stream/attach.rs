@@ -26,11 +26,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use futures::future::BoxFuture;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::exec::{BoxRead, BoxWrite, ExecBackend, Resize};
+use super::backend::{Attached, BoxRead, BoxWrite, ExecBackend, Resize};
 use super::remotecommand::{self, Outcome, Protocol, StreamType};
 use super::session::{self, Channels, Link, Pumps};
 use crate::shim::ShimAttach;
@@ -56,19 +55,6 @@ impl AttachRequest {
     pub fn streams(&self, p: Protocol) -> Vec<StreamType> {
         remotecommand::streams(self.stdin, self.stdout, self.stderr, self.tty, p)
     }
-}
-
-/// A session attached to a container's stdio. Dropping it detaches.
-pub struct Attached {
-    /// The container's stdin (when asked for); shutting it down ends this session's input.
-    pub stdin: Option<BoxWrite>,
-    /// The container's stdout and stderr from now on (when asked for); EOF when they end.
-    pub stdout: Option<BoxRead>,
-    pub stderr: Option<BoxRead>,
-    /// Resizes the container's terminal (tty containers; a no-op for others).
-    pub resize: Option<Resize>,
-    /// Resolves when the container's output has ended (it exited, or its shim is gone).
-    pub ended: BoxFuture<'static, ()>,
 }
 
 /// Runs one attach session on an upgraded SPDY connection.

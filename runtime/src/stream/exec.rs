@@ -20,14 +20,13 @@
 //! A client that hangs up (or breaks the connection) before the process ends gets the process
 //! SIGKILLed: nobody is left to read its output.
 
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
-use futures::future::BoxFuture;
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::remotecommand::{self, Failure, FailureKind, Outcome, Protocol, StreamType};
+use super::backend::{ExecBackend, Spawned};
+use super::remotecommand::{self, Outcome, Protocol, StreamType};
 use super::session::{self, Channels, Link, Pumps};
 
 /// What the Exec RPC accepted, kept under its token until the client connects.
@@ -41,53 +40,6 @@ pub struct ExecRequest {
     pub stdin: bool,
     pub stdout: bool,
     pub stderr: bool,
-}
-
-pub type BoxRead = Pin<Box<dyn AsyncRead + Send>>;
-pub type BoxWrite = Pin<Box<dyn AsyncWrite + Send>>;
-
-/// Resizes a process's terminal to (width, height).
-pub type Resize = Box<dyn Fn(u16, u16) + Send + Sync>;
-
-/// A started process.
-pub struct Spawned {
-    pub stdin: Option<BoxWrite>,
-    pub stdout: Option<BoxRead>,
-    pub stderr: Option<BoxRead>,
-    /// Resolves to the exit code (128 + signal when killed), or why the process could not run.
-    pub exit: BoxFuture<'static, Result<i32, Failure>>,
-    /// SIGKILLs the process (best effort).
-    pub kill: Box<dyn Fn() + Send + Sync>,
-    /// With a terminal: resizes it.
-    pub resize: Option<Resize>,
-}
-
-/// Starts processes in containers: the seam between the streaming server and the pod service.
-pub trait ExecBackend: Send + Sync + 'static {
-    /// Starts `cmd` in the container; with `tty`, on a terminal whose output is `stdout`.
-    fn spawn<'a>(
-        &'a self,
-        container_id: &'a str,
-        cmd: Vec<String>,
-        tty: bool,
-    ) -> BoxFuture<'a, Result<Spawned, Failure>>;
-
-    /// Attaches to the running container's own stdio (CRI `Attach`, [`super::attach`]), for
-    /// the streams asked for. The default refuses.
-    fn attach<'a>(
-        &'a self,
-        container_id: &'a str,
-        _stdin: bool,
-        _stdout: bool,
-        _stderr: bool,
-    ) -> BoxFuture<'a, Result<super::attach::Attached, Failure>> {
-        Box::pin(async move {
-            Err(Failure {
-                kind: FailureKind::BadRequest,
-                message: format!("cannot attach to {container_id} here"),
-            })
-        })
-    }
 }
 
 impl ExecRequest {

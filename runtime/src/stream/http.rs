@@ -25,12 +25,13 @@ use hyper::header::{CONNECTION, HeaderName, HeaderValue, UPGRADE};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 
-use super::exec::{self, ExecBackend};
+use super::backend::ExecBackend;
+use super::exec;
 use super::remotecommand::{
     ACCEPTED_PROTOCOLS_HEADER, Negotiated, PROTOCOL_HEADER, Protocol, SUPPORTED, WS_SUPPORTED,
     negotiate, offered,
 };
-use super::{Pending, Refused, StreamServer, attach, ws};
+use super::{Pending, Refused, StreamServer, attach, session, ws};
 
 /// The `Upgrade` token of SPDY/3.1.
 pub const SPDY_31: &str = "SPDY/3.1";
@@ -246,11 +247,11 @@ pub async fn handle(
             (Pending::Exec(r), false) => exec::serve(io, protocol, r, backend).await,
             (Pending::Attach(r), false) => attach::serve(io, protocol, r, backend).await,
             (Pending::Exec(r), true) => {
-                let (ch, link) = ws::channels::open(io, protocol, &r.streams(protocol));
+                let (ch, link) = session::open_ws(io, protocol, &r.streams(protocol));
                 exec::run_session(ch, link, protocol, r, backend).await
             }
             (Pending::Attach(r), true) => {
-                let (ch, link) = ws::channels::open(io, protocol, &r.streams(protocol));
+                let (ch, link) = session::open_ws(io, protocol, &r.streams(protocol));
                 attach::run_session(ch, link, protocol, r, backend).await
             }
             (Pending::PortForward(_), _) => {}

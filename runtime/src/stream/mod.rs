@@ -10,30 +10,35 @@
 //! - this module: [`StreamServer`]: the listener and the pending requests, each under a random
 //!   single-use token that expires after [`TOKEN_TTL`];
 //! - [`http`]: the HTTP/1.1 request, upgrade and protocol negotiation;
-//! - [`spdy`]: SPDY/3.1 framing, header compression, flow control, the connection;
+//! - SPDY/3.1 framing, header compression, flow control and the connection are
+//!   [`minicri_codecs::spdy`] (a crate of its own, so the fuzz targets build it);
 //! - [`ws`]: WebSocket framing and limits, the connection, remotecommand channels, SPDY
 //!   tunnelled through WebSocket and port-forward channels;
 //! - [`remotecommand`]: protocol versions, stream types, the error stream's status;
 //! - [`session`]: what exec and attach sessions share whatever the transport: channels, the
 //!   link to the client, the copies;
 //! - [`attach`]: one attach session, on the container's own stdio through its shim;
-//! - [`exec`]: one exec session, and [`ExecBackend`], the seam to the pod service;
+//! - [`exec`]: one exec session;
+//! - [`backend`]: [`ExecBackend`], the seam to the pod service, and the stdio types exec and
+//!   attach share;
 //! - [`portforward`]: one port-forward session (`portforward.k8s.io`): TCP connections into
 //!   the pod's network namespace;
-//! - [`budget`]: the node-wide total of bytes port-forward sessions hold buffered;
+//! - [`minicri_codecs::budget`]: the node-wide total of bytes port-forward sessions hold
+//!   buffered;
 //! - [`pty`]: a pty master as async I/O, and terminal resizes (exec with a tty).
 //!
 //! Attach shares exec's upgrade and streams; the container's stdio comes from its shim.
 
 pub mod attach;
-pub mod budget;
+pub mod backend;
 pub mod exec;
 pub mod http;
+#[cfg(test)]
+mod layering_tests;
 pub mod portforward;
 pub mod pty;
 pub mod remotecommand;
 pub mod session;
-pub mod spdy;
 #[cfg(test)]
 mod testing;
 #[cfg(test)]
@@ -45,9 +50,12 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use minicri_codecs::budget;
+
 use crate::error::{Error, Result};
 pub use attach::AttachRequest;
-pub use exec::{ExecBackend, ExecRequest};
+pub use backend::ExecBackend;
+pub use exec::ExecRequest;
 pub use portforward::PortForwardRequest;
 
 /// How long a URL handed out by Exec stays valid.

@@ -24,7 +24,7 @@
 //! kubelet's per-port channel form ([`super::ws::portforward`]); [`super::http`] picks.
 //!
 //! Everything a session buffers counts against the node's port-forward total
-//! ([`super::budget`], `port_forward_buffer_bytes`): its connection's own buffers
+//! ([`minicri_codecs::budget`], `port_forward_buffer_bytes`): its connection's own buffers
 //! ([`SESSION_BYTES`], taken when it starts), the client's DATA until it is written to the pod's
 //! socket, and each read from the pod's socket until the client's connection has taken it. A
 //! forward whose bytes do not fit waits.
@@ -39,16 +39,16 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use minicri_codecs::budget::{Budget, Input};
+use minicri_codecs::spdy::conn::{self, Event, IncomingStream, MAX_DATA_CHUNK};
+use minicri_codecs::spdy::rst;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::budget::{Budget, Input};
 use super::remotecommand::STREAM_TYPE_HEADER;
 use super::session::{LINGER, Output, STREAM_CREATION_TIMEOUT};
-use super::spdy::conn::{self, Event, IncomingStream, MAX_DATA_CHUNK};
-use super::spdy::rst;
 
 /// The subprotocol client-go asks for in `X-Stream-Protocol-Version` (over WebSocket, the
 /// tunnelled form prefixes it: [`super::ws::portforward`]).
@@ -401,9 +401,9 @@ async fn copy(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stream::spdy::headers::Headers;
-    use crate::stream::spdy::test_peer::Peer;
-    use crate::stream::spdy::{FLAG_FIN, Frame};
+    use minicri_codecs::spdy::headers::Headers;
+    use minicri_codecs::spdy::test_peer::Peer;
+    use minicri_codecs::spdy::{FLAG_FIN, Frame};
     use tokio::io::AsyncReadExt;
 
     /// A listener that never accepts, with a full backlog, drops the SYNs sent to it: a dial

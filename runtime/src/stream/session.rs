@@ -4,26 +4,26 @@
 //! the channels and a process or a container's stdio.
 //!
 //! Two transports carry the same channels:
-//! - SPDY/3.1 ([`super::spdy`]): the client opens one stream per channel, each with a
+//! - SPDY/3.1 ([`minicri_codecs::spdy`]): the client opens one stream per channel, each with a
 //!   `streamType` header; [`collect`] waits for the ones the request needs. Outputs end with
 //!   FIN; at the end the client's input streams are half-closed too and the connection gets
 //!   GOAWAY.
-//! - WebSocket ([`super::ws::channels`]): every binary message starts with its channel number
+//! - WebSocket ([`super::ws::channels`], [`open_ws`]): every binary message starts with its channel number
 //!   (0 stdin, 1 stdout, 2 stderr, 3 error, 4 resize); nothing to wait for. Outputs have no end
 //!   of their own: the session ends with a close frame (normal closure).
 
 use std::time::Duration;
 
+use minicri_codecs::budget::{Charge, Input};
+use minicri_codecs::spdy::conn::{self, Event, IncomingStream, MAX_DATA_CHUNK, StreamWriter};
+use minicri_codecs::spdy::rst;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use super::budget::{Charge, Input};
-use super::exec::{BoxRead, BoxWrite, Resize};
+use super::backend::{BoxRead, BoxWrite, Resize};
 use super::remotecommand::{
     Outcome, Protocol, STREAM_TYPE_HEADER, StreamType, error_stream_payload,
 };
-use super::spdy::conn::{self, Event, IncomingStream, MAX_DATA_CHUNK, StreamWriter};
-use super::spdy::rst;
 use super::ws;
 
 /// How long the client has to open its streams after the upgrade (SPDY; as the kubelet).
@@ -247,6 +247,37 @@ where
     }
 }
 
+/// Serves WebSocket on `io` (the handshake is done) for a session of `protocol` using
+/// `streams` ([`ws::channels`]): every channel the request asked for is there at once.
+pub(super) fn open_ws<IO>(io: IO, protocol: Protocol, streams: &[StreamType]) -> (Channels, Link)
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+{
+    let ws::channels::Opened {
+        sender,
+        stdin,
+        resize,
+        link,
+    } = ws::channels::open(io, protocol, streams);
+    let output = |t: StreamType| {
+        streams.contains(&t).then(|| {
+            Output::Ws(ws::channels::ChannelWriter::new(
+                t.channel(),
+                sender.clone(),
+            ))
+        })
+    };
+    let channels = Channels {
+        error: output(StreamType::Error),
+        stdin,
+        stdout: output(StreamType::Stdout),
+        stderr: output(StreamType::Stderr),
+        resize,
+        inputs: Vec::new(),
+    };
+    (channels, Link::Ws(link))
+}
+
 /// The copies between a session's channels and a process (or a container's stdio).
 pub(super) struct Pumps {
     outputs: [tokio::task::JoinHandle<()>; 2],
@@ -418,6 +449,9 @@ async fn close_channels(ch: &Channels) {
         s.close().await;
     }
 }
+
+#[cfg(test)]
+mod ws_tests;
 
 #[cfg(test)]
 mod resize_tests {

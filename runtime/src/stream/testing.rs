@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures::future::BoxFuture;
 
-use super::exec::{BoxRead, BoxWrite, ExecBackend, Resize, Spawned};
+use super::backend::{BoxRead, BoxWrite, ExecBackend, Resize, Spawned};
 use super::pty::{PtyIo, resize};
 use super::remotecommand::Failure;
 

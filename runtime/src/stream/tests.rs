@@ -3,11 +3,11 @@
 
 use std::sync::atomic::AtomicBool;
 
+use minicri_codecs::spdy::test_peer::Peer;
+use minicri_codecs::spdy::{FLAG_FIN, Frame};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::spdy::test_peer::Peer;
-use super::spdy::{FLAG_FIN, Frame};
 use super::testing::LocalBackend;
 use super::*;
 

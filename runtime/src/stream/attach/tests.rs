@@ -5,15 +5,16 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
+use minicri_codecs::spdy::test_peer::Peer;
+use minicri_codecs::spdy::{FLAG_FIN, Frame as SpdyFrame};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
 use super::*;
 use crate::shim::ShimAttach;
-use crate::stream::exec::Spawned;
+use crate::stream::backend::Spawned;
 use crate::stream::remotecommand::{Failure, FailureKind};
-use crate::stream::spdy::test_peer::Peer;
-use crate::stream::spdy::{FLAG_FIN, Frame as SpdyFrame};
 
 /// Hands out one prepared shim connection.
 struct FakeShim(Mutex<Option<ShimAttach>>);

@@ -6,11 +6,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use std::time::Duration;
 
+use minicri_codecs::spdy::conn;
+use minicri_codecs::spdy::rst;
+use minicri_codecs::spdy::test_peer::Peer;
+use minicri_codecs::spdy::{FLAG_FIN, Frame};
+
 use super::*;
-use crate::stream::spdy::conn;
-use crate::stream::spdy::rst;
-use crate::stream::spdy::test_peer::Peer;
-use crate::stream::spdy::{FLAG_FIN, Frame};
 use crate::stream::testing::LocalBackend;
 
 fn request(cmd: &[&str], stdin: bool) -> ExecRequest {
@@ -353,9 +354,9 @@ async fn a_client_granting_no_window_cannot_hold_the_session() {
     let mut peer = Peer::new(a);
     peer.send(Frame::Settings {
         flags: 0,
-        entries: vec![crate::stream::spdy::Setting {
+        entries: vec![minicri_codecs::spdy::Setting {
             flags: 0,
-            id: crate::stream::spdy::SETTINGS_INITIAL_WINDOW_SIZE,
+            id: minicri_codecs::spdy::SETTINGS_INITIAL_WINDOW_SIZE,
             value: 0,
         }],
     })

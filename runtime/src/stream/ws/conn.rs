@@ -17,19 +17,19 @@
 //! Served with a [`Budget`] ([`serve_budgeted`], port-forward's), the bytes of each read are
 //! charged before the decoder takes them (frames and fragments being put together included),
 //! a whole message's share going with it ([`Event::Message`]), and messages sent with
-//! [`Sender::send_charged`] hold theirs until written. See [`crate::stream::budget`].
+//! [`Sender::send_charged`] hold theirs until written. See [`minicri_codecs::budget`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use minicri_codecs::budget::{self, Budget, Charge, InputTx};
+use minicri_codecs::spdy::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{Decoder, MAX_MESSAGE, Message, close, close_payload, encode, opcode};
-use crate::stream::budget::{self, Budget, Charge, InputTx};
-use crate::stream::spdy::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
 
 /// Whole messages queued for the user before the reader stops reading.
 const EVENT_QUEUE: usize = 4;

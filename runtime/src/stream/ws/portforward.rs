@@ -14,13 +14,14 @@
 //!   server closes the connection (the client has no half-close here). The client closing the
 //!   connection stops them all.
 //!
-//! Both charge what they buffer to the node's port-forward total ([`crate::stream::budget`]):
+//! Both charge what they buffer to the node's port-forward total ([`minicri_codecs::budget`]):
 //! the WebSocket connection's own buffers when the session starts ([`SESSION_BYTES`],
 //! [`TUNNEL_BYTES`]), each message of the client until it is handed on, and what goes back to
 //! the client until it is written.
 
 use std::sync::Arc;
 
+use minicri_codecs::budget::{self, Budget, InputTx};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -28,7 +29,6 @@ use tokio_util::sync::CancellationToken;
 use super::channels::ChannelWriter;
 use super::close;
 use super::conn::{self, Event};
-use crate::stream::budget::{self, Budget, InputTx};
 use crate::stream::portforward::{
     PortForwardRequest, client_to_socket, dial, parse_port, socket_to_client,
 };

@@ -9,14 +9,14 @@
 //! connection's queues. With a budget (port-forward), each message's charge is held until the
 //! pipe has taken its bytes, and each read going out is charged until it is written.
 
+use minicri_codecs::budget::{self, Budget};
+use minicri_codecs::spdy::conn::MAX_DATA_CHUNK;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 use tokio::sync::mpsc;
 
 use super::close;
 use super::conn::{Conn, Event};
-use crate::stream::budget::{self, Budget};
 use crate::stream::session::LINGER;
-use crate::stream::spdy::conn::MAX_DATA_CHUNK;
 
 /// Bytes buffered between the tunnel and its user, per direction.
 const PIPE: usize = 64 * 1024;

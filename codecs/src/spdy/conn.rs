@@ -17,7 +17,7 @@
 //! buffers of the peer's DATA: a DATA frame's payload before it is read (twice a frame larger
 //! than [`MAX_DATA_CHUNK`], which is copied into pieces), each piece's share going with it to
 //! its consumer ([`Input`]); DATA this side sends with [`StreamWriter::write_charged`] holds its
-//! charge until the writer has written it. See [`crate::stream::budget`].
+//! charge until the writer has written it. See [`crate::budget`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -31,7 +31,7 @@ use super::flow::{RecvWindow, SendBlocked, SendWindows};
 use super::headers::{HeaderCompressor, HeaderDecompressor, Headers};
 use super::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
 use super::{FLAG_FIN, FLAG_UNIDIRECTIONAL, Frame, SpdyError, decode, encode, goaway, rst};
-use crate::stream::budget::{self, Budget, Charge, Input, InputTx};
+use crate::budget::{self, Budget, Charge, Input, InputTx};
 
 /// Largest DATA frame this side sends.
 pub const MAX_DATA_CHUNK: usize = 32 * 1024;
@@ -940,7 +940,7 @@ mod tests {
             flags: 0,
             entries: vec![Setting {
                 flags: 0,
-                id: crate::stream::spdy::SETTINGS_INITIAL_WINDOW_SIZE,
+                id: crate::spdy::SETTINGS_INITIAL_WINDOW_SIZE,
                 value: 1000,
             }],
         })

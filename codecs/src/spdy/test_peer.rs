@@ -1,4 +1,5 @@
-//! A SPDY client for unit tests: writes and reads whole frames on any byte stream.
+//! A SPDY client for tests (this crate's and the runtime's streaming tests): writes and reads
+//! whole frames on any byte stream.
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 

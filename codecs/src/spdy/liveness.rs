@@ -1,6 +1,5 @@
 //! When a streaming connection is over although its reader cannot tell (SPDY and WebSocket
-//! connections alike; it lives here so that the fuzz targets that compile the SPDY module from
-//! its files get it too).
+//! connections alike; the runtime's WebSocket connection uses it from here).
 //!
 //! A connection's reader hands each stream's data to that stream's consumer and waits while the
 //! consumer's queue is full: peers do not honour flow control, so not reading is what holds a
