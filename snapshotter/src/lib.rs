@@ -20,6 +20,7 @@ mod fsutil;
 mod meta;
 mod mount;
 mod pipeline;
+mod settings;
 mod snapshotter;
 mod store;
 mod stream;
@@ -35,5 +36,6 @@ pub use mount::{Mount, unmount};
 pub use snapshotter::{
     Backend, Info, Kind, LayerApplied, LayerSpec, Released, Snapshotter, SpaceCheck, Usage,
 };
+pub use settings::SnapshotterSettings;
 pub use store::{DEFAULT_MAX_LAYER_BYTES, DEFAULT_MAX_LAYER_ENTRIES, LocalSnapshotter, Options};
 pub use stream::{ChunkReader, FollowReader, WriterStatus};

@@ -28,6 +28,8 @@
 pub mod detach;
 mod discard;
 mod procedure;
+pub mod settings;
+pub use settings::PullSettings;
 pub use procedure::{DEFAULT_MAX_BLOB_SIZE, MAX_BLOB_BYTES};
 
 pub use procedure::{MAX_CONFIG_BYTES, MAX_LAYERS, parse_manifest};
@@ -97,21 +99,12 @@ pub struct PullConfig {
     pub keep_layer_blobs: bool,
 }
 
+/// The defaults of the `[pull]` section ([`PullSettings`]), with no holds recorded.
 impl Default for PullConfig {
     fn default() -> Self {
-        PullConfig {
-            platform: Platform::parse("linux/amd64").expect("valid"),
-            max_concurrent_layers: 3,
-            max_concurrent_unpacks: 4,
-            transfers: Default::default(),
-            ranged: Default::default(),
-            progress_timeout: Some(Duration::from_secs(60)),
-            min_speed: Some(DEFAULT_MIN_SPEED),
-            detach_after: Some(Duration::from_secs(30)),
-            holds_dir: None,
-            max_blob_size: DEFAULT_MAX_BLOB_SIZE,
-            keep_layer_blobs: false,
-        }
+        PullSettings::default()
+            .pull_config(None)
+            .expect("the defaults are valid")
     }
 }
 
@@ -609,7 +602,7 @@ impl PullManager {
                         .map_err(|_| StoreError::Unavailable {
                             reference: reference.to_string(),
                             reason: format!(
-                                "the registry did not resolve it within {:?} (pull_detach_after); \
+                                "the registry did not resolve it within {:?} (pull.detach_after); \
                                  the next attempt tries again",
                                 self.config.detach_after.unwrap_or_default()
                             ),
@@ -1164,7 +1157,7 @@ impl Watchdog {
             self.idle += dt;
             if self.idle >= self.timeout {
                 return Some(format!(
-                    "no progress: no byte in {:?} of transfers (pull_progress_timeout)",
+                    "no progress: no byte in {:?} of transfers (pull.progress_timeout)",
                     self.timeout
                 ));
             }
@@ -1182,7 +1175,7 @@ impl Watchdog {
         (!complete && got < need).then(|| {
             format!(
                 "{got} bytes received in {spent:.0?} of transfers, below the minimum of {min} \
-                 bytes/s (pull_min_speed)"
+                 bytes/s (pull.min_speed)"
             )
         })
     }
