@@ -13,7 +13,7 @@ use minicri_proto::runtime::v1 as cri;
 use minicri_proto::runtime::v1::runtime_service_server::RuntimeService;
 use tonic::{Request, Response, Status};
 
-use crate::config::CgroupDriver;
+use crate::oci::host::CgroupDriver;
 use crate::daemon::Daemon;
 use crate::error::Error;
 use crate::pods::inspect::INFO_KEY;
@@ -165,7 +165,7 @@ impl RuntimeService for RuntimeHandler {
     ) -> Result<Response<cri::RuntimeConfigResponse>, Status> {
         let dl = deadline(&req);
         call("RuntimeConfig", "", dl, Verbosity::Normal, async {
-            let driver = match self.daemon.config.cgroup_driver {
+            let driver = match self.daemon.config.runtime.cgroup_driver {
                 CgroupDriver::Cgroupfs => cri::CgroupDriver::Cgroupfs,
                 CgroupDriver::Systemd => cri::CgroupDriver::Systemd,
             };

@@ -4,7 +4,15 @@
 
 use std::path::{Path, PathBuf};
 
-pub use crate::config::CgroupDriver;
+/// The cgroup driver the runtime uses and reports (`runtime.cgroup_driver`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum CgroupDriver {
+    Cgroupfs,
+    Systemd,
+}
 
 use super::apparmor::AppArmorHost;
 

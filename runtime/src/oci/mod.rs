@@ -41,6 +41,7 @@ pub mod runc;
 pub mod runtime;
 pub mod sandbox;
 pub mod seccomp;
+pub mod settings;
 pub mod spec;
 pub mod user;
 pub mod userns;

@@ -27,6 +27,7 @@
 
 pub mod attach;
 pub mod budget;
+pub mod config;
 pub mod exec;
 pub mod http;
 pub mod portforward;
@@ -140,7 +141,7 @@ impl StreamServer {
             pod_sessions: Arc::new(Mutex::new(HashMap::new())),
             max_pod_sessions: MAX_POD_SESSIONS,
             port_forward_budget: budget::Budget::new(
-                crate::config::DEFAULT_PORT_FORWARD_BUFFER_BYTES,
+                config::DEFAULT_PORT_FORWARD_BUFFER_BYTES,
             ),
         })
     }
