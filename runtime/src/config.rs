@@ -215,11 +215,7 @@ pub fn sections() -> Vec<(&'static str, &'static str, Command)> {
             "Layer snapshots and the limits of one layer.",
             keys(SnapshotterSettings::augment_args),
         ),
-        (
-            "cni",
-            "Pod networking.",
-            keys(CniSettings::augment_args),
-        ),
+        ("cni", "Pod networking.", keys(CniSettings::augment_args)),
         (
             "stream",
             "The streaming server (exec, attach, port-forward).",
@@ -392,7 +388,8 @@ pub fn parse(text: &str) -> anyhow::Result<Config> {
     let table: toml::Table = toml::from_str(text)?;
     let sections = sections();
     for (key, value) in &table {
-        let is_section = sections.iter().any(|(name, _, _)| *name == key.as_str()) && value.is_table();
+        let is_section =
+            sections.iter().any(|(name, _, _)| *name == key.as_str()) && value.is_table();
         if !is_section && let Some(new) = new_key_of(key, &sections) {
             bail!(
                 "`{key}` is now `{new}`: the file is written in sections ([daemon], [pull], \
@@ -470,7 +467,10 @@ mod tests {
         assert_eq!(c.snapshotter.max_layer_entries, 10);
         assert_eq!(c.registry.request_timeout().unwrap().as_millis(), 2500);
         for (bad, key) in [
-            (&["--max-layer-bytes", "0"][..], "snapshotter.max_layer_bytes"),
+            (
+                &["--max-layer-bytes", "0"][..],
+                "snapshotter.max_layer_bytes",
+            ),
             (
                 &["--registry-request-timeout", "0"][..],
                 "registry.request_timeout",
@@ -487,9 +487,8 @@ mod tests {
         let c = Config::default();
         assert!(!c.pull.keep_layer_blobs);
         assert_eq!(c.daemon.node_metadata_budget, 8 << 20);
-        let (_d, f) = file(
-            "[pull]\nkeep_layer_blobs = true\n[daemon]\nnode_metadata_budget = 33554432\n",
-        );
+        let (_d, f) =
+            file("[pull]\nkeep_layer_blobs = true\n[daemon]\nnode_metadata_budget = 33554432\n");
         let c = serve(&["--config", &f]).unwrap();
         assert!(c.pull.keep_layer_blobs);
         assert_eq!(c.daemon.node_metadata_budget, 32 << 20);
@@ -516,7 +515,9 @@ mod tests {
         assert_eq!(c.pull.max_blob_size, 1 << 20);
         let c = parse("[pull]\nimage_fs_reserve = 0\n").unwrap();
         assert!(c.pull.image_fs_reserve.is_off());
-        let err = serve(&["--image-fs-reserve", "3%"]).unwrap_err().to_string();
+        let err = serve(&["--image-fs-reserve", "3%"])
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("image_fs_reserve") && err.contains("ingest_min_free"),
             "{err}"
@@ -558,21 +559,29 @@ mod tests {
     fn unknown_keys_and_bad_values_are_errors() {
         let err = format!("{:#}", parse("[daemon]\nsockett = \"/x\"\n").unwrap_err());
         assert!(err.contains("sockett"), "{err}");
-        let err = format!("{:#}", parse("[pul]\nplatform = \"linux/arm64\"\n").unwrap_err());
+        let err = format!(
+            "{:#}",
+            parse("[pul]\nplatform = \"linux/arm64\"\n").unwrap_err()
+        );
         assert!(err.contains("pul"), "{err}");
         let err = format!(
             "{:#}",
             parse("[runtime]\ncgroup_driver = \"cgroupv3\"\n").unwrap_err()
         );
         assert!(err.contains("cgroupv3"), "{err}");
-        let err = serve(&["--cgroup-driver", "cgroupv3"]).unwrap_err().to_string();
+        let err = serve(&["--cgroup-driver", "cgroupv3"])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("cgroupv3"), "{err}");
     }
 
     #[test]
     fn a_flat_file_of_before_sections_is_refused_naming_the_new_key() {
         for (old, new) in [
-            ("max_concurrent_downloads = 2", "pull.max_concurrent_downloads"),
+            (
+                "max_concurrent_downloads = 2",
+                "pull.max_concurrent_downloads",
+            ),
             ("pull_detach_after = 5", "pull.detach_after"),
             ("registry_config_dir = \"/x\"", "registry.config_dir"),
             ("snapshotter = \"copy\"", "snapshotter.backend"),
@@ -580,7 +589,10 @@ mod tests {
             ("stream_address = \"127.0.0.1:1\"", "stream.address"),
             ("cgroup_driver = \"systemd\"", "runtime.cgroup_driver"),
             ("socket = \"/x.sock\"", "daemon.socket"),
-            ("pull_priority_namespaces = [\"a\"]", "pull.priority_namespaces"),
+            (
+                "pull_priority_namespaces = [\"a\"]",
+                "pull.priority_namespaces",
+            ),
             ("[runtimes.kata]\nbinary = \"k\"", "runtime.handlers"),
         ] {
             let err = format!("{:#}", parse(old).unwrap_err());
@@ -645,7 +657,10 @@ mod tests {
                 "kube_watch is off",
             ),
             (&["--kube-watch", "on"][..], "auto, off"),
-            (&["--kube-watch-node-name", " "][..], "kube_watch_node_name is empty"),
+            (
+                &["--kube-watch-node-name", " "][..],
+                "kube_watch_node_name is empty",
+            ),
         ] {
             let err = serve(bad).unwrap_err().to_string();
             assert!(err.contains(says), "{err}");
@@ -656,20 +671,46 @@ mod tests {
     #[test]
     fn every_flag_of_before_sections_still_works() {
         let c = serve(&[
-            "--socket=/s", "--root=/r", "--state=/st", "--registry-config-dir=/certs",
-            "--log-level=debug", "--cgroup-driver=systemd", "--platform=linux/arm64",
-            "--max-concurrent-downloads=5", "--max-concurrent-unpacks=6", "--snapshotter=copy",
-            "--max-concurrent-transfers=7", "--small-blob-size=8", "--blob-connections=9",
-            "--blob-chunk-size=10", "--pull-progress-timeout=11", "--pull-min-speed=12",
-            "--registry-request-timeout=13", "--max-layer-bytes=14", "--max-layer-entries=15",
-            "--pull-detach-after=16", "--kube-watch=auto", "--kube-watch-kubeconfig=/kc",
-            "--kube-watch-kubeconfig-search=/ks", "--kube-watch-node-name=n",
-            "--ingest-ttl=17", "--ingest-min-free=1", "--image-fs-reserve=18GiB",
-            "--max-blob-size=19", "--keep-layer-blobs=true", "--node-metadata-budget=20000000",
-            "--cni-conf-dir=/cc", "--cni-bin-dir=/cb", "--oci-runtime=/runc",
-            "--runtime=kata=/kata", "--default-runtime=kata", "--metrics-address=127.0.0.1:1",
-            "--stream-address=127.0.0.1:2", "--pod-annotation=a/*",
-            "--pull-priority-namespace=ns", "--allow-own-path-mount=/",
+            "--socket=/s",
+            "--root=/r",
+            "--state=/st",
+            "--registry-config-dir=/certs",
+            "--log-level=debug",
+            "--cgroup-driver=systemd",
+            "--platform=linux/arm64",
+            "--max-concurrent-downloads=5",
+            "--max-concurrent-unpacks=6",
+            "--snapshotter=copy",
+            "--max-concurrent-transfers=7",
+            "--small-blob-size=8",
+            "--blob-connections=9",
+            "--blob-chunk-size=10",
+            "--pull-progress-timeout=11",
+            "--pull-min-speed=12",
+            "--registry-request-timeout=13",
+            "--max-layer-bytes=14",
+            "--max-layer-entries=15",
+            "--pull-detach-after=16",
+            "--kube-watch=auto",
+            "--kube-watch-kubeconfig=/kc",
+            "--kube-watch-kubeconfig-search=/ks",
+            "--kube-watch-node-name=n",
+            "--ingest-ttl=17",
+            "--ingest-min-free=1",
+            "--image-fs-reserve=18GiB",
+            "--max-blob-size=19",
+            "--keep-layer-blobs=true",
+            "--node-metadata-budget=20000000",
+            "--cni-conf-dir=/cc",
+            "--cni-bin-dir=/cb",
+            "--oci-runtime=/runc",
+            "--runtime=kata=/kata",
+            "--default-runtime=kata",
+            "--metrics-address=127.0.0.1:1",
+            "--stream-address=127.0.0.1:2",
+            "--pod-annotation=a/*",
+            "--pull-priority-namespace=ns",
+            "--allow-own-path-mount=/",
             "--port-forward-buffer-bytes=3000000",
         ])
         .unwrap();
@@ -683,20 +724,36 @@ mod tests {
         assert_eq!(c.registry.request_timeout, 13.0);
         assert_eq!(c.runtime.cgroup_driver, CgroupDriver::Systemd);
         assert_eq!(
-            (p.platform.as_str(), p.max_concurrent_downloads, p.max_concurrent_unpacks),
+            (
+                p.platform.as_str(),
+                p.max_concurrent_downloads,
+                p.max_concurrent_unpacks
+            ),
             ("linux/arm64", 5, 6)
         );
         assert_eq!(c.snapshotter.backend, minicri_snapshotter::Backend::Copy);
         assert_eq!(
-            (p.max_concurrent_transfers, p.small_blob_size, p.blob_connections),
+            (
+                p.max_concurrent_transfers,
+                p.small_blob_size,
+                p.blob_connections
+            ),
             (7, 8, 9)
         );
         assert_eq!(
-            (p.blob_chunk_size, p.progress_timeout, p.min_speed, p.detach_after),
+            (
+                p.blob_chunk_size,
+                p.progress_timeout,
+                p.min_speed,
+                p.detach_after
+            ),
             (10, 11.0, 12, 16.0)
         );
         assert_eq!(
-            (c.snapshotter.max_layer_bytes, c.snapshotter.max_layer_entries),
+            (
+                c.snapshotter.max_layer_bytes,
+                c.snapshotter.max_layer_entries
+            ),
             (14, 15)
         );
         let w = d.kube_watch().unwrap();
@@ -740,6 +797,9 @@ mod tests {
         ] {
             assert!(help.contains(shown), "{shown} missing:\n{help}");
         }
-        assert!(help.contains("[pull]") && help.contains("[runtime]"), "{help}");
+        assert!(
+            help.contains("[pull]") && help.contains("[runtime]"),
+            "{help}"
+        );
     }
 }

@@ -185,8 +185,9 @@ mod tests {
             std::fs::write(&f, text).unwrap();
             crate::config::check_file(&f).map_err(|e| format!("{e:#}"))
         };
-        let c = check("[pull]\nmax_concurrent_downloads = 2\n[runtime]\ncgroup_driver = \"systemd\"\n")
-            .unwrap();
+        let c =
+            check("[pull]\nmax_concurrent_downloads = 2\n[runtime]\ncgroup_driver = \"systemd\"\n")
+                .unwrap();
         assert_eq!(c.pull.max_concurrent_downloads, 2);
         let err = check("[pull]\nmax_concurent_downloads = 2\n").unwrap_err();
         assert!(err.contains("max_concurent_downloads"), "{err}");

@@ -392,7 +392,7 @@ mod tests {
             Backend::Copy,
             minicri_snapshotter::Options::default(),
         )
-            .unwrap();
+        .unwrap();
         let content = minicri_store::ContentStore::open(&d.path().join("content")).unwrap();
         let images = ImageStore::open(d.path(), &content).unwrap();
         let apply = |name: &str, parent: Option<&str>, user: Option<&str>| {

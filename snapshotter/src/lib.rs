@@ -33,9 +33,9 @@ pub use digest::{chain_id, chain_ids, validate_digest};
 pub use error::{Error, Result};
 pub use fsutil::{sync_dir, write_atomic};
 pub use mount::{Mount, unmount};
+pub use settings::SnapshotterSettings;
 pub use snapshotter::{
     Backend, Info, Kind, LayerApplied, LayerSpec, Released, Snapshotter, SpaceCheck, Usage,
 };
-pub use settings::SnapshotterSettings;
 pub use store::{DEFAULT_MAX_LAYER_BYTES, DEFAULT_MAX_LAYER_ENTRIES, LocalSnapshotter, Options};
 pub use stream::{ChunkReader, FollowReader, WriterStatus};

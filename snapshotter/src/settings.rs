@@ -77,7 +77,10 @@ mod tests {
             (o.max_layer_bytes, o.max_layer_entries),
             (d.max_layer_bytes, d.max_layer_entries)
         );
-        assert_eq!((o.max_layer_bytes, o.max_layer_entries), (64 << 30, 1 << 20));
+        assert_eq!(
+            (o.max_layer_bytes, o.max_layer_entries),
+            (64 << 30, 1 << 20)
+        );
         let err = SnapshotterSettings {
             max_layer_entries: 0,
             ..s.clone()

@@ -316,13 +316,23 @@ fn config_check_passes_good_files_and_names_what_is_wrong() {
     assert!(default.status.success());
     let (ok, err) = check(&String::from_utf8(default.stdout).unwrap());
     assert!(ok, "{err}");
-    let (ok, err) = check("[pull]\nmax_concurrent_downloads = 2\n[stream]\naddress = \"127.0.0.1:0\"\n");
+    let (ok, err) =
+        check("[pull]\nmax_concurrent_downloads = 2\n[stream]\naddress = \"127.0.0.1:0\"\n");
     assert!(ok, "{err}");
     for (text, says) in [
-        ("[pull]\nmax_concurent_downloads = 2\n", "max_concurent_downloads"),
-        ("[pull]\nmax_concurrent_downloads = -2\n", "max_concurrent_downloads"),
+        (
+            "[pull]\nmax_concurent_downloads = 2\n",
+            "max_concurent_downloads",
+        ),
+        (
+            "[pull]\nmax_concurrent_downloads = -2\n",
+            "max_concurrent_downloads",
+        ),
         ("[stream]\naddress = \"0.0.0.0:1\"\n", "stream.address"),
-        ("max_concurrent_downloads = 2\n", "`pull.max_concurrent_downloads`"),
+        (
+            "max_concurrent_downloads = 2\n",
+            "`pull.max_concurrent_downloads`",
+        ),
     ] {
         let (ok, err) = check(text);
         assert!(!ok, "{text} passed");

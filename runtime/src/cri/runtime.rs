@@ -13,9 +13,9 @@ use minicri_proto::runtime::v1 as cri;
 use minicri_proto::runtime::v1::runtime_service_server::RuntimeService;
 use tonic::{Request, Response, Status};
 
-use crate::oci::host::CgroupDriver;
 use crate::daemon::Daemon;
 use crate::error::Error;
+use crate::oci::host::CgroupDriver;
 use crate::pods::inspect::INFO_KEY;
 use crate::rpc::{Verbosity, call, call_on, deadline};
 use crate::stream::{AttachRequest, ExecRequest, PortForwardRequest};

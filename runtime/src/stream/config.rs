@@ -80,7 +80,10 @@ mod tests {
         assert!(with("[::1]:0").is_ok());
         for bad in ["0.0.0.0:10010", "10.1.2.3:10010"] {
             let err = with(bad).unwrap_err();
-            assert!(err.contains("stream.address") && err.contains("loopback"), "{err}");
+            assert!(
+                err.contains("stream.address") && err.contains("loopback"),
+                "{err}"
+            );
         }
     }
 

@@ -29,8 +29,8 @@ pub mod detach;
 mod discard;
 mod procedure;
 pub mod settings;
-pub use settings::PullSettings;
 pub use procedure::{DEFAULT_MAX_BLOB_SIZE, MAX_BLOB_BYTES};
+pub use settings::PullSettings;
 
 pub use procedure::{MAX_CONFIG_BYTES, MAX_LAYERS, parse_manifest};
 
