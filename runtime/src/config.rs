@@ -327,6 +327,8 @@ fn default_values() -> std::collections::HashMap<String, String> {
                     .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_string))
                     .collect::<Vec<_>>()
                     .join(", "),
+                // Seconds and hours read better as `30` than as TOML's `30.0`.
+                toml::Value::Float(f) => f.to_string(),
                 toml::Value::Table(t) if t.is_empty() => continue,
                 other => other.to_string(),
             };
