@@ -72,7 +72,7 @@ check "/etc/minicri/config.toml is the package's conffile" \
 # scope) is in the journal kept with the results. Written over the package's commented default
 # file, as an operator edits it; the service restarts on it.
 log_level='log_level = "info,minicri::pods=debug"'
-printf 'cgroup_driver = "systemd"\n%s\n' "$log_level" > /etc/minicri/config.toml
+printf '[daemon]\n%s\n[runtime]\ncgroup_driver = "systemd"\n' "$log_level" > /etc/minicri/config.toml
 systemctl restart minicri.service
 check "minicri.service is active (Type=notify: started means READY=1 was sent)" \
     systemctl is-active --quiet minicri.service
@@ -204,10 +204,10 @@ JSON
 
 for driver in $DRIVERS; do
     say "cgroup driver $driver"
-    printf 'cgroup_driver = "%s"\n%s\n' "$driver" "$log_level" > /etc/minicri/config.toml
+    printf '[daemon]\n%s\n[runtime]\ncgroup_driver = "%s"\n' "$log_level" "$driver" > /etc/minicri/config.toml
     systemctl restart minicri.service
     check "$driver: minicri reports the driver (crictl info)" \
-        bash -c "set -o pipefail; crictl info -o json | jq -e --arg d $driver '[.. | .cgroupDriver? // empty] | any(. == \$d)' > /dev/null"
+        bash -c "set -o pipefail; crictl info -o json | jq -e --arg d $driver '[.. | objects | .cgroup_driver? // empty] | any(. == \$d)' > /dev/null"
     pod_and_stats "$driver"
     args=(-runtime-endpoint "unix://$sock" -image-endpoint "unix://$sock" -ginkgo.no-color)
     [[ -n $FOCUS ]] && args+=(-ginkgo.focus "$FOCUS")

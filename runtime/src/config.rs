@@ -1,294 +1,35 @@
-//! The daemon's configuration: embedded defaults, an optional TOML file, command-line flags.
+//! The daemon's configuration: the sections each component owns, merged from their defaults,
+//! an optional TOML file and the command-line flags.
 //!
-//! Precedence: flags over the file over the defaults. The file's keys are the flags' long names with
-//! `_` for `-` (`registry_config_dir = "..."`). With no `--config`, `/etc/minicri/config.toml` is read
-//! if it exists; minicri runs with no file at all.
+//! Each section is one struct of the component it configures (its defaults in one `Default`,
+//! its checks in one `validate`), handed whole to it: `[daemon]` ([`DaemonSettings`], here),
+//! `[pull]` ([`PullSettings`]), `[registry]` ([`RegistrySettings`]), `[snapshotter]`
+//! ([`SnapshotterSettings`]), `[cni]` ([`CniSettings`]), `[stream]` ([`StreamSettings`]),
+//! `[runtime]` ([`RuntimeSettings`]). A field is both a key of its section and a flag of
+//! `minicri serve` (clap's `Args` on the same struct), so adding a setting is one field with
+//! its doc line and its default.
+//!
+//! Precedence: flags over the file over the defaults ([`ServeArgs::resolve`], the one place
+//! they merge). With no `--config`, `/etc/minicri/config.toml` is read if it exists; minicri
+//! runs with no file at all. A file in the flat form of minicri before sections is refused with
+//! the new name of its first key.
 
-use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use clap::Args;
+use clap::{Arg, ArgMatches, Args, Command, FromArgMatches};
 use serde::{Deserialize, Serialize};
 
+pub use crate::cni::settings::CniSettings;
+use crate::kube_watch::WatchConfig;
+pub use crate::oci::settings::RuntimeSettings;
+pub use crate::stream::config::StreamSettings;
+pub use minicri_snapshotter::SnapshotterSettings;
+pub use minicri_store::pull::PullSettings;
+pub use minicri_store::registry::RegistrySettings;
+
 pub const DEFAULT_CONFIG_FILE: &str = "/etc/minicri/config.toml";
-
-/// Settings of `minicri serve`. Every field is optional here so the file and the flags can be merged.
-#[derive(Debug, Clone, Default, Args, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct ServeArgs {
-    /// Configuration file (TOML; keys as these flags, with `_` for `-`).
-    /// [default: /etc/minicri/config.toml if it exists]
-    #[arg(long, value_name = "FILE")]
-    #[serde(skip)]
-    pub config: Option<PathBuf>,
-
-    /// Unix socket to serve the CRI on. [default: /run/minicri/minicri.sock]
-    #[arg(long, value_name = "PATH")]
-    pub socket: Option<PathBuf>,
-
-    /// Directory for persistent data: images, content, snapshots. [default: /var/lib/minicri]
-    #[arg(long, value_name = "DIR")]
-    pub root: Option<PathBuf>,
-
-    /// Directory for state that does not survive a reboot. [default: /run/minicri]
-    #[arg(long, value_name = "DIR")]
-    pub state: Option<PathBuf>,
-
-    /// Registry hosts configuration, containerd's hosts.toml directory format:
-    /// <DIR>/<registry-host>/hosts.toml. [default: /etc/minicri/certs.d]
-    #[arg(long, value_name = "DIR")]
-    pub registry_config_dir: Option<PathBuf>,
-
-    /// Log filter: error, warn, info, debug, trace, or a tracing directive list. [default: info]
-    #[arg(long, value_name = "LEVEL")]
-    pub log_level: Option<String>,
-
-    /// Cgroup driver reported to the kubelet: cgroupfs or systemd. [default: cgroupfs]
-    #[arg(long, value_name = "DRIVER")]
-    pub cgroup_driver: Option<String>,
-
-    /// Platform chosen from multi-platform images, os/arch[/variant]. [default: linux/amd64]
-    #[arg(long, value_name = "PLATFORM")]
-    pub platform: Option<String>,
-
-    /// Layers of one image downloaded concurrently. [default: 3]
-    #[arg(long, value_name = "N")]
-    pub max_concurrent_downloads: Option<usize>,
-
-    /// Layers of one image unpacked concurrently (each committed after the one below it);
-    /// node-wide, at most this less one are applied ahead of their parent. [default: 4]
-    #[arg(long, value_name = "N")]
-    pub max_concurrent_unpacks: Option<usize>,
-
-    /// Layer snapshotter backend: overlay (falls back to copy where overlayfs is unusable) or copy.
-    /// [default: overlay]
-    #[arg(long, value_name = "BACKEND")]
-    pub snapshotter: Option<String>,
-
-    /// Requests downloading bytes of large blobs at once on the whole node, shared fairly
-    /// between the pods and calls that want downloads (docs/pulls.md); a blob fetched over
-    /// several ranged requests holds one per request. Small blobs have as many again of their
-    /// own. [default: 8]
-    #[arg(long, value_name = "N")]
-    pub max_concurrent_transfers: Option<usize>,
-
-    /// Blobs of at most this many bytes (configs, small layers) are fetched in a lane of their
-    /// own and never wait behind large transfers. [default: 4194304]
-    #[arg(long, value_name = "BYTES")]
-    pub small_blob_size: Option<u64>,
-
-    /// Ranged requests one large blob is fetched over at once (1: one stream per blob). [default: 6]
-    #[arg(long, value_name = "N")]
-    pub blob_connections: Option<usize>,
-
-    /// Bytes one ranged request of a large blob asks for; blobs smaller than two of these are
-    /// fetched as one stream. [default: 33554432]
-    #[arg(long, value_name = "BYTES")]
-    pub blob_chunk_size: Option<u64>,
-
-    /// Seconds without a downloaded byte after which a pull's requesters are dropped (0: never).
-    /// [default: 60]
-    #[arg(long, value_name = "SECONDS")]
-    pub pull_progress_timeout: Option<f64>,
-
-    /// Bytes per second a pull with something left to download must receive, averaged over each
-    /// pull_progress_timeout window, or its requesters are dropped: a registry trickling bytes
-    /// cannot hold a pull (or the kubelet's serial puller) forever (0: no minimum). [default: 1024]
-    #[arg(long, value_name = "BYTES_PER_SEC")]
-    pub pull_min_speed: Option<u64>,
-
-    /// Seconds one manifest request may take in total, its body and the token request a 401
-    /// leads to included (a blob request: until its response headers, its token request
-    /// included). [default: 60]
-    #[arg(long, value_name = "SECONDS")]
-    pub registry_request_timeout: Option<f64>,
-
-    /// Most bytes one layer may unpack to (its uncompressed tar stream plus the holes of its
-    /// sparse files); a larger layer fails the pull. [default: 68719476736 (64 GiB)]
-    #[arg(long, value_name = "BYTES")]
-    pub max_layer_bytes: Option<u64>,
-
-    /// Most entries (files, directories, links, whiteouts) one layer may have; a layer with more
-    /// fails the pull. [default: 1048576]
-    #[arg(long, value_name = "N")]
-    pub max_layer_entries: Option<u64>,
-
-    /// Seconds a PullImage made for a pod sandbox is held before it returns an error saying
-    /// the download continues in the background for the sandbox; the kubelet retries after its
-    /// back-off and the pod starts once the image is there. The budget is per sandbox and
-    /// kubelet sync (0: never detach). [default: 30]
-    #[arg(long, value_name = "SECONDS")]
-    pub pull_detach_after: Option<f64>,
-
-    /// The API-server watch of this node's pods (deleted pods release their pulls at once,
-    /// pulls are not detached while it is connected, pull progress shows in the pods' events):
-    /// auto (use the kubelet's kubeconfig when there is one) or off. [default: auto]
-    #[arg(long, value_name = "auto|off")]
-    pub kube_watch: Option<String>,
-
-    /// The kubeconfig the watch uses. [default: the first of kube_watch_kubeconfig_search that
-    /// exists, looked for again every 10 s until one does]
-    #[arg(long, value_name = "FILE")]
-    pub kube_watch_kubeconfig: Option<PathBuf>,
-
-    /// Where the kubelet's kubeconfig is looked for, in order (repeatable). [default:
-    /// /etc/kubernetes/kubelet.conf (kubeadm, kind), /var/lib/rancher/k3s/agent/kubelet.kubeconfig
-    /// (k3s)]
-    #[arg(long = "kube-watch-kubeconfig-search", value_name = "FILE")]
-    #[serde(default)]
-    pub kube_watch_kubeconfig_search: Vec<PathBuf>,
-
-    /// The node whose pods are watched (the kubelet's node name). [default: NAME of the
-    /// kubeconfig's client certificate `CN=system:node:NAME`, else the hostname]
-    #[arg(long, value_name = "NAME")]
-    pub kube_watch_node_name: Option<String>,
-
-    /// Hours a partial download nobody resumes is kept. [default: 24]
-    #[arg(long, value_name = "HOURS")]
-    pub ingest_ttl: Option<f64>,
-
-    /// Percent of the image filesystem that must stay free: below it, partial downloads nobody
-    /// is resuming are removed however young (0: never). [default: 5]
-    #[arg(long, value_name = "PERCENT")]
-    pub ingest_min_free: Option<f64>,
-
-    /// Free space of the image filesystem that pulls leave alone: a download or an unpack that
-    /// would leave less stops with RESOURCE_EXHAUSTED (the downloaded bytes are kept for a
-    /// resume). A percentage of the filesystem (15%) or a size (20GiB, or bytes); 0 turns it
-    /// off. Must be at least ingest_min_free. [default: 15%, what the kubelet's default hard
-    /// eviction threshold imagefs.available<15% keeps]
-    #[arg(long, value_name = "PERCENT%|SIZE")]
-    pub image_fs_reserve: Option<minicri_store::space::Reserve>,
-
-    /// Largest blob (a layer or an image config) a manifest may list; a pull of a larger one
-    /// fails with RESOURCE_EXHAUSTED before any byte is fetched. At most 1 TiB.
-    /// [default: 68719476736 (64 GiB, as max_layer_bytes)]
-    #[arg(long, value_name = "BYTES")]
-    pub max_blob_size: Option<u64>,
-
-    /// Keep each layer's compressed blob after the layer is unpacked. Off, the blob is deleted
-    /// once the image is recorded, so an image costs its unpacked size on disk; a pull of an
-    /// image whose layers are unpacked downloads nothing for them. [default: false]
-    #[arg(long, value_name = "BOOL")]
-    pub keep_layer_blobs: Option<bool>,
-
-    /// Most bytes of labels and annotations of all the node's pods together (and, separately,
-    /// of all its containers); a pod or container past it is refused with RESOURCE_EXHAUSTED.
-    /// The default keeps every List RPC under the kubelet's 16 MiB message limit; past it, only
-    /// clients that use the streamed lists (StreamPodSandboxes, ...) still list everything.
-    /// [default: 8388608 (8 MiB)]
-    #[arg(long, value_name = "BYTES")]
-    pub node_metadata_budget: Option<u64>,
-
-    /// Directories searched for CNI network configurations (repeatable). [default: /etc/cni/net.d]
-    #[arg(long = "cni-conf-dir", value_name = "DIR")]
-    #[serde(default)]
-    pub cni_conf_dirs: Vec<PathBuf>,
-
-    /// Directories searched for CNI plugin binaries (repeatable). [default: /opt/cni/bin, /usr/lib/cni]
-    #[arg(long = "cni-bin-dir", value_name = "DIR")]
-    #[serde(default)]
-    pub cni_bin_dirs: Vec<PathBuf>,
-
-    /// Binary of the `runc` runtime handler (runc's command line), a name on PATH or a path.
-    /// [default: runc]
-    #[arg(long, value_name = "BINARY")]
-    pub oci_runtime: Option<PathBuf>,
-
-    /// A runtime handler pods can choose by name (RuntimeClass `handler`): a runc-compatible
-    /// binary, a name on PATH or a path (repeatable). `runc` and `crun` are built in. In the
-    /// file: `[runtimes.NAME]` tables with `binary` and optionally `root`.
-    #[arg(long = "runtime", value_name = "NAME=BINARY", value_parser = parse_runtime_flag)]
-    #[serde(skip)]
-    pub runtime_flags: Vec<(String, PathBuf)>,
-
-    /// Runtime handlers from the file: `[runtimes.NAME]` with `binary` and `root`.
-    #[arg(skip)]
-    #[serde(default)]
-    pub runtimes: BTreeMap<String, RuntimeEntry>,
-
-    /// The runtime handler of pods that name none. [default: runc]
-    #[arg(long, value_name = "NAME")]
-    pub default_runtime: Option<String>,
-
-    /// Serve Prometheus metrics on this loopback address (e.g. 127.0.0.1:9464) at /metrics.
-    /// [default: off]
-    #[arg(long, value_name = "ADDR")]
-    pub metrics_address: Option<String>,
-
-    /// Loopback address of the streaming server (exec, attach, port-forward), IP:PORT; port 0
-    /// picks a free port.
-    /// [default: 127.0.0.1:0]
-    #[arg(long, value_name = "ADDR")]
-    pub stream_address: Option<String>,
-
-    /// Pod and container annotations passed into the OCI runtime spec: keys, or prefixes ending
-    /// in `*` (repeatable). Keys that steer the runtime (`run.oci.*`, `org.systemd.property.*`,
-    /// `io.kubernetes.cri.*`, ...) never pass. [default: none]
-    #[arg(long = "pod-annotation", value_name = "PATTERN")]
-    #[serde(default)]
-    pub pod_annotations: Vec<String>,
-
-    /// Namespaces whose pods may raise their share of the node's transfer connections with the
-    /// annotation `pull.minicri.io/priority: high` (any pod may lower its own with `low`;
-    /// repeatable). [default: none]
-    #[arg(long = "pull-priority-namespace", value_name = "NAMESPACE")]
-    #[serde(default)]
-    pub pull_priority_namespaces: Vec<String>,
-
-    /// Host paths a container may mount (or name as a device) although they are minicri's
-    /// root, state directory or socket, lie inside them, or hold them (`/`, `/var/lib`, `/run`):
-    /// CreateContainer refuses such mounts with INVALID_ARGUMENT unless their host path, resolved
-    /// through symlinks, is listed here exactly (repeatable). `kubectl debug node/...` and
-    /// node-exporter mount `/`. [default: none]
-    #[arg(long = "allow-own-path-mount", value_name = "PATH")]
-    #[serde(default)]
-    pub allow_own_path_mounts: Vec<PathBuf>,
-
-    /// Bytes the node's port-forward sessions may hold buffered together, both ways (what
-    /// clients send before the pod reads it, what pods send before the client reads it): past
-    /// it, forwards wait until bytes are delivered. At least 2097152 (2 MiB).
-    /// [default: 67108864 (64 MiB)]
-    #[arg(long, value_name = "BYTES")]
-    pub port_forward_buffer_bytes: Option<u64>,
-}
-
-/// A `[runtimes.NAME]` table of the configuration file.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct RuntimeEntry {
-    /// The runtime binary (runc's command line), a name on PATH or a path.
-    pub binary: PathBuf,
-    /// Its state directory (`--root`). [default: <state>/runtimes/NAME; <state>/runc for runc]
-    pub root: Option<PathBuf>,
-}
-
-fn parse_runtime_flag(s: &str) -> Result<(String, PathBuf), String> {
-    match s.split_once('=') {
-        Some((name, binary)) if !name.is_empty() && !binary.is_empty() => {
-            Ok((name.to_string(), binary.into()))
-        }
-        _ => Err(format!("{s:?} is not NAME=BINARY")),
-    }
-}
-
-/// The cgroup driver the runtime uses and reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CgroupDriver {
-    Cgroupfs,
-    Systemd,
-}
-
-/// Where the API-server watch finds its kubeconfig and which node's pods it follows.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KubeWatch {
-    /// Given explicitly; otherwise the first of `search` that exists.
-    pub kubeconfig: Option<PathBuf>,
-    pub search: Vec<PathBuf>,
-    /// Given explicitly; otherwise from the client certificate, else the hostname.
-    pub node_name: Option<String>,
-}
 
 /// Where the kubelet keeps its kubeconfig: kubeadm and kind, then k3s.
 pub const KUBECONFIG_SEARCH: [&str; 2] = [
@@ -296,724 +37,595 @@ pub const KUBECONFIG_SEARCH: [&str; 2] = [
     "/var/lib/rancher/k3s/agent/kubelet.kubeconfig",
 ];
 
-/// Resolved configuration.
-#[derive(Debug, Clone)]
-pub struct Config {
-    pub socket: PathBuf,
-    pub root: PathBuf,
-    pub state: PathBuf,
-    pub registry_config_dir: PathBuf,
-    pub log_level: String,
-    pub cgroup_driver: CgroupDriver,
-    pub platform: String,
-    pub max_concurrent_downloads: usize,
-    pub max_concurrent_unpacks: usize,
-    pub max_concurrent_transfers: usize,
-    pub small_blob_size: u64,
-    /// How a large blob is fetched over several ranged requests.
-    pub ranged_fetch: minicri_store::blobs::RangedFetch,
-    pub snapshotter: String,
-    pub pull_progress_timeout: Option<std::time::Duration>,
-    /// Bytes/s a pull must receive per progress window (`None`: no minimum).
-    pub pull_min_speed: Option<u64>,
-    pub registry_request_timeout: std::time::Duration,
-    pub max_layer_bytes: u64,
-    pub max_layer_entries: u64,
-    /// How long a pod's PullImage is held before it detaches (`None`: never).
-    pub pull_detach_after: Option<std::time::Duration>,
-    /// The API-server watch (`None`: off).
-    pub kube_watch: Option<KubeWatch>,
-    pub ingest_ttl: std::time::Duration,
-    /// Fraction (0..1) of the filesystem that must stay free before young ingests are collected.
-    pub ingest_min_free: f64,
-    /// Free space of the image filesystem that downloads and unpacks keep.
-    pub image_fs_reserve: minicri_store::space::Reserve,
-    /// Largest blob a descriptor may claim.
-    pub max_blob_size: u64,
-    /// Keep compressed layer blobs once their layers are unpacked.
-    pub keep_layer_blobs: bool,
-    /// Most bytes of labels and annotations of the node's pods (and of its containers).
-    pub node_metadata_budget: usize,
-    pub cni_conf_dirs: Vec<PathBuf>,
-    pub cni_bin_dirs: Vec<PathBuf>,
-    /// Runtime handlers configured (the built-in ones are added by
-    /// [`crate::oci::Handlers::new`]), by name.
-    pub runtimes: BTreeMap<String, crate::oci::HandlerConfig>,
-    /// The handler of pods that name none.
-    pub default_runtime: String,
-    pub metrics_address: Option<std::net::SocketAddr>,
-    /// Where the streaming server listens (loopback only; port 0: any free port).
-    pub stream_address: std::net::SocketAddr,
-    /// Which pod annotations reach the OCI spec.
-    pub pod_annotations: crate::spec::annotations::AnnotationPolicy,
-    pub pull_priority_namespaces: Vec<String>,
-    /// Host paths containers may mount although they touch minicri's own (resolved when checked).
-    pub allow_own_path_mounts: Vec<PathBuf>,
-    /// Bytes all port-forward sessions may hold buffered together.
-    pub port_forward_buffer_bytes: u64,
+/// Whether the API-server watch runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum KubeWatchMode {
+    /// On when a kubeconfig is found.
+    Auto,
+    Off,
 }
 
-/// The default of `port_forward_buffer_bytes`.
-pub const DEFAULT_PORT_FORWARD_BUFFER_BYTES: u64 = 64 << 20;
-/// The least `port_forward_buffer_bytes` taken: a SPDY DATA frame of up to 1 MiB is charged
-/// whole before it is read, so the total must hold one with room for the other direction.
-pub const MIN_PORT_FORWARD_BUFFER_BYTES: u64 = 2 << 20;
+/// `[daemon]`: the daemon's own paths, logging, metrics, and the API-server watch.
+#[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[command(next_help_heading = "[daemon]")]
+pub struct DaemonSettings {
+    /// Unix socket to serve the CRI on.
+    #[arg(long, value_name = "PATH")]
+    pub socket: PathBuf,
 
-impl ServeArgs {
-    /// Reads the config file (if any) and lays the flags over it.
-    pub fn resolve(self) -> anyhow::Result<Config> {
-        let file = match &self.config {
-            Some(p) => Some(read_file(p)?),
-            None if Path::new(DEFAULT_CONFIG_FILE).exists() => {
-                Some(read_file(Path::new(DEFAULT_CONFIG_FILE))?)
-            }
-            None => None,
-        };
-        let merged = match file {
-            Some(f) => self.over(f),
-            None => self,
-        };
-        merged.finish()
-    }
+    /// Directory for persistent data: images, content, snapshots.
+    #[arg(long, value_name = "DIR")]
+    pub root: PathBuf,
 
-    /// `self` where set, else `base`.
-    fn over(self, base: ServeArgs) -> ServeArgs {
-        ServeArgs {
-            config: self.config,
-            socket: self.socket.or(base.socket),
-            root: self.root.or(base.root),
-            state: self.state.or(base.state),
-            registry_config_dir: self.registry_config_dir.or(base.registry_config_dir),
-            log_level: self.log_level.or(base.log_level),
-            cgroup_driver: self.cgroup_driver.or(base.cgroup_driver),
-            platform: self.platform.or(base.platform),
-            max_concurrent_downloads: self
-                .max_concurrent_downloads
-                .or(base.max_concurrent_downloads),
-            max_concurrent_unpacks: self.max_concurrent_unpacks.or(base.max_concurrent_unpacks),
-            max_concurrent_transfers: self
-                .max_concurrent_transfers
-                .or(base.max_concurrent_transfers),
-            small_blob_size: self.small_blob_size.or(base.small_blob_size),
-            blob_connections: self.blob_connections.or(base.blob_connections),
-            blob_chunk_size: self.blob_chunk_size.or(base.blob_chunk_size),
-            snapshotter: self.snapshotter.or(base.snapshotter),
-            pull_progress_timeout: self.pull_progress_timeout.or(base.pull_progress_timeout),
-            pull_detach_after: self.pull_detach_after.or(base.pull_detach_after),
-            pull_min_speed: self.pull_min_speed.or(base.pull_min_speed),
-            registry_request_timeout: self
-                .registry_request_timeout
-                .or(base.registry_request_timeout),
-            max_layer_bytes: self.max_layer_bytes.or(base.max_layer_bytes),
-            max_layer_entries: self.max_layer_entries.or(base.max_layer_entries),
-            kube_watch: self.kube_watch.or(base.kube_watch),
-            kube_watch_kubeconfig: self.kube_watch_kubeconfig.or(base.kube_watch_kubeconfig),
-            kube_watch_kubeconfig_search: if self.kube_watch_kubeconfig_search.is_empty() {
-                base.kube_watch_kubeconfig_search
-            } else {
-                self.kube_watch_kubeconfig_search
-            },
-            kube_watch_node_name: self.kube_watch_node_name.or(base.kube_watch_node_name),
-            ingest_ttl: self.ingest_ttl.or(base.ingest_ttl),
-            ingest_min_free: self.ingest_min_free.or(base.ingest_min_free),
-            image_fs_reserve: self.image_fs_reserve.or(base.image_fs_reserve),
-            max_blob_size: self.max_blob_size.or(base.max_blob_size),
-            keep_layer_blobs: self.keep_layer_blobs.or(base.keep_layer_blobs),
-            node_metadata_budget: self.node_metadata_budget.or(base.node_metadata_budget),
-            cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
-                base.cni_conf_dirs
-            } else {
-                self.cni_conf_dirs
-            },
-            cni_bin_dirs: if self.cni_bin_dirs.is_empty() {
-                base.cni_bin_dirs
-            } else {
-                self.cni_bin_dirs
-            },
-            oci_runtime: self.oci_runtime.or(base.oci_runtime),
-            runtime_flags: [base.runtime_flags, self.runtime_flags].concat(),
-            runtimes: {
-                let mut r = base.runtimes;
-                r.extend(self.runtimes);
-                r
-            },
-            default_runtime: self.default_runtime.or(base.default_runtime),
-            metrics_address: self.metrics_address.or(base.metrics_address),
-            stream_address: self.stream_address.or(base.stream_address),
-            pod_annotations: if self.pod_annotations.is_empty() {
-                base.pod_annotations
-            } else {
-                self.pod_annotations
-            },
-            pull_priority_namespaces: if self.pull_priority_namespaces.is_empty() {
-                base.pull_priority_namespaces
-            } else {
-                self.pull_priority_namespaces
-            },
-            allow_own_path_mounts: if self.allow_own_path_mounts.is_empty() {
-                base.allow_own_path_mounts
-            } else {
-                self.allow_own_path_mounts
-            },
-            port_forward_buffer_bytes: self
-                .port_forward_buffer_bytes
-                .or(base.port_forward_buffer_bytes),
+    /// Directory for state that does not survive a reboot.
+    #[arg(long, value_name = "DIR")]
+    pub state: PathBuf,
+
+    /// Log filter: error, warn, info, debug, trace, or a tracing directive list.
+    #[arg(long, value_name = "LEVEL")]
+    pub log_level: String,
+
+    /// Serve Prometheus metrics on this loopback address (e.g. 127.0.0.1:9464) at /metrics.
+    /// [default: off]
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_address: Option<SocketAddr>,
+
+    /// Most bytes of labels and annotations of all the node's pods together (and, separately,
+    /// of all its containers); a pod or container past it is refused with RESOURCE_EXHAUSTED.
+    /// The default keeps every List RPC under the kubelet's 16 MiB message limit; past it, only
+    /// clients that use the streamed lists (StreamPodSandboxes, ...) still list everything.
+    #[arg(long, value_name = "BYTES")]
+    pub node_metadata_budget: u64,
+
+    /// The API-server watch of this node's pods (deleted pods release their pulls at once,
+    /// pulls are not detached while it is connected, pull progress shows in the pods' events):
+    /// auto (use the kubelet's kubeconfig when there is one) or off.
+    #[arg(long, value_name = "auto|off", value_enum)]
+    pub kube_watch: KubeWatchMode,
+
+    /// The kubeconfig the watch uses. [default: the first of kube_watch_kubeconfig_search that
+    /// exists, looked for again every 10 s until one does]
+    #[arg(long, value_name = "FILE")]
+    pub kube_watch_kubeconfig: Option<PathBuf>,
+
+    /// Where the kubelet's kubeconfig is looked for, in order (repeatable): kubeadm's and
+    /// kind's, then k3s's.
+    #[arg(long = "kube-watch-kubeconfig-search", value_name = "FILE")]
+    pub kube_watch_kubeconfig_search: Vec<PathBuf>,
+
+    /// The node whose pods are watched (the kubelet's node name). [default: NAME of the
+    /// kubeconfig's client certificate `CN=system:node:NAME`, else the hostname]
+    #[arg(long, value_name = "NAME")]
+    pub kube_watch_node_name: Option<String>,
+}
+
+impl Default for DaemonSettings {
+    fn default() -> Self {
+        DaemonSettings {
+            socket: "/run/minicri/minicri.sock".into(),
+            root: "/var/lib/minicri".into(),
+            state: "/run/minicri".into(),
+            log_level: "info".into(),
+            metrics_address: None,
+            node_metadata_budget: crate::pods::DEFAULT_NODE_METADATA_BYTES as u64,
+            kube_watch: KubeWatchMode::Auto,
+            kube_watch_kubeconfig: None,
+            kube_watch_kubeconfig_search: KUBECONFIG_SEARCH.iter().map(PathBuf::from).collect(),
+            kube_watch_node_name: None,
         }
     }
+}
 
-    /// The configuration these settings give over the embedded defaults (no file is read).
-    pub(crate) fn finish(self) -> anyhow::Result<Config> {
-        let cgroup_driver = match self.cgroup_driver.as_deref().unwrap_or("cgroupfs") {
-            "cgroupfs" => CgroupDriver::Cgroupfs,
-            "systemd" => CgroupDriver::Systemd,
-            other => bail!("cgroup_driver {other:?} is not one of cgroupfs, systemd"),
-        };
-        let platform = self.platform.unwrap_or_else(|| "linux/amd64".into());
-        if minicri_store::manifest::Platform::parse(&platform).is_none() {
-            bail!("platform {platform:?} is not os/arch[/variant]");
-        }
-        let max_concurrent_downloads = self.max_concurrent_downloads.unwrap_or(3);
-        if max_concurrent_downloads == 0 {
-            bail!("max_concurrent_downloads must be at least 1");
-        }
-        let snapshotter = self.snapshotter.unwrap_or_else(|| "overlay".into());
-        if !matches!(snapshotter.as_str(), "overlay" | "copy") {
-            bail!("snapshotter {snapshotter:?} is not one of overlay, copy");
-        }
-        let max_concurrent_unpacks = self.max_concurrent_unpacks.unwrap_or(4);
-        if max_concurrent_unpacks == 0 {
-            bail!("max_concurrent_unpacks must be at least 1");
-        }
-        let max_concurrent_transfers = self.max_concurrent_transfers.unwrap_or(8);
-        if max_concurrent_transfers == 0 {
-            bail!("max_concurrent_transfers must be at least 1");
-        }
-        let small_blob_size = self
-            .small_blob_size
-            .unwrap_or(minicri_store::blobs::DEFAULT_SMALL_BLOB_BYTES);
-        let ranged_default = minicri_store::blobs::RangedFetch::default();
-        let ranged_fetch = minicri_store::blobs::RangedFetch {
-            connections: self.blob_connections.unwrap_or(ranged_default.connections),
-            chunk_size: self.blob_chunk_size.unwrap_or(ranged_default.chunk_size),
-        };
-        if ranged_fetch.connections == 0 || ranged_fetch.chunk_size == 0 {
-            bail!("blob_connections and blob_chunk_size must be at least 1");
-        }
-        let pull_progress_timeout =
-            seconds_or_off("pull_progress_timeout", self.pull_progress_timeout, 60.0)?;
-        let pull_detach_after = seconds_or_off("pull_detach_after", self.pull_detach_after, 30.0)?;
-        let pull_min_speed = match self
-            .pull_min_speed
-            .unwrap_or(minicri_store::pull::DEFAULT_MIN_SPEED)
-        {
-            0 => None,
-            n => Some(n),
-        };
-        let registry_request_timeout = seconds_or_off(
-            "registry_request_timeout",
-            self.registry_request_timeout,
-            minicri_store::registry::REQUEST_DEADLINE.as_secs_f64(),
-        )?
-        .ok_or_else(|| anyhow::anyhow!("registry_request_timeout must be more than 0"))?;
-        let max_layer_bytes = self
-            .max_layer_bytes
-            .unwrap_or(minicri_snapshotter::DEFAULT_MAX_LAYER_BYTES);
-        let max_layer_entries = self
-            .max_layer_entries
-            .unwrap_or(minicri_snapshotter::DEFAULT_MAX_LAYER_ENTRIES);
-        if max_layer_bytes == 0 || max_layer_entries == 0 {
-            bail!("max_layer_bytes and max_layer_entries must be more than 0");
-        }
-        let node_name = match self.kube_watch_node_name {
-            Some(n) if n.trim().is_empty() => bail!("kube_watch_node_name is empty"),
-            n => n,
-        };
-        let kube_watch = match self.kube_watch.as_deref().unwrap_or("auto") {
-            "auto" => Some(KubeWatch {
-                kubeconfig: self.kube_watch_kubeconfig,
-                search: if self.kube_watch_kubeconfig_search.is_empty() {
-                    KUBECONFIG_SEARCH.iter().map(PathBuf::from).collect()
-                } else {
-                    self.kube_watch_kubeconfig_search
-                },
-                node_name,
-            }),
-            "off" if self.kube_watch_kubeconfig.is_some() => {
-                bail!("kube_watch is off, but kube_watch_kubeconfig is set")
+impl DaemonSettings {
+    /// Checks every value; the error names the key (`daemon.KEY`).
+    pub fn validate(&self) -> Result<(), String> {
+        for (key, p) in [
+            ("socket", &self.socket),
+            ("root", &self.root),
+            ("state", &self.state),
+        ] {
+            if p.as_os_str().is_empty() {
+                return Err(format!("daemon.{key} is empty"));
             }
-            "off" => None,
-            other => bail!("kube_watch {other:?} is not one of auto, off"),
-        };
-        let ingest_min_free = match self.ingest_min_free.unwrap_or(5.0) {
-            p if !p.is_finite() || !(0.0..=100.0).contains(&p) => {
-                bail!("ingest_min_free must be a percentage, 0 to 100")
-            }
-            p => p / 100.0,
-        };
-        let image_fs_reserve = self
-            .image_fs_reserve
-            .unwrap_or(minicri_store::space::DEFAULT_RESERVE);
-        // A download stopped at a reserve under ingest_min_free would leave free space where
-        // the collector takes its partial data: every retry would fetch it again. (A reserve in
-        // bytes is compared once the filesystem's size is known, at start.)
-        if let minicri_store::space::Reserve::Percent(p) = image_fs_reserve
-            && p > 0.0
-            && p / 100.0 < ingest_min_free
+        }
+        if let Some(a) = self.metrics_address
+            && !a.ip().is_loopback()
         {
-            bail!(
-                "image_fs_reserve ({p}%) is less than ingest_min_free ({}%): downloads stopped at the reserve would have their partial data collected; raise image_fs_reserve, or lower ingest_min_free",
-                ingest_min_free * 100.0
-            );
+            return Err(format!(
+                "daemon.metrics_address {a} is not a loopback address: metrics are only served \
+                 on loopback (127.0.0.1 or ::1)"
+            ));
         }
-        let max_blob_size = self
-            .max_blob_size
-            .unwrap_or(minicri_store::pull::DEFAULT_MAX_BLOB_SIZE);
-        if !(1..=minicri_store::pull::MAX_BLOB_BYTES).contains(&max_blob_size) {
-            bail!(
-                "max_blob_size must be 1 to {} bytes (1 TiB)",
-                minicri_store::pull::MAX_BLOB_BYTES
-            );
-        }
-        let node_metadata_budget = self
-            .node_metadata_budget
-            .unwrap_or(crate::pods::DEFAULT_NODE_METADATA_BYTES as u64);
         // At least one pod's labels and annotations at their caps; at most 1 GiB of memory.
         let least = 2 * crate::pods::MAX_METADATA_BYTES as u64;
-        if !(least..=1 << 30).contains(&node_metadata_budget) {
-            bail!(
-                "node_metadata_budget must be {least} (one object's labels and annotations at their caps) to 1073741824 bytes (1 GiB)"
-            );
+        if !(least..=1 << 30).contains(&self.node_metadata_budget) {
+            return Err(format!(
+                "daemon.node_metadata_budget must be {least} (one object's labels and \
+                 annotations at their caps) to 1073741824 bytes (1 GiB)"
+            ));
         }
-        let ingest_ttl = match self.ingest_ttl.unwrap_or(24.0) {
-            t if !t.is_finite() || !(0.0..=100_000.0).contains(&t) => {
-                bail!("ingest_ttl must be a number of hours, 0 to 100000")
-            }
-            t => std::time::Duration::from_secs_f64(t * 3600.0),
-        };
-        let metrics_address = match self.metrics_address.as_deref() {
-            None | Some("") => None,
-            Some(a) => {
-                let addr: std::net::SocketAddr = a
-                    .parse()
-                    .map_err(|_| anyhow::anyhow!("metrics_address {a:?} is not IP:PORT"))?;
-                if !addr.ip().is_loopback() {
-                    bail!(
-                        "metrics_address {a:?} is not a loopback address: metrics are only served on loopback (127.0.0.1 or ::1)"
-                    );
-                }
-                Some(addr)
-            }
-        };
-        let stream_address = self
-            .stream_address
-            .as_deref()
-            .filter(|a| !a.is_empty())
-            .unwrap_or("127.0.0.1:0");
-        let stream_address: std::net::SocketAddr = stream_address
-            .parse()
-            .map_err(|_| anyhow::anyhow!("stream_address {stream_address:?} is not IP:PORT"))?;
-        if !stream_address.ip().is_loopback() {
-            bail!(
-                "stream_address {stream_address} is not a loopback address: the streaming server (exec, attach, port-forward) is only served on loopback (127.0.0.1 or ::1)"
-            );
+        if self
+            .kube_watch_node_name
+            .as_ref()
+            .is_some_and(|n| n.trim().is_empty())
+        {
+            return Err("daemon.kube_watch_node_name is empty".into());
         }
-        let pod_annotations = crate::spec::annotations::AnnotationPolicy::new(self.pod_annotations)
-            .map_err(|e| anyhow::anyhow!(e))?;
-        let mut runtimes: BTreeMap<String, crate::oci::HandlerConfig> = self
-            .runtimes
-            .into_iter()
-            .map(|(name, e)| {
-                let c = crate::oci::HandlerConfig {
-                    binary: e.binary,
-                    root: e.root,
-                };
-                (name, c)
-            })
-            .collect();
-        // `oci_runtime` and the flags give binaries; a file's `root` for the same handler stays.
-        let mut set_binary = |name: String, binary: PathBuf| {
-            runtimes
-                .entry(name)
-                .or_insert_with(|| crate::oci::HandlerConfig {
-                    binary: PathBuf::new(),
-                    root: None,
-                })
-                .binary = binary;
-        };
-        if let Some(binary) = self.oci_runtime {
-            if binary.as_os_str().is_empty() {
-                bail!("oci_runtime must name a binary");
-            }
-            set_binary(crate::oci::handlers::DEFAULT_HANDLER.to_string(), binary);
+        if self.kube_watch == KubeWatchMode::Off && self.kube_watch_kubeconfig.is_some() {
+            return Err("daemon.kube_watch is off, but daemon.kube_watch_kubeconfig is set".into());
         }
-        for (name, binary) in self.runtime_flags {
-            set_binary(name, binary);
-        }
-        let default_runtime = self
-            .default_runtime
-            .filter(|d| !d.is_empty())
-            .unwrap_or_else(|| crate::oci::handlers::DEFAULT_HANDLER.into());
-        crate::oci::handlers::check_config(&runtimes, &default_runtime)?;
-        if let Some(p) = self.allow_own_path_mounts.iter().find(|p| !p.is_absolute()) {
-            bail!(
-                "{} entry {} is not an absolute path",
-                crate::spec::own_paths::SETTING,
-                p.display()
-            );
-        }
-        let port_forward_buffer_bytes = self
-            .port_forward_buffer_bytes
-            .unwrap_or(DEFAULT_PORT_FORWARD_BUFFER_BYTES);
-        if port_forward_buffer_bytes < MIN_PORT_FORWARD_BUFFER_BYTES {
-            bail!(
-                "port_forward_buffer_bytes must be at least {MIN_PORT_FORWARD_BUFFER_BYTES} (2 MiB)"
-            );
-        }
-        Ok(Config {
-            socket: self
-                .socket
-                .unwrap_or_else(|| "/run/minicri/minicri.sock".into()),
-            root: self.root.unwrap_or_else(|| "/var/lib/minicri".into()),
-            state: self.state.unwrap_or_else(|| "/run/minicri".into()),
-            registry_config_dir: self
-                .registry_config_dir
-                .unwrap_or_else(|| "/etc/minicri/certs.d".into()),
-            log_level: self.log_level.unwrap_or_else(|| "info".into()),
-            cgroup_driver,
-            platform,
-            max_concurrent_downloads,
-            max_concurrent_unpacks,
-            max_concurrent_transfers,
-            small_blob_size,
-            ranged_fetch,
-            snapshotter,
-            pull_progress_timeout,
-            pull_min_speed,
-            registry_request_timeout,
-            max_layer_bytes,
-            max_layer_entries,
-            pull_detach_after,
-            kube_watch,
-            ingest_ttl,
-            ingest_min_free,
-            image_fs_reserve,
-            max_blob_size,
-            keep_layer_blobs: self.keep_layer_blobs.unwrap_or(false),
-            node_metadata_budget: node_metadata_budget as usize,
-            cni_conf_dirs: if self.cni_conf_dirs.is_empty() {
-                vec!["/etc/cni/net.d".into()]
-            } else {
-                self.cni_conf_dirs
-            },
-            cni_bin_dirs: if self.cni_bin_dirs.is_empty() {
-                vec!["/opt/cni/bin".into(), "/usr/lib/cni".into()]
-            } else {
-                self.cni_bin_dirs
-            },
-            runtimes,
-            default_runtime,
-            metrics_address,
-            stream_address,
-            pod_annotations,
-            pull_priority_namespaces: self.pull_priority_namespaces,
-            allow_own_path_mounts: self.allow_own_path_mounts,
-            port_forward_buffer_bytes,
+        Ok(())
+    }
+
+    /// The API-server watch (`None`: off).
+    pub fn kube_watch(&self) -> Option<WatchConfig> {
+        (self.kube_watch == KubeWatchMode::Auto).then(|| WatchConfig {
+            kubeconfig: self.kube_watch_kubeconfig.clone(),
+            search: self.kube_watch_kubeconfig_search.clone(),
+            node_name: self.kube_watch_node_name.clone(),
         })
     }
 }
 
-/// A number of seconds from the configuration: `0` turns the setting off.
-fn seconds_or_off(
-    key: &str,
-    value: Option<f64>,
-    default: f64,
-) -> anyhow::Result<Option<std::time::Duration>> {
-    match value.unwrap_or(default) {
-        t if !t.is_finite() || !(0.0..=1e9).contains(&t) => {
-            bail!("{key} must be a number of seconds >= 0")
+/// The whole configuration: one section per component. What the file holds, what the flags
+/// set, what the daemon runs with and what verbose Status reports.
+#[derive(Debug, Clone, PartialEq, Default, Args, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    #[command(flatten)]
+    pub daemon: DaemonSettings,
+    #[command(flatten)]
+    pub pull: PullSettings,
+    #[command(flatten)]
+    pub registry: RegistrySettings,
+    #[command(flatten)]
+    pub snapshotter: SnapshotterSettings,
+    #[command(flatten)]
+    pub cni: CniSettings,
+    #[command(flatten)]
+    pub stream: StreamSettings,
+    #[command(flatten)]
+    pub runtime: RuntimeSettings,
+}
+
+/// The sections, in the file's order: name, what it configures, and its keys (the flags of its
+/// struct; a key's arg id is its field's name).
+pub fn sections() -> Vec<(&'static str, &'static str, Command)> {
+    let keys = |augment: fn(Command) -> Command| augment(Command::new("section"));
+    vec![
+        (
+            "daemon",
+            "The daemon's paths, logging, metrics and the API-server watch.",
+            keys(DaemonSettings::augment_args),
+        ),
+        (
+            "pull",
+            "Image downloads and unpacks, and the space they leave free.",
+            keys(PullSettings::augment_args),
+        ),
+        (
+            "registry",
+            "Registry hosts and requests.",
+            keys(RegistrySettings::augment_args),
+        ),
+        (
+            "snapshotter",
+            "Layer snapshots and the limits of one layer.",
+            keys(SnapshotterSettings::augment_args),
+        ),
+        ("cni", "Pod networking.", keys(CniSettings::augment_args)),
+        (
+            "stream",
+            "The streaming server (exec, attach, port-forward).",
+            keys(StreamSettings::augment_args),
+        ),
+        (
+            "runtime",
+            "OCI runtime handlers, the cgroup driver, and what of a pod spec reaches the runtime.",
+            keys(RuntimeSettings::augment_args),
+        ),
+    ]
+}
+
+impl Config {
+    /// Checks every section; the error names the key (`section.key`).
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let checks = [
+            self.daemon.validate(),
+            self.pull.validate(),
+            self.registry.validate(),
+            self.snapshotter.validate(),
+            self.cni.validate(),
+            self.stream.validate(),
+            self.runtime.validate(),
+        ];
+        for check in checks {
+            check.map_err(|e| anyhow::anyhow!(e))?;
         }
-        0.0 => Ok(None),
-        t => Ok(Some(std::time::Duration::from_secs_f64(t))),
+        Ok(())
+    }
+
+    /// The configuration, as verbose Status reports it: every section, serialized.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(self).unwrap_or_default()
     }
 }
 
-fn read_file(path: &Path) -> anyhow::Result<ServeArgs> {
+/// `minicri serve`'s command line: `--config FILE` and a flag for every key of [`Config`].
+#[derive(Debug, Clone, Default)]
+pub struct ServeArgs {
+    /// The configuration file. [default: /etc/minicri/config.toml if it exists]
+    pub config: Option<PathBuf>,
+    /// The flags given, laid over the file by [`ServeArgs::resolve`].
+    flags: Option<ArgMatches>,
+}
+
+impl FromArgMatches for ServeArgs {
+    fn from_arg_matches(m: &ArgMatches) -> Result<Self, clap::Error> {
+        Ok(ServeArgs {
+            config: m.get_one::<PathBuf>("config").cloned(),
+            flags: Some(m.clone()),
+        })
+    }
+
+    fn update_from_arg_matches(&mut self, m: &ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(m)?;
+        Ok(())
+    }
+}
+
+impl Args for ServeArgs {
+    fn augment_args(cmd: Command) -> Command {
+        let cmd = cmd.arg(
+            Arg::new("config")
+                .long("config")
+                .value_name("FILE")
+                .value_parser(clap::value_parser!(PathBuf))
+                .help(
+                    "Configuration file (TOML, in sections: `minicri config default` prints \
+                     one). [default: /etc/minicri/config.toml if it exists]",
+                ),
+        );
+        let defaults = default_values();
+        // No flag is required (the defaults fill in), and each help ends with its default,
+        // taken from the sections' `Default`: it is written nowhere else.
+        Config::augment_args(cmd).mut_args(move |a| {
+            let a = a.required(false);
+            match defaults.get(a.get_id().as_str()) {
+                Some(v) => {
+                    let help = a.get_help().map(|h| h.to_string()).unwrap_or_default();
+                    a.help(format!("{help} [default: {v}]"))
+                }
+                None => a,
+            }
+        })
+    }
+
+    fn augment_args_for_update(cmd: Command) -> Command {
+        Self::augment_args(cmd)
+    }
+}
+
+/// Each key's default as help shows it (keys whose default is no value are absent).
+fn default_values() -> std::collections::HashMap<String, String> {
+    let mut out = std::collections::HashMap::new();
+    let Ok(toml::Value::Table(all)) = toml::Value::try_from(Config::default()) else {
+        return out;
+    };
+    for (_, section) in all {
+        let toml::Value::Table(section) = section else {
+            continue;
+        };
+        for (key, value) in section {
+            let shown = match &value {
+                toml::Value::String(s) => s.clone(),
+                toml::Value::Array(a) if a.is_empty() => "none".into(),
+                toml::Value::Array(a) => a
+                    .iter()
+                    .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_string))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                // Seconds and hours read better as `30` than as TOML's `30.0`.
+                toml::Value::Float(f) => f.to_string(),
+                toml::Value::Table(t) if t.is_empty() => continue,
+                other => other.to_string(),
+            };
+            out.insert(key, shown);
+        }
+    }
+    out
+}
+
+impl ServeArgs {
+    /// The arguments of `minicri serve ARGS...` (for tests and tools that build a command line).
+    pub fn parse_from<I, T>(args: I) -> Result<ServeArgs, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let cmd = ServeArgs::augment_args(Command::new("serve").no_binary_name(true));
+        ServeArgs::from_arg_matches(&cmd.try_get_matches_from(args)?)
+    }
+
+    /// Reads the config file (if any), lays the flags over it, and checks the result.
+    pub fn resolve(self) -> anyhow::Result<Config> {
+        let mut config = match &self.config {
+            Some(p) => read_file(p)?,
+            None if Path::new(DEFAULT_CONFIG_FILE).exists() => {
+                read_file(Path::new(DEFAULT_CONFIG_FILE))?
+            }
+            None => Config::default(),
+        };
+        if let Some(flags) = &self.flags {
+            config.update_from_arg_matches(flags)?;
+        }
+        config.runtime.fold_runtime_flags();
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// Reads and checks the configuration file `path` (nothing else set): what `minicri config
+/// check` does.
+pub fn check_file(path: &Path) -> anyhow::Result<Config> {
+    let config = read_file(path)?;
+    config
+        .validate()
+        .with_context(|| format!("config file {}", path.display()))?;
+    Ok(config)
+}
+
+/// The file's sections over the defaults.
+pub fn read_file(path: &Path) -> anyhow::Result<Config> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading config file {}", path.display()))?;
-    toml::from_str(&text).with_context(|| format!("parsing config file {}", path.display()))
+    parse(&text).with_context(|| format!("parsing config file {}", path.display()))
+}
+
+/// A configuration file's text over the defaults. A key of the flat form before sections is
+/// refused naming its new place rather than misread.
+pub fn parse(text: &str) -> anyhow::Result<Config> {
+    let table: toml::Table = toml::from_str(text)?;
+    let sections = sections();
+    for (key, value) in &table {
+        let is_section =
+            sections.iter().any(|(name, _, _)| *name == key.as_str()) && value.is_table();
+        if !is_section && let Some(new) = new_key_of(key, &sections) {
+            bail!(
+                "`{key}` is now `{new}`: the file is written in sections ([daemon], [pull], \
+                 ...); `minicri config default` prints every key in its section"
+            );
+        }
+    }
+    Ok(toml::from_str(text)?)
+}
+
+/// Where the key `old` of the flat file went: a field of a section keeps its flag's name, or
+/// its name, or drops the section's name in front (`pull_detach_after` is `pull.detach_after`).
+fn new_key_of(old: &str, sections: &[(&'static str, &'static str, Command)]) -> Option<String> {
+    if old == "runtimes" {
+        return Some("runtime.handlers".into());
+    }
+    sections.iter().find_map(|(name, _, cmd)| {
+        cmd.get_arguments().find_map(|a| {
+            let id = a.get_id().as_str();
+            let flag = a.get_long().map(|l| l.replace('-', "_"));
+            let matches = old == id
+                || old.strip_prefix(*name).and_then(|r| r.strip_prefix('_')) == Some(id)
+                || flag.as_deref() == Some(old);
+            // `--runtime` is `[runtime.handlers.NAME]` in the file, not a key.
+            (matches && id != "runtime_flags").then(|| format!("{name}.{id}"))
+        })
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::oci::host::CgroupDriver;
+
+    /// `minicri serve ARGS` resolved.
+    fn serve(args: &[&str]) -> anyhow::Result<Config> {
+        ServeArgs::parse_from(args)?.resolve()
+    }
+
+    /// A config file holding `text`, and the directory it is in.
+    fn file(text: &str) -> (tempfile::TempDir, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, text).unwrap();
+        let f = f.to_str().unwrap().to_string();
+        (dir, f)
+    }
 
     #[test]
     fn defaults_without_file() {
-        let c = ServeArgs {
-            config: None,
-            ..Default::default()
-        }
-        .finish()
-        .unwrap();
-        assert_eq!(c.socket, PathBuf::from("/run/minicri/minicri.sock"));
-        assert_eq!(c.root, PathBuf::from("/var/lib/minicri"));
-        assert_eq!(c.cgroup_driver, CgroupDriver::Cgroupfs);
-        assert_eq!(c.cni_bin_dirs.len(), 2);
+        let c = ServeArgs::default().resolve().unwrap();
+        assert_eq!(c.daemon.socket, PathBuf::from("/run/minicri/minicri.sock"));
+        assert_eq!(c.daemon.root, PathBuf::from("/var/lib/minicri"));
+        assert_eq!(c.runtime.cgroup_driver, CgroupDriver::Cgroupfs);
+        assert_eq!(c.cni.bin_dirs.len(), 2);
+        assert_eq!(c, Config::default());
     }
 
     #[test]
     fn hardening_limits() {
-        let c = ServeArgs::default().finish().unwrap();
-        assert_eq!(c.max_layer_bytes, 64 << 30);
-        assert_eq!(c.max_layer_entries, 1 << 20);
-        assert_eq!(c.pull_min_speed, Some(1024));
-        assert_eq!(
-            c.registry_request_timeout,
-            std::time::Duration::from_secs(60)
-        );
-        let c = ServeArgs {
-            pull_min_speed: Some(0),
-            max_layer_entries: Some(10),
-            registry_request_timeout: Some(2.5),
-            ..Default::default()
-        }
-        .finish()
+        let c = Config::default();
+        assert_eq!(c.snapshotter.max_layer_bytes, 64 << 30);
+        assert_eq!(c.snapshotter.max_layer_entries, 1 << 20);
+        assert_eq!(c.pull.min_speed, 1024);
+        let c = serve(&[
+            "--pull-min-speed",
+            "0",
+            "--max-layer-entries",
+            "10",
+            "--registry-request-timeout",
+            "2.5",
+        ])
         .unwrap();
-        assert_eq!(c.pull_min_speed, None);
-        assert_eq!(c.max_layer_entries, 10);
-        assert_eq!(c.registry_request_timeout.as_millis(), 2500);
-        for bad in [
-            ServeArgs {
-                max_layer_bytes: Some(0),
-                ..Default::default()
-            },
-            ServeArgs {
-                registry_request_timeout: Some(0.0),
-                ..Default::default()
-            },
-            // Past what a Duration holds once turned into seconds: an error, not a panic.
-            ServeArgs {
-                ingest_ttl: Some(1e16),
-                ..Default::default()
-            },
+        assert_eq!(c.pull.pull_config(None).unwrap().min_speed, None);
+        assert_eq!(c.snapshotter.max_layer_entries, 10);
+        assert_eq!(c.registry.request_timeout().unwrap().as_millis(), 2500);
+        for (bad, key) in [
+            (
+                &["--max-layer-bytes", "0"][..],
+                "snapshotter.max_layer_bytes",
+            ),
+            (
+                &["--registry-request-timeout", "0"][..],
+                "registry.request_timeout",
+            ),
+            (&["--ingest-ttl", "1e16"][..], "pull.ingest_ttl"),
         ] {
-            assert!(bad.finish().is_err());
+            let err = format!("{:#}", serve(bad).unwrap_err());
+            assert!(err.contains(key), "{bad:?}: {err}");
         }
     }
 
     #[test]
     fn layer_blobs_and_the_node_metadata_budget() {
-        let c = ServeArgs::default().finish().unwrap();
-        assert!(!c.keep_layer_blobs);
-        assert_eq!(c.node_metadata_budget, 8 << 20);
-        let dir = tempfile::tempdir().unwrap();
-        let f = dir.path().join("c.toml");
-        std::fs::write(
-            &f,
-            "keep_layer_blobs = true\nnode_metadata_budget = 33554432\n",
-        )
-        .unwrap();
-        let c = ServeArgs {
-            config: Some(f),
-            ..Default::default()
-        }
-        .resolve()
-        .unwrap();
-        assert!(c.keep_layer_blobs);
-        assert_eq!(c.node_metadata_budget, 32 << 20);
-        for bad in [0, 1024, (1 << 30) + 1] {
-            let err = ServeArgs {
-                node_metadata_budget: Some(bad),
-                ..Default::default()
-            }
-            .finish()
-            .unwrap_err()
-            .to_string();
-            assert!(err.contains("node_metadata_budget"), "{err}");
+        let c = Config::default();
+        assert!(!c.pull.keep_layer_blobs);
+        assert_eq!(c.daemon.node_metadata_budget, 8 << 20);
+        let (_d, f) =
+            file("[pull]\nkeep_layer_blobs = true\n[daemon]\nnode_metadata_budget = 33554432\n");
+        let c = serve(&["--config", &f]).unwrap();
+        assert!(c.pull.keep_layer_blobs);
+        assert_eq!(c.daemon.node_metadata_budget, 32 << 20);
+        // The flag takes a value, as it did: `--keep-layer-blobs false` turns the file's off.
+        let c = serve(&["--config", &f, "--keep-layer-blobs", "false"]).unwrap();
+        assert!(!c.pull.keep_layer_blobs);
+        for bad in ["0", "1024", "1073741825"] {
+            let err = serve(&["--node-metadata-budget", bad])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("daemon.node_metadata_budget"), "{err}");
         }
     }
 
     #[test]
     fn image_fs_reserve_and_max_blob_size() {
         use minicri_store::space::Reserve;
-        let c = ServeArgs::default().finish().unwrap();
-        assert_eq!(c.image_fs_reserve, Reserve::Percent(15.0));
-        assert_eq!(c.max_blob_size, 64 << 30);
-        let dir = tempfile::tempdir().unwrap();
-        let f = dir.path().join("c.toml");
-        std::fs::write(
-            &f,
-            "image_fs_reserve = \"20GiB\"\nmax_blob_size = 1048576\n",
-        )
-        .unwrap();
-        let c = ServeArgs {
-            config: Some(f.clone()),
-            ..Default::default()
-        }
-        .resolve()
-        .unwrap();
-        assert_eq!(c.image_fs_reserve, Reserve::Bytes(20 << 30));
-        assert_eq!(c.max_blob_size, 1 << 20);
-        std::fs::write(&f, "image_fs_reserve = 0\n").unwrap();
-        let c = ServeArgs {
-            config: Some(f.clone()),
-            ..Default::default()
-        }
-        .resolve()
-        .unwrap();
-        assert!(c.image_fs_reserve.is_off());
-        let with = |reserve: &str, min_free: Option<f64>| {
-            ServeArgs {
-                image_fs_reserve: Some(reserve.parse().unwrap()),
-                ingest_min_free: min_free,
-                ..Default::default()
-            }
-            .finish()
-        };
-        // Under the collector's low-space threshold: refused, naming both settings.
-        let err = with("3%", None).unwrap_err().to_string();
+        let c = Config::default();
+        assert_eq!(c.pull.image_fs_reserve, Reserve::Percent(15.0));
+        assert_eq!(c.pull.max_blob_size, 64 << 30);
+        let (_d, f) = file("[pull]\nimage_fs_reserve = \"20GiB\"\nmax_blob_size = 1048576\n");
+        let c = serve(&["--config", &f]).unwrap();
+        assert_eq!(c.pull.image_fs_reserve, Reserve::Bytes(20 << 30));
+        assert_eq!(c.pull.max_blob_size, 1 << 20);
+        let c = parse("[pull]\nimage_fs_reserve = 0\n").unwrap();
+        assert!(c.pull.image_fs_reserve.is_off());
+        let err = serve(&["--image-fs-reserve", "3%"])
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("image_fs_reserve") && err.contains("ingest_min_free"),
             "{err}"
         );
-        assert!(with("3%", Some(2.0)).is_ok());
-        assert!(with("0%", None).is_ok(), "off");
-        for bad in [Some(0), Some((1 << 40) + 1)] {
-            let err = ServeArgs {
-                max_blob_size: bad,
-                ..Default::default()
-            }
-            .finish()
-            .unwrap_err()
-            .to_string();
-            assert!(err.contains("max_blob_size"), "{err}");
-        }
-        std::fs::write(&f, "image_fs_reserve = \"a lot\"\n").unwrap();
-        let err = ServeArgs {
-            config: Some(f),
-            ..Default::default()
-        }
-        .resolve()
-        .unwrap_err();
-        assert!(format!("{err:#}").contains("percentage"), "{err:#}");
+        assert!(serve(&["--image-fs-reserve", "3%", "--ingest-min-free", "2"]).is_ok());
+        let err = format!(
+            "{:#}",
+            parse("[pull]\nimage_fs_reserve = \"a lot\"\n").unwrap_err()
+        );
+        assert!(err.contains("percentage"), "{err}");
     }
 
     #[test]
     fn flags_override_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let f = dir.path().join("c.toml");
-        std::fs::write(
+        let (_d, f) = file(
+            "[daemon]\nroot = \"/file/root\"\nsocket = \"/file.sock\"\n\
+             [runtime]\ncgroup_driver = \"systemd\"\n[cni]\nconf_dirs = [\"/file/net.d\"]\n",
+        );
+        let c = serve(&[
+            "--config",
             &f,
-            "root = \"/file/root\"\nsocket = \"/file.sock\"\ncgroup_driver = \"systemd\"\n",
-        )
+            "--socket",
+            "/flag.sock",
+            "--cni-conf-dir",
+            "/a",
+            "--cni-conf-dir",
+            "/b",
+        ])
         .unwrap();
-        let args = ServeArgs {
-            config: Some(f),
-            socket: Some("/flag.sock".into()),
-            ..Default::default()
-        };
-        let c = args.resolve().unwrap();
-        assert_eq!(c.socket, PathBuf::from("/flag.sock"));
-        assert_eq!(c.root, PathBuf::from("/file/root"));
-        assert_eq!(c.cgroup_driver, CgroupDriver::Systemd);
+        assert_eq!(c.daemon.socket, PathBuf::from("/flag.sock"));
+        assert_eq!(c.daemon.root, PathBuf::from("/file/root"));
+        assert_eq!(c.runtime.cgroup_driver, CgroupDriver::Systemd);
+        // A repeatable flag replaces the file's list; a key in neither keeps its default.
+        assert_eq!(c.cni.conf_dirs, vec![PathBuf::from("/a"), "/b".into()]);
+        assert_eq!(c.cni.bin_dirs, CniSettings::default().bin_dirs);
     }
 
     #[test]
     fn unknown_keys_and_bad_values_are_errors() {
-        let dir = tempfile::tempdir().unwrap();
-        let f = dir.path().join("c.toml");
-        std::fs::write(&f, "sockett = \"/x\"\n").unwrap();
-        let err = ServeArgs {
-            config: Some(f.clone()),
-            ..Default::default()
-        }
-        .resolve()
-        .unwrap_err();
-        assert!(format!("{err:#}").contains("sockett"), "{err:#}");
-        std::fs::write(&f, "cgroup_driver = \"cgroupv3\"\n").unwrap();
-        assert!(
-            ServeArgs {
-                config: Some(f),
-                ..Default::default()
-            }
-            .resolve()
-            .is_err()
+        let err = format!("{:#}", parse("[daemon]\nsockett = \"/x\"\n").unwrap_err());
+        assert!(err.contains("sockett"), "{err}");
+        let err = format!(
+            "{:#}",
+            parse("[pul]\nplatform = \"linux/arm64\"\n").unwrap_err()
         );
+        assert!(err.contains("pul"), "{err}");
+        let err = format!(
+            "{:#}",
+            parse("[runtime]\ncgroup_driver = \"cgroupv3\"\n").unwrap_err()
+        );
+        assert!(err.contains("cgroupv3"), "{err}");
+        let err = serve(&["--cgroup-driver", "cgroupv3"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cgroupv3"), "{err}");
+    }
+
+    #[test]
+    fn a_flat_file_of_before_sections_is_refused_naming_the_new_key() {
+        for (old, new) in [
+            (
+                "max_concurrent_downloads = 2",
+                "pull.max_concurrent_downloads",
+            ),
+            ("pull_detach_after = 5", "pull.detach_after"),
+            ("registry_config_dir = \"/x\"", "registry.config_dir"),
+            ("snapshotter = \"copy\"", "snapshotter.backend"),
+            ("cni_conf_dirs = [\"/x\"]", "cni.conf_dirs"),
+            ("stream_address = \"127.0.0.1:1\"", "stream.address"),
+            ("cgroup_driver = \"systemd\"", "runtime.cgroup_driver"),
+            ("socket = \"/x.sock\"", "daemon.socket"),
+            (
+                "pull_priority_namespaces = [\"a\"]",
+                "pull.priority_namespaces",
+            ),
+            ("[runtimes.kata]\nbinary = \"k\"", "runtime.handlers"),
+        ] {
+            let err = format!("{:#}", parse(old).unwrap_err());
+            assert!(err.contains(&format!("is now `{new}`")), "{old}: {err}");
+        }
     }
 
     #[test]
     fn metrics_only_on_loopback_and_off_by_default() {
-        let with = |a: &str| {
-            ServeArgs {
-                metrics_address: Some(a.into()),
-                ..Default::default()
-            }
-            .finish()
-        };
-        assert_eq!(ServeArgs::default().finish().unwrap().metrics_address, None);
+        assert_eq!(Config::default().daemon.metrics_address, None);
         assert_eq!(
-            with("127.0.0.1:9464").unwrap().metrics_address,
+            serve(&["--metrics-address", "127.0.0.1:9464"])
+                .unwrap()
+                .daemon
+                .metrics_address,
             Some("127.0.0.1:9464".parse().unwrap())
         );
-        assert!(with("[::1]:9464").is_ok());
-        let err = with("0.0.0.0:9464").unwrap_err().to_string();
+        assert!(serve(&["--metrics-address", "[::1]:9464"]).is_ok());
+        let err = serve(&["--metrics-address", "0.0.0.0:9464"])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("loopback"), "{err}");
-        let err = with("localhost").unwrap_err().to_string();
-        assert!(err.contains("IP:PORT"), "{err}");
-    }
-
-    #[test]
-    fn stream_address_is_loopback_with_a_free_port_by_default() {
-        let with = |a: &str| {
-            ServeArgs {
-                stream_address: Some(a.into()),
-                ..Default::default()
-            }
-            .finish()
-        };
-        assert_eq!(
-            ServeArgs::default().finish().unwrap().stream_address,
-            "127.0.0.1:0".parse().unwrap()
-        );
-        assert_eq!(
-            with("127.0.0.1:10010").unwrap().stream_address,
-            "127.0.0.1:10010".parse().unwrap()
-        );
-        assert!(with("[::1]:0").is_ok());
-        let err = with("0.0.0.0:10010").unwrap_err().to_string();
-        assert!(err.contains("loopback"), "{err}");
-        let err = with("10.1.2.3:10010").unwrap_err().to_string();
-        assert!(err.contains("loopback"), "{err}");
-        let err = with("localhost:10010").unwrap_err().to_string();
-        assert!(err.contains("IP:PORT"), "{err}");
-    }
-
-    #[test]
-    fn pull_detach_after_defaults_to_30_seconds_and_0_turns_it_off() {
-        let with = |v: f64| {
-            ServeArgs {
-                pull_detach_after: Some(v),
-                ..Default::default()
-            }
-            .finish()
-        };
-        assert_eq!(
-            ServeArgs::default().finish().unwrap().pull_detach_after,
-            Some(std::time::Duration::from_secs(30))
-        );
-        assert_eq!(with(0.0).unwrap().pull_detach_after, None);
-        assert_eq!(
-            with(2.5).unwrap().pull_detach_after,
-            Some(std::time::Duration::from_millis(2500))
-        );
-        let err = with(-1.0).unwrap_err().to_string();
-        assert!(err.contains("pull_detach_after"), "{err}");
-        assert!(with(f64::NAN).is_err());
+        let err = serve(&["--metrics-address", "localhost"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("metrics-address"), "{err}");
     }
 
     #[test]
     fn kube_watch_is_on_by_default_and_searches_the_kubelets_kubeconfig() {
-        let w = ServeArgs::default().finish().unwrap().kube_watch.unwrap();
+        let w = Config::default().daemon.kube_watch().unwrap();
         assert_eq!(w.kubeconfig, None);
         assert_eq!(w.node_name, None);
         assert_eq!(
@@ -1023,146 +635,173 @@ mod tests {
                 PathBuf::from("/var/lib/rancher/k3s/agent/kubelet.kubeconfig")
             ]
         );
-        let w = ServeArgs {
-            kube_watch_kubeconfig: Some("/k/conf".into()),
-            kube_watch_kubeconfig_search: vec!["/a".into()],
-            kube_watch_node_name: Some("n1".into()),
-            ..Default::default()
-        }
-        .finish()
+        let w = serve(&[
+            "--kube-watch-kubeconfig",
+            "/k/conf",
+            "--kube-watch-kubeconfig-search",
+            "/a",
+            "--kube-watch-node-name",
+            "n1",
+        ])
         .unwrap()
-        .kube_watch
+        .daemon
+        .kube_watch()
         .unwrap();
         assert_eq!(
-            w,
-            KubeWatch {
-                kubeconfig: Some("/k/conf".into()),
-                search: vec!["/a".into()],
-                node_name: Some("n1".into()),
-            }
+            (w.kubeconfig, w.search, w.node_name),
+            (Some("/k/conf".into()), vec!["/a".into()], Some("n1".into()))
         );
-        let off = ServeArgs {
-            kube_watch: Some("off".into()),
-            ..Default::default()
-        };
-        assert_eq!(off.finish().unwrap().kube_watch, None);
+        let off = serve(&["--kube-watch", "off"]).unwrap();
+        assert!(off.daemon.kube_watch().is_none());
         for (bad, says) in [
             (
-                ServeArgs {
-                    kube_watch: Some("off".into()),
-                    kube_watch_kubeconfig: Some("/k".into()),
-                    ..Default::default()
-                },
+                &["--kube-watch", "off", "--kube-watch-kubeconfig", "/k"][..],
                 "kube_watch is off",
             ),
+            (&["--kube-watch", "on"][..], "auto, off"),
             (
-                ServeArgs {
-                    kube_watch: Some("on".into()),
-                    ..Default::default()
-                },
-                "auto, off",
-            ),
-            (
-                ServeArgs {
-                    kube_watch_node_name: Some(" ".into()),
-                    ..Default::default()
-                },
+                &["--kube-watch-node-name", " "][..],
                 "kube_watch_node_name is empty",
             ),
         ] {
-            let err = bad.finish().unwrap_err().to_string();
+            let err = serve(bad).unwrap_err().to_string();
             assert!(err.contains(says), "{err}");
         }
     }
 
+    /// Every flag `minicri serve` had before sections still parses and lands in its key.
     #[test]
-    fn runtime_handlers_from_flags_and_file() {
-        let c = ServeArgs::default().finish().unwrap();
-        assert!(c.runtimes.is_empty());
-        assert_eq!(c.default_runtime, "runc");
-        let dir = tempfile::tempdir().unwrap();
-        let f = dir.path().join("c.toml");
-        std::fs::write(
-            &f,
-            "default_runtime = \"crun\"\n[runtimes.crun]\nbinary = \"/opt/crun\"\nroot = \"/r\"\n\
-             [runtimes.kata]\nbinary = \"kata-runtime\"\n",
-        )
+    fn every_flag_of_before_sections_still_works() {
+        let c = serve(&[
+            "--socket=/s",
+            "--root=/r",
+            "--state=/st",
+            "--registry-config-dir=/certs",
+            "--log-level=debug",
+            "--cgroup-driver=systemd",
+            "--platform=linux/arm64",
+            "--max-concurrent-downloads=5",
+            "--max-concurrent-unpacks=6",
+            "--snapshotter=copy",
+            "--max-concurrent-transfers=7",
+            "--small-blob-size=8",
+            "--blob-connections=9",
+            "--blob-chunk-size=10",
+            "--pull-progress-timeout=11",
+            "--pull-min-speed=12",
+            "--registry-request-timeout=13",
+            "--max-layer-bytes=14",
+            "--max-layer-entries=15",
+            "--pull-detach-after=16",
+            "--kube-watch=auto",
+            "--kube-watch-kubeconfig=/kc",
+            "--kube-watch-kubeconfig-search=/ks",
+            "--kube-watch-node-name=n",
+            "--ingest-ttl=17",
+            "--ingest-min-free=1",
+            "--image-fs-reserve=18GiB",
+            "--max-blob-size=19",
+            "--keep-layer-blobs=true",
+            "--node-metadata-budget=20000000",
+            "--cni-conf-dir=/cc",
+            "--cni-bin-dir=/cb",
+            "--oci-runtime=/runc",
+            "--runtime=kata=/kata",
+            "--default-runtime=kata",
+            "--metrics-address=127.0.0.1:1",
+            "--stream-address=127.0.0.1:2",
+            "--pod-annotation=a/*",
+            "--pull-priority-namespace=ns",
+            "--allow-own-path-mount=/",
+            "--port-forward-buffer-bytes=3000000",
+        ])
         .unwrap();
-        let c = ServeArgs {
-            config: Some(f),
-            oci_runtime: Some("/usr/bin/runc".into()),
-            runtime_flags: vec![("kata".into(), "/flag/kata".into())],
-            ..Default::default()
-        }
-        .resolve()
-        .unwrap();
-        assert_eq!(c.default_runtime, "crun");
-        let crun = &c.runtimes["crun"];
+        let (d, p) = (&c.daemon, &c.pull);
         assert_eq!(
-            (crun.binary.as_path(), crun.root.as_deref()),
-            (Path::new("/opt/crun"), Some(Path::new("/r")))
+            (d.socket.to_str(), d.root.to_str(), d.state.to_str()),
+            (Some("/s"), Some("/r"), Some("/st"))
         );
-        assert_eq!(c.runtimes["kata"].binary, Path::new("/flag/kata"));
-        assert_eq!(c.runtimes["runc"].binary, Path::new("/usr/bin/runc"));
-        for bad in [
-            ServeArgs {
-                default_runtime: Some("gvisor".into()),
-                ..Default::default()
-            },
-            ServeArgs {
-                runtime_flags: vec![("Bad/Name".into(), "x".into())],
-                ..Default::default()
-            },
-            ServeArgs {
-                oci_runtime: Some("".into()),
-                ..Default::default()
-            },
+        assert_eq!(d.log_level, "debug");
+        assert_eq!(c.registry.config_dir, PathBuf::from("/certs"));
+        assert_eq!(c.registry.request_timeout, 13.0);
+        assert_eq!(c.runtime.cgroup_driver, CgroupDriver::Systemd);
+        assert_eq!(
+            (
+                p.platform.as_str(),
+                p.max_concurrent_downloads,
+                p.max_concurrent_unpacks
+            ),
+            ("linux/arm64", 5, 6)
+        );
+        assert_eq!(c.snapshotter.backend, minicri_snapshotter::Backend::Copy);
+        assert_eq!(
+            (
+                p.max_concurrent_transfers,
+                p.small_blob_size,
+                p.blob_connections
+            ),
+            (7, 8, 9)
+        );
+        assert_eq!(
+            (
+                p.blob_chunk_size,
+                p.progress_timeout,
+                p.min_speed,
+                p.detach_after
+            ),
+            (10, 11.0, 12, 16.0)
+        );
+        assert_eq!(
+            (
+                c.snapshotter.max_layer_bytes,
+                c.snapshotter.max_layer_entries
+            ),
+            (14, 15)
+        );
+        let w = d.kube_watch().unwrap();
+        assert_eq!(
+            (w.kubeconfig, w.search, w.node_name),
+            (Some("/kc".into()), vec!["/ks".into()], Some("n".into()))
+        );
+        assert_eq!((p.ingest_ttl, p.ingest_min_free), (17.0, 1.0));
+        assert_eq!(
+            p.image_fs_reserve,
+            minicri_store::space::Reserve::Bytes(18 << 30)
+        );
+        assert_eq!((p.max_blob_size, p.keep_layer_blobs), (19, true));
+        assert_eq!(d.node_metadata_budget, 20_000_000);
+        assert_eq!(c.cni.conf_dirs, vec![PathBuf::from("/cc")]);
+        assert_eq!(c.cni.bin_dirs, vec![PathBuf::from("/cb")]);
+        let handlers = c.runtime.handler_configs();
+        assert_eq!(handlers["runc"].binary, PathBuf::from("/runc"));
+        assert_eq!(handlers["kata"].binary, PathBuf::from("/kata"));
+        assert_eq!(c.runtime.default_runtime, "kata");
+        assert_eq!(d.metrics_address, Some("127.0.0.1:1".parse().unwrap()));
+        assert_eq!(c.stream.address, "127.0.0.1:2".parse().unwrap());
+        assert_eq!(c.runtime.pod_annotations, vec!["a/*".to_string()]);
+        assert_eq!(p.priority_namespaces, vec!["ns".to_string()]);
+        assert_eq!(c.runtime.allow_own_path_mounts, vec![PathBuf::from("/")]);
+        assert_eq!(c.stream.port_forward_buffer_bytes, 3_000_000);
+    }
+
+    /// `serve --help` shows each key's default, taken from its section's `Default`.
+    #[test]
+    fn help_shows_the_sections_defaults() {
+        let mut cmd = ServeArgs::augment_args(Command::new("serve"));
+        let help = cmd.render_help().to_string();
+        for shown in [
+            "[default: /run/minicri/minicri.sock]",
+            "[default: 30]",
+            "[default: overlay]",
+            "[default: 127.0.0.1:0]",
+            "[default: /opt/cni/bin, /usr/lib/cni]",
+            "[default: 15%]",
         ] {
-            assert!(bad.finish().is_err());
+            assert!(help.contains(shown), "{shown} missing:\n{help}");
         }
-        assert!(parse_runtime_flag("kata").is_err() && parse_runtime_flag("=x").is_err());
-    }
-
-    #[test]
-    fn own_path_mounts_allowed_must_be_absolute() {
-        let with = |p: &str| {
-            ServeArgs {
-                allow_own_path_mounts: vec![p.into()],
-                ..Default::default()
-            }
-            .finish()
-        };
         assert!(
-            ServeArgs::default()
-                .finish()
-                .unwrap()
-                .allow_own_path_mounts
-                .is_empty()
+            help.contains("[pull]") && help.contains("[runtime]"),
+            "{help}"
         );
-        assert_eq!(
-            with("/").unwrap().allow_own_path_mounts,
-            vec![PathBuf::from("/")]
-        );
-        let err = with("var/lib").unwrap_err().to_string();
-        assert!(
-            err.contains("allow_own_path_mounts") && err.contains("absolute"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn port_forward_buffer_defaults_to_64_mib_and_holds_a_frame_at_least() {
-        let with = |n: u64| {
-            ServeArgs {
-                port_forward_buffer_bytes: Some(n),
-                ..Default::default()
-            }
-            .finish()
-        };
-        let c = ServeArgs::default().finish().unwrap();
-        assert_eq!(c.port_forward_buffer_bytes, 64 << 20);
-        assert_eq!(with(2 << 20).unwrap().port_forward_buffer_bytes, 2 << 20);
-        let err = with((2 << 20) - 1).unwrap_err().to_string();
-        assert!(err.contains("port_forward_buffer_bytes"), "{err}");
     }
 }

@@ -7,12 +7,10 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use minicri_proto::runtime::v1 as cri;
-use minicri_store::manifest::Platform;
-use minicri_store::{
-    ContentStore, ImageRecord, ImageStore, PullConfig, PullManager, Registry, RegistryHosts,
-};
+use minicri_store::pull::PullSettings;
+use minicri_store::{ContentStore, ImageRecord, ImageStore, PullManager, Registry};
 
-use minicri_snapshotter::{Backend, LocalSnapshotter, Options, Snapshotter};
+use minicri_snapshotter::{Backend, LocalSnapshotter, Snapshotter};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -44,41 +42,30 @@ pub struct Daemon {
 impl Daemon {
     /// Opens the stores under the configured root, loading every image recorded there.
     pub fn open(config: Config) -> anyhow::Result<Daemon> {
-        let (content_dir, snapshots_dir) =
-            (config.root.join("content"), config.root.join("snapshots"));
+        let root = config.daemon.root.clone();
+        let (content_dir, snapshots_dir) = (root.join("content"), root.join("snapshots"));
         for d in [&content_dir, &snapshots_dir] {
             std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
         }
         // The snapshots may be on a filesystem of their own: each keeps its reserve.
-        let (content_space, snapshots_space) =
-            minicri_store::space::budgets(&content_dir, &snapshots_dir, config.image_fs_reserve)
-                .context("measuring the image filesystem")?;
-        warn_if_reserve_under_min_free(&content_dir, &config);
+        let (content_space, snapshots_space) = minicri_store::space::budgets(
+            &content_dir,
+            &snapshots_dir,
+            config.pull.image_fs_reserve,
+        )
+        .context("measuring the image filesystem")?;
+        warn_if_reserve_under_min_free(&content_dir, &config.pull);
         let content = Arc::new(
             ContentStore::open(&content_dir)
                 .context("opening the content store")?
                 .with_space(content_space.clone()),
         );
-        let images =
-            Arc::new(ImageStore::open(&config.root, &content).context("loading image records")?);
-        let registry = Registry::new(RegistryHosts::new(Some(config.registry_config_dir.clone())))
-            .with_request_deadline(config.registry_request_timeout);
-        let pull_config = PullConfig {
-            platform: Platform::parse(&config.platform).context("platform")?,
-            max_concurrent_layers: config.max_concurrent_downloads,
-            max_concurrent_unpacks: config.max_concurrent_unpacks,
-            transfers: minicri_store::blobs::TransferConfig {
-                max_transfers: config.max_concurrent_transfers,
-                small_blob_bytes: config.small_blob_size,
-            },
-            ranged: config.ranged_fetch,
-            progress_timeout: config.pull_progress_timeout,
-            min_speed: config.pull_min_speed,
-            detach_after: config.pull_detach_after,
-            holds_dir: Some(config.state.join("pulls")),
-            max_blob_size: config.max_blob_size,
-            keep_layer_blobs: config.keep_layer_blobs,
-        };
+        let images = Arc::new(ImageStore::open(&root, &content).context("loading image records")?);
+        let registry = config.registry.registry().map_err(anyhow::Error::msg)?;
+        let pull_config = config
+            .pull
+            .pull_config(Some(config.daemon.state.join("pulls")))
+            .map_err(anyhow::Error::msg)?;
         let snapshotter = open_snapshotter(&config, snapshots_space.clone())?;
         reconcile_snapshots(snapshotter.as_ref(), &images);
         let pulls = PullManager::new(
@@ -96,11 +83,14 @@ impl Daemon {
         let mut ingest_gc = minicri_store::gc::IngestGc::new(
             content.clone(),
             pulls.blobs().clone(),
-            config.ingest_ttl,
+            config.pull.ingest_ttl().map_err(anyhow::Error::msg)?,
         );
-        ingest_gc.min_free_ratio = config.ingest_min_free;
+        ingest_gc.min_free_ratio = config
+            .pull
+            .ingest_min_free_ratio()
+            .map_err(anyhow::Error::msg)?;
         let ingest_gc = Arc::new(ingest_gc);
-        tracing::info!(images = images.list().len(), root = %config.root.display(), "image store loaded");
+        tracing::info!(images = images.list().len(), root = %root.display(), "image store loaded");
         let pods = crate::pods::PodService::open(
             &config,
             images.clone(),
@@ -119,15 +109,15 @@ impl Daemon {
             );
         }
         let streaming = Arc::new(
-            crate::stream::StreamServer::bind(config.stream_address)?
-                .with_port_forward_buffer(config.port_forward_buffer_bytes),
+            crate::stream::StreamServer::bind(config.stream.address)?
+                .with_port_forward_buffer(config.stream.port_forward_buffer_bytes),
         );
         let mut space = vec![content_space];
         if !Arc::ptr_eq(&space[0], &snapshots_space) {
             space.push(snapshots_space);
         }
         let kube = Arc::new(crate::kube_watch::WatchState::new(
-            config.kube_watch.is_some(),
+            config.daemon.kube_watch().is_some(),
         ));
         Ok(Daemon {
             config,
@@ -225,7 +215,7 @@ impl Daemon {
         Ok(cri::FilesystemUsage {
             timestamp,
             fs_id: Some(cri::FilesystemIdentifier {
-                mountpoint: self.config.root.display().to_string(),
+                mountpoint: self.config.daemon.root.display().to_string(),
             }),
             used_bytes: Some(cri::UInt64Value { value: m.bytes }),
             inodes_used: Some(cri::UInt64Value { value: m.inodes }),
@@ -251,34 +241,13 @@ impl Daemon {
         }
     }
 
-    /// The resolved configuration, for verbose Status.
+    /// The configuration, for verbose Status: every section as the file writes it, with the
+    /// streaming server's bound address and the pod CIDR the kubelet gave.
     pub fn config_json(&self) -> String {
-        let c = &self.config;
-        serde_json::json!({
-            "socket": c.socket, "root": c.root, "state": c.state,
-            "registryConfigDir": c.registry_config_dir, "cgroupDriver": format!("{:?}", c.cgroup_driver).to_lowercase(),
-            "platform": c.platform, "maxConcurrentDownloads": c.max_concurrent_downloads,
-            "maxConcurrentUnpacks": c.max_concurrent_unpacks,
-            "maxConcurrentTransfers": c.max_concurrent_transfers,
-            "smallBlobSize": c.small_blob_size,
-            "blobConnections": c.ranged_fetch.connections, "blobChunkSize": c.ranged_fetch.chunk_size,
-            "pullProgressTimeoutSeconds": c.pull_progress_timeout.map(|d| d.as_secs_f64()).unwrap_or(0.0),
-            "pullMinSpeed": c.pull_min_speed.unwrap_or(0),
-            "registryRequestTimeoutSeconds": c.registry_request_timeout.as_secs_f64(),
-            "maxLayerBytes": c.max_layer_bytes, "maxLayerEntries": c.max_layer_entries,
-            "pullDetachAfterSeconds": c.pull_detach_after.map(|d| d.as_secs_f64()).unwrap_or(0.0),
-            "kubeWatch": c.kube_watch.as_ref().map(|w| serde_json::json!({"kubeconfig": w.kubeconfig, "kubeconfigSearch": w.search, "nodeName": w.node_name})),
-            "ingestTtlSeconds": c.ingest_ttl.as_secs(),
-            "ingestMinFreePercent": c.ingest_min_free * 100.0,
-            "imageFsReserve": c.image_fs_reserve.to_string(),
-            "maxBlobSize": c.max_blob_size,
-            "keepLayerBlobs": c.keep_layer_blobs,
-            "nodeMetadataBudget": c.node_metadata_budget,
-            "cniConfDirs": c.cni_conf_dirs, "cniBinDirs": c.cni_bin_dirs,
-            "streamAddress": self.streaming.address().to_string(),
-            "podCIDR": *self.pod_cidr.lock().unwrap(),
-        })
-        .to_string()
+        let mut v = self.config.to_json();
+        v["stream"]["bound_address"] = self.streaming.address().to_string().into();
+        v["pod_cidr"] = self.pod_cidr.lock().unwrap().clone().into();
+        v.to_string()
     }
 
     pub fn set_pod_cidr(&self, cidr: String) {
@@ -305,18 +274,21 @@ struct Measure {
 /// A reserve given in bytes cannot be compared with `ingest_min_free` (a percentage) before the
 /// filesystem's size is known: warn when it is smaller, since a download stopped at it would
 /// have its partial data collected (see `minicri_store::gc`).
-fn warn_if_reserve_under_min_free(content_dir: &std::path::Path, config: &Config) {
-    let Ok(fs) = minicri_store::space::fs_space(content_dir) else {
+fn warn_if_reserve_under_min_free(content_dir: &std::path::Path, pull: &PullSettings) {
+    let (Ok(fs), Ok(min_free_ratio)) = (
+        minicri_store::space::fs_space(content_dir),
+        pull.ingest_min_free_ratio(),
+    ) else {
         return;
     };
-    let reserve = config.image_fs_reserve.bytes_of(fs.total);
-    let min_free = (fs.total as f64 * config.ingest_min_free) as u64;
+    let reserve = pull.image_fs_reserve.bytes_of(fs.total);
+    let min_free = (fs.total as f64 * min_free_ratio) as u64;
     if reserve > 0 && reserve < min_free {
         tracing::warn!(
-            image_fs_reserve = %config.image_fs_reserve,
+            image_fs_reserve = %pull.image_fs_reserve,
             reserve_bytes = reserve,
             ingest_min_free_bytes = min_free,
-            "image_fs_reserve is less than ingest_min_free on this filesystem: downloads stopped at the reserve will have their partial data collected"
+            "pull.image_fs_reserve is less than pull.ingest_min_free on this filesystem: downloads stopped at the reserve will have their partial data collected"
         );
     }
 }
@@ -328,11 +300,11 @@ fn open_snapshotter(
     config: &Config,
     space: Arc<minicri_store::space::SpaceBudget>,
 ) -> anyhow::Result<Arc<dyn Snapshotter>> {
-    let dir = config.root.join("snapshots");
+    let dir = config.daemon.root.join("snapshots");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let backend = match config.snapshotter.as_str() {
-        "copy" => Backend::Copy,
-        _ => match minicri_snapshotter::overlay_supported(&dir) {
+    let backend = match config.snapshotter.backend {
+        Backend::Copy => Backend::Copy,
+        Backend::Overlay => match minicri_snapshotter::overlay_supported(&dir) {
             Ok(()) => Backend::Overlay,
             Err(e) => {
                 tracing::warn!(error = %e, "overlayfs unusable here; using the copy snapshotter");
@@ -340,12 +312,7 @@ fn open_snapshotter(
             }
         },
     };
-    let options = Options {
-        max_layer_bytes: config.max_layer_bytes,
-        max_layer_entries: config.max_layer_entries,
-        space: Some(space),
-        ..Options::default()
-    };
+    let options = config.snapshotter.options(Some(space));
     let snap = LocalSnapshotter::open(&dir, backend, options).context("opening the snapshotter")?;
     Ok(Arc::new(snap))
 }
@@ -419,8 +386,12 @@ mod tests {
     #[test]
     fn layer_snapshots_nobody_holds_are_removed_at_start() {
         let d = tempfile::tempdir().unwrap();
-        let snap = LocalSnapshotter::open(d.path().join("snap"), Backend::Copy, Options::default())
-            .unwrap();
+        let snap = LocalSnapshotter::open(
+            d.path().join("snap"),
+            Backend::Copy,
+            minicri_snapshotter::Options::default(),
+        )
+        .unwrap();
         let content = minicri_store::ContentStore::open(&d.path().join("content")).unwrap();
         let images = ImageStore::open(d.path(), &content).unwrap();
         let apply = |name: &str, parent: Option<&str>, user: Option<&str>| {

@@ -1,7 +1,8 @@
 //! minicri's daemon, as a library the `minicri` binary runs.
 //!
-//! - [`config`]: embedded defaults, the TOML file and the flags; [`config_default`]: the
-//!   commented default file (`minicri config default`);
+//! - [`config`]: the configuration's sections (each owned by its component) merged from their
+//!   defaults, the TOML file and the flags; [`config_default`]: the commented default file
+//!   (`minicri config default`) and `minicri config check`;
 //! - [`server`]: the unix socket, the single-instance lock, serving and shutdown;
 //! - [`rpc`]: per-call deadline, logging and error-to-status mapping;
 //! - [`cri`]: the CRI handlers (thin);

@@ -22,8 +22,8 @@ struct Cli {
 enum Command {
     /// Run the CRI daemon (needs root). Runs with built-in defaults; no config file is needed.
     Serve(Box<config::ServeArgs>),
-    /// Print configuration files: `minicri config default` writes the file with every
-    /// setting commented out at its default.
+    /// Configuration files: `minicri config default` prints the file with every setting
+    /// commented out at its default; `minicri config check FILE` checks one.
     #[command(subcommand)]
     Config(ConfigCommand),
     /// Show the pulls in progress (`--watch`: live progress bars), or abort them.
@@ -38,9 +38,15 @@ enum Command {
 
 #[derive(Subcommand)]
 enum ConfigCommand {
-    /// Print /etc/minicri/config.toml as installed: every key, its help and its default,
-    /// commented out.
+    /// Print /etc/minicri/config.toml as installed: every section and key, its help and its
+    /// default, commented out.
     Default,
+    /// Check a configuration file as `minicri serve --config FILE` reads it (no flags): unknown
+    /// keys, bad values and keys of the flat form before sections are errors naming them.
+    Check {
+        #[arg(value_name = "FILE")]
+        file: std::path::PathBuf,
+    },
 }
 
 fn init_logging(level: &str) {
@@ -71,6 +77,16 @@ fn main() -> std::process::ExitCode {
                 std::process::ExitCode::FAILURE
             }
         },
+        Command::Config(ConfigCommand::Check { file }) => match config::check_file(&file) {
+            Ok(_) => {
+                println!("{}: OK", file.display());
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("minicri config check: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        },
         Command::Pulls(args) => {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -92,7 +108,7 @@ fn main() -> std::process::ExitCode {
                     return std::process::ExitCode::from(2);
                 }
             };
-            init_logging(&config.log_level);
+            init_logging(&config.daemon.log_level);
             minicri::idle::limit_arenas();
             // Before any thread exists: it leaves the environment children inherit.
             let notifier = minicri::sdnotify::Notifier::from_env();

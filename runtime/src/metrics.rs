@@ -145,7 +145,7 @@ pub fn render(s: &Sample) -> String {
         &mut out,
         "minicri_pull_detached_total",
         "counter",
-        "PullImage calls that returned after pull_detach_after while the download went on for their pod sandbox.",
+        "PullImage calls that returned after pull.detach_after while the download went on for their pod sandbox.",
         &one(get(&c.detached)),
     );
     metric(
@@ -339,7 +339,7 @@ pub fn render(s: &Sample) -> String {
         &mut out,
         "minicri_port_forward_buffer_limit_bytes",
         "gauge",
-        "Bytes all port-forward sessions may hold buffered together (port_forward_buffer_bytes).",
+        "Bytes all port-forward sessions may hold buffered together (stream.port_forward_buffer_bytes).",
         &one(pf.total as u64),
     );
     metric(

@@ -105,11 +105,11 @@ impl Drop for SocketGuard {
 pub async fn serve(config: Config, notifier: crate::sdnotify::Notifier) -> anyhow::Result<()> {
     // Modes below are given explicitly; whatever else the daemon creates gets at most 0755.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
-    let _lock = lock_root(&config.root)?;
-    fs::create_dir_all(&config.state)
-        .with_context(|| format!("creating state dir {}", config.state.display()))?;
-    crate::fsutil::private_layout(&config.root, &config.state)?;
-    let socket = config.socket.clone();
+    let _lock = lock_root(&config.daemon.root)?;
+    fs::create_dir_all(&config.daemon.state)
+        .with_context(|| format!("creating state dir {}", config.daemon.state.display()))?;
+    crate::fsutil::private_layout(&config.daemon.root, &config.daemon.state)?;
+    let socket = config.daemon.socket.clone();
     let daemon = Arc::new(Daemon::open(config)?);
     // Operations a killed daemon left half-done are undone before any call is answered.
     daemon.pods.finish_interrupted().await;
@@ -152,7 +152,7 @@ pub async fn serve(config: Config, notifier: crate::sdnotify::Notifier) -> anyho
             .spawn(daemon.pods.clone(), shutdown.clone())?,
         crate::idle::spawn(daemon.clone(), shutdown.clone()),
     ];
-    if let Some(addr) = daemon.config.metrics_address {
+    if let Some(addr) = daemon.config.daemon.metrics_address {
         background.push(crate::metrics::spawn(addr, daemon.clone(), shutdown.clone()).await?);
     }
     if let Some(watch) = spawn_kube_watch(&daemon, shutdown.clone()) {
@@ -226,7 +226,7 @@ fn spawn_kube_watch(
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Option<tokio::task::JoinHandle<()>> {
     use crate::kube_watch::DeletedPod;
-    let Some(w) = daemon.config.kube_watch.clone() else {
+    let Some(w) = daemon.config.daemon.kube_watch() else {
         tracing::info!("the API-server watch is off (kube_watch = \"off\")");
         return None;
     };
@@ -248,7 +248,7 @@ fn spawn_kube_watch(
             daemon.images.clone(),
         )));
     Some(tokio::spawn(async move {
-        if let Err(e) = crate::kube_watch::run(w.into(), state, on_deleted, shutdown).await {
+        if let Err(e) = crate::kube_watch::run(w, state, on_deleted, shutdown).await {
             tracing::error!(error = %e, "the API-server watch stopped");
         }
     }))

@@ -20,6 +20,7 @@ mod fsutil;
 mod meta;
 mod mount;
 mod pipeline;
+mod settings;
 mod snapshotter;
 mod store;
 mod stream;
@@ -32,6 +33,7 @@ pub use digest::{chain_id, chain_ids, is_sha256_hex, validate_digest};
 pub use error::{Error, Result};
 pub use fsutil::{sync_dir, write_atomic};
 pub use mount::{Mount, unmount};
+pub use settings::SnapshotterSettings;
 pub use snapshotter::{
     Backend, Info, Kind, LayerApplied, LayerSpec, Released, Snapshotter, SpaceCheck, Usage,
 };

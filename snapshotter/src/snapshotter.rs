@@ -41,7 +41,7 @@ impl std::fmt::Display for Kind {
 }
 
 /// Which storage backend a snapshotter uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
     /// Each layer is a directory; stacks are overlayfs mounts. The default.

@@ -126,7 +126,7 @@ pub enum StoreError {
 
     /// A descriptor claims a blob larger than this node takes (`max_blob_size`).
     #[error(
-        "blob {digest} of {reference} claims {size} bytes, more than max_blob_size allows ({max} bytes); no byte of it was fetched"
+        "blob {digest} of {reference} claims {size} bytes, more than pull.max_blob_size allows ({max} bytes); no byte of it was fetched"
     )]
     BlobTooLarge {
         reference: String,

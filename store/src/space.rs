@@ -35,7 +35,7 @@ pub const MEASURE_EVERY: u64 = 4 << 20;
 const MEASURE_AT_LEAST_EVERY: u64 = 64 << 10;
 
 /// The setting's name, for messages.
-pub const SETTING: &str = "image_fs_reserve";
+pub const SETTING: &str = "pull.image_fs_reserve";
 
 /// How much of a filesystem stays free: a percentage of its size or a number of bytes, as the
 /// kubelet's eviction thresholds are written. Zero turns the reserve off.

@@ -285,7 +285,7 @@ async fn fetch_past_the_deadline(addr: &str, what: &str) {
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
     let msg = err.to_string();
     assert!(msg.contains(&format!("{what} took longer")), "{msg}");
-    assert!(msg.contains("registry_request_timeout"), "{msg}");
+    assert!(msg.contains("registry.request_timeout"), "{msg}");
 }
 
 #[tokio::test]

@@ -86,7 +86,7 @@ async fn version_status_and_runtime_config() {
         .into_inner();
     assert!(cond(&s, "NetworkReady").status);
     let config: serde_json::Value = serde_json::from_str(&s.info["config"]).unwrap();
-    assert_eq!(config["root"], d.root().display().to_string());
+    assert_eq!(config["daemon"]["root"], d.root().display().to_string());
 
     let rc = rt
         .runtime_config(cri::RuntimeConfigRequest {})
@@ -228,7 +228,7 @@ async fn config_file_and_flags() {
     let cfg = dir.path().join("config.toml");
     std::fs::write(
         &cfg,
-        "cgroup_driver = \"systemd\"\nplatform = \"linux/arm64\"\n",
+        "[runtime]\ncgroup_driver = \"systemd\"\n[pull]\nplatform = \"linux/arm64\"\n",
     )
     .unwrap();
     let d = Daemon::start_with(hosts.path(), &["--config", cfg.to_str().unwrap()])
@@ -250,7 +250,7 @@ async fn config_file_and_flags() {
         .unwrap()
         .into_inner();
     let config: serde_json::Value = serde_json::from_str(&s.info["config"]).unwrap();
-    assert_eq!(config["platform"], "linux/arm64");
+    assert_eq!(config["pull"]["platform"], "linux/arm64");
 
     // A flag beats the file.
     let d2 = Daemon::start_with(
@@ -277,18 +277,67 @@ async fn config_file_and_flags() {
         cri::CgroupDriver::Cgroupfs as i32
     );
 
-    // A bad file is refused with a message naming the file and the key.
-    std::fs::write(&cfg, "sockett = \"/x\"\n").unwrap();
-    let out = Command::new(minicri_bin())
-        .args(["serve", "--config", cfg.to_str().unwrap()])
+    // A bad file is refused with a message naming the file and the key; a file in the flat
+    // form of before sections is refused naming the key's new place, not misread.
+    for (text, says) in [
+        ("[daemon]\nsockett = \"/x\"\n", "sockett"),
+        ("cgroup_driver = \"systemd\"\n", "`runtime.cgroup_driver`"),
+    ] {
+        std::fs::write(&cfg, text).unwrap();
+        let out = Command::new(minicri_bin())
+            .args(["serve", "--config", cfg.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("config.toml") && err.contains(says), "{err}");
+    }
+}
+
+/// `minicri config check FILE`: a good file passes; an unknown key, a bad value and a key of
+/// the flat form before sections are refused, naming the key; `config default` passes.
+#[test]
+fn config_check_passes_good_files_and_names_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.toml");
+    let check = |text: &str| {
+        std::fs::write(&cfg, text).unwrap();
+        let out = Command::new(minicri_bin())
+            .args(["config", "check", cfg.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        (out.status.success(), err)
+    };
+    let default = Command::new(minicri_bin())
+        .args(["config", "default"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("config.toml") && err.contains("sockett"),
-        "{err}"
-    );
+    assert!(default.status.success());
+    let (ok, err) = check(&String::from_utf8(default.stdout).unwrap());
+    assert!(ok, "{err}");
+    let (ok, err) =
+        check("[pull]\nmax_concurrent_downloads = 2\n[stream]\naddress = \"127.0.0.1:0\"\n");
+    assert!(ok, "{err}");
+    for (text, says) in [
+        (
+            "[pull]\nmax_concurent_downloads = 2\n",
+            "max_concurent_downloads",
+        ),
+        (
+            "[pull]\nmax_concurrent_downloads = -2\n",
+            "max_concurrent_downloads",
+        ),
+        ("[stream]\naddress = \"0.0.0.0:1\"\n", "stream.address"),
+        (
+            "max_concurrent_downloads = 2\n",
+            "`pull.max_concurrent_downloads`",
+        ),
+    ] {
+        let (ok, err) = check(text);
+        assert!(!ok, "{text} passed");
+        assert!(err.contains(says), "{text}: {err}");
+    }
 }
 
 #[test]

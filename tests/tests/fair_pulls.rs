@@ -62,7 +62,7 @@ async fn wait_for_slots_in_use(addr: &str, n: u64) {
 fn assert_no_watchdog_drop(e: &Env) {
     let log = e.daemon.log();
     assert!(
-        !log.contains("pull_progress_timeout") && !log.contains("pull_min_speed"),
+        !log.contains("pull.progress_timeout") && !log.contains("pull.min_speed"),
         "a pull was dropped by the watchdog:\n{log}"
     );
 }

@@ -40,7 +40,7 @@ async fn a_trickling_registry_cannot_hold_a_pull() {
     let err = pull_within(&e, &r, Duration::from_secs(30))
         .await
         .unwrap_err();
-    assert!(err.message().contains("pull_min_speed"), "{err:?}");
+    assert!(err.message().contains("pull.min_speed"), "{err:?}");
     assert!(
         start.elapsed() < Duration::from_secs(20),
         "{:?}",

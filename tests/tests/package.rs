@@ -249,14 +249,24 @@ async fn the_package_installs_serves_and_removes_as_an_operator_expects() {
         std::fs::read_link(&wants).unwrap(),
         Path::new("/lib/systemd/system/minicri.service")
     );
-    // The conffile: what the installed binary says its defaults are, every line a comment.
+    // The conffile: what the installed binary says its defaults are, every line a comment or a
+    // section header, and a file the binary takes.
     let config = root.read("/etc/minicri/config.toml");
     let defaults = text(&run(&mut chroot(
         root.path(),
         &["minicri", "config", "default"],
     )));
     assert_eq!(config, defaults);
-    assert!(config.lines().all(|l| l.is_empty() || l.starts_with('#')));
+    assert!(
+        config
+            .lines()
+            .all(|l| l.is_empty() || l.starts_with('#') || l.starts_with('['))
+    );
+    assert!(config.contains("\n[daemon]\n") && config.contains("\n[pull]\n"));
+    run(&mut chroot(
+        root.path(),
+        &["minicri", "config", "check", "/etc/minicri/config.toml"],
+    ));
     assert!(
         config.contains("\n#socket = \"/run/minicri/minicri.sock\"\n"),
         "{config}"
@@ -302,7 +312,7 @@ async fn the_package_installs_serves_and_removes_as_an_operator_expects() {
     std::fs::write(root.file("/var/lib/minicri/an-image-of-the-operators"), "x").unwrap();
     std::fs::write(
         root.file("/etc/minicri/config.toml"),
-        "log_level = \"debug\"\n",
+        "[daemon]\nlog_level = \"debug\"\n",
     )
     .unwrap();
 
@@ -324,7 +334,7 @@ async fn the_package_installs_serves_and_removes_as_an_operator_expects() {
     }
     assert_eq!(
         root.read("/etc/minicri/config.toml"),
-        "log_level = \"debug\"\n"
+        "[daemon]\nlog_level = \"debug\"\n"
     );
     assert!(
         root.file("/etc/cni/net.d/10-minicri-bridge.conflist")

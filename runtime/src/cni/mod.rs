@@ -27,6 +27,7 @@ pub mod config;
 pub mod exec;
 pub mod pod;
 pub mod result;
+pub mod settings;
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};

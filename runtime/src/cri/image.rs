@@ -39,7 +39,7 @@ pub fn to_cri_image(r: &ImageRecord) -> cri::Image {
 pub const PULL_PRIORITY_ANNOTATION: &str = "pull.minicri.io/priority";
 
 /// A pod's weight in the transfer scheduler: `low` halves its share, `high` doubles it, but only
-/// for pods of the namespaces the operator allowed (`pull_priority_namespaces`): whoever writes a
+/// for pods of the namespaces the operator allowed (`pull.priority_namespaces`): whoever writes a
 /// pod may yield, not take from others. Anything else is the normal weight.
 fn pull_weight(namespace: &str, annotations: &HashMap<String, String>, allowed: &[String]) -> u32 {
     use minicri_store::sched::NORMAL_WEIGHT;
@@ -171,7 +171,7 @@ impl ImageService for ImageHandler {
                     let weight = pull_weight(
                         &m.namespace,
                         &annotations,
-                        &self.daemon.config.pull_priority_namespaces,
+                        &self.daemon.config.pull.priority_namespaces,
                     );
                     let mut r = Requester::pod(
                         PodRef {

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use minicri_proto::runtime::v1 as cri;
 use tonic::{Request, Response, Status};
 
-use crate::config::CgroupDriver;
 use crate::daemon::Daemon;
+use crate::oci::CgroupDriver;
 use crate::rpc::{Verbosity, call, deadline};
 
 /// The CRI API version minicri implements.
@@ -150,7 +150,7 @@ pub(super) async fn runtime_config(
 ) -> Result<Response<cri::RuntimeConfigResponse>, Status> {
     let dl = deadline(&req);
     call("RuntimeConfig", "", dl, Verbosity::Normal, async {
-        let driver = match daemon.config.cgroup_driver {
+        let driver = match daemon.config.runtime.cgroup_driver {
             CgroupDriver::Cgroupfs => cri::CgroupDriver::Cgroupfs,
             CgroupDriver::Systemd => cri::CgroupDriver::Systemd,
         };

@@ -82,16 +82,6 @@ pub struct WatchConfig {
     pub node_name: Option<String>,
 }
 
-impl From<crate::config::KubeWatch> for WatchConfig {
-    fn from(w: crate::config::KubeWatch) -> WatchConfig {
-        WatchConfig {
-            kubeconfig: w.kubeconfig,
-            search: w.search,
-            node_name: w.node_name,
-        }
-    }
-}
-
 /// A pod of this node being deleted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeletedPod {

@@ -33,11 +33,15 @@ const BUILT_IN: [&str; 2] = [DEFAULT_HANDLER, "crun"];
 /// How long the availability probe of one handler may take.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// What a handler is configured as: its binary and its state directory.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What a handler is configured as (a `[runtime.handlers.NAME]` table): its binary and its
+/// state directory.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct HandlerConfig {
+    /// The runtime binary (runc's command line), a name on PATH or a path.
     pub binary: PathBuf,
-    /// `--root`; [`Handlers::new`] defaults it.
+    /// `--root`; [`Handlers::new`] defaults it (<state>/runtimes/NAME; <state>/runc for runc).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub root: Option<PathBuf>,
 }
 
@@ -123,7 +127,7 @@ pub fn check_config(configured: &BTreeMap<String, HandlerConfig>, default: &str)
         known.sort();
         known.dedup();
         return Err(OciError::invalid(format!(
-            "default_runtime {default:?} is not a configured runtime handler ({})",
+            "runtime.default_runtime {default:?} is not a configured runtime handler ({})",
             known.join(", ")
         )));
     }

@@ -4,9 +4,17 @@
 
 use std::path::{Path, PathBuf};
 
-pub use crate::config::CgroupDriver;
-
 use super::error::{OciError, Result};
+
+/// The cgroup driver the runtime uses and reports (`runtime.cgroup_driver`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum CgroupDriver {
+    Cgroupfs,
+    Systemd,
+}
 
 /// What this host can do for AppArmor requests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -42,11 +50,11 @@ pub struct HostInfo {
     /// and the OCI runtime knows the `rro` mount option (the daemon clears this when it does
     /// not, see [`super::Runc::supports_mount_option`]).
     pub recursive_read_only: bool,
-    /// Pods can have user namespaces of their own ([`super::userns`]): the kernel has user
+    /// Pods can have user namespaces of their own ([`crate::spec::userns`]): the kernel has user
     /// namespaces, idmapped mounts and overlayfs on idmapped layers (Linux >= 5.19).
     pub user_namespaces: bool,
     /// AppArmor: whether the kernel enforces it and minicri's default profile is loaded (the
-    /// daemon loads it at start, see [`super::apparmor`]).
+    /// daemon loads it at start, see [`crate::spec::apparmor`]).
     pub apparmor: AppArmorHost,
 }
 

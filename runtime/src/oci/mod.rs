@@ -15,6 +15,7 @@ pub mod handlers;
 pub mod host;
 pub mod runc;
 pub mod runtime;
+pub mod settings;
 
 pub use error::{OciError, Result};
 pub use handlers::{Handler, HandlerConfig, HandlerFeatures, Handlers};

@@ -67,7 +67,7 @@ use std::sync::{Arc, Mutex};
 use minicri_snapshotter::Snapshotter;
 use minicri_store::{ContentStore, ImageStore, PullManager};
 
-use crate::cni::{CniManager, CniOptions};
+use crate::cni::CniManager;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::oci::{
@@ -282,10 +282,10 @@ impl PodService {
     ) -> anyhow::Result<Arc<PodService>> {
         let seams = |host: &HostInfo| {
             let handlers = Handlers::new(
-                &config.runtimes,
-                &config.default_runtime,
-                &config.state,
-                config.cgroup_driver == CgroupDriver::Systemd,
+                &config.runtime.handler_configs(),
+                &config.runtime.default_runtime,
+                &config.daemon.state,
+                config.runtime.cgroup_driver == CgroupDriver::Systemd,
                 |runtime| HandlerFeatures {
                     recursive_read_only_mounts: host.recursive_read_only
                         && runtime.supports_mount_option("rro"),
@@ -307,12 +307,8 @@ impl PodService {
         pulls: Arc<PullManager>,
         seams: impl FnOnce(&HostInfo) -> anyhow::Result<Seams>,
     ) -> anyhow::Result<Arc<PodService>> {
-        let state = config.state.clone();
-        let cni = CniManager::new(CniOptions::new(
-            config.cni_conf_dirs.clone(),
-            config.cni_bin_dirs.clone(),
-            &state,
-        ));
+        let state = config.daemon.state.clone();
+        let cni = CniManager::new(config.cni.options(&state));
         let mut host = HostInfo::detect();
         if host.user_namespaces {
             // A pod user namespace's root is an unprivileged host uid: it must be able to pass
@@ -343,7 +339,7 @@ impl PodService {
         let store = Store::open(&state.join("pods"))?;
         std::fs::create_dir_all(state.join("pods/inflight"))?;
         let stats = Arc::new(stats::StatsState::new(
-            config.root.clone(),
+            config.daemon.root.clone(),
             snapshotter.clone(),
         ));
         let svc = Arc::new(PodService {
@@ -352,13 +348,16 @@ impl PodService {
             handlers,
             monitors,
             host,
-            cgroup_driver: config.cgroup_driver,
-            annotations: config.pod_annotations.clone(),
+            cgroup_driver: config.runtime.cgroup_driver,
+            annotations: config
+                .runtime
+                .annotation_policy()
+                .map_err(|e| anyhow::anyhow!(e))?,
             own_paths: crate::spec::own_paths::OwnPaths::new(
-                &config.root,
+                &config.daemon.root,
                 &state,
-                &config.socket,
-                config.allow_own_path_mounts.clone(),
+                &config.daemon.socket,
+                config.runtime.allow_own_path_mounts.clone(),
             ),
             shim_binary: std::env::current_exe()?,
             state_dir: state,
@@ -370,7 +369,7 @@ impl PodService {
             stop_deadlines: Default::default(),
             infra: Mutex::new(None),
             metadata_claims: Mutex::new(Claimed::default()),
-            node_metadata_budget: config.node_metadata_budget,
+            node_metadata_budget: config.daemon.node_metadata_budget as usize,
         });
         svc.recover();
         Ok(svc)

@@ -15,7 +15,7 @@ use minicri_store::{ContentStore, ImageStore, PullConfig, PullManager, Registry,
 use super::fake::Fake;
 use super::store::SandboxState;
 use super::{PodService, Seams};
-use crate::config::ServeArgs;
+use crate::config::Config;
 use crate::error::Error;
 use crate::oci::{HandlerFeatures, Handlers, HostInfo, OciRuntime};
 use crate::shim::Monitors;
@@ -63,11 +63,11 @@ impl Node {
     /// A pod service over this node's state directory.
     fn service(&self) -> Arc<PodService> {
         let none = self.dir.path().join("no-cni");
-        let mut config = ServeArgs::default().finish().unwrap();
-        config.root = self.dir.path().join("root");
-        config.state = self.state();
-        config.cni_conf_dirs = vec![none.clone()];
-        config.cni_bin_dirs = vec![none];
+        let mut config = Config::default();
+        config.daemon.root = self.dir.path().join("root");
+        config.daemon.state = self.state();
+        config.cni.conf_dirs = vec![none.clone()];
+        config.cni.bin_dirs = vec![none];
         let seams = |_: &HostInfo| {
             let runtime: Arc<dyn OciRuntime> = self.fake.clone();
             let features = HandlerFeatures::default();

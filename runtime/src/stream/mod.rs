@@ -31,6 +31,7 @@
 
 pub mod attach;
 pub mod backend;
+pub mod config;
 pub mod exec;
 pub mod http;
 #[cfg(test)]
@@ -147,9 +148,7 @@ impl StreamServer {
             sessions: Arc::new(tokio::sync::Semaphore::new(MAX_SESSIONS)),
             pod_sessions: Arc::new(Mutex::new(HashMap::new())),
             max_pod_sessions: MAX_POD_SESSIONS,
-            port_forward_budget: budget::Budget::new(
-                crate::config::DEFAULT_PORT_FORWARD_BUFFER_BYTES,
-            ),
+            port_forward_budget: budget::Budget::new(config::DEFAULT_PORT_FORWARD_BUFFER_BYTES),
         })
     }
 

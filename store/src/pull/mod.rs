@@ -33,8 +33,10 @@ mod discard;
 mod procedure;
 mod requesters;
 mod runner;
+pub mod settings;
 mod watchdog;
 pub use procedure::{DEFAULT_MAX_BLOB_SIZE, MAX_BLOB_BYTES};
+pub use settings::PullSettings;
 
 pub use procedure::{MAX_CONFIG_BYTES, MAX_LAYERS, parse_manifest};
 
@@ -103,21 +105,12 @@ pub struct PullConfig {
     pub keep_layer_blobs: bool,
 }
 
+/// The defaults of the `[pull]` section ([`PullSettings`]), with no holds recorded.
 impl Default for PullConfig {
     fn default() -> Self {
-        PullConfig {
-            platform: Platform::parse("linux/amd64").expect("valid"),
-            max_concurrent_layers: 3,
-            max_concurrent_unpacks: 4,
-            transfers: Default::default(),
-            ranged: Default::default(),
-            progress_timeout: Some(Duration::from_secs(60)),
-            min_speed: Some(DEFAULT_MIN_SPEED),
-            detach_after: Some(Duration::from_secs(30)),
-            holds_dir: None,
-            max_blob_size: DEFAULT_MAX_BLOB_SIZE,
-            keep_layer_blobs: false,
-        }
+        PullSettings::default()
+            .pull_config(None)
+            .expect("the defaults are valid")
     }
 }
 
@@ -615,7 +608,7 @@ impl PullManager {
                         .map_err(|_| StoreError::Unavailable {
                             reference: reference.to_string(),
                             reason: format!(
-                                "the registry did not resolve it within {:?} (pull_detach_after); \
+                                "the registry did not resolve it within {:?} (pull.detach_after); \
                                  the next attempt tries again",
                                 self.config.detach_after.unwrap_or_default()
                             ),

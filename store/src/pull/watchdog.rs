@@ -1,5 +1,5 @@
 //! The progress watchdog of a pull job: the job's references are all dropped when its transfers
-//! run for `pull_progress_timeout` without a byte, or (with `pull_min_speed`) below that speed
+//! run for `pull.progress_timeout` without a byte, or (with `pull.min_speed`) below that speed
 //! over a window as long. Only time with a transfer of the job running counts.
 
 use std::sync::Arc;
@@ -64,7 +64,7 @@ impl Watchdog {
             self.idle += dt;
             if self.idle >= self.timeout {
                 return Some(format!(
-                    "no progress: no byte in {:?} of transfers (pull_progress_timeout)",
+                    "no progress: no byte in {:?} of transfers (pull.progress_timeout)",
                     self.timeout
                 ));
             }
@@ -82,7 +82,7 @@ impl Watchdog {
         (!complete && got < need).then(|| {
             format!(
                 "{got} bytes received in {spent:.0?} of transfers, below the minimum of {min} \
-                 bytes/s (pull_min_speed)"
+                 bytes/s (pull.min_speed)"
             )
         })
     }

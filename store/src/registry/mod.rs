@@ -26,6 +26,8 @@
 pub mod auth;
 pub mod dest;
 mod http;
+pub mod settings;
+pub use settings::RegistrySettings;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -388,7 +390,7 @@ impl EndpointSession {
         tokio::time::timeout(limit, f).await.unwrap_or_else(|_| {
             Err(self.err(
                 RemoteKind::Unavailable,
-                format!("{what} took longer than {limit:?} (registry_request_timeout)"),
+                format!("{what} took longer than {limit:?} (registry.request_timeout)"),
             ))
         })
     }
