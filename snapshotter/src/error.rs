@@ -48,7 +48,8 @@ pub enum Error {
         source: io::Error,
     },
 
-    /// The layer goes past one of the unpack limits (`max_layer_bytes`, `max_layer_entries`, or a
+    /// The layer goes past one of the unpack limits (`snapshotter.max_layer_bytes`,
+    /// `snapshotter.max_layer_entries`, or a
     /// fixed cap on extension headers and sparse maps). Nothing is committed.
     #[error("layer exceeds the {limit} limit of {max}: {detail}")]
     LayerLimit {

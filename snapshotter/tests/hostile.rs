@@ -110,7 +110,7 @@ fn entry_count_cap(b: Backend) {
         l.file(&format!("g{i}"), b"x");
     }
     let err = try_apply(&s, None, &l.finish(), None).unwrap_err();
-    limit_err(&err, "max_layer_entries");
+    limit_err(&err, "snapshotter.max_layer_entries");
     assert_eq!(s.list().unwrap().len(), 1, "only the first layer");
     assert!(names(&s.root().join("tmp")).is_empty());
 }
@@ -200,7 +200,7 @@ fn implicit_dirs_count_against_the_entry_cap(b: Backend) {
     let mut l = Layer::new();
     l.file("1/2/3/4/5/6/7/8/9/10/11/f", b"x");
     let err = try_apply(&s, None, &l.finish(), None).unwrap_err();
-    limit_err(&err, "max_layer_entries");
+    limit_err(&err, "snapshotter.max_layer_entries");
     assert!(
         err.to_string().contains("directories created for them"),
         "{err}"
@@ -222,7 +222,7 @@ fn byte_cap(b: Backend) {
     let mut l = Layer::new();
     l.file("big", &vec![1u8; 2 << 20]);
     let err = try_apply(&s, None, &l.finish(), None).unwrap_err();
-    limit_err(&err, "max_layer_bytes");
+    limit_err(&err, "snapshotter.max_layer_bytes");
     assert!(err.to_string().contains("big"), "{err}");
     // Bytes after the end of the archive count too.
     let mut l = Layer::new();
@@ -230,7 +230,7 @@ fn byte_cap(b: Backend) {
     let mut tar = l.finish();
     tar.extend(std::iter::repeat_n(0u8, 2 << 20));
     let err = try_apply(&s, None, &tar, None).unwrap_err();
-    limit_err(&err, "max_layer_bytes");
+    limit_err(&err, "snapshotter.max_layer_bytes");
 }
 
 /// A hardlink to a file of a lower layer makes the overlay backend copy that file up (both names
@@ -258,7 +258,7 @@ fn byte_cap_counts_hardlink_copy_ups(b: Backend) {
     match b {
         Backend::Overlay => {
             let err = try_apply(&s, Some(&second), &links, None).unwrap_err();
-            limit_err(&err, "max_layer_bytes");
+            limit_err(&err, "snapshotter.max_layer_bytes");
             assert!(err.to_string().contains("copies up b"), "{err}");
         }
         Backend::Copy => {
@@ -291,7 +291,7 @@ fn byte_cap_counts_a_gzip_bomb(b: Backend) {
     let gz = gzip(&tar);
     assert!(gz.len() < 1 << 20);
     let err = try_apply_stream(&s, GZIP, &diff_id(&tar), &mut &gz[..]).unwrap_err();
-    limit_err(&err, "max_layer_bytes");
+    limit_err(&err, "snapshotter.max_layer_bytes");
 }
 
 /// A GNU old-style sparse header: `segments` of `real` bytes, data following.
@@ -454,7 +454,7 @@ fn byte_cap_counts_sparse_holes(b: Backend) {
     let mut l = Layer::new();
     l.raw(&h, &data);
     let err = try_apply(&s, None, &l.finish(), None).unwrap_err();
-    limit_err(&err, "max_layer_bytes");
+    limit_err(&err, "snapshotter.max_layer_bytes");
 }
 
 fn sparse_file_stays_sparse_in_the_next_snapshot(b: Backend) {

@@ -93,7 +93,10 @@ async fn layers_over_the_entry_or_byte_caps_fail_the_pull() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
-    assert!(err.message().contains("max_layer_entries"), "{err:?}");
+    assert!(
+        err.message().contains("snapshotter.max_layer_entries"),
+        "{err:?}"
+    );
     assert!(err.message().contains("layer sha256:"), "{err:?}");
 
     // 8 MiB of zeros: a tiny gzip, twice the byte cap unpacked.
@@ -103,7 +106,10 @@ async fn layers_over_the_entry_or_byte_caps_fail_the_pull() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
-    assert!(err.message().contains("max_layer_bytes"), "{err:?}");
+    assert!(
+        err.message().contains("snapshotter.max_layer_bytes"),
+        "{err:?}"
+    );
 
     // Within both caps: fine.
     let ok = LayerBuilder::new().file("small", vec![1u8; 1 << 20], 0o644);

@@ -139,7 +139,7 @@ impl<R: Read> TarReader<R> {
         self.charged = self.charged.saturating_add(n);
         if self.charged > self.limits.max_bytes {
             return Err(Error::LayerLimit {
-                limit: "max_layer_bytes",
+                limit: "snapshotter.max_layer_bytes",
                 max: self.limits.max_bytes,
                 detail: what(),
             });
@@ -326,7 +326,7 @@ impl<R: Read> TarReader<R> {
             self.entries += 1;
             if self.entries > self.limits.max_entries {
                 return Err(Error::LayerLimit {
-                    limit: "max_layer_entries",
+                    limit: "snapshotter.max_layer_entries",
                     max: self.limits.max_entries,
                     detail: format!("entry {} at byte {start}", self.entries),
                 });
@@ -395,7 +395,7 @@ impl<R: Read> TarReader<R> {
     pub(crate) fn count_implicit_dirs(&self, dirs: u64) -> Result<(), Error> {
         if self.entries.saturating_add(dirs) > self.limits.max_entries {
             return Err(Error::LayerLimit {
-                limit: "max_layer_entries",
+                limit: "snapshotter.max_layer_entries",
                 max: self.limits.max_entries,
                 detail: format!(
                     "{} entries and {dirs} directories created for them without an entry of their own",
