@@ -11,6 +11,8 @@
 #                      `containerd2mp`: transfer service `concurrent_layer_fetch_buffer = BYTES`
 #                      and `max_concurrent_downloads = 6`, the connections minicri uses per blob)
 #   --images LIST      any of: one eight usr capped (default: all four)
+#   --runtimes LIST    any of: minicri containerd floor containerd2 containerd2mp (default: the
+#                      first three, and containerd2 [containerd2mp] when given one)
 #   --minicri-args ARGS  extra flags for `minicri serve` (word-split), to measure a setting, e.g.
 #                      "--blob-connections 6"; printed with the results
 #   --work DIR         scratch space (default /var/tmp/minicri-bench-pull); the generated layers
@@ -45,6 +47,7 @@ containerd2=${CONTAINERD2:-}
 multipart=
 minicri_args=
 images="one eight usr capped"
+only_runtimes=
 work=/var/tmp/minicri-bench-pull
 while [ $# -gt 0 ]; do
     case $1 in
@@ -52,9 +55,10 @@ while [ $# -gt 0 ]; do
         --containerd2) containerd2=$2; shift 2;;
         --multipart) multipart=$2; shift 2;;
         --images) images=$2; shift 2;;
+        --runtimes) only_runtimes=$2; shift 2;;
         --minicri-args) minicri_args=$2; shift 2;;
         --work) work=$2; shift 2;;
-        -h|--help) sed -n '2,30p' "$0"; exit 0;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0;;
         *) echo "bench-pull: unknown argument $1" >&2; exit 2;;
     esac
 done
@@ -159,6 +163,12 @@ if [ -n "$containerd2" ]; then
     [ -n "$multipart" ] && runtimes="$runtimes containerd2mp"
 else
     echo "note: no containerd 2.x given (--containerd2 PATH or \$CONTAINERD2): its column is skipped" | tee "$run/notes"
+fi
+if [ -n "$only_runtimes" ]; then
+    for rt in $only_runtimes; do
+        case " $runtimes " in *" $rt "*) ;; *) echo "bench-pull: runtime $rt is not available (known: $runtimes)" >&2; exit 2;; esac
+    done
+    runtimes=$only_runtimes
 fi
 
 prog=bench-pull
@@ -270,8 +280,10 @@ for img in $images; do
     floor_s=$(sel floor 4 | median)
     for rt in $runtimes; do
         s=$(sel "$rt" 4 | median); c=$(sel "$rt" 5 | median); m=$(sel "$rt" 6 | median)
-        printf '%-7s %8.0f %-12s %9.2f %8.1f %8.1f %9.1f %8.2f\n' "$img" "$(echo "$bytes / 1000000" | bc)" "$rt" "$s" \
-            "$(echo "$bytes / 1000000 / $s" | bc -l)" "$c" "$m" "$(echo "$s / $floor_s" | bc -l)"
+        xf=-
+        [ -n "$floor_s" ] && xf=$(printf '%.2f' "$(echo "$s / $floor_s" | bc -l)")
+        printf '%-7s %8.0f %-12s %9.2f %8.1f %8.1f %9.1f %8s\n' "$img" "$(echo "$bytes / 1000000" | bc)" "$rt" "$s" \
+            "$(echo "$bytes / 1000000 / $s" | bc -l)" "$c" "$m" "$xf"
     done
 done
 echo

@@ -382,6 +382,23 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()>
     result
 }
 
+/// Starts writing `len` bytes of `file` from `offset` back to disk, without waiting for it
+/// (`sync_file_range(SYNC_FILE_RANGE_WRITE)`): a later `syncfs` then finds them written or on
+/// their way. Errors are ignored: this only moves work earlier, the `syncfs` is what makes the
+/// data durable and reports a failure.
+pub(crate) fn start_writeback(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a plain system call on a descriptor `file` keeps open; no memory is passed.
+    unsafe {
+        libc::sync_file_range(
+            file.as_raw_fd(),
+            offset as libc::off64_t,
+            len as libc::off64_t,
+            libc::SYNC_FILE_RANGE_WRITE,
+        );
+    }
+}
+
 /// Makes a directory's entries (a rename, a removal) durable.
 pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     let dir = if dir.as_os_str().is_empty() {

@@ -350,7 +350,14 @@ impl LocalSnapshotter {
             backend::populate(self.backend, Kind::Committed, &tmp, &lowers)?;
             let space = self.options.space.as_deref();
             let (diff_id, size) = pipeline::decode_and_apply(codec, stream, space, |tar| {
-                backend::apply(self.backend, &tmp, &lowers, tar, self.limits())
+                backend::apply(
+                    self.backend,
+                    &tmp,
+                    &lowers,
+                    tar,
+                    self.limits(),
+                    self.options.sync_on_commit,
+                )
             })?;
             Self::check_diff_id(layer, diff_id)?;
             self.sync(&tmp)?;
@@ -377,7 +384,12 @@ impl LocalSnapshotter {
             let mut detached = None;
             let space = self.options.space.as_deref();
             let (diff_id, size) = pipeline::decode_and_apply(codec, stream, space, |tar| {
-                detached = Some(backend::apply_detached(&tmp, tar, self.limits())?);
+                detached = Some(backend::apply_detached(
+                    &tmp,
+                    tar,
+                    self.limits(),
+                    self.options.sync_on_commit,
+                )?);
                 Ok(())
             })
             .map_err(|e| match e {
@@ -758,5 +770,5 @@ pub fn unpack_into(dir: &Path, tar: impl Read, options: &Options) -> Result<(), 
         max_bytes: options.max_layer_bytes,
         max_entries: options.max_layer_entries,
     };
-    crate::apply::apply_tar(&mut target, tar, limits)
+    crate::apply::apply_tar(&mut target, tar, limits, false)
 }

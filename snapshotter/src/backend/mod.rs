@@ -29,23 +29,24 @@ pub(crate) fn populate(backend: Backend, kind: Kind, dir: &Path, lowers: &[PathB
 }
 
 /// Applies the uncompressed layer `tar` into the new snapshot directory `dir` (with `fs` created by
-/// [`populate`] for a committed snapshot).
+/// [`populate`] for a committed snapshot); `write_behind` as [`apply::apply_tar`]'s.
 pub(crate) fn apply(
     backend: Backend,
     dir: &Path,
     lowers: &[PathBuf],
     tar: impl Read,
     limits: apply::Limits,
+    write_behind: bool,
 ) -> Result<()> {
     let fs_dir = dir.join("fs");
     match backend {
         Backend::Overlay => {
             let mut t = OverlayTarget::new(fs_dir, lowers.to_vec());
-            apply::apply_tar(&mut t, tar, limits)
+            apply::apply_tar(&mut t, tar, limits, write_behind)
         }
         Backend::Copy => {
             let mut t = CopyTarget::new(fs_dir);
-            apply::apply_tar(&mut t, tar, limits)
+            apply::apply_tar(&mut t, tar, limits, write_behind)
         }
     }
 }
@@ -56,9 +57,10 @@ pub(crate) fn apply_detached(
     dir: &Path,
     tar: impl Read,
     limits: apply::Limits,
+    write_behind: bool,
 ) -> Result<apply::Detached> {
     let mut t = OverlayTarget::detached(dir.join("fs"));
-    apply::apply_tar(&mut t, tar, limits)?;
+    apply::apply_tar(&mut t, tar, limits, write_behind)?;
     Ok(t.into_detached().expect("a detached target"))
 }
 
