@@ -36,7 +36,6 @@ pub struct Daemon {
     pub kube: Arc<crate::kube_watch::WatchState>,
     /// The image filesystem's last measured usage: ImageFsInfo is polled often.
     fs_usage: Mutex<FsUsage>,
-    pod_cidr: Mutex<String>,
 }
 
 impl Daemon {
@@ -132,7 +131,6 @@ impl Daemon {
             streaming,
             kube,
             fs_usage: Mutex::new(FsUsage::default()),
-            pod_cidr: Mutex::new(String::new()),
         })
     }
 
@@ -246,12 +244,8 @@ impl Daemon {
     pub fn config_json(&self) -> String {
         let mut v = self.config.to_json();
         v["stream"]["bound_address"] = self.streaming.address().to_string().into();
-        v["pod_cidr"] = self.pod_cidr.lock().unwrap().clone().into();
+        v["pod_cidr"] = self.pods.cni.pod_cidr().into();
         v.to_string()
-    }
-
-    pub fn set_pod_cidr(&self, cidr: String) {
-        *self.pod_cidr.lock().unwrap() = cidr;
     }
 }
 

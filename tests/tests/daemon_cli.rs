@@ -87,6 +87,28 @@ async fn version_status_and_runtime_config() {
     assert!(cond(&s, "NetworkReady").status);
     let config: serde_json::Value = serde_json::from_str(&s.info["config"]).unwrap();
     assert_eq!(config["daemon"]["root"], d.root().display().to_string());
+    assert_eq!(
+        config["pod_cidr"], "",
+        "no pod CIDR before the kubelet sends one"
+    );
+
+    // The pod CIDR the kubelet sends with UpdateRuntimeConfig is what verbose Status shows.
+    rt.update_runtime_config(cri::UpdateRuntimeConfigRequest {
+        runtime_config: Some(cri::RuntimeConfig {
+            network_config: Some(cri::NetworkConfig {
+                pod_cidr: "10.244.7.0/24".into(),
+            }),
+        }),
+    })
+    .await
+    .unwrap();
+    let s = rt
+        .status(cri::StatusRequest { verbose: true })
+        .await
+        .unwrap()
+        .into_inner();
+    let config: serde_json::Value = serde_json::from_str(&s.info["config"]).unwrap();
+    assert_eq!(config["pod_cidr"], "10.244.7.0/24");
 
     let rc = rt
         .runtime_config(cri::RuntimeConfigRequest {})

@@ -184,7 +184,6 @@ pub(super) async fn update_runtime_config(
         Verbosity::Normal,
         async {
             daemon.pods.cni.set_pod_cidr(&cidr);
-            daemon.set_pod_cidr(cidr);
             Ok(cri::UpdateRuntimeConfigResponse {})
         },
     )
