@@ -60,6 +60,9 @@ pub struct ShimConfig {
     pub stdin_once: bool,
     /// The container has a terminal (`tty`; its spec has `process.terminal`): the shim owns it.
     pub tty: bool,
+    /// Restore the container from these CRIU images instead of creating it (it then runs
+    /// without `start`).
+    pub restore_from: Option<PathBuf>,
 }
 
 impl ShimConfig {
@@ -79,6 +82,7 @@ impl ShimConfig {
             stdin: false,
             stdin_once: false,
             tty: false,
+            restore_from: None,
         }
     }
 }
@@ -143,6 +147,9 @@ pub fn spawn_shim_blocking(cfg: &ShimConfig) -> Result<ShimHandle> {
     }
     if cfg.tty {
         cmd.arg("--tty");
+    }
+    if let Some(images) = &cfg.restore_from {
+        cmd.arg("--restore-from").arg(images);
     }
     let err_log = shim_log
         .try_clone()
