@@ -39,7 +39,11 @@ install -m 0755 "$host/crictl" /usr/local/bin/
 [[ -x $host/critest ]] && install -m 0755 "$host/critest" /usr/local/bin/
 # Packages an older image lacks (run.sh --extra-debs), unpacked into the root.
 if compgen -G "$host/extra-debs/*.deb" > /dev/null; then
-    for d in "$host"/extra-debs/*.deb; do dpkg -x "$d" /; done
+    # Not `dpkg -x DEB /`: its tar would replace the merged-/usr symlinks (/lib, /bin) with
+    # directories and the root would lose its dynamic loader.
+    for d in "$host"/extra-debs/*.deb; do
+        dpkg-deb --fsys-tarfile "$d" | tar -x -C / --keep-directory-symlink
+    done
     ldconfig
     record "unpacked: $(cd "$host/extra-debs" && ls -- *.deb | tr '\n' ' ')"
 fi

@@ -23,7 +23,7 @@
 #   --no-critest         run only the guest's own checks (pods, stats, restart, checkpoint and
 #                        restore), not critest: one run under emulation in minutes, not an hour
 #   --extra-debs DIR     .deb files unpacked into the guest's root before the checks
-#                        (dpkg -x), for packages an image built before build.sh listed them
+#                        (their files only, no dpkg state), for packages an image built before build.sh listed them
 #                        lacks (e.g. criu and its libraries: apt-get download them here)
 #   --dir DIR            the VM's image (default /var/tmp/minicri-node-vm; built if missing)
 #   --out DIR            results (default DIR/results-<UTC time>)
