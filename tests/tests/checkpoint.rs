@@ -54,7 +54,13 @@ async fn a_checkpoint_where_criu_cannot_run_names_why_and_leaves_the_container_r
     let pod = pod_config("ckpt", env.logs.path());
     let sb = run_pod(&mut c, &pod).await;
     let script = "i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.2; done";
-    let id = run_container(&mut c, &sb, &pod, sh_container_config("count", &image, script)).await;
+    let id = run_container(
+        &mut c,
+        &sb,
+        &pod,
+        sh_container_config("count", &image, script),
+    )
+    .await;
     let out = env.logs.path().join("count.tar");
     let r = c
         .checkpoint_container(cri::CheckpointContainerRequest {
@@ -131,6 +137,12 @@ fn archive(path: &Path, image: &str, args: &[&str], extra: &[(&str, Vec<u8>)]) {
     file(&mut b, "config.dump", &serde_json::to_vec(&config).unwrap());
     file(&mut b, "spec.dump", &serde_json::to_vec(&spec).unwrap());
     file(&mut b, "checkpoint/inventory.img", b"not a CRIU image");
+    // What runc reads before it runs CRIU: the checkpointed process's stdio.
+    file(
+        &mut b,
+        "checkpoint/descriptors.json",
+        br#"["/dev/null","pipe:[1]","pipe:[2]"]"#,
+    );
     file(&mut b, "rootfs-diff.tar", &diff);
     file(&mut b, "deleted.files", br#"["/etc/hostname"]"#);
     for (name, data) in extra {
@@ -143,8 +155,7 @@ fn archive(path: &Path, image: &str, args: &[&str], extra: &[(&str, Vec<u8>)]) {
 async fn a_restore_applies_the_archives_files_and_a_failed_one_leaves_nothing_running() {
     let archives = tempfile::tempdir().unwrap();
     let dir = archives.path().display().to_string();
-    let Some((env, image, mut c)) =
-        with_busybox_args(&["--checkpoint-restore-dir", &dir]).await
+    let Some((env, image, mut c)) = with_busybox_args(&["--checkpoint-restore-dir", &dir]).await
     else {
         return;
     };
@@ -168,7 +179,10 @@ async fn a_restore_applies_the_archives_files_and_a_failed_one_leaves_nothing_ru
         std::fs::read_to_string(rootfs.join("restored")).unwrap(),
         "from-archive\n"
     );
-    assert!(!rootfs.join("etc/hostname").exists(), "deleted.files applied");
+    assert!(
+        !rootfs.join("etc/hostname").exists(),
+        "deleted.files applied"
+    );
     assert!(rootfs.join("bin/busybox").exists(), "the image's files");
     let spec: serde_json::Value = serde_json::from_slice(
         &std::fs::read(env.state().join("b").join(&id[..32]).join("config.json")).unwrap(),
@@ -195,9 +209,15 @@ async fn a_restore_applies_the_archives_files_and_a_failed_one_leaves_nothing_ru
         })
         .await
         .unwrap_err();
-    assert!(e.message().contains("restore"), "{e:?}");
+    assert!(
+        e.message().contains("restoring container") && e.message().contains("runc restore"),
+        "{e:?}"
+    );
     if let Err(reason) = criu_check() {
-        assert!(e.message().contains(&reason), "{e:?} should name {reason:?}");
+        assert!(
+            e.message().contains(&reason),
+            "{e:?} should name {reason:?}"
+        );
     }
     let st = container_status(&mut c, &id).await;
     assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
@@ -206,7 +226,10 @@ async fn a_restore_applies_the_archives_files_and_a_failed_one_leaves_nothing_ru
         !runc_list(&env.state().join("runc")).contains(&id),
         "runc still has {id}"
     );
-    assert!(processes_mentioning(&id).is_empty(), "a process of {id} is left");
+    assert!(
+        processes_mentioning(&id).is_empty(),
+        "a process of {id} is left"
+    );
     remove_container(&mut c, &id).await;
 
     // A hostile archive: an entry escaping the directory it is unpacked in. Refused with the

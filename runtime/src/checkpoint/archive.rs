@@ -119,7 +119,12 @@ fn entry_name(p: &Path) -> PathBuf {
     PathBuf::from(s.trim_start_matches("./").trim_start_matches('/'))
 }
 
-fn read_bounded(what: &str, archive: &Path, mut r: impl Read, size: u64) -> Result<Vec<u8>, ArchiveError> {
+fn read_bounded(
+    what: &str,
+    archive: &Path,
+    mut r: impl Read,
+    size: u64,
+) -> Result<Vec<u8>, ArchiveError> {
     if size > MAX_METADATA_BYTES {
         return Err(err(
             archive,
@@ -200,8 +205,8 @@ pub fn apply_rootfs_changes(
     };
     let size = f.metadata().map(|m| m.len()).unwrap_or(u64::MAX);
     let b = read_bounded(DELETED_FILES, archive, f, size)?;
-    let paths: Vec<String> = serde_json::from_slice(&b)
-        .map_err(|e| err(archive, format!("{DELETED_FILES}: {e}")))?;
+    let paths: Vec<String> =
+        serde_json::from_slice(&b).map_err(|e| err(archive, format!("{DELETED_FILES}: {e}")))?;
     if paths.len() > MAX_DELETED_FILES {
         return Err(err(
             archive,
@@ -211,7 +216,8 @@ pub fn apply_rootfs_changes(
             ),
         ));
     }
-    let whiteouts = whiteout_tar(&paths).map_err(|m| err(archive, format!("{DELETED_FILES}: {m}")))?;
+    let whiteouts =
+        whiteout_tar(&paths).map_err(|m| err(archive, format!("{DELETED_FILES}: {m}")))?;
     minicri_snapshotter::unpack_into(rootfs, &whiteouts[..], limits)
         .map_err(|e| err(archive, format!("{DELETED_FILES}: {e}")))
 }
@@ -267,7 +273,10 @@ pub fn write_rootfs_diff(upper: &Path, out: &Path) -> std::io::Result<Vec<String
             }
         }
     }
-    b.into_inner()?.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+    b.into_inner()?
+        .into_inner()
+        .map_err(|e| e.into_error())?
+        .sync_all()?;
     Ok(deleted)
 }
 
@@ -292,7 +301,10 @@ pub fn write_archive(staging: &Path, out: &Path) -> std::io::Result<()> {
                 b.append_path_with_name(&path, &name)?;
             }
         }
-        b.into_inner()?.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        b.into_inner()?
+            .into_inner()
+            .map_err(|e| e.into_error())?
+            .sync_all()?;
         std::fs::rename(&tmp, out)
     })();
     if result.is_err() {
@@ -376,7 +388,12 @@ mod tests {
         names.sort();
         assert_eq!(
             names,
-            ["checkpoint", "checkpoint/pages-1.img", "config.dump", "spec.dump"]
+            [
+                "checkpoint/",
+                "checkpoint/pages-1.img",
+                "config.dump",
+                "spec.dump"
+            ]
         );
         let m = read_metadata(&out).unwrap();
         assert_eq!(m.config, config());
@@ -483,7 +500,11 @@ mod tests {
         std::fs::create_dir(&un).unwrap();
         let deleted = write_rootfs_diff(&upper, &un.join(ROOTFS_DIFF)).unwrap();
         assert_eq!(deleted, ["/etc/gone"]);
-        std::fs::write(un.join(DELETED_FILES), serde_json::to_vec(&deleted).unwrap()).unwrap();
+        std::fs::write(
+            un.join(DELETED_FILES),
+            serde_json::to_vec(&deleted).unwrap(),
+        )
+        .unwrap();
         // A fresh rootfs of the image: the deleted file is there, the new one is not.
         let rootfs = d.path().join("rootfs");
         std::fs::create_dir_all(rootfs.join("etc")).unwrap();
@@ -521,7 +542,11 @@ mod tests {
         // Tests run as root: the file is root's.
         assert_eq!(archive_path(&s(&a), &dirs), Some(a.canonicalize().unwrap()));
         assert_eq!(archive_path(&s(&outside), &dirs), None);
-        assert_eq!(archive_path(&s(&link), &dirs), None, "a symlink out of the dir");
+        assert_eq!(
+            archive_path(&s(&link), &dirs),
+            None,
+            "a symlink out of the dir"
+        );
         assert_eq!(archive_path(&s(&dirs[0]), &dirs), None, "the dir itself");
         assert_eq!(archive_path("busybox:1.29", &dirs), None);
         assert_eq!(archive_path("c.tar", &dirs), None, "relative");

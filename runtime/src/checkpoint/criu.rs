@@ -80,19 +80,21 @@ pub fn log_reason(path: &std::path::Path) -> Option<String> {
     use std::io::{Read, Seek, SeekFrom};
     let mut f = std::fs::File::open(path).ok()?;
     let len = f.metadata().ok()?.len();
-    f.seek(SeekFrom::Start(len.saturating_sub(MAX_LOG_TAIL))).ok()?;
+    f.seek(SeekFrom::Start(len.saturating_sub(MAX_LOG_TAIL)))
+        .ok()?;
     let mut buf = Vec::new();
     f.take(MAX_LOG_TAIL).read_to_end(&mut buf).ok()?;
     let text = String::from_utf8_lossy(&buf);
     (!text.trim().is_empty()).then(|| reason(&text))
 }
 
-/// CRIU's reason from its output: its `Error (file:line): message` lines, the messages joined,
-/// else its last line.
+/// CRIU's reason from its output or log: its `Error (file:line): message` lines, the messages
+/// joined, else its last line.
 pub fn reason(output: &str) -> String {
     let errors: Vec<&str> = output
         .lines()
-        .filter_map(|l| l.trim().strip_prefix("Error ("))
+        // Logs put a timestamp before each line: `(00.012345) Error (criu/x.c:1): ...`.
+        .filter_map(|l| l.find("Error (").map(|i| &l[i + "Error (".len()..]))
         .map(|l| l.split_once("): ").map_or(l, |(_, m)| m).trim())
         .collect();
     let r = if errors.is_empty() {
@@ -138,7 +140,10 @@ mod tests {
     async fn a_missing_criu_says_so_and_is_cached() {
         let c = CriuCheck::new("/nonexistent/criu");
         let e = c.ready().await.unwrap_err();
-        assert!(e.contains("CRIU is not installed (/nonexistent/criu not found)"), "{e}");
+        assert!(
+            e.contains("CRIU is not installed (/nonexistent/criu not found)"),
+            "{e}"
+        );
         assert_eq!(c.ready().await.unwrap_err(), e);
     }
 
@@ -156,8 +161,15 @@ mod tests {
         );
         let c = CriuCheck::new(&bin);
         let e = c.ready().await.unwrap_err();
-        assert!(e.contains("check` failed") && e.ends_with(": kernel says no"), "{e}");
+        assert!(
+            e.contains("check` failed") && e.ends_with(": kernel says no"),
+            "{e}"
+        );
         c.ready().await.unwrap_err();
-        assert_eq!(std::fs::read_to_string(&count).unwrap(), "run\n", "run once");
+        assert_eq!(
+            std::fs::read_to_string(&count).unwrap(),
+            "run\n",
+            "run once"
+        );
     }
 }

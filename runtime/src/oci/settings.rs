@@ -242,6 +242,9 @@ mod tests {
             ..Default::default()
         };
         let err = bad.validate().unwrap_err();
-        assert!(err.contains("runtime.checkpoint_restore_dirs entry ckpt"), "{err}");
+        assert!(
+            err.contains("runtime.checkpoint_restore_dirs entry ckpt"),
+            "{err}"
+        );
     }
 }

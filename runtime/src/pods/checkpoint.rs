@@ -80,7 +80,12 @@ impl PodService {
             .map_err(|e| Error::Internal(format!("CheckpointContainer task: {e}")))?
     }
 
-    async fn checkpoint_inner(self: &Arc<Self>, id: &str, location: &str, timeout: i64) -> Result<()> {
+    async fn checkpoint_inner(
+        self: &Arc<Self>,
+        id: &str,
+        location: &str,
+        timeout: i64,
+    ) -> Result<()> {
         let out = PathBuf::from(location);
         if location.is_empty() || !out.is_absolute() || out.file_name().is_none() {
             return Err(Error::InvalidArgument(format!(
@@ -165,7 +170,9 @@ impl PodService {
                 let criu = crate::checkpoint::criu::log_reason(&work.join(archive::DUMP_LOG))
                     .map(|r| format!("; CRIU: {r}"))
                     .unwrap_or_default();
-                return Err(Error::Internal(format!("checkpoint of container {id}: {e}{criu}")));
+                return Err(Error::Internal(format!(
+                    "checkpoint of container {id}: {e}{criu}"
+                )));
             }
             Ok(Ok(())) => {}
         }
@@ -202,7 +209,10 @@ impl PodService {
                 .map_err(|e| Error::Internal(format!("deleted.files: {e}")))?;
             std::fs::write(staging.join(archive::DELETED_FILES), deleted)
                 .map_err(|e| io("writing deleted.files", e))?;
-            let _ = std::fs::copy(work.join(archive::DUMP_LOG), staging.join(archive::DUMP_LOG));
+            let _ = std::fs::copy(
+                work.join(archive::DUMP_LOG),
+                staging.join(archive::DUMP_LOG),
+            );
             archive::write_archive(&staging, &out)
                 .map_err(|e| io(&format!("writing the archive {}", out.display()), e))
         })
@@ -218,7 +228,11 @@ impl PodService {
         &self,
         config: &mut cri::ContainerConfig,
     ) -> Result<Option<(PathBuf, String)>> {
-        let image = config.image.as_ref().map(|i| i.image.clone()).unwrap_or_default();
+        let image = config
+            .image
+            .as_ref()
+            .map(|i| i.image.clone())
+            .unwrap_or_default();
         let dirs = self.restore_dirs.clone();
         let found = blocking(move || Ok(archive::archive_path(&image, &dirs))).await?;
         let Some(path) = found else {

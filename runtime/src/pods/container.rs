@@ -440,10 +440,9 @@ impl PodService {
             // CRIU's own reason is in its log, not in runc's message.
             Err(e) if rec.restore_from.is_some() => {
                 let (bundle, id) = (rec.bundle.clone(), id.to_string());
-                let msg = blocking(move || {
-                    Ok(super::checkpoint::restore_failure(&id, &bundle, &e))
-                })
-                .await?;
+                let msg =
+                    blocking(move || Ok(super::checkpoint::restore_failure(&id, &bundle, &e)))
+                        .await?;
                 Err(crate::oci::OciError::Other(msg))
             }
             other => other,

@@ -190,7 +190,11 @@ pub fn spawn_shim_blocking(cfg: &ShimConfig) -> Result<ShimHandle> {
         let message = ready.error.unwrap_or_default();
         return Err(OciError::Runtime {
             binary: "minicri shim".into(),
-            op: "create",
+            op: if cfg.restore_from.is_some() {
+                "restore"
+            } else {
+                "create"
+            },
             id: cfg.id.clone(),
             message,
         });

@@ -294,7 +294,12 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
     if !matches!(create_status, WaitStatus::Exited(_, 0)) {
         let msg =
             read_runtime_log(&paths.runtime_log()).unwrap_or_else(|| format!("{create_status:?}"));
-        return Err(format!("{} create: {msg}", args.runtime.display()));
+        let op = if args.restore_from.is_some() {
+            "restore"
+        } else {
+            "create"
+        };
+        return Err(format!("{} {op}: {msg}", args.runtime.display()));
     }
     if let Some(console) = console {
         // The terminal is the container's only output (stdout); input and resizes go to it.
