@@ -285,7 +285,14 @@ JSON
         crictl inspect "$ctr2" 2>&1 | jq -c '.status | {state, reason, message}' 2> /dev/null | head -c 2000
         cat "/run/minicri/b/${ctr2:0:32}/restore.log" 2> /dev/null | grep -E 'Error|Warn' | head -n 20
     fi
-    crictl stop -t 0 "$ctr2" > /dev/null 2>&1
+    local rpid rcg
+    rpid=$(crictl inspect "$ctr2" 2> /dev/null | jq -r .info.pid)
+    rcg=$(sed -n 's/^0:://p' "/proc/$rpid/cgroup" 2> /dev/null)
+    record "     $driver: restored init $rpid in cgroup $rcg"
+    check "$driver: restore: the restored init is in the new container's cgroup" \
+        bash -c "[[ '$rcg' == *'$ctr2'* ]]"
+    out=$(crictl stop -t 0 "$ctr2" 2>&1)
+    [[ $out == "$ctr2" ]] || record "     $driver: crictl stop: $out"
     check "$driver: restore: StopContainer stops the restored container" \
         bash -c "crictl inspect '$ctr2' | jq -e '.status.state == \"CONTAINER_EXITED\"' > /dev/null"
     crictl stopp "$pod2" > /dev/null && crictl rmp "$pod2" > /dev/null

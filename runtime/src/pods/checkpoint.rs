@@ -41,6 +41,52 @@ pub(super) fn restore_failure(id: &str, bundle: &Path, e: &crate::oci::OciError)
     format!("restoring container {id} from its checkpoint: {e}{criu}")
 }
 
+/// Moves a restored container's processes into its own cgroup, and returns where they were.
+///
+/// runc 1.1 does not tell CRIU the new cgroup on cgroup v2, so CRIU puts the restored processes
+/// back at the checkpointed container's cgroup path (made again when it was gone): the new
+/// container's cgroup, which `runc kill --all`, the stats and the OOM count read, would be empty
+/// (and the systemd driver's scope, left empty once CRIU exits, is gone). The processes are
+/// moved to it (the directory made when missing) and the old path removed. `Ok(None)`: they are
+/// where they belong already, or the host is cgroup v1 (where runc maps the paths itself).
+pub(super) fn adopt_restored(
+    driver: crate::oci::CgroupDriver,
+    parent: &str,
+    id: &str,
+    init_pid: i32,
+) -> std::result::Result<Option<(PathBuf, PathBuf)>, String> {
+    let super::cgroups::Hierarchy::V2 { root } = super::cgroups::Hierarchy::host() else {
+        return Ok(None);
+    };
+    let own = std::fs::read_to_string(format!("/proc/{init_pid}/cgroup"))
+        .map_err(|e| format!("reading the cgroup of pid {init_pid}: {e}"))?;
+    let Some(have) = own.lines().find_map(|l| l.strip_prefix("0::")) else {
+        return Ok(None);
+    };
+    let have = root.join(have.trim_start_matches('/'));
+    let want = super::cgroups::container_cgroup(driver, parent, id)
+        .map(|rel| root.join(rel))
+        .ok_or_else(|| format!("no cgroup for container {id} under {parent:?}"))?;
+    if have == want {
+        return Ok(None);
+    }
+    match std::fs::create_dir(&want) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            return Err(format!("creating {}: {e}", want.display()));
+        }
+        _ => {}
+    }
+    let procs = std::fs::read_to_string(have.join("cgroup.procs"))
+        .map_err(|e| format!("reading {}/cgroup.procs: {e}", have.display()))?;
+    for pid in procs.split_whitespace() {
+        // One pid per write: cgroup.procs takes one.
+        std::fs::write(want.join("cgroup.procs"), pid)
+            .map_err(|e| format!("moving pid {pid} to {}: {e}", want.display()))?;
+    }
+    let _ = std::fs::remove_dir(&have);
+    Ok(Some((have, want)))
+}
+
 /// Removes a checkpoint's staging directories however the checkpoint ends.
 struct Staging(Vec<PathBuf>);
 

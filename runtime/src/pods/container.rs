@@ -469,6 +469,24 @@ impl PodService {
             r.restore_from = None;
         })?;
         if rec.restore_from.is_some() {
+            // The restored processes into the container's own cgroup (super::checkpoint).
+            let (driver, parent) = (self.cgroup_driver, self.cgroup_parent(&rec));
+            let (cid, pid) = (id.to_string(), shim.init_pid);
+            let adopted = blocking(move || {
+                Ok(super::checkpoint::adopt_restored(
+                    driver, &parent, &cid, pid,
+                ))
+            })
+            .await?;
+            match adopted {
+                Ok(Some((from, to))) => {
+                    tracing::info!(container = %id, from = %from.display(), to = %to.display(), "restored processes moved to the container's cgroup")
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(container = %id, error = %e, "the restored processes stay in the cgroup CRIU put them in")
+                }
+            }
             // CRIU is done with the images: they need not take the space until the teardown.
             let unpacked = self.container_dir(id).join(super::checkpoint::RESTORE_DIR);
             tokio::task::spawn_blocking(move || std::fs::remove_dir_all(unpacked));
