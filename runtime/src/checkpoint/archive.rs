@@ -452,7 +452,7 @@ mod tests {
         h.set_entry_type(tar::EntryType::Regular);
         h.set_cksum();
         let mut v = h.as_bytes().to_vec();
-        v.extend_from_slice(&[b'x']);
+        v.extend_from_slice(b"x");
         v.resize(v.len() + 511, 0);
         v.extend_from_slice(&[0; 1024]);
         v
