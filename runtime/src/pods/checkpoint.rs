@@ -92,8 +92,16 @@ struct Staging(Vec<PathBuf>);
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        for d in &self.0 {
-            let _ = std::fs::remove_dir_all(d);
+        let dirs = std::mem::take(&mut self.0);
+        let remove = move || {
+            for d in &dirs {
+                let _ = std::fs::remove_dir_all(d);
+            }
+        };
+        // CRIU's images can be large: removed off the async workers.
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => drop(h.spawn_blocking(remove)),
+            Err(_) => remove(),
         }
     }
 }
@@ -177,8 +185,10 @@ impl PodService {
                      image's files; the container was not touched"
                 ))
             })?;
+        // The kubelet's filesystem, whatever it is: off the async workers.
         let parent = out.parent().unwrap_or(Path::new("/")).to_path_buf();
-        if !parent.is_dir() {
+        let p = parent.clone();
+        if !blocking(move || Ok(p.is_dir())).await? {
             return Err(Error::InvalidArgument(format!(
                 "CheckpointContainer location {location:?}: {} is not a directory",
                 parent.display()
@@ -200,10 +210,15 @@ impl PodService {
         let (staging, work) = (base.join("archive"), base.join("work"));
         let _cleanup = Staging(vec![base.clone()]);
         let images = staging.join(archive::CHECKPOINT_DIR);
-        for d in [&images, &work] {
-            std::fs::create_dir_all(d)
-                .map_err(|e| Error::Internal(format!("creating {}: {e}", d.display())))?;
-        }
+        let dirs = [images.clone(), work.clone()];
+        blocking(move || {
+            for d in &dirs {
+                std::fs::create_dir_all(d)
+                    .map_err(|e| Error::Internal(format!("creating {}: {e}", d.display())))?;
+            }
+            Ok(())
+        })
+        .await?;
         let runtime = self.runtime(&rec.runtime_handler)?;
         match tokio::time::timeout(timeout, runtime.checkpoint(id, &images, &work)).await {
             Err(_) => {
