@@ -41,6 +41,9 @@ pub(super) fn restore_failure(id: &str, bundle: &Path, e: &crate::oci::OciError)
     format!("restoring container {id} from its checkpoint: {e}{criu}")
 }
 
+/// How many times [`adopt_restored`] moves what is left in the old cgroup.
+const MOVE_PASSES: usize = 20;
+
 /// Moves a restored container's processes into its own cgroup, and returns where they were.
 ///
 /// runc 1.1 does not tell CRIU the new cgroup on cgroup v2, so CRIU puts the restored processes
@@ -76,12 +79,23 @@ pub(super) fn adopt_restored(
         }
         _ => {}
     }
-    let procs = std::fs::read_to_string(have.join("cgroup.procs"))
-        .map_err(|e| format!("reading {}/cgroup.procs: {e}", have.display()))?;
-    for pid in procs.split_whitespace() {
-        // One pid per write: cgroup.procs takes one.
-        std::fs::write(want.join("cgroup.procs"), pid)
-            .map_err(|e| format!("moving pid {pid} to {}: {e}", want.display()))?;
+    // The processes run meanwhile: one that exits is no error, and one forked by a process not
+    // moved yet lands in the old cgroup, so pass again until it is empty.
+    for _ in 0..MOVE_PASSES {
+        let procs = std::fs::read_to_string(have.join("cgroup.procs"))
+            .map_err(|e| format!("reading {}/cgroup.procs: {e}", have.display()))?;
+        if procs.trim().is_empty() {
+            break;
+        }
+        for pid in procs.split_whitespace() {
+            // One pid per write: cgroup.procs takes one.
+            match std::fs::write(want.join("cgroup.procs"), pid) {
+                Err(e) if e.raw_os_error() != Some(libc::ESRCH) => {
+                    return Err(format!("moving pid {pid} to {}: {e}", want.display()));
+                }
+                _ => {}
+            }
+        }
     }
     let _ = std::fs::remove_dir(&have);
     Ok(Some((have, want)))
