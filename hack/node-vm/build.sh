@@ -2,6 +2,7 @@
 # Builds the node VM's disk: a Debian 12 root filesystem (debootstrap through apt's configured
 # mirror) with systemd as PID 1 (cgroup v2 only), Debian's kernel (AppArmor on, as on Debian and
 # Ubuntu nodes), apparmor_parser and sudo (critest loads its AppArmor profiles with them), runc,
+# criu (the checkpoint and restore check),
 # the CNI plugins, dbus (runc's systemd cgroup driver talks to systemd over it) and
 # docker-registry, written to an ext4 image without loop mounts (mke2fs -d). The kernel and initramfs are copied out beside it for
 # qemu's -kernel/-initrd. The guest mounts the host directory that hack/node-vm/run.sh shares
@@ -47,7 +48,7 @@ mirror=$(sed -n 's/^URIs: *\([^ ]*\).*/\1/p' /etc/apt/sources.list.d/debian.sour
 mkdir -p "$dir"
 rootfs=$dir/rootfs
 rm -rf "$rootfs" "$dir/disk.img.tmp"
-packages=systemd,systemd-sysv,dbus,apparmor,sudo,udev,kmod,linux-image-amd64,initramfs-tools,runc,containernetworking-plugins,docker-registry,iproute2,iptables,procps,util-linux,e2fsprogs,ca-certificates,jq
+packages=systemd,systemd-sysv,dbus,apparmor,sudo,udev,kmod,linux-image-amd64,initramfs-tools,runc,criu,containernetworking-plugins,docker-registry,iproute2,iptables,procps,util-linux,e2fsprogs,ca-certificates,jq
 echo "node-vm build: debootstrap bookworm from $mirror into $rootfs"
 debootstrap --variant=minbase --include="$packages" bookworm "$rootfs" "$mirror"
 

@@ -5,7 +5,8 @@
 # dependencies) as an operator would, then per cgroup driver: restarts the service with
 # that driver, runs critest, and checks what critest does not: stats read from cgroup v2 files,
 # the container and infra cgroups gone after RemovePodSandbox, a container outliving a restart
-# of the service (KillMode=process), AppArmor's default profile, OOM kills. Writes
+# of the service (KillMode=process), AppArmor's default profile, OOM kills, and a checkpoint
+# (CRIU) of a counting container restored in a new pod, counting on. Writes
 # /mnt/host/results/{guest.log,summary.txt,minicri-journal.log} and per driver
 # critest-DRIVER.log and dmesg-DRIVER.log (the kernel's log while critest ran).
 set -uo pipefail
@@ -34,7 +35,18 @@ check "cgroup v2 only (no v1 controller mounted)" test "$(stat -fc %T /sys/fs/cg
 check "systemd is PID 1" test "$(cat /proc/1/comm)" = systemd
 record "AppArmor enabled: $(cat /sys/module/apparmor/parameters/enabled 2> /dev/null || echo absent)"
 
-install -m 0755 "$host/crictl" "$host/critest" /usr/local/bin/
+install -m 0755 "$host/crictl" /usr/local/bin/
+[[ -x $host/critest ]] && install -m 0755 "$host/critest" /usr/local/bin/
+# Packages an older image lacks (run.sh --extra-debs), unpacked into the root.
+if compgen -G "$host/extra-debs/*.deb" > /dev/null; then
+    # Not `dpkg -x DEB /`: its tar would replace the merged-/usr symlinks (/lib, /bin) with
+    # directories and the root would lose its dynamic loader.
+    for d in "$host"/extra-debs/*.deb; do
+        dpkg-deb --fsys-tarfile "$d" | tar -x -C / --keep-directory-symlink
+    done
+    ldconfig
+    record "unpacked: $(cd "$host/extra-debs" && ls -- *.deb | tr '\n' ' ')"
+fi
 # The critest images, served on loopback as the mirror of every registry critest names.
 mkdir -p /var/lib/node-vm-registry
 cp -a "$host/registry-data/." /var/lib/node-vm-registry/
@@ -202,6 +214,91 @@ JSON
     fi
 }
 
+# A container counting (every 0.2 s, to a file and its log) checkpointed with CRIU (crictl
+# checkpoint --export: it keeps running), removed with its pod, then restored from the archive
+# in a new pod: its count goes on from the checkpoint's, not from 0.
+checkpoint_restore() { # checkpoint_restore DRIVER
+    local driver=$1 pod ctr pod2 ctr2 archive=/var/lib/kubelet/checkpoints/counter-$1.tar
+    local at_ckpt before after first_logged
+    if ! command -v criu > /dev/null; then
+        record "FAIL $driver: checkpoint: criu is not installed in the guest"
+        failed=1
+        return 1
+    fi
+    record "     $driver: $(criu --version | head -n1); criu check: $(criu check 2>&1 | grep -E '^(Error|Looks)' | head -n3 | tr '\n' ' ')"
+    mkdir -p /var/lib/kubelet/checkpoints /var/log/node-vm-pods
+    rm -f "$archive"
+    for n in a b; do
+        cat > "/tmp/ckpt-pod-$n.json" <<JSON
+{"metadata": {"name": "ckpt-$n-$driver", "namespace": "node-vm", "uid": "ckpt-$n-$driver", "attempt": 0},
+ "log_directory": "/var/log/node-vm-pods/ckpt-$n-$driver"}
+JSON
+    done
+    cat > /tmp/ckpt-ctr.json <<'JSON'
+{"metadata": {"name": "counter"}, "image": {"image": "registry.k8s.io/e2e-test-images/busybox:1.29-2"},
+ "command": ["sh", "-c", "i=0; while true; do i=$((i+1)); echo $i; echo $i > /tmp/n; sleep 0.2; done"],
+ "log_path": "counter.log"}
+JSON
+    crictl pull registry.k8s.io/e2e-test-images/busybox:1.29-2 > /dev/null || return 1
+    pod=$(crictl runp /tmp/ckpt-pod-a.json) || return 1
+    ctr=$(crictl create "$pod" /tmp/ckpt-ctr.json /tmp/ckpt-pod-a.json) || return 1
+    crictl start "$ctr" > /dev/null || return 1
+    sleep 5
+    local out
+    out=$(crictl checkpoint --export="$archive" "$ctr" 2>&1)
+    check "$driver: checkpoint: crictl checkpoint --export writes the archive" test -s "$archive"
+    [[ -s $archive ]] || record "     $driver: crictl checkpoint: $out"
+    record "     $driver: archive: $(du -h "$archive" 2> /dev/null | cut -f1); $(tar tf "$archive" 2> /dev/null | grep -v '^checkpoint/.' | tr '\n' ' ')"
+    check "$driver: checkpoint: the archive holds config.dump, spec.dump, checkpoint/, rootfs-diff.tar, deleted.files" \
+        bash -c "tar tf '$archive' | grep -qx config.dump && tar tf '$archive' | grep -qx spec.dump && tar tf '$archive' | grep -q '^checkpoint/.*inventory.img' && tar tf '$archive' | grep -qx rootfs-diff.tar && tar tf '$archive' | grep -qx deleted.files"
+    record "     $driver: config.dump: $(tar xOf "$archive" config.dump 2> /dev/null | jq -c . 2> /dev/null)"
+    # The count at the checkpoint: /tmp/n in the writable layer's diff.
+    at_ckpt=$(tar xOf "$archive" rootfs-diff.tar 2> /dev/null | tar xOf - tmp/n 2> /dev/null)
+    before=$(crictl exec "$ctr" cat /tmp/n)
+    sleep 1
+    check "$driver: checkpoint: the container goes on running (leave-running)" \
+        test "$(crictl exec "$ctr" cat /tmp/n)" -gt "${before:-0}"
+    crictl stop -t 0 "$ctr" > /dev/null
+    crictl rm "$ctr" > /dev/null
+    crictl stopp "$pod" > /dev/null && crictl rmp "$pod" > /dev/null
+    record "     $driver: count at the checkpoint: ${at_ckpt:-none}; when the pod was removed: ${before:-none}"
+
+    sed "s#registry.k8s.io/e2e-test-images/busybox:1.29-2#$archive#" /tmp/ckpt-ctr.json > /tmp/ckpt-restore.json
+    pod2=$(crictl runp /tmp/ckpt-pod-b.json) || return 1
+    out=$(crictl create "$pod2" /tmp/ckpt-restore.json /tmp/ckpt-pod-b.json 2>&1)
+    ctr2=$out
+    check "$driver: restore: CreateContainer from the archive" test -n "$ctr2" -a -d "/run/minicri/b/${ctr2:0:32}"
+    [[ -d /run/minicri/b/${ctr2:0:32} ]] || record "     $driver: crictl create: $out"
+    out=$(crictl start "$ctr2" 2>&1)
+    check "$driver: restore: StartContainer restores it (runc restore)" \
+        bash -c "crictl inspect '$ctr2' | jq -e '.status.state == \"CONTAINER_RUNNING\"' > /dev/null"
+    [[ $out == "$ctr2" ]] || record "     $driver: crictl start: $out"
+    sleep 2
+    after=$(crictl exec "$ctr2" cat /tmp/n 2> /dev/null)
+    first_logged=$(awk '{print $4; exit}' "/var/log/node-vm-pods/ckpt-b-$driver/counter.log" 2> /dev/null)
+    record "     $driver: restored: count $after 2 s after the start; first count in its log: ${first_logged:-none}"
+    check "$driver: restore: the count goes on from the checkpoint's (${at_ckpt:-?}), not from 0" \
+        test "${after:-0}" -gt "${at_ckpt:-999999}"
+    check "$driver: restore: its output goes to the new container's log, counting on" \
+        test "${first_logged:-0}" -gt "${at_ckpt:-999999}"
+    if [[ $(crictl inspect "$ctr2" 2> /dev/null | jq -r .status.state) != CONTAINER_RUNNING ]]; then
+        crictl inspect "$ctr2" 2>&1 | jq -c '.status | {state, reason, message}' 2> /dev/null | head -c 2000
+        cat "/run/minicri/b/${ctr2:0:32}/restore.log" 2> /dev/null | grep -E 'Error|Warn' | head -n 20
+    fi
+    local rpid rcg
+    rpid=$(crictl inspect "$ctr2" 2> /dev/null | jq -r .info.pid)
+    rcg=$(sed -n 's/^0:://p' "/proc/$rpid/cgroup" 2> /dev/null)
+    record "     $driver: restored init $rpid in cgroup $rcg"
+    check "$driver: restore: the restored init is in the new container's cgroup" \
+        bash -c "[[ '$rcg' == *'$ctr2'* ]]"
+    out=$(crictl stop -t 0 "$ctr2" 2>&1)
+    [[ $out == "$ctr2" ]] || record "     $driver: crictl stop: $out"
+    check "$driver: restore: StopContainer stops the restored container" \
+        bash -c "crictl inspect '$ctr2' | jq -e '.status.state == \"CONTAINER_EXITED\"' > /dev/null"
+    crictl stopp "$pod2" > /dev/null && crictl rmp "$pod2" > /dev/null
+    rm -f "$archive"
+}
+
 for driver in $DRIVERS; do
     say "cgroup driver $driver"
     printf '[daemon]\n%s\n[runtime]\ncgroup_driver = "%s"\n' "$log_level" "$driver" > /etc/minicri/config.toml
@@ -209,6 +306,8 @@ for driver in $DRIVERS; do
     check "$driver: minicri reports the driver (crictl info)" \
         bash -c "set -o pipefail; crictl info -o json | jq -e --arg d $driver '[.. | objects | .cgroup_driver? // empty] | any(. == \$d)' > /dev/null"
     pod_and_stats "$driver"
+    checkpoint_restore "$driver"
+    [[ ${NO_CRITEST:-0} == 1 ]] && continue
     args=(-runtime-endpoint "unix://$sock" -image-endpoint "unix://$sock" -ginkgo.no-color)
     [[ -n $FOCUS ]] && args+=(-ginkgo.focus "$FOCUS")
     [[ -n $SKIP ]] && args+=(-ginkgo.skip "$SKIP")

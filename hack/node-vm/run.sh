@@ -20,6 +20,11 @@
 #   --drivers LIST       cgroup drivers to run critest with (default: "systemd cgroupfs")
 #   --focus REGEX        critest's -ginkgo.focus (default: every spec)
 #   --skip REGEX         critest's -ginkgo.skip (default: none)
+#   --no-critest         run only the guest's own checks (pods, stats, restart, checkpoint and
+#                        restore), not critest: one run under emulation in minutes, not an hour
+#   --extra-debs DIR     .deb files unpacked into the guest's root before the checks
+#                        (their files only, no dpkg state), for packages an image built before build.sh listed them
+#                        lacks (e.g. criu and its libraries: apt-get download them here)
 #   --dir DIR            the VM's image (default /var/tmp/minicri-node-vm; built if missing)
 #   --out DIR            results (default DIR/results-<UTC time>)
 #   --smp N --mem MIB    the guest's CPUs (default: the host's) and memory (default 4096)
@@ -38,6 +43,8 @@ deb=""
 drivers="systemd cgroupfs"
 focus=""
 skip=""
+no_critest=0
+extra_debs=""
 out=""
 smp=$(nproc)
 mem=4096
@@ -52,19 +59,21 @@ while [[ $# -gt 0 ]]; do
         --drivers) drivers=$2; shift 2;;
         --focus) focus=$2; shift 2;;
         --skip) skip=$2; shift 2;;
+        --no-critest) no_critest=1; shift;;
+        --extra-debs) extra_debs=$2; shift 2;;
         --dir) dir=$2; shift 2;;
         --out) out=$2; shift 2;;
         --smp) smp=$2; shift 2;;
         --mem) mem=$2; shift 2;;
         --accel) accel=$2; shift 2;;
-        -h|--help) sed -n '2,29p' "$0"; exit 0;;
+        -h|--help) sed -n '2,34p' "$0"; exit 0;;
         *) echo "node-vm: unknown argument $1" >&2; exit 2;;
     esac
 done
 fail() { echo "node-vm: $*" >&2; exit 1; }
 [[ $(id -u) == 0 ]] || fail "needs root"
 [[ -d $registry_data/docker/registry/v2 ]] || fail "--registry-data $registry_data is not a registry storage root (no docker/registry/v2)"
-[[ -x $critest ]] || fail "no critest (--critest PATH)"
+[[ $no_critest == 1 || -x $critest ]] || fail "no critest (--critest PATH)"
 [[ -x $crictl ]] || fail "no crictl (--crictl PATH)"
 if [[ -z $deb ]]; then
     if [[ -z $minicri ]]; then
@@ -91,7 +100,11 @@ if [[ -z $deb ]]; then
     deb=$(ls "$out"/debs/minicri_*.deb)
 fi
 install -m 0644 "$deb" "$share/"
-install -m 0755 "$critest" "$share/critest"
+if [[ $no_critest == 0 ]]; then install -m 0755 "$critest" "$share/critest"; fi
+if [[ -n $extra_debs ]]; then
+    mkdir -p "$share/extra-debs"
+    cp "$extra_debs"/*.deb "$share/extra-debs/"
+fi
 install -m 0755 "$crictl" "$share/crictl"
 install -m 0755 "$here/guest.sh" "$share/guest.sh"
 cp -a "$registry_data" "$share/registry-data"
@@ -99,6 +112,7 @@ cp -a "$registry_data" "$share/registry-data"
     printf 'DRIVERS=%q\n' "$drivers"
     printf 'FOCUS=%q\n' "$focus"
     printf 'SKIP=%q\n' "$skip"
+    printf 'NO_CRITEST=%q\n' "$no_critest"
     printf 'ACCEL=%q\n' "$accel"
     printf 'MINICRI_DEB=%q\n' "$(basename "$deb")"
     printf 'MINICRI_COMMIT=%q\n' "$(git -C "$repo" describe --always --dirty 2> /dev/null || echo unknown)"

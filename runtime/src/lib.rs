@@ -27,6 +27,7 @@
 //!   remotecommand).
 
 pub mod admin;
+pub mod checkpoint;
 pub mod cni;
 pub mod config;
 pub mod config_default;

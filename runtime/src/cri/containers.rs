@@ -184,9 +184,11 @@ pub(super) async fn reopen_container_log(
     .await
 }
 
-/// Not implemented (checkpoints need CRIU, docs/cri-coverage.md): the answer says so, for
-/// `crictl checkpoint` and the kubelet's checkpoint API, and the container is not touched.
+/// CheckpointContainer with CRIU: the archive goes to `location` (`crictl checkpoint
+/// --export`), the container keeps running; `timeout` in seconds (0: the default). A host where
+/// CRIU cannot run answers FAILED_PRECONDITION with CRIU's reason, the container untouched.
 pub(super) async fn checkpoint_container(
+    daemon: &Daemon,
     req: Request<cri::CheckpointContainerRequest>,
 ) -> Reply<cri::CheckpointContainerResponse> {
     call_on(
@@ -195,11 +197,11 @@ pub(super) async fn checkpoint_container(
         req,
         ("container_id", |r| r.container_id.clone()),
         |r| async move {
-            Err::<cri::CheckpointContainerResponse, _>(Error::Unimplemented(format!(
-                "CheckpointContainer of {:?}: minicri does not checkpoint containers (no CRIU \
-                 support); the container was not touched",
-                r.container_id
-            )))
+            daemon
+                .pods
+                .checkpoint_container(r.container_id, r.location, r.timeout)
+                .await?;
+            Ok(cri::CheckpointContainerResponse {})
         },
     )
     .await

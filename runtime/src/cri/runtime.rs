@@ -244,7 +244,7 @@ impl RuntimeService for RuntimeHandler {
         &self,
         req: Request<cri::CheckpointContainerRequest>,
     ) -> Reply<cri::CheckpointContainerResponse> {
-        containers::checkpoint_container(req).await
+        containers::checkpoint_container(&self.daemon, req).await
     }
 
     async fn update_pod_sandbox_resources(

@@ -151,6 +151,35 @@ impl Runc {
         a
     }
 
+    /// Arguments (after the binary) of `restore --detach` of a checkpointed container from its
+    /// CRIU images in `images`, in place of [`Runc::create_args`]: the restored container runs
+    /// at once (no `start`), its stdio the runtime's own (runc hands its stdio to the restored
+    /// process in place of the checkpointed one's pipes).
+    pub fn restore_args(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        log: &Path,
+        console_socket: Option<&Path>,
+        images: &Path,
+    ) -> Vec<OsString> {
+        let mut a = self.create_args(id, bundle, pid_file, log, console_socket);
+        let create = a.iter().position(|x| x == "create").unwrap_or(a.len());
+        a.splice(
+            create..=create,
+            [
+                "restore".into(),
+                "--detach".into(),
+                "--image-path".into(),
+                images.into(),
+                "--work-path".into(),
+                bundle.into(),
+            ],
+        );
+        a
+    }
+
     fn command(&self) -> Command {
         let mut c = Command::new(&self.binary);
         c.args(self.global_args())
@@ -616,6 +645,40 @@ impl OciRuntime for Runc {
         })
     }
 
+    fn checkpoint<'a>(
+        &'a self,
+        id: &'a str,
+        images: &'a Path,
+        work: &'a Path,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let args: Vec<OsString> = vec![
+                "checkpoint".into(),
+                "--leave-running".into(),
+                "--image-path".into(),
+                images.into(),
+                "--work-path".into(),
+                work.into(),
+                id.into(),
+            ];
+            // Killed when the call is dropped: CRIU, losing runc, lets the container go on.
+            let mut c = self.command();
+            c.kill_on_drop(true)
+                .args(&args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            let out = c
+                .output()
+                .await
+                .map_err(|e| OciError::io("run", &self.binary, e))?;
+            if out.status.success() {
+                return Ok(());
+            }
+            let msg = runtime_message(&out.stderr);
+            Err(classify(&self.name(), "checkpoint", id, msg))
+        })
+    }
+
     fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             self.run("resume", id, &["resume".into(), id.into()], None)
@@ -869,6 +932,24 @@ mod tests {
             "{tty:?}"
         );
         assert_eq!(r.scratch_dir(), PathBuf::from("/run/minicri/runc.tmp"));
+        let restore = r.restore_args(
+            "c1",
+            Path::new("/b"),
+            Path::new("/b/init.pid"),
+            Path::new("/b/log.json"),
+            None,
+            Path::new("/c/checkpoint"),
+        );
+        let restore: Vec<String> = restore
+            .into_iter()
+            .map(|s| s.into_string().unwrap())
+            .collect();
+        assert_eq!(
+            restore.join(" "),
+            "--root /run/minicri/runc --systemd-cgroup --log /b/log.json --log-format json \
+             restore --detach --image-path /c/checkpoint --work-path /b --bundle /b \
+             --pid-file /b/init.pid c1"
+        );
     }
 
     /// An exec whose runtime cannot even be spawned leaves none of its files (process.json

@@ -181,6 +181,16 @@ pub trait OciRuntime: Send + Sync {
         resources: &'a LinuxResources,
     ) -> BoxFuture<'a, Result<()>>;
     fn pause<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>>;
+    /// `checkpoint --leave-running --image-path IMAGES --work-path WORK ID`: CRIU dumps the
+    /// running container into `images` (its log, `dump.log`, into `work`); the container goes
+    /// on running. A call dropped (its deadline passed) kills the runtime, and CRIU with it,
+    /// which lets the container go on.
+    fn checkpoint<'a>(
+        &'a self,
+        id: &'a str,
+        images: &'a std::path::Path,
+        work: &'a std::path::Path,
+    ) -> BoxFuture<'a, Result<()>>;
     fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<()>>;
     /// `list --format json`: every container under the root.
     fn list(&self) -> BoxFuture<'_, Result<Vec<OciState>>>;

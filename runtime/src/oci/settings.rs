@@ -57,6 +57,15 @@ pub struct RuntimeSettings {
     /// node-exporter mount `/`.
     #[arg(long = "allow-own-path-mount", value_name = "PATH")]
     pub allow_own_path_mounts: Vec<PathBuf>,
+
+    /// Directories CreateContainer restores checkpoints from (repeatable): a container whose
+    /// image is an absolute path that resolves to a regular file inside one of them, owned by
+    /// root and not writable by group or others, is restored from that archive (as
+    /// `crictl checkpoint --export` and the kubelet's checkpoint API write them); any other image
+    /// is an image reference. CRIU images are trusted by the root process restoring them: list
+    /// only directories that only root writes. Empty: no restores.
+    #[arg(long = "checkpoint-restore-dir", value_name = "DIR")]
+    pub checkpoint_restore_dirs: Vec<PathBuf>,
 }
 
 impl Default for RuntimeSettings {
@@ -69,6 +78,8 @@ impl Default for RuntimeSettings {
             runtime_flags: Vec::new(),
             pod_annotations: Vec::new(),
             allow_own_path_mounts: Vec::new(),
+            // Where the kubelet's checkpoint API writes its archives.
+            checkpoint_restore_dirs: vec!["/var/lib/kubelet/checkpoints".into()],
         }
     }
 }
@@ -126,6 +137,16 @@ impl RuntimeSettings {
             return Err(format!(
                 "{} entry {} is not an absolute path",
                 crate::spec::own_paths::SETTING,
+                p.display()
+            ));
+        }
+        if let Some(p) = self
+            .checkpoint_restore_dirs
+            .iter()
+            .find(|p| !p.is_absolute())
+        {
+            return Err(format!(
+                "runtime.checkpoint_restore_dirs entry {} is not an absolute path",
                 p.display()
             ));
         }
@@ -206,6 +227,23 @@ mod tests {
         let err = with("var/lib").unwrap_err();
         assert!(
             err.contains("runtime.allow_own_path_mounts") && err.contains("absolute"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn checkpoint_restore_dirs_default_to_the_kubelets_and_must_be_absolute() {
+        assert_eq!(
+            RuntimeSettings::default().checkpoint_restore_dirs,
+            [PathBuf::from("/var/lib/kubelet/checkpoints")]
+        );
+        let bad = RuntimeSettings {
+            checkpoint_restore_dirs: vec!["ckpt".into()],
+            ..Default::default()
+        };
+        let err = bad.validate().unwrap_err();
+        assert!(
+            err.contains("runtime.checkpoint_restore_dirs entry ckpt"),
             "{err}"
         );
     }

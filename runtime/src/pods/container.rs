@@ -4,7 +4,8 @@
 //! top layer chain id), mounts it at `<state>/containers/<id>/rootfs`, mounts the image volumes
 //! ([`super::imagevol`]) and writes the bundle;
 //! StartContainer starts the shim (which creates the container through runc and writes its CRI
-//! log) and then `runc start`s it; a task waits for the exit and records it ([`super::exits`]).
+//! log) and then `runc start`s it (a container made from a checkpoint archive is restored by its
+//! shim instead, [`super::checkpoint`]); a task waits for the exit and records it ([`super::exits`]).
 //! ExecSync is with the other exec paths ([`super::exec`]), UpdateContainerResources with the
 //! pod resize ([`super::resize`]).
 
@@ -121,7 +122,7 @@ impl PodService {
     async fn create_steps(
         self: &Arc<Self>,
         sandbox_id: &str,
-        config: cri::ContainerConfig,
+        mut config: cri::ContainerConfig,
         _sandbox_config: Option<cri::PodSandboxConfig>,
         undo: &mut Journal,
     ) -> Result<String> {
@@ -170,9 +171,13 @@ impl PodService {
                 "container config image is required".into(),
             ));
         }
+        // An image naming a checkpoint archive: the container is made from the archive's image
+        // and process, then its files (super::checkpoint).
+        let restore = self.restore_source(&mut config).await?;
+        let rootfs_image = restore.as_ref().map_or(&image_name, |(_, i)| i);
         let image = self
             .images
-            .get(&image_name)?
+            .get(rootfs_image)?
             .ok_or_else(|| Error::NotFound(format!("image {image_name:?} not found")))?;
         let chain_id = image.chain_id.clone().ok_or_else(|| {
             Error::FailedPrecondition(format!("image {image_name:?} is not unpacked"))
@@ -242,6 +247,15 @@ impl PodService {
             })
             .await?;
         }
+
+        // A restore's files: the archive unpacked beside the rootfs, its changes applied.
+        let restore_from = match restore {
+            Some((archive, _)) => Some(
+                self.unpack_restore(archive, dir.clone(), rootfs.clone())
+                    .await?,
+            ),
+            None => None,
+        };
 
         // Image volumes, mounted in the container's directory (private by now).
         let image_volumes = self
@@ -332,6 +346,7 @@ impl PodService {
             runtime_handler: sb.runtime_handler.clone(),
             runtime_deleted: false,
             image_volumes,
+            restore_from,
         };
         self.store.put_container(rec)?;
         tracing::info!(container = %id, sandbox = %sandbox_id, name = %meta.name, "container created");
@@ -402,6 +417,7 @@ impl PodService {
         cfg.stdin = config.stdin;
         cfg.stdin_once = config.stdin_once;
         cfg.tty = config.tty;
+        cfg.restore_from = rec.restore_from.clone();
         // From here on the runtime may know the id; undone, the container is created again
         // (when the start failed, it is also recorded as exited below).
         undo.subject(id)?;
@@ -411,11 +427,26 @@ impl PodService {
             handler: rec.runtime_handler.clone(),
         })?;
         let started = async {
+            let restore = cfg.restore_from.is_some();
             let shim = self.monitors.spawn(cfg).await?;
-            runtime.start(id).await?;
+            // A restored container runs as soon as its shim reports it ready.
+            if !restore {
+                runtime.start(id).await?;
+            }
             Ok::<_, crate::oci::OciError>(shim)
         }
         .await;
+        let started = match started {
+            // CRIU's own reason is in its log, not in runc's message.
+            Err(e) if rec.restore_from.is_some() => {
+                let (bundle, id) = (rec.bundle.clone(), id.to_string());
+                let msg =
+                    blocking(move || Ok(super::checkpoint::restore_failure(&id, &bundle, &e)))
+                        .await?;
+                Err(crate::oci::OciError::Other(msg))
+            }
+            other => other,
+        };
         let shim = match started {
             Ok(s) => s,
             Err(e) => {
@@ -435,7 +466,31 @@ impl PodService {
             r.pid = shim.init_pid;
             r.started_at = now_ns();
             r.shim = Some(shim.clone());
+            r.restore_from = None;
         })?;
+        if rec.restore_from.is_some() {
+            // The restored processes into the container's own cgroup (super::checkpoint).
+            let (driver, parent) = (self.cgroup_driver, self.cgroup_parent(&rec));
+            let (cid, pid) = (id.to_string(), shim.init_pid);
+            let adopted = blocking(move || {
+                Ok(super::checkpoint::adopt_restored(
+                    driver, &parent, &cid, pid,
+                ))
+            })
+            .await?;
+            match adopted {
+                Ok(Some((from, to))) => {
+                    tracing::info!(container = %id, from = %from.display(), to = %to.display(), "restored processes moved to the container's cgroup")
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(container = %id, error = %e, "the restored processes stay in the cgroup CRIU put them in")
+                }
+            }
+            // CRIU is done with the images: they need not take the space until the teardown.
+            let unpacked = self.container_dir(id).join(super::checkpoint::RESTORE_DIR);
+            tokio::task::spawn_blocking(move || std::fs::remove_dir_all(unpacked));
+        }
         self.watch_exit(id.to_string(), shim);
         Ok(())
     }

@@ -293,6 +293,18 @@ impl OciRuntime for Fake {
         Box::pin(async move { self.enter("resume", id).await })
     }
 
+    fn checkpoint<'a>(
+        &'a self,
+        id: &'a str,
+        _images: &'a std::path::Path,
+        _work: &'a std::path::Path,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.enter("checkpoint", id).await?;
+            self.require(id).map(drop)
+        })
+    }
+
     fn list(&self) -> BoxFuture<'_, Result<Vec<OciState>>> {
         Box::pin(async move { Ok(Vec::new()) })
     }

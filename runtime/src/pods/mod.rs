@@ -5,6 +5,8 @@
 //!   `<state>/pods/`, and name reservations;
 //! - [`sandbox`]: RunPodSandbox, StopPodSandbox, RemovePodSandbox, status and list;
 //! - [`container`]: CreateContainer … RemoveContainer, status, list, ReopenContainerLog;
+//! - [`checkpoint`]: CheckpointContainer (CRIU, `crate::checkpoint`), and the restore of a
+//!   container created from a checkpoint archive;
 //! - [`exits`]: a container's exit watched, recorded and deleted from its runtime; the teardown
 //!   RemoveContainer leaves to the background;
 //! - [`exec`]: ExecSync and streaming exec (the Exec RPC's check, the process with piped stdio);
@@ -42,6 +44,7 @@
 //!   by [`PodService::open`] after a daemon restart.
 
 pub mod cgroups;
+pub mod checkpoint;
 pub mod container;
 pub mod exec;
 pub mod exits;
@@ -107,6 +110,12 @@ pub struct PodService {
     metadata_claims: Mutex<Claimed>,
     /// Most bytes of labels and annotations of the node's pods, and of its containers.
     node_metadata_budget: usize,
+    /// Whether CRIU works here (`criu check`, run at the first checkpoint).
+    pub(crate) criu: crate::checkpoint::criu::CriuCheck,
+    /// `[runtime] checkpoint_restore_dirs`: where archives to restore from may lie.
+    pub(crate) restore_dirs: Vec<PathBuf>,
+    /// The layer limits (`[snapshotter]`) that bound unpacking an archive and its rootfs diff.
+    pub(crate) unpack_limits: minicri_snapshotter::Options,
 }
 
 /// The service's process seams: each runtime handler's OCI runtime and the containers'
@@ -370,6 +379,9 @@ impl PodService {
             infra: Mutex::new(None),
             metadata_claims: Mutex::new(Claimed::default()),
             node_metadata_budget: config.daemon.node_metadata_budget as usize,
+            criu: crate::checkpoint::criu::CriuCheck::new("criu"),
+            restore_dirs: config.runtime.checkpoint_restore_dirs.clone(),
+            unpack_limits: config.snapshotter.options(None),
         });
         svc.recover();
         Ok(svc)

@@ -157,6 +157,10 @@ pub struct ContainerRecord {
     /// The images it mounts as volumes, mounted and held until its teardown.
     #[serde(default)]
     pub image_volumes: Vec<super::imagevol::ImageVolume>,
+    /// A container created from a checkpoint archive: the CRIU images StartContainer restores
+    /// it from (`runc restore` instead of `create` + `start`); cleared once it ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_from: Option<PathBuf>,
 }
 
 impl ContainerRecord {
@@ -588,6 +592,7 @@ impl ContainerRecord {
             runtime_handler: String::new(),
             runtime_deleted: false,
             image_volumes: Vec::new(),
+            restore_from: None,
         }
     }
 }

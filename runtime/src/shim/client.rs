@@ -60,6 +60,9 @@ pub struct ShimConfig {
     pub stdin_once: bool,
     /// The container has a terminal (`tty`; its spec has `process.terminal`): the shim owns it.
     pub tty: bool,
+    /// Restore the container from these CRIU images instead of creating it (it then runs
+    /// without `start`).
+    pub restore_from: Option<PathBuf>,
 }
 
 impl ShimConfig {
@@ -79,6 +82,7 @@ impl ShimConfig {
             stdin: false,
             stdin_once: false,
             tty: false,
+            restore_from: None,
         }
     }
 }
@@ -144,6 +148,9 @@ pub fn spawn_shim_blocking(cfg: &ShimConfig) -> Result<ShimHandle> {
     if cfg.tty {
         cmd.arg("--tty");
     }
+    if let Some(images) = &cfg.restore_from {
+        cmd.arg("--restore-from").arg(images);
+    }
     let err_log = shim_log
         .try_clone()
         .map_err(|e| OciError::io("dup", paths.shim_log(), e))?;
@@ -183,7 +190,11 @@ pub fn spawn_shim_blocking(cfg: &ShimConfig) -> Result<ShimHandle> {
         let message = ready.error.unwrap_or_default();
         return Err(OciError::Runtime {
             binary: "minicri shim".into(),
-            op: "create",
+            op: if cfg.restore_from.is_some() {
+                "restore"
+            } else {
+                "create"
+            },
             id: cfg.id.clone(),
             message,
         });

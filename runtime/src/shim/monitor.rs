@@ -76,6 +76,10 @@ pub struct ShimArgs {
     /// spec): the runtime sends its pty master over a console socket and the shim owns it.
     #[arg(long)]
     pub tty: bool,
+    /// Restore the container from these CRIU images (`runtime restore --detach`) instead of
+    /// creating it: it runs once the shim reports ready, with no `start`.
+    #[arg(long, value_name = "DIR")]
+    pub restore_from: Option<PathBuf>,
 }
 
 /// How long the runtime may take to hand over the terminal once `create` has returned.
@@ -198,13 +202,24 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
     let mut runc = Runc::new(&args.runtime, &args.runtime_root);
     runc.systemd_cgroup = args.systemd_cgroup;
     let mut cmd = Command::new(&args.runtime);
-    cmd.args(runc.create_args(
-        &args.id,
-        &args.bundle,
-        &paths.init_pid(),
-        &paths.runtime_log(),
-        console.as_ref().map(|c| c.path()),
-    ));
+    let console_path = console.as_ref().map(|c| c.path());
+    cmd.args(match &args.restore_from {
+        Some(images) => runc.restore_args(
+            &args.id,
+            &args.bundle,
+            &paths.init_pid(),
+            &paths.runtime_log(),
+            console_path,
+            images,
+        ),
+        None => runc.create_args(
+            &args.id,
+            &args.bundle,
+            &paths.init_pid(),
+            &paths.runtime_log(),
+            console_path,
+        ),
+    });
     let mut outputs: Vec<(OwnedFd, Stream)> = Vec::new();
     if args.tty {
         // The runtime's own stdio is not the container's; its errors go to shim.log.
@@ -279,7 +294,12 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
     if !matches!(create_status, WaitStatus::Exited(_, 0)) {
         let msg =
             read_runtime_log(&paths.runtime_log()).unwrap_or_else(|| format!("{create_status:?}"));
-        return Err(format!("{} create: {msg}", args.runtime.display()));
+        let op = if args.restore_from.is_some() {
+            "restore"
+        } else {
+            "create"
+        };
+        return Err(format!("{} {op}: {msg}", args.runtime.display()));
     }
     if let Some(console) = console {
         // The terminal is the container's only output (stdout); input and resizes go to it.
