@@ -20,8 +20,12 @@ use crate::stream::ChunkReader;
 
 /// Bytes handed from the decompressing thread to the applier at a time.
 const CHUNK: usize = 512 * 1024;
-/// Chunks in flight from the decompressing thread to each of the other two.
+/// Chunks in flight from the decompressing thread to the applier.
 const DEPTH: usize = 8;
+/// Chunks in flight to the hasher: few, as a chunk it holds after the applier has written it is
+/// memory the applier no longer needs (the hasher is the fastest of the three; a short queue only
+/// makes the decompressing thread wait for it now and then).
+const HASH_DEPTH: usize = 2;
 
 /// A decompressed chunk, shared by the hasher and the applier.
 #[derive(Clone)]
@@ -45,7 +49,7 @@ pub(crate) fn decode_and_apply(
 ) -> Result<(String, u64)> {
     std::thread::scope(|scope| {
         let (tx, rx) = mpsc::sync_channel::<io::Result<Chunk>>(DEPTH);
-        let (hash_tx, hash_rx) = mpsc::sync_channel::<Chunk>(DEPTH);
+        let (hash_tx, hash_rx) = mpsc::sync_channel::<Chunk>(HASH_DEPTH);
         let hasher = scope.spawn(move || {
             let mut hash = StreamHash::default();
             for chunk in hash_rx {
