@@ -3,16 +3,19 @@
 # 1.6 (Debian's) and, when given one, containerd 2.x, each with its CRI plugin set up as on a node
 # (overlayfs snapshotter, hosts.toml for the registry), in one run, runtimes alternating.
 #
-# Usage (root): hack/bench-pull.sh [--runs N] [--containerd2 PATH] [--multipart BYTES]
+# Usage (root): hack/bench-pull.sh [--runs N] [--containerd2 PATH] [--igzip] [--multipart BYTES]
 #                                  [--images LIST] [--work DIR]
 #   --runs N           runs per image and runtime (default 3); medians are reported
 #   --containerd2 PATH a containerd 2.x binary (default: $CONTAINERD2, else skipped with a note)
+#   --igzip            also run that containerd 2.x with `igzip` on PATH (runtime
+#                      `containerd2igzip`; installs Debian's isal): the other containerd runtimes
+#                      decompress in Go, as Debian's packages install them (no igzip, no pigz)
 #   --multipart BYTES  also run that containerd 2.x with its multipart fetch on (runtime
 #                      `containerd2mp`: transfer service `concurrent_layer_fetch_buffer = BYTES`
 #                      and `max_concurrent_downloads = 6`, the connections minicri uses per blob)
 #   --images LIST      any of: one eight usr capped (default: all four)
-#   --runtimes LIST    any of: minicri containerd floor containerd2 containerd2mp (default: the
-#                      first three, and containerd2 [containerd2mp] when given one)
+#   --runtimes LIST    any of: minicri containerd floor containerd2 containerd2igzip containerd2mp
+#                      (default: the first three, and the containerd 2.x ones asked for)
 #   --minicri-args ARGS  extra flags for `minicri serve` (word-split), to measure a setting, e.g.
 #                      "--blob-connections 6"; printed with the results
 #   --work DIR         scratch space (default /var/tmp/minicri-bench-pull); the generated layers
@@ -45,6 +48,7 @@ repo=$(pwd)
 runs=3
 containerd2=${CONTAINERD2:-}
 multipart=
+igzip=
 minicri_args=
 images="one eight usr capped"
 only_runtimes=
@@ -54,6 +58,7 @@ while [ $# -gt 0 ]; do
         --runs) runs=$2; shift 2;;
         --containerd2) containerd2=$2; shift 2;;
         --multipart) multipart=$2; shift 2;;
+        --igzip) igzip=1; shift;;
         --images) images=$2; shift 2;;
         --runtimes) only_runtimes=$2; shift 2;;
         --minicri-args) minicri_args=$2; shift 2;;
@@ -72,6 +77,10 @@ hack/install-deps.sh >/dev/null
 if ! command -v containerd >/dev/null; then
     echo "bench-pull: installing Debian's containerd (the baseline)" >&2
     apt-get install -y -qq containerd >/dev/null
+fi
+if [ -n "$igzip" ] && ! command -v igzip >/dev/null; then
+    echo "bench-pull: installing Debian's isal (igzip, for containerd2igzip)" >&2
+    apt-get install -y -qq isal >/dev/null
 fi
 cargo build -q --release -p minicri -p minicri-tests --bins
 
@@ -160,6 +169,7 @@ done
 runtimes="minicri containerd floor"
 if [ -n "$containerd2" ]; then
     runtimes="$runtimes containerd2"
+    [ -n "$igzip" ] && runtimes="$runtimes containerd2igzip"
     [ -n "$multipart" ] && runtimes="$runtimes containerd2mp"
 else
     echo "note: no containerd 2.x given (--containerd2 PATH or \$CONTAINERD2): its column is skipped" | tee "$run/notes"
@@ -232,7 +242,8 @@ pull_once() { # runtime image -> "seconds cpu_seconds peak_rss_mib"
         if [ "$rt" = minicri ]; then
             echo "minicri serve --registry-config-dir CERTS ${minicri_args:-} (embedded defaults otherwise)" > "$run/config-$rt"
         else
-            sed "s#$root#ROOT#g; s#$certs#CERTS#g" "$root/config.toml" > "$run/config-$rt"
+            { echo "# gzip decompression: $(containerd_decompressor "$rt")"
+              sed "s#$root#ROOT#g; s#$certs#CERTS#g" "$root/config.toml"; } > "$run/config-$rt"
         fi
     fi
     sync; echo 3 > /proc/sys/vm/drop_caches
@@ -257,7 +268,7 @@ echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$run/load"
 if [ -n "$minicri_args" ]; then echo "minicri serve flags added: $minicri_args" | tee -a "$run/load"; fi
 echo "containerd: $(containerd --version)"
 [ -n "$containerd2" ] && echo "containerd2: $("$containerd2" --version)"
-printf '%-7s %-12s %3s %9s %8s %9s\n' image runtime run seconds cpu_s rss_MiB | tee "$log"
+printf '%-7s %-16s %3s %9s %8s %9s\n' image runtime run seconds cpu_s rss_MiB | tee "$log"
 for img in $images; do
     for r in $(seq "$runs"); do
         # Alternate who goes first: run 1 minicri first, run 2 the others first, ...
@@ -265,7 +276,7 @@ for img in $images; do
         [ $((r % 2)) = 0 ] && order=$(echo "$runtimes" | tr ' ' '\n' | tac | tr '\n' ' ')
         for rt in $order; do
             read -r secs cpu rss < <(pull_once "$rt" "$img")
-            printf '%-7s %-12s %3d %9s %8s %9s\n' "$img" "$rt" "$r" "$secs" "$cpu" "$rss" | tee -a "$log"
+            printf '%-7s %-16s %3d %9s %8s %9s\n' "$img" "$rt" "$r" "$secs" "$cpu" "$rss" | tee -a "$log"
         done
     done
 done
@@ -273,7 +284,7 @@ echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$run/load"
 
 echo
 echo "medians of $runs cold pulls (MB/s: compressed bytes / seconds; x floor: seconds / the floor's)"
-printf '%-7s %8s %-12s %9s %8s %8s %9s %8s\n' image MB runtime seconds MB/s cpu_s rss_MiB x_floor
+printf '%-7s %8s %-16s %9s %8s %8s %9s %8s\n' image MB runtime seconds MB/s cpu_s rss_MiB x_floor
 for img in $images; do
     bytes=$(bytes_of "$img")
     sel() { awk -v i="$img" -v r="$1" -v c="$2" '$1 == i && $2 == r {print $c}' "$log"; }
@@ -281,8 +292,8 @@ for img in $images; do
     for rt in $runtimes; do
         s=$(sel "$rt" 4 | median); c=$(sel "$rt" 5 | median); m=$(sel "$rt" 6 | median)
         xf=-
-        [ -n "$floor_s" ] && xf=$(printf '%.2f' "$(echo "$s / $floor_s" | bc -l)")
-        printf '%-7s %8.0f %-12s %9.2f %8.1f %8.1f %9.1f %8s\n' "$img" "$(echo "$bytes / 1000000" | bc)" "$rt" "$s" \
+        case " $runtimes " in *" floor "*) xf=$(printf '%.2f' "$(echo "$s / $floor_s" | bc -l)");; esac
+        printf '%-7s %8.0f %-16s %9.2f %8.1f %8.1f %9.1f %8s\n' "$img" "$(echo "$bytes / 1000000" | bc)" "$rt" "$s" \
             "$(echo "$bytes / 1000000 / $s" | bc -l)" "$c" "$m" "$xf"
     done
 done
