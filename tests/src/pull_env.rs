@@ -310,10 +310,6 @@ pub fn sample(text: &str, name: &str) -> u64 {
 
 /// A free loopback address for `--metrics-address`.
 pub fn free_metrics_address() -> String {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = crate::server::free_port().expect("a free port");
     format!("127.0.0.1:{port}")
 }

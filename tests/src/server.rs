@@ -62,8 +62,22 @@ fn spawn_here(mut cmd: Command) -> io::Result<Child> {
     cmd.spawn()
 }
 
-/// A port that was free a moment ago.
+/// A loopback port that was free a moment ago, for a server a test starts with a fixed address.
+/// Chosen below the kernel's ephemeral range (`ip_local_port_range`): a port from that range can
+/// be handed to any outgoing connection of the tests running beside this one between the probe
+/// and the server's bind (seen: a daemon's metrics address taken, "Address already in use").
 pub fn free_port() -> Result<u16> {
+    let ephemeral_low = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let low = 10_000.min(ephemeral_low / 2);
+    for _ in 0..200 {
+        let port = rand::random_range(low..ephemeral_low);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
     let listener = TcpListener::bind("127.0.0.1:0").context("probing for a free port")?;
     Ok(listener.local_addr()?.port())
 }
