@@ -458,14 +458,14 @@ mod tests {
         assert_eq!(c.pull.min_speed, 1024);
         let c = serve(&[
             "--pull-min-speed",
-            "0",
+            "1",
             "--max-layer-entries",
             "10",
             "--registry-request-timeout",
             "2.5",
         ])
         .unwrap();
-        assert_eq!(c.pull.pull_config(None).unwrap().min_speed, None);
+        assert_eq!(c.pull.pull_config(None).unwrap().min_speed, Some(1));
         assert_eq!(c.snapshotter.max_layer_entries, 10);
         assert_eq!(c.registry.request_timeout().unwrap().as_millis(), 2500);
         for (bad, key) in [

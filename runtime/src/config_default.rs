@@ -159,7 +159,7 @@ mod tests {
         c.runtime.cgroup_driver = crate::oci::host::CgroupDriver::Systemd;
         c.daemon.kube_watch = crate::config::KubeWatchMode::Off;
         c.daemon.metrics_address = Some("127.0.0.1:9464".parse().unwrap());
-        c.pull.progress_timeout = 0.0;
+        c.pull.progress_timeout = 30.0;
         c.pull.image_fs_reserve = "20GiB".parse().unwrap();
         c.runtime.pod_annotations = vec!["example.com/*".into()];
         c.runtime.allow_own_path_mounts = vec!["/".into()];

@@ -89,6 +89,10 @@ impl Daemon {
             .ingest_min_free_ratio()
             .map_err(anyhow::Error::msg)?;
         let ingest_gc = Arc::new(ingest_gc);
+        // Before a download or an unpack is refused at the reserve, idle partial downloads make
+        // room (on the content store's filesystem: the one whose space they take).
+        let reclaim: Arc<dyn minicri_store::space::Reclaim> = ingest_gc.clone();
+        content_space.reclaim_with(Arc::downgrade(&reclaim));
         tracing::info!(images = images.list().len(), root = %root.display(), "image store loaded");
         let pods = crate::pods::PodService::open(
             &config,

@@ -116,7 +116,10 @@ fn main() -> std::process::ExitCode {
                 .enable_all()
                 .build()
                 .expect("tokio runtime");
-            match rt.block_on(server::serve(config, notifier)) {
+            let served = rt.block_on(server::serve(config, notifier));
+            // Dropping the runtime would wait for every blocking task without a bound.
+            rt.shutdown_timeout(server::EXIT_GRACE);
+            match served {
                 Ok(()) => std::process::ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");

@@ -54,6 +54,7 @@ pub struct Lane {
     pub snapshot: minicri_store::sched::SchedSnapshot,
     pub granted: u64,
     pub revoked: u64,
+    pub struck: u64,
 }
 
 impl Lane {
@@ -63,6 +64,7 @@ impl Lane {
             snapshot: s.snapshot(),
             granted: s.counters().granted.load(Ordering::Relaxed),
             revoked: s.counters().revoked.load(Ordering::Relaxed),
+            struck: s.counters().struck.load(Ordering::Relaxed),
         }
     }
 }
@@ -306,6 +308,13 @@ pub fn render(s: &Sample) -> String {
         "counter",
         "Connections whose transfer slot was taken back for a fairer share (they resume later).",
         &per_lane(&|l| l.revoked),
+    );
+    metric(
+        &mut out,
+        "minicri_transfer_unresumable_revocations_total",
+        "counter",
+        "Of those, connections that could not resume (their registry ignores Range): their bytes are fetched again from byte 0 in a free slot.",
+        &per_lane(&|l| l.struck),
     );
     let by_state = |active: u64, idle: u64| {
         vec![

@@ -32,6 +32,12 @@ use crate::daemon::Daemon;
 
 /// How long in-flight calls get to finish after a shutdown signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// How long running pulls get to end, with their layer unpacks, after a shutdown signal.
+const PULL_STOP_GRACE: Duration = Duration::from_secs(15);
+/// How long blocking work still running when the server has stopped (a file operation under
+/// way) gets before the process exits anyway. With the graces above, a SIGTERM ends the daemon
+/// within about 32 s, under systemd's default stop timeout of 90 s.
+pub const EXIT_GRACE: Duration = Duration::from_secs(5);
 /// How long background tasks (collection, streaming and metrics servers, the API-server
 /// watch) get to stop after the shutdown signal before they are aborted.
 const BACKGROUND_GRACE: Duration = Duration::from_secs(2);
@@ -210,6 +216,11 @@ pub async fn serve(config: Config, notifier: crate::sdnotify::Notifier) -> anyho
         for t in &background {
             t.abort();
         }
+    }
+    // Pulls end first, with their unpacks (their PullImage calls then return at once); their
+    // partial data and the sandboxes' hold records stay for the next start.
+    if daemon.pulls.shutdown(PULL_STOP_GRACE).await {
+        tracing::info!("pulls stopped");
     }
     tokio::select! {
         _ = graceful.shutdown() => tracing::info!("all connections closed"),

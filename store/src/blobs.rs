@@ -30,10 +30,10 @@ use bytes::Bytes;
 use futures::StreamExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 
-use crate::sched::{Demand, Flow, Lease, Scheduler};
+use crate::sched::{Demand, Flow, Lease, MAX_STRIKES, Scheduler};
 use tokio_util::sync::CancellationToken;
 
-use crate::content::{ContentStore, Ingest};
+use crate::content::{BlobKey, ContentStore, Ingest};
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
 use crate::registry::{BlobBody, Session};
@@ -192,6 +192,11 @@ impl BlobProgress {
         self.done.load(Ordering::Relaxed)
     }
 
+    /// The blob as its descriptor names it.
+    pub fn key(&self) -> BlobKey {
+        BlobKey::new(self.digest.clone(), self.total)
+    }
+
     pub fn resumed_from(&self) -> u64 {
         self.resumed_from.load(Ordering::Relaxed)
     }
@@ -274,7 +279,8 @@ impl BlobDownload {
 /// Node-wide registry of blob downloads.
 pub struct BlobDownloads {
     content: Arc<ContentStore>,
-    inflight: Mutex<HashMap<Digest, Arc<BlobDownload>>>,
+    /// Keyed by digest and size: a descriptor with a wrong size gets a download of its own.
+    inflight: Mutex<HashMap<BlobKey, Arc<BlobDownload>>>,
     /// Slots for blobs larger than `small_blob_bytes`.
     large: Arc<Scheduler>,
     /// Slots for the small ones (manifests are not blobs here: they take none).
@@ -335,14 +341,13 @@ impl BlobDownloads {
         (&self.large, &self.small)
     }
 
-    /// Joins the download of `digest` for the requesters of `demand`, starting it (with the
-    /// first of `sessions`) if none is running; the other sessions are where it goes on when one
-    /// fails.
+    /// Joins the download of `digest` of `size` bytes for the requesters of `demand`, starting
+    /// it (with the first of `sessions`) if none is running; the other sessions are where it goes
+    /// on when one fails.
     ///
-    /// A running download of `digest` expecting another `size` is not joined: one of the two
-    /// descriptors is wrong, and sharing would let the wrong one decide the other's result (and
-    /// discard its partial data). `SizeConflict` then: a retry once that download has ended
-    /// finds the blob committed (and which size was right) or downloads it itself.
+    /// Downloads are keyed by digest and size: a descriptor that gives a blob's digest with
+    /// another size (one of the two is wrong) downloads on its own, into partial data of its own,
+    /// so the wrong one can neither decide the other's result nor stall or discard its bytes.
     pub fn acquire(
         self: &Arc<Self>,
         digest: &Digest,
@@ -351,28 +356,19 @@ impl BlobDownloads {
         demand: &Arc<Demand>,
     ) -> Result<BlobHandle> {
         let session = sessions.first().expect("a blob is fetched with a session");
+        let key = BlobKey::new(digest.clone(), size);
         let mut inflight = self.inflight.lock().unwrap();
-        if let Some(dl) = inflight.get(digest).filter(|d| !d.cancel.is_cancelled()) {
-            if dl.progress.total == size {
-                *dl.interest.lock().unwrap() += 1;
-                for s in sessions {
-                    dl.add_session(s);
-                }
-                dl.progress.flow.add_demand(demand);
-                return Ok(BlobHandle {
-                    downloads: self.clone(),
-                    dl: dl.clone(),
-                    demand: demand.clone(),
-                });
+        if let Some(dl) = inflight.get(&key).filter(|d| !d.cancel.is_cancelled()) {
+            *dl.interest.lock().unwrap() += 1;
+            for s in sessions {
+                dl.add_session(s);
             }
-            if !dl.progress.ended_now() {
-                return Err(StoreError::SizeConflict {
-                    digest: digest.to_string(),
-                    wanted: size,
-                    running: dl.progress.total,
-                });
-            }
-            // It has ended and is about to leave the map: this one replaces it.
+            dl.progress.flow.add_demand(demand);
+            return Ok(BlobHandle {
+                downloads: self.clone(),
+                dl: dl.clone(),
+                demand: demand.clone(),
+            });
         }
         let progress = Arc::new(BlobProgress::new(digest.clone(), size));
         progress.flow.add_demand(demand);
@@ -388,7 +384,7 @@ impl BlobDownloads {
         for s in &sessions[1..] {
             dl.add_session(s);
         }
-        inflight.insert(digest.clone(), dl.clone());
+        inflight.insert(key, dl.clone());
         drop(inflight);
 
         let this = self.clone();
@@ -399,6 +395,9 @@ impl BlobDownloads {
             self.large.clone()
         };
         tokio::spawn(async move {
+            // A task dropped unfinished (the runtime shutting down) still tells the readers
+            // following the download that it ended.
+            let _ended = CancelledOnDrop(progress.clone());
             // With the first requester's session; when that fails, with the next requester's of
             // another source (other registry, mirror or credentials), from the bytes on disk.
             let mut used = 0;
@@ -448,11 +447,9 @@ impl BlobDownloads {
             });
             {
                 let mut inflight = this.inflight.lock().unwrap();
-                if inflight
-                    .get(&progress.digest)
-                    .is_some_and(|d| Arc::ptr_eq(d, &me))
-                {
-                    inflight.remove(&progress.digest);
+                let key = progress.key();
+                if inflight.get(&key).is_some_and(|d| Arc::ptr_eq(d, &me)) {
+                    inflight.remove(&key);
                 }
             }
             let _ = tx.send(Some(result.map_err(Arc::new)));
@@ -464,15 +461,35 @@ impl BlobDownloads {
         })
     }
 
-    /// Adds `session` to the ones the running download of `digest` may go on with.
-    pub fn add_session(&self, digest: &Digest, session: &Arc<Session>) {
-        if let Some(dl) = self.inflight.lock().unwrap().get(digest) {
+    /// Adds `session` to the ones the running download of `key` may go on with.
+    pub fn add_session(&self, key: &BlobKey, session: &Arc<Session>) {
+        if let Some(dl) = self.inflight.lock().unwrap().get(key) {
             dl.add_session(session);
         }
     }
 
-    /// Digests with a download running now (their ingests must not be collected).
-    pub fn active(&self) -> Vec<Digest> {
+    /// Removes the partial data of `key` unless a download wants it (running, or waiting for a
+    /// slot); whether it did. Blocking.
+    pub fn remove_idle(&self, key: &BlobKey, reason: &str, bytes: u64) -> bool {
+        // The download's writer holds the ingest's lock from before it opens the ingest until the
+        // blob is committed, so the lock, held while removing, is what keeps an ingest in use
+        // from going; the map says whether a download waiting for a slot wants it.
+        if self.inflight.lock().unwrap().contains_key(key) {
+            return false;
+        }
+        let Some(_ingest) = self.content.try_lock_ingest(key) else {
+            return false;
+        };
+        if let Err(e) = self.content.remove_ingest(key) {
+            tracing::warn!(blob = %key, error = %e, "cannot remove partial download");
+            return false;
+        }
+        tracing::info!(blob = %key, bytes, reason, "removed partial download");
+        true
+    }
+
+    /// Blobs with a download running now (their ingests must not be collected).
+    pub fn active(&self) -> Vec<BlobKey> {
         self.inflight.lock().unwrap().keys().cloned().collect()
     }
 }
@@ -505,13 +522,21 @@ impl Drop for BlobHandle {
         if *interest == 0 && self.dl.result.borrow().is_none() {
             // Nobody wants it: stop the transfer now; the partial data stays for a later resume.
             self.dl.cancel.cancel();
-            let digest = &self.dl.progress.digest;
-            if inflight
-                .get(digest)
-                .is_some_and(|d| Arc::ptr_eq(d, &self.dl))
-            {
-                inflight.remove(digest);
+            let key = self.dl.progress.key();
+            if inflight.get(&key).is_some_and(|d| Arc::ptr_eq(d, &self.dl)) {
+                inflight.remove(&key);
             }
+        }
+    }
+}
+
+/// Marks a download that has not ended as cancelled when dropped.
+struct CancelledOnDrop(Arc<BlobProgress>);
+
+impl Drop for CancelledOnDrop {
+    fn drop(&mut self) {
+        if !self.0.ended_now() {
+            self.0.set_state(BlobState::Cancelled);
         }
     }
 }
@@ -670,6 +695,21 @@ impl Transfer<'_> {
                 Run::Done => return Ok(()),
                 Run::Revoked => owes_piece = true,
             }
+            let flow = &self.progress.flow;
+            if !flow.is_resumable() && flow.strikes() >= MAX_STRIKES {
+                return Err(StoreError::Unavailable {
+                    reference: self.session.reference().to_string(),
+                    reason: format!(
+                        "{} ignores Range requests, so its transfer of {} cannot resume; it was stopped {} times (at byte {} of {}, {}/s) to let other pulls have their transfer slots, and is given up",
+                        self.progress.source().unwrap_or_default(),
+                        self.progress.digest,
+                        flow.strikes(),
+                        self.progress.done(),
+                        self.progress.total,
+                        crate::text::human_bytes(self.progress.speed()),
+                    ),
+                });
+            }
         }
     }
 
@@ -815,7 +855,10 @@ impl Transfer<'_> {
             }
             let n = chunk.len() as u64;
             self.pieces.lock().unwrap()[i].pos = pos + n;
-            self.progress.done.fetch_add(n, Ordering::Relaxed);
+            let done = self.progress.done.fetch_add(n, Ordering::Relaxed) + n;
+            self.progress
+                .flow
+                .set_left(self.progress.total.saturating_sub(done));
             self.progress.downloaded.fetch_add(n, Ordering::Relaxed);
             if self.progress.refetching.load(Ordering::Relaxed) {
                 self.progress.refetched.fetch_add(n, Ordering::Relaxed);
@@ -876,17 +919,17 @@ async fn fetch(
     ranged: RangedFetch,
 ) -> Result<()> {
     let digest = progress.digest.clone();
-    let size = progress.total;
+    let key = progress.key();
     if let Some(done) = committed(content, progress) {
         return done;
     }
-    let guard = content.lock_ingest(&digest).await;
+    let guard = content.lock_ingest(&key).await;
     if let Some(done) = committed(content, progress) {
         return done;
     }
     let c = content.clone();
-    let d = digest.clone();
-    let ingest = tokio::task::spawn_blocking(move || c.open_ingest(&d, size))
+    let k = key.clone();
+    let ingest = tokio::task::spawn_blocking(move || c.open_ingest(&k))
         .await
         .expect("open_ingest does not panic")?;
     let on_disk = ingest.on_disk();
@@ -898,7 +941,7 @@ async fn fetch(
     progress.set_state(BlobState::Downloading);
     if on_disk > 0 {
         let written_by = ingest.written_by().join(", ");
-        tracing::info!(blob = %digest, on_disk, prefix = ingest.offset(), size, %written_by, "resuming download");
+        tracing::info!(blob = %digest, on_disk, prefix = ingest.offset(), size = key.size, %written_by, "resuming download");
     }
     // The writer thread owns the ingest and its lock, so the lock is released only after the last
     // queued chunk is on disk, even when this future is dropped (cancelled) mid-transfer.
@@ -948,14 +991,14 @@ async fn fetch(
     if let Err(e) = outcome {
         // The writer's own error (too many bytes, disk full) explains more.
         return Err(match written {
-            Err(we) => discard_on_size_error(content, &digest, we).await,
+            Err(we) => discard_on_size_error(content, &key, we).await,
             Ok(_) => e,
         });
     }
     debug_assert!(pieces.into_inner().unwrap().iter().all(|p| p.pos >= p.end));
     let (ingest, guard) = match written {
         Ok(i) => i,
-        Err(e) => return Err(discard_on_size_error(content, &digest, e).await),
+        Err(e) => return Err(discard_on_size_error(content, &key, e).await),
     };
     // Every byte is on disk now: readers following the ingest may read to its end.
     progress.set_state(BlobState::Verifying);
@@ -991,12 +1034,12 @@ fn committed(content: &ContentStore, progress: &BlobProgress) -> Option<Result<(
 /// on a blocking thread (it can be as large as the descriptor claims).
 async fn discard_on_size_error(
     content: &Arc<ContentStore>,
-    digest: &Digest,
+    key: &BlobKey,
     e: StoreError,
 ) -> StoreError {
     if matches!(e, StoreError::SizeMismatch { .. }) {
-        let (c, d) = (content.clone(), digest.clone());
-        let _ = tokio::task::spawn_blocking(move || c.remove_ingest(&d)).await;
+        let (c, k) = (content.clone(), key.clone());
+        let _ = tokio::task::spawn_blocking(move || c.remove_ingest(&k)).await;
     }
     e
 }

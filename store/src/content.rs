@@ -3,17 +3,23 @@
 //! Layout under the store root:
 //! - `blobs/sha256/<hex>`: committed blobs. A file exists here only after its bytes were verified
 //!   against its digest and size; it is written under a temporary name and renamed into place.
-//! - `ingest/<hex>/data`: a blob being downloaded, each byte at its offset in the blob. A later
-//!   download of the same blob continues from what is there: it re-hashes the contiguous prefix and
-//!   fetches only the missing ranges. `ingest/<hex>/meta.json` records the expected size and when
+//! - `ingest/<hex>-<size>/data`: a blob being downloaded, each byte at its offset in the blob,
+//!   keyed by digest **and** size ([`BlobKey`]): a descriptor giving a popular blob's digest with
+//!   another size downloads into an ingest of its own, so it can neither share nor block (nor
+//!   discard) the partial data of the right one. A later download of the same blob continues
+//!   from what is there: it re-hashes the contiguous prefix and fetches only the missing ranges.
+//!   `meta.json` records the expected size and when
 //!   the download started, and the endpoints (registries, mirrors) that wrote its bytes: a later
 //!   pull of the same digest resumes them whichever registry it asks, and the digest check at
 //!   the end decides whether they were right.
-//! - `ingest/<hex>/ranges.json`: written before the first byte lands beyond the contiguous prefix
+//! - `ingest/<hex>-<size>/ranges.json`: written before the first byte lands beyond the contiguous prefix
 //!   (a blob fetched over several ranged requests at once), and then after every
 //!   [`CHECKPOINT_BYTES`] written and when the writer stops. While it exists it says what is on
 //!   disk (a lower bound: bytes written after the last checkpoint are fetched again after a crash);
 //!   without it the file is written only at its end, so its length is the prefix.
+//!
+//! Ingests of earlier versions, named `ingest/<hex>`, are renamed to their key when the store
+//! opens.
 //!
 //! One writer per ingest is enforced by [`ContentStore::lock_ingest`]; committed blobs are never
 //! modified, only deleted when no image uses them.
@@ -46,15 +52,49 @@ pub const MAX_METADATA_BLOB: u64 = 16 * 1024 * 1024;
 /// this much is fetched again after a crash.
 pub const CHECKPOINT_BYTES: u64 = 1024 * 1024;
 
+/// A blob as a descriptor names it: its digest and its size. Downloads and their partial data
+/// are keyed by both (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlobKey {
+    pub digest: Digest,
+    pub size: u64,
+}
+
+impl BlobKey {
+    pub fn new(digest: Digest, size: u64) -> BlobKey {
+        BlobKey { digest, size }
+    }
+
+    /// The ingest directory's name: `<hex>-<size>`.
+    fn dir_name(&self) -> String {
+        format!("{}-{}", self.digest.hex(), self.size)
+    }
+
+    /// The key an ingest directory's name gives (`<hex>-<size>`).
+    fn from_dir_name(name: &str) -> Option<BlobKey> {
+        let (hex, size) = name.rsplit_once('-')?;
+        Some(BlobKey {
+            digest: Digest::parse(&format!("sha256:{hex}")).ok()?,
+            size: size.parse().ok()?,
+        })
+    }
+}
+
+impl std::fmt::Display for BlobKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({} bytes)", self.digest, self.size)
+    }
+}
+
 /// Root of the content store.
 #[derive(Debug)]
 pub struct ContentStore {
     root: PathBuf,
-    ingest_locks: crate::keyed::KeyedLocks<Digest>,
+    ingest_locks: crate::keyed::KeyedLocks<BlobKey>,
     /// The filesystem's reserve that downloads keep free (`None`: no reserve).
     space: Option<Arc<SpaceBudget>>,
     /// Every ingest on disk, with its bytes: counted at open, then kept by the writers.
-    ingests: Mutex<HashMap<Digest, Arc<IngestAccount>>>,
+    ingests: Mutex<HashMap<BlobKey, Arc<IngestAccount>>>,
 }
 
 /// The bytes on disk of one ingest and whether a writer has it open.
@@ -122,10 +162,9 @@ impl IngestRanges {
 /// A partial download found in the ingest area.
 #[derive(Debug, Clone)]
 pub struct IngestStatus {
-    pub digest: Digest,
+    pub key: BlobKey,
     /// Bytes of the blob on disk.
     pub offset: u64,
-    pub expected_size: u64,
     pub updated_at: std::time::SystemTime,
     /// The endpoints that wrote its bytes, the one that wrote last at the end.
     pub written_by: Vec<String>,
@@ -153,11 +192,12 @@ impl ContentStore {
             space: None,
             ingests: Mutex::new(HashMap::new()),
         };
+        store.rename_old_ingests();
         // The one walk of the ingest area outside the collector's: its bytes from here on are
         // kept by the writers.
         for i in store.list_ingests()? {
             store
-                .account(&i.digest)
+                .account(&i.key)
                 .bytes
                 .store(i.offset, Ordering::Relaxed);
         }
@@ -179,7 +219,34 @@ impl ContentStore {
         &self.root
     }
 
-    fn account(&self, d: &Digest) -> Arc<IngestAccount> {
+    /// Ingests of earlier versions (`ingest/<hex>`) get their key's name, from the size their
+    /// `meta.json` records; one without a readable record cannot be resumed and goes.
+    fn rename_old_ingests(&self) {
+        let Ok(entries) = fs::read_dir(self.root.join("ingest")) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Ok(digest) = Digest::parse(&format!("sha256:{name}")) else {
+                continue;
+            };
+            let meta: Option<IngestMeta> = fs::read(e.path().join("meta.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
+            let done = match meta {
+                Some(m) => fs::rename(
+                    e.path(),
+                    self.ingest_dir(&BlobKey::new(digest, m.expected_size)),
+                ),
+                None => fs::remove_dir_all(e.path()),
+            };
+            if let Err(err) = done {
+                tracing::warn!(ingest = %e.path().display(), error = %err, "cannot rename a partial download of an earlier version");
+            }
+        }
+    }
+
+    fn account(&self, d: &BlobKey) -> Arc<IngestAccount> {
         self.ingests
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -188,7 +255,7 @@ impl ContentStore {
             .clone()
     }
 
-    fn forget_ingest(&self, d: &Digest) {
+    fn forget_ingest(&self, d: &BlobKey) {
         self.ingests
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -217,7 +284,7 @@ impl ContentStore {
     }
 
     /// Bytes of blob `d` in its ingest (0 if none), from memory.
-    pub fn ingest_bytes(&self, d: &Digest) -> u64 {
+    pub fn ingest_bytes(&self, d: &BlobKey) -> u64 {
         self.ingests
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -245,12 +312,12 @@ impl ContentStore {
         self.root.join("blobs/sha256").join(d.hex())
     }
 
-    fn ingest_dir(&self, d: &Digest) -> PathBuf {
-        self.root.join("ingest").join(d.hex())
+    fn ingest_dir(&self, d: &BlobKey) -> PathBuf {
+        self.root.join("ingest").join(d.dir_name())
     }
 
     /// The file a download of `d` is writing (it may not exist).
-    pub fn ingest_data_path(&self, d: &Digest) -> PathBuf {
+    pub fn ingest_data_path(&self, d: &BlobKey) -> PathBuf {
         self.ingest_dir(d).join("data")
     }
 
@@ -352,18 +419,19 @@ impl ContentStore {
     }
 
     /// Takes the one-writer lock of a blob's ingest. Held across the whole download of that blob.
-    pub async fn lock_ingest(&self, d: &Digest) -> tokio::sync::OwnedMutexGuard<()> {
+    pub async fn lock_ingest(&self, d: &BlobKey) -> tokio::sync::OwnedMutexGuard<()> {
         self.ingest_locks.lock(d).await
     }
 
     /// [`Self::lock_ingest`] if nobody holds it now (for the collector: a held ingest is in use).
-    pub fn try_lock_ingest(&self, d: &Digest) -> Option<tokio::sync::OwnedMutexGuard<()>> {
+    pub fn try_lock_ingest(&self, d: &BlobKey) -> Option<tokio::sync::OwnedMutexGuard<()>> {
         self.ingest_locks.try_lock(d)
     }
 
     /// Opens the ingest of blob `d` for writing, resuming from the bytes already there.
     /// Blocking (re-hashes the existing prefix); call under the blob's ingest lock.
-    pub fn open_ingest(&self, d: &Digest, expected_size: u64) -> Result<Ingest> {
+    pub fn open_ingest(&self, d: &BlobKey) -> Result<Ingest> {
+        let expected_size = d.size;
         let dir = self.ingest_dir(d);
         fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
         let meta_path = dir.join("meta.json");
@@ -417,7 +485,7 @@ impl ContentStore {
         // Before any byte is fetched (or the prefix re-hashed): the missing bytes must fit.
         let have = ranges.bytes();
         if let Err(e) = self.check_fits(expected_size - have, || {
-            describe_download(d, expected_size, have)
+            describe_download(&d.digest, expected_size, have)
         }) {
             if have == 0 {
                 // Nothing to keep for a resume: do not leave an empty ingest behind.
@@ -431,7 +499,8 @@ impl ContentStore {
         account.bytes.store(have, Ordering::Relaxed);
         account.writing.store(true, Ordering::Relaxed);
         let mut ingest = Ingest {
-            digest: d.clone(),
+            key: d.clone(),
+            digest: d.digest.clone(),
             expected_size,
             dir,
             file: Some(file),
@@ -456,8 +525,7 @@ impl ContentStore {
             .ctx(|| format!("listing {}", dir.display()))?
             .flatten()
         {
-            let Ok(digest) = Digest::parse(&format!("sha256:{}", e.file_name().to_string_lossy()))
-            else {
+            let Some(key) = BlobKey::from_dir_name(&e.file_name().to_string_lossy()) else {
                 continue;
             };
             let data = e.path().join("data");
@@ -469,12 +537,10 @@ impl ContentStore {
                 Err(_) => (0, std::time::UNIX_EPOCH),
             };
             let offset = IngestRanges::read(&e.path()).map_or(len, |r| r.bytes().min(len));
-            let (expected_size, written_by) =
-                meta.map_or((0, Vec::new()), |m| (m.expected_size, m.written_by));
+            let written_by = meta.map_or(Vec::new(), |m| m.written_by);
             out.push(IngestStatus {
-                digest,
+                key,
                 offset,
-                expected_size,
                 updated_at,
                 written_by,
             });
@@ -483,7 +549,7 @@ impl ContentStore {
     }
 
     /// Drops a partial download.
-    pub fn remove_ingest(&self, d: &Digest) -> Result<()> {
+    pub fn remove_ingest(&self, d: &BlobKey) -> Result<()> {
         let dir = self.ingest_dir(d);
         match fs::remove_dir_all(&dir) {
             Ok(()) => {
@@ -549,6 +615,7 @@ pub(crate) fn write_synced(path: &Path, data: &[u8]) -> Result<()> {
 /// An open partial download of one blob. Blocking I/O: drive it from a blocking thread.
 #[derive(Debug)]
 pub struct Ingest {
+    key: BlobKey,
     digest: Digest,
     expected_size: u64,
     dir: PathBuf,
@@ -789,7 +856,7 @@ impl Ingest {
         let actual = Digest::from_hasher(std::mem::take(&mut self.hasher));
         if actual != self.digest {
             let _ = fs::remove_dir_all(&self.dir);
-            store.forget_ingest(&self.digest);
+            store.forget_ingest(&self.key);
             return Err(StoreError::DigestMismatch {
                 expected: self.digest.to_string(),
                 actual: actual.to_string(),
@@ -798,7 +865,7 @@ impl Ingest {
         }
         let dst = store.blob_path(&self.digest);
         fs::rename(self.dir.join("data"), &dst).ctx(|| format!("committing {}", dst.display()))?;
-        store.forget_ingest(&self.digest);
+        store.forget_ingest(&self.key);
         let _ = fs::remove_dir_all(&self.dir);
         Ok(())
     }
@@ -849,11 +916,15 @@ mod tests {
         let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7) as u8).collect();
         let d = Digest::of(&data);
 
-        let mut ing = store.open_ingest(&d, data.len() as u64).unwrap();
+        let mut ing = store
+            .open_ingest(&BlobKey::new(d.clone(), data.len() as u64))
+            .unwrap();
         ing.append(&data[..40_000]).unwrap();
         drop(ing);
 
-        let mut ing = store.open_ingest(&d, data.len() as u64).unwrap();
+        let mut ing = store
+            .open_ingest(&BlobKey::new(d.clone(), data.len() as u64))
+            .unwrap();
         assert_eq!(ing.offset(), 40_000);
         ing.append(&data[40_000..]).unwrap();
         ing.commit(&store).unwrap();
@@ -873,7 +944,7 @@ mod tests {
         let d = Digest::of(&data);
         let mb = 1_000_000usize;
 
-        let mut ing = store.open_ingest(&d, size).unwrap();
+        let mut ing = store.open_ingest(&BlobKey::new(d.clone(), size)).unwrap();
         assert_eq!(ing.missing(), vec![(0, size)]);
         ing.write_at(2 * mb as u64, &data[2 * mb..3 * mb]).unwrap();
         ing.write_at(4 * mb as u64, &data[4 * mb..4 * mb + 500])
@@ -883,7 +954,7 @@ mod tests {
         assert_eq!(ing.on_disk(), mb as u64 / 2 + mb as u64 + 500);
         drop(ing);
 
-        let mut ing = store.open_ingest(&d, size).unwrap();
+        let mut ing = store.open_ingest(&BlobKey::new(d.clone(), size)).unwrap();
         assert_eq!(ing.offset(), mb as u64 / 2);
         assert_eq!(
             ing.missing(),
@@ -918,17 +989,17 @@ mod tests {
         let store = ContentStore::open(dir.path()).unwrap();
         let data = vec![7u8; 10_000];
         let d = Digest::of(&data);
-        let mut ing = store.open_ingest(&d, 10_000).unwrap();
+        let mut ing = store.open_ingest(&BlobKey::new(d.clone(), 10_000)).unwrap();
         ing.write_at(5_000, &data[5_000..]).unwrap();
         drop(ing);
-        let path = store.ingest_data_path(&d);
+        let path = store.ingest_data_path(&BlobKey::new(d.clone(), 10_000));
         std::fs::OpenOptions::new()
             .write(true)
             .open(&path)
             .unwrap()
             .set_len(6_000)
             .unwrap();
-        let ing = store.open_ingest(&d, 10_000).unwrap();
+        let ing = store.open_ingest(&BlobKey::new(d.clone(), 10_000)).unwrap();
         assert_eq!((ing.offset(), ing.on_disk()), (0, 0));
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
     }
@@ -940,13 +1011,13 @@ mod tests {
         let store = ContentStore::open(dir.path()).unwrap();
         let data = vec![9u8; 10_000];
         let d = Digest::of(&data);
-        let mut ing = store.open_ingest(&d, 10_000).unwrap();
+        let mut ing = store.open_ingest(&BlobKey::new(d.clone(), 10_000)).unwrap();
         ing.write_at(5_000, &data[5_000..]).unwrap();
         ing.restart().unwrap();
         assert_eq!(ing.missing(), vec![(0, 10_000)]);
         ing.append(&data[..3_000]).unwrap();
         drop(ing);
-        let ing = store.open_ingest(&d, 10_000).unwrap();
+        let ing = store.open_ingest(&BlobKey::new(d.clone(), 10_000)).unwrap();
         assert_eq!((ing.offset(), ing.on_disk()), (3_000, 3_000));
         assert_eq!(store.list_ingests().unwrap()[0].offset, 3_000);
     }
@@ -959,14 +1030,14 @@ mod tests {
         let store = ContentStore::open(dir.path()).unwrap();
         let data = vec![7u8; 10_000];
         let d = Digest::of(&data);
-        let mut ing = store.open_ingest(&d, 10_000).unwrap();
+        let mut ing = store.open_ingest(&BlobKey::new(d.clone(), 10_000)).unwrap();
         ing.record_writer("https://a.example").unwrap();
         ing.append(&data[..1_000]).unwrap();
         ing.record_writer("https://b.example").unwrap();
         ing.record_writer("https://a.example").unwrap();
         ing.append(&data[1_000..2_000]).unwrap();
         drop(ing);
-        let mut ing = store.open_ingest(&d, 10_000).unwrap();
+        let mut ing = store.open_ingest(&BlobKey::new(d.clone(), 10_000)).unwrap();
         assert_eq!(ing.written_by(), ["https://b.example", "https://a.example"]);
         assert_eq!(
             store.list_ingests().unwrap()[0].written_by,
@@ -989,7 +1060,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = ContentStore::open(dir.path()).unwrap();
         let d = Digest::of(b"hello");
-        let mut ing = store.open_ingest(&d, 5).unwrap();
+        let mut ing = store.open_ingest(&BlobKey::new(d.clone(), 5)).unwrap();
         ing.append(b"hellO").unwrap();
         assert!(matches!(
             ing.commit(&store),
@@ -997,7 +1068,13 @@ mod tests {
         ));
         assert!(store.size(&d).is_none());
         assert!(store.list_ingests().unwrap().is_empty());
-        assert!(store.open_ingest(&d, 5).unwrap().append(b"hello!").is_err());
+        assert!(
+            store
+                .open_ingest(&BlobKey::new(d.clone(), 5))
+                .unwrap()
+                .append(b"hello!")
+                .is_err()
+        );
     }
 
     /// A filesystem of `cap` bytes whose only contents are the ingest files under `root`.
@@ -1046,10 +1123,12 @@ mod tests {
         let data: Vec<u8> = (0..12 * mib as u32).map(|i| (i % 251) as u8).collect();
         let d = Digest::of(&data);
         let other = vec![1u8; 8 * mib as usize];
-        let o = Digest::of(&other);
+        let o = BlobKey::new(Digest::of(&other), other.len() as u64);
         // Both fit alone (each start checks); together they do not.
-        let mut a = store.open_ingest(&d, data.len() as u64).unwrap();
-        let mut b = store.open_ingest(&o, other.len() as u64).unwrap();
+        let mut a = store
+            .open_ingest(&BlobKey::new(d.clone(), data.len() as u64))
+            .unwrap();
+        let mut b = store.open_ingest(&o).unwrap();
         b.append(&other).unwrap();
         let mut stopped = None;
         for (i, chunk) in data.chunks(64 << 10).enumerate() {
@@ -1083,7 +1162,9 @@ mod tests {
         drop(a);
         drop(b);
         store.remove_ingest(&o).unwrap();
-        let mut a = store.open_ingest(&d, data.len() as u64).unwrap();
+        let mut a = store
+            .open_ingest(&BlobKey::new(d.clone(), data.len() as u64))
+            .unwrap();
         assert_eq!(a.offset(), kept, "resumed where it stopped");
         a.append(&data[kept as usize..]).unwrap();
         a.commit(&store).unwrap();
@@ -1099,20 +1180,36 @@ mod tests {
         let mib = 1u64 << 20;
         let store = store_on(dir.path(), 20 * mib, crate::space::Reserve::Bytes(5 * mib));
         let d = Digest::of(b"a large blob");
-        let e = store.open_ingest(&d, 15 * mib + 1).unwrap_err();
+        let e = store
+            .open_ingest(&BlobKey::new(d.clone(), 15 * mib + 1))
+            .unwrap_err();
         assert!(matches!(e, StoreError::ImageFsReserve { .. }), "{e}");
-        assert!(!store.ingest_dir(&d).exists());
+        assert!(
+            !store
+                .ingest_dir(&BlobKey::new(d.clone(), 15 * mib + 1))
+                .exists()
+        );
         assert_eq!(store.ingest_usage(), IngestUsage::default());
-        let mut ing = store.open_ingest(&d, 15 * mib).unwrap();
+        let mut ing = store
+            .open_ingest(&BlobKey::new(d.clone(), 15 * mib))
+            .unwrap();
         ing.append(&vec![3u8; mib as usize]).unwrap();
         drop(ing);
         // The blob grew by a byte (another descriptor): 15 MiB + 1 missing, less the 1 on disk.
         let other = Digest::of(b"another");
+        let other = BlobKey::new(other, 4 * mib);
         fs::create_dir_all(store.ingest_dir(&other)).unwrap();
         fs::write(store.ingest_data_path(&other), vec![0u8; 2 * mib as usize]).unwrap();
-        let e = store.open_ingest(&d, 15 * mib).unwrap_err();
+        let e = store
+            .open_ingest(&BlobKey::new(d.clone(), 15 * mib))
+            .unwrap_err();
         assert!(matches!(e, StoreError::ImageFsReserve { .. }), "{e}");
-        assert_eq!(fs::metadata(store.ingest_data_path(&d)).unwrap().len(), mib);
+        assert_eq!(
+            fs::metadata(store.ingest_data_path(&BlobKey::new(d, 15 * mib)))
+                .unwrap()
+                .len(),
+            mib
+        );
     }
 
     /// The ingest usage is kept in memory: counted at open, moved by every write, restart,
@@ -1123,7 +1220,7 @@ mod tests {
         let store = ContentStore::open(dir.path()).unwrap();
         let data = vec![5u8; 10_000];
         let d = Digest::of(&data);
-        let mut ing = store.open_ingest(&d, 10_000).unwrap();
+        let mut ing = store.open_ingest(&BlobKey::new(d.clone(), 10_000)).unwrap();
         ing.write_at(6_000, &data[6_000..8_000]).unwrap();
         ing.append(&data[..1_000]).unwrap();
         assert_eq!(
@@ -1134,7 +1231,7 @@ mod tests {
                 ..Default::default()
             }
         );
-        assert_eq!(store.ingest_bytes(&d), 3_000);
+        assert_eq!(store.ingest_bytes(&BlobKey::new(d.clone(), 10_000)), 3_000);
         drop(ing);
         let idle = IngestUsage {
             idle: 1,
@@ -1145,14 +1242,14 @@ mod tests {
         // A new store (a restart) counts what is on disk once.
         let store = ContentStore::open(dir.path()).unwrap();
         assert_eq!(store.ingest_usage(), idle);
-        let mut ing = store.open_ingest(&d, 10_000).unwrap();
+        let mut ing = store.open_ingest(&BlobKey::new(d.clone(), 10_000)).unwrap();
         ing.restart().unwrap();
         assert_eq!(store.ingest_usage().active_bytes, 0);
         ing.append(&data).unwrap();
         ing.commit(&store).unwrap();
         assert_eq!(store.ingest_usage(), IngestUsage::default());
-        let o = Digest::of(b"other");
-        store.open_ingest(&o, 5).unwrap().append(b"ot").unwrap();
+        let o = BlobKey::new(Digest::of(b"other"), 5);
+        store.open_ingest(&o).unwrap().append(b"ot").unwrap();
         assert_eq!(store.ingest_usage().idle_bytes, 2);
         store.remove_ingest(&o).unwrap();
         assert_eq!(store.ingest_usage(), IngestUsage::default());
@@ -1165,12 +1262,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = ContentStore::open(dir.path()).unwrap();
         let d = Digest::of(b"0123456789");
-        let mut ing = store.open_ingest(&d, 10).unwrap();
+        let mut ing = store.open_ingest(&BlobKey::new(d.clone(), 10)).unwrap();
         ing.append(b"01234").unwrap();
         let e = ing.append(b"56789-and-more").unwrap_err();
         assert!(matches!(e, StoreError::SizeMismatch { .. }), "{e}");
         assert!(ing.write_at(8, b"89!").is_err());
-        assert_eq!(fs::metadata(store.ingest_data_path(&d)).unwrap().len(), 5);
+        assert_eq!(
+            fs::metadata(store.ingest_data_path(&BlobKey::new(d, 10)))
+                .unwrap()
+                .len(),
+            5
+        );
         assert_eq!(ing.on_disk(), 5);
     }
 

@@ -107,15 +107,6 @@ pub enum StoreError {
         actual: u64,
     },
 
-    #[error(
-        "blob {digest} is being downloaded for another image whose descriptor gives it {running} bytes; this one says {wanted}: one of the two is wrong (a retry once that download ends settles which)"
-    )]
-    SizeConflict {
-        digest: String,
-        wanted: u64,
-        running: u64,
-    },
-
     /// A download or an unpack stopped (or was refused) before free space on the image
     /// filesystem fell under its reserve (`image_fs_reserve`).
     #[error("{what} stopped: {shortfall}")]
@@ -191,7 +182,7 @@ impl StoreError {
             InvalidReference { .. } | InvalidDigest { .. } => ErrorKind::InvalidArgument,
             ImageNotFound(_) | BlobNotFound(_) | RemoteNotFound { .. } => ErrorKind::NotFound,
             Unauthenticated { .. } => ErrorKind::Unauthenticated,
-            Unavailable { .. } | SizeConflict { .. } => ErrorKind::Unavailable,
+            Unavailable { .. } => ErrorKind::Unavailable,
             UnsupportedMediaType { .. }
             | NoMatchingPlatform { .. }
             | Malformed { .. }

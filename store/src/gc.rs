@@ -5,6 +5,11 @@
 //! than `min_free_ratio` of its size, 5% by default), idle ingests go first, oldest first, until there is room
 //! again, however young they are: a resumable download is worth less than a working node.
 //!
+//! Before a download or an unpack is refused at the reserve, the reserve asks this collector for
+//! the room it lacks ([`crate::space::Reclaim`]): idle partial downloads go, oldest first, until
+//! there is room, so a pull that fits the filesystem alone is never refused because of partial
+//! data that nobody wants.
+//!
 //! How this sits with the reserve ([`crate::space`], 15% by default): downloads and unpacks stop
 //! before free space falls under the reserve, and a download stopped there keeps its partial data
 //! for a resume. That data is taken by this low-space rule only when something else (container
@@ -18,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use crate::blobs::BlobDownloads;
-use crate::content::{ContentStore, IngestStatus};
+use crate::content::{BlobKey, ContentStore, IngestStatus};
 use crate::digest::Digest;
 
 /// Free fraction of the image filesystem below which young partial downloads are collected too.
@@ -62,41 +67,70 @@ impl IngestGc {
 
     /// One collection pass (blocking I/O).
     pub fn collect(&self) -> GcReport {
-        let ingests = match self.content.list_ingests() {
-            Ok(v) => v,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot list partial downloads");
-                return GcReport::default();
-            }
+        let Some((ingests, active)) = self.idle() else {
+            return GcReport::default();
         };
-        let active: HashSet<Digest> = self.blobs.active().into_iter().collect();
         let plan = plan(ingests, &active, SystemTime::now(), self.ttl, || {
             self.min_free_ratio > 0.0 && self.free_ratio() < self.min_free_ratio
         });
         let mut report = GcReport::default();
         for (ing, why_space) in plan {
-            // Re-check: a download may have started since the listing. Its writer holds the
-            // ingest's lock from before it opens the ingest until the blob is committed, so the
-            // lock, held while removing, is what keeps an ingest in use from going.
-            if self.blobs.active().contains(&ing.digest) {
-                continue;
-            }
-            let Some(_ingest) = self.content.try_lock_ingest(&ing.digest) else {
-                continue;
+            let reason = if why_space {
+                "low disk space"
+            } else {
+                "expired"
             };
-            if let Err(e) = self.content.remove_ingest(&ing.digest) {
-                tracing::warn!(blob = %ing.digest, error = %e, "cannot remove partial download");
+            if !self.remove(&ing, reason) {
                 continue;
             }
-            tracing::info!(blob = %ing.digest, bytes = ing.offset, reason = if why_space { "low disk space" } else { "expired" }, "removed partial download");
             report.bytes_freed += ing.offset;
             if why_space {
-                report.for_space.push(ing.digest)
+                report.for_space.push(ing.key.digest)
             } else {
-                report.expired.push(ing.digest)
+                report.expired.push(ing.key.digest)
             }
         }
         report
+    }
+
+    /// The ingests on disk and the blobs downloading now.
+    fn idle(&self) -> Option<(Vec<IngestStatus>, HashSet<BlobKey>)> {
+        let ingests = match self.content.list_ingests() {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list partial downloads");
+                return None;
+            }
+        };
+        Some((ingests, self.blobs.active().into_iter().collect()))
+    }
+
+    /// Removes one idle ingest unless a download took it up meanwhile; whether it did.
+    fn remove(&self, ing: &IngestStatus, reason: &str) -> bool {
+        self.blobs.remove_idle(&ing.key, reason, ing.offset)
+    }
+}
+
+/// Room for a claim the reserve would refuse: idle partial downloads, oldest first, until the
+/// bytes lacking are freed (or none is left).
+impl crate::space::Reclaim for IngestGc {
+    fn reclaim(&self, bytes: u64) -> u64 {
+        let Some((mut ingests, active)) = self.idle() else {
+            return 0;
+        };
+        ingests.retain(|i| !active.contains(&i.key));
+        ingests.sort_by_key(|i| i.updated_at);
+        let mut freed = 0;
+        for ing in ingests {
+            if freed >= bytes {
+                break;
+            }
+            if self.remove(&ing, "making room for a download or an unpack") {
+                // The blocks the file took, which the filesystem gives back.
+                freed += ing.offset.max(1);
+            }
+        }
+        freed
     }
 }
 
@@ -104,12 +138,12 @@ impl IngestGc {
 /// oldest first. Returns `(ingest, removed_for_space)`.
 fn plan(
     mut ingests: Vec<IngestStatus>,
-    active: &HashSet<Digest>,
+    active: &HashSet<BlobKey>,
     now: SystemTime,
     ttl: Duration,
     mut low_space: impl FnMut() -> bool,
 ) -> Vec<(IngestStatus, bool)> {
-    ingests.retain(|i| !active.contains(&i.digest));
+    ingests.retain(|i| !active.contains(&i.key));
     ingests.sort_by_key(|i| i.updated_at);
     let mut out = Vec::new();
     let mut rest = Vec::new();
@@ -154,9 +188,8 @@ mod tests {
 
     fn ingest(n: u8, age_secs: u64, now: SystemTime) -> IngestStatus {
         IngestStatus {
-            digest: Digest::of(&[n]),
+            key: BlobKey::new(Digest::of(&[n]), 100),
             offset: 10,
-            expected_size: 100,
             updated_at: now - Duration::from_secs(age_secs),
             written_by: Vec::new(),
         }
@@ -175,8 +208,9 @@ mod tests {
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
-        let guard = rt.block_on(content.lock_ingest(&d));
-        let mut ing = content.open_ingest(&d, data.len() as u64).unwrap();
+        let key = BlobKey::new(d.clone(), data.len() as u64);
+        let guard = rt.block_on(content.lock_ingest(&key));
+        let mut ing = content.open_ingest(&key).unwrap();
         ing.append(&data).unwrap();
         let report = gc.collect();
         assert!(report.expired.is_empty(), "{report:?}");
@@ -186,7 +220,7 @@ mod tests {
         // Unlocked and idle, a partial goes.
         let other = Digest::of(b"another");
         content
-            .open_ingest(&other, 7)
+            .open_ingest(&BlobKey::new(other.clone(), 7))
             .unwrap()
             .append(b"ano")
             .unwrap();
@@ -202,10 +236,10 @@ mod tests {
             ingest(2, 10, now),
             ingest(3, day * 2, now),
         ];
-        let active: HashSet<Digest> = [Digest::of(&[3])].into_iter().collect();
+        let active: HashSet<BlobKey> = [BlobKey::new(Digest::of(&[3]), 100)].into_iter().collect();
         let p = plan(v, &active, now, Duration::from_secs(day), || false);
         assert_eq!(p.len(), 1);
-        assert_eq!(p[0].0.digest, Digest::of(&[1]));
+        assert_eq!(p[0].0.key.digest, Digest::of(&[1]));
         assert!(!p[0].1);
     }
 
@@ -214,7 +248,7 @@ mod tests {
         let now = SystemTime::now();
         let v = vec![ingest(1, 30, now), ingest(2, 300, now), ingest(3, 3, now)];
         let p = plan(v, &HashSet::new(), now, Duration::from_secs(3600), || true);
-        let order: Vec<Digest> = p.iter().map(|(i, _)| i.digest.clone()).collect();
+        let order: Vec<Digest> = p.iter().map(|(i, _)| i.key.digest.clone()).collect();
         assert_eq!(
             order,
             vec![Digest::of(&[2]), Digest::of(&[1]), Digest::of(&[3])]
@@ -227,7 +261,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let content = Arc::new(ContentStore::open(dir.path()).unwrap());
         let d = Digest::of(b"old partial");
-        let mut ing = content.open_ingest(&d, 100).unwrap();
+        let mut ing = content.open_ingest(&BlobKey::new(d.clone(), 100)).unwrap();
         ing.append(b"old").unwrap();
         drop(ing);
         let blobs = BlobDownloads::new(content.clone(), Default::default(), Default::default());

@@ -21,16 +21,28 @@
 //!   goes before faster ones. Among equally served flows (more requesters than slots) the slots
 //!   rotate every [`QUANTUM`], except that a flow that never had a connection takes the slot of
 //!   one held for [`SOLE_TENURE`]: a new pull gets its first connection within about a second.
-//! - A connection is revoked only if its flow can resume where it stopped (the registry answers
-//!   ranged requests, [`Flow::set_resumable`]): a registry that sends whole blobs would lose the
-//!   bytes. A revoked connection stops its request at once; the bytes received stay on disk, and
-//!   the flow asks for a slot again.
+//! - A revoked connection of a flow that can resume where it stopped (the registry answers ranged
+//!   requests, [`Flow::set_resumable`]) stops its request at once; the bytes received stay on
+//!   disk, and the flow asks for a slot again.
+//! - A connection that **cannot resume** (its registry sends whole blobs) loses what it received
+//!   when revoked, so it is spared while it is about to finish: it is revoked under the same
+//!   rules only once its rate is known ([`RATE_AFTER`]) and either it would still hold the slot
+//!   a [`QUANTUM`] from now at that rate ([`Flow::set_left`]) or the waiter has waited a
+//!   [`QUANTUM`] already. Its flow then has a **strike**: it starts again from byte 0 only in a
+//!   slot nobody else waits for (its request never revokes another), and after [`MAX_STRIKES`]
+//!   the download gives up with a message naming the registry. A trickle that cannot resume thus
+//!   holds no slot, large lane or small, against a waiter for longer than the quantum.
+//!
+//! The bound this gives: a flow waiting while a slot is held by a flow that is better served than
+//! it (the holder's requesters keep at least its share without that slot) gets a slot within
+//! [`SOLE_TENURE`] of the holder's grant for a resumable holder, within [`QUANTUM`] of its own
+//! request for one that cannot resume, plus a [`TICK`] ([`Scheduler::wait_bound`]).
 //!
 //! The scheduler only decides who holds slots; time spent waiting for one is not a stall (the
 //! pull's watchdog judges bytes only while a connection runs: [`Flow::connections`]).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -53,7 +65,9 @@ pub const SLOW_FRACTION: f64 = 0.25;
 /// Rates are judged only once a connection has run this long.
 pub const RATE_AFTER: Duration = Duration::from_secs(2);
 /// How often waiting flows are reconsidered (tenures pass, rates change).
-const TICK: Duration = Duration::from_millis(200);
+pub const TICK: Duration = Duration::from_millis(200);
+/// Times a download that cannot resume may have its slot revoked before it gives up.
+pub const MAX_STRIKES: u32 = 3;
 
 /// The default weight of a requester; a priority scales it.
 pub const NORMAL_WEIGHT: u32 = 2;
@@ -89,6 +103,11 @@ pub struct Flow {
     connections: AtomicUsize,
     /// Whether it ever held a slot.
     granted_once: AtomicBool,
+    /// Bytes it still has to receive (`u64::MAX`: unknown), for the time a connection that
+    /// cannot resume would still hold its slot.
+    left: AtomicU64,
+    /// Connections revoked while it could not resume.
+    strikes: AtomicU32,
 }
 
 impl Flow {
@@ -100,7 +119,30 @@ impl Flow {
             resumable: AtomicBool::new(false),
             connections: AtomicUsize::new(0),
             granted_once: AtomicBool::new(false),
+            left: AtomicU64::new(u64::MAX),
+            strikes: AtomicU32::new(0),
         })
+    }
+
+    /// Bytes the flow still has to receive.
+    pub fn set_left(&self, bytes: u64) {
+        self.left.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Connections of this flow revoked while it could not resume: each cost it the bytes it had
+    /// received.
+    pub fn strikes(&self) -> u32 {
+        self.strikes.load(Ordering::Relaxed)
+    }
+
+    pub fn is_resumable(&self) -> bool {
+        self.resumable.load(Ordering::Relaxed)
+    }
+
+    /// A flow that lost a connection it could not resume: it waits for a slot nobody else
+    /// wants, and its requests revoke no other.
+    fn struck(&self) -> bool {
+        !self.is_resumable() && self.strikes() > 0
     }
 
     /// A pull now wants this blob (one call per holder; [`Flow::remove_demand`] undoes it).
@@ -200,6 +242,8 @@ struct Waiter {
     flow: Arc<Flow>,
     /// An extra connection of a flow that has one already.
     extra: bool,
+    /// When it asked.
+    since: Instant,
     tx: Option<oneshot::Sender<Lease>>,
 }
 
@@ -217,6 +261,8 @@ struct State {
 pub struct SchedCounters {
     pub granted: AtomicU64,
     pub revoked: AtomicU64,
+    /// Of the revocations, those of connections that could not resume (their bytes lost).
+    pub struck: AtomicU64,
 }
 
 /// Slots shared fairly; see the module docs.
@@ -293,6 +339,7 @@ impl Scheduler {
                 id,
                 flow: flow.clone(),
                 extra: flow.connections() > 0,
+                since: Instant::now(),
                 tx: Some(tx),
             });
             id
@@ -373,31 +420,55 @@ impl Scheduler {
     }
 
     /// With every slot taken: revokes one connection for each waiter (best first) that a
-    /// connection may be revoked for, counting the revocations already under way.
+    /// connection may be revoked for, counting the revocations already under way. Waiters of
+    /// struck flows ([`Flow::struck`]) revoke nothing: they wait for a free slot.
     fn revoke_for_waiters(&self, st: &mut State, usage: &mut Usage, now: Instant) {
         let mut planned = st.grants.values().filter(|g| !g.live()).count();
         let order = waiter_order(&st.waiters, usage);
         let avg = average_rate(&st.grants);
+        let eager = st.waiters.iter().filter(|w| !w.flow.struck()).count();
         for wi in order.into_iter().skip(planned) {
-            if planned >= st.waiters.len() {
+            if planned >= eager {
                 break;
             }
             let w = &st.waiters[wi];
+            if w.flow.struck() {
+                continue;
+            }
             let Some(vid) = pick_victim(&st.grants, w, usage, avg, now) else {
                 continue;
             };
             let g = &st.grants[&vid];
-            tracing::debug!(
-                flow = g.flow.id,
-                for_flow = w.flow.id,
-                held_ms = now.duration_since(g.since).as_millis() as u64,
-                "transfer slot revoked for a fairer share"
-            );
+            let held_ms = now.duration_since(g.since).as_millis() as u64;
+            if g.flow.is_resumable() {
+                tracing::debug!(
+                    flow = g.flow.id,
+                    for_flow = w.flow.id,
+                    held_ms,
+                    "transfer slot revoked for a fairer share"
+                );
+            } else {
+                let strikes = g.flow.strikes.fetch_add(1, Ordering::Relaxed) + 1;
+                self.counters.struck.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    flow = g.flow.id,
+                    for_flow = w.flow.id,
+                    held_ms,
+                    bytes_per_second = g.rate.unwrap_or(0.0) as u64,
+                    strikes,
+                    "transfer slot taken back from a download that cannot resume (its registry ignores Range); it starts again from byte 0 in a free slot"
+                );
+            }
             g.revoked.cancel();
             usage.remove(&g.flow);
             self.counters.revoked.fetch_add(1, Ordering::Relaxed);
             planned += 1;
         }
+    }
+
+    /// How long a waiter may wait while a slot is held by a better-served flow (module docs).
+    pub fn wait_bound() -> Duration {
+        QUANTUM.max(SOLE_TENURE + RATE_AFTER) + 2 * TICK
     }
 
     fn grant(self: &Arc<Self>, st: &mut State, flow: &Arc<Flow>, now: Instant) -> Lease {
@@ -431,13 +502,15 @@ impl Scheduler {
 
 const EPS: f64 = 1e-9;
 
-/// Waiter indices, best first: lowest score, first connections before extra ones, oldest.
+/// Waiter indices, best first: struck flows last (they wait for a free slot), then lowest
+/// score, first connections before extra ones, oldest.
 fn waiter_order(waiters: &[Waiter], usage: &mut Usage) -> Vec<usize> {
     let scores: Vec<f64> = waiters.iter().map(|w| usage.score(&w.flow)).collect();
     let mut order: Vec<usize> = (0..waiters.len()).collect();
     order.sort_by(|&a, &b| {
-        scores[a]
-            .total_cmp(&scores[b])
+        (waiters[a].flow.struck())
+            .cmp(&waiters[b].flow.struck())
+            .then(scores[a].total_cmp(&scores[b]))
             .then(waiters[a].extra.cmp(&waiters[b].extra))
             .then(waiters[a].id.cmp(&waiters[b].id))
     });
@@ -515,9 +588,10 @@ fn average_rate(grants: &HashMap<u64, Grant>) -> Option<f64> {
     (!rates.is_empty()).then(|| rates.iter().sum::<f64>() / rates.len() as f64)
 }
 
-/// How much a connection is preferred as a victim: an extra connection, a laggard, its flow's
-/// score once it lost it, minus its rate, how long it was held (higher first, in that order).
-type VictimRank = (bool, bool, f64, f64, Duration);
+/// How much a connection is preferred as a victim: one that can resume, an extra connection, a
+/// laggard, its flow's score once it lost it, minus its rate, how long it was held (higher first,
+/// in that order).
+type VictimRank = (bool, bool, bool, f64, f64, Duration);
 
 /// The connection to revoke for waiter `w`, if the rules (module docs) allow one.
 fn pick_victim(
@@ -529,19 +603,35 @@ fn pick_victim(
 ) -> Option<u64> {
     let want = usage.score(&w.flow);
     let newcomer = !w.flow.granted_once.load(Ordering::Relaxed);
+    let waited = now.duration_since(w.since);
     let mut live_per_flow: HashMap<u64, usize> = HashMap::new();
     for g in grants.values().filter(|g| g.live()) {
         *live_per_flow.entry(g.flow.id).or_default() += 1;
     }
     let mut best: Option<(u64, VictimRank)> = None;
     for (&id, g) in grants {
-        if !g.live() || g.flow.id == w.flow.id || !g.flow.resumable.load(Ordering::Relaxed) {
+        if !g.live() || g.flow.id == w.flow.id {
             continue;
         }
+        let resumable = g.flow.is_resumable();
         let held = now.duration_since(g.since);
         let extra = live_per_flow.get(&g.flow.id).copied().unwrap_or(0) > 1;
         if held < if extra { EXTRA_TENURE } else { SOLE_TENURE } {
             continue;
+        }
+        // Revoking a connection that cannot resume loses its bytes: not before its rate is
+        // known, nor while it would finish within the quantum, unless the waiter has waited that.
+        if !resumable {
+            if held < RATE_AFTER || g.rate.is_none() {
+                continue;
+            }
+            let left = g.flow.left.load(Ordering::Relaxed) as f64;
+            let finishes = g
+                .rate
+                .is_some_and(|r| r > 0.0 && left / r <= QUANTUM.as_secs_f64());
+            if finishes && waited < QUANTUM {
+                continue;
+            }
         }
         let slow = held >= RATE_AFTER
             && match (g.rate, avg_rate) {
@@ -555,16 +645,16 @@ fn pick_victim(
         if !allowed {
             continue;
         }
-        // Extra connections first, then laggards, then the best served, then the slowest,
-        // then the longest held.
-        let rank = (extra, slow, after, -g.rate.unwrap_or(0.0), held);
+        // Connections that can resume first, then extra connections, then laggards, then the
+        // best served, then the slowest, then the longest held.
+        let rank = (resumable, extra, slow, after, -g.rate.unwrap_or(0.0), held);
         let better = match &best {
             None => true,
-            Some((_, b)) => (rank.0, rank.1)
-                .cmp(&(b.0, b.1))
-                .then(rank.2.total_cmp(&b.2))
+            Some((_, b)) => (rank.0, rank.1, rank.2)
+                .cmp(&(b.0, b.1, b.2))
                 .then(rank.3.total_cmp(&b.3))
-                .then(rank.4.cmp(&b.4))
+                .then(rank.4.total_cmp(&b.4))
+                .then(rank.5.cmp(&b.5))
                 .is_gt(),
         };
         if better {
@@ -776,18 +866,75 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_connection_that_cannot_resume_is_never_revoked() {
+    async fn a_trickle_that_cannot_resume_gives_its_slot_to_a_newcomer_and_waits_for_a_free_one() {
         let s = Scheduler::new(1);
         let a = flow(&[("a", NORMAL_WEIGHT)]);
         a.set_resumable(false);
+        a.set_left(1 << 30);
+        let b = flow(&[("b", NORMAL_WEIGHT)]);
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        connection(&s, &a, "a", 3000, true, &tx);
+        next(&mut rx).await;
+        let asked = Instant::now();
+        let bc = connection(&s, &b, "b", 1000, false, &tx);
+        assert_eq!(next(&mut rx).await.0, Ev::Revoked("a"));
+        assert_eq!(next(&mut rx).await.0, Ev::Granted("b"));
+        // Not before its rate is known, and well within the bound.
+        let took = asked.elapsed();
+        assert!(
+            took >= RATE_AFTER && took <= RATE_AFTER + 2 * TICK,
+            "{took:?}"
+        );
+        assert_eq!(a.strikes(), 1);
+        assert_eq!(s.counters().struck.load(Ordering::Relaxed), 1);
+        // a waits for a free slot: it revokes nothing, however long b holds its slot.
+        tokio::time::sleep(QUANTUM * 3).await;
+        assert!(rx.try_recv().is_err());
+        assert_eq!(s.snapshot().waiting, 1);
+        bc.abort();
+        assert_eq!(next(&mut rx).await.0, Ev::Granted("a"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_transfer_that_cannot_resume_and_is_about_to_finish_is_spared_for_the_quantum() {
+        let s = Scheduler::new(1);
+        let a = flow(&[("a", NORMAL_WEIGHT)]);
+        a.set_resumable(false);
+        // 1000 bytes per 100 ms: 10 kB/s, with 60 kB left it would finish in 6 s.
+        a.set_left(60_000);
         let b = flow(&[("b", NORMAL_WEIGHT)]);
         let (tx, mut rx) = mpsc::unbounded_channel();
         connection(&s, &a, "a", 1000, true, &tx);
         next(&mut rx).await;
+        let asked = Instant::now();
         connection(&s, &b, "b", 1000, true, &tx);
-        tokio::time::sleep(QUANTUM * 3).await;
-        assert!(rx.try_recv().is_err());
-        assert_eq!(s.snapshot().waiting, 1);
+        // It does not finish (the test's connection never ends): revoked once b has waited a
+        // quantum, not before.
+        assert_eq!(next(&mut rx).await.0, Ev::Revoked("a"));
+        let took = asked.elapsed();
+        assert!(took >= QUANTUM && took <= QUANTUM + 2 * TICK, "{took:?}");
+        assert!(took <= Scheduler::wait_bound(), "{took:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn struck_flows_wait_behind_every_other_waiter() {
+        let s = Scheduler::new(1);
+        let a = flow(&[("a", NORMAL_WEIGHT)]);
+        a.set_resumable(false);
+        a.strikes.store(1, Ordering::Relaxed);
+        let b = flow(&[("b", NORMAL_WEIGHT)]);
+        let c = flow(&[("c", NORMAL_WEIGHT)]);
+        let held = s.acquire(&b).await;
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        connection(&s, &a, "a", 1000, false, &tx);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        // c asked after a, yet gets the slot first; a is not granted while c waits.
+        let cc = connection(&s, &c, "c", 1000, false, &tx);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        drop(held);
+        assert_eq!(next(&mut rx).await.0, Ev::Granted("c"));
+        cc.abort();
+        assert_eq!(next(&mut rx).await.0, Ev::Granted("a"));
     }
 
     #[tokio::test(start_paused = true)]

@@ -20,12 +20,18 @@
 //! bytes claimed since. A writer settles its claim once the bytes are written
 //! ([`SpaceBudget::settle`]); until then they count whatever a measure says, so bytes claimed
 //! but not yet on disk are never forgotten by a measure taken in between.
+//!
+//! **Room is made before a refusal.** A claim or check the reserve would refuse first asks the
+//! budget's [`Reclaim`] (the content store's collector of idle partial downloads, installed with
+//! [`SpaceBudget::reclaim_with`]) to free the bytes missing, oldest partial data that no running
+//! download wants first, then measures again: a pull is refused only when the filesystem is full
+//! of what is in use, never because of partial data nobody wants.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock, Weak};
 
 use crate::text::human_bytes;
 
@@ -156,6 +162,13 @@ impl Measure for Statvfs {
     }
 }
 
+/// What frees space on a budget's filesystem before a claim is refused: partial downloads that
+/// no running download wants. Blocking.
+pub trait Reclaim: Send + Sync {
+    /// Frees at least `bytes` if it can, oldest data first; returns the bytes freed.
+    fn reclaim(&self, bytes: u64) -> u64;
+}
+
 /// A claim refused: the bytes would leave less than the reserve free.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
@@ -233,6 +246,11 @@ pub struct SpaceBudget {
     estimate: Mutex<Estimate>,
     refusals: AtomicU64,
     measures: AtomicU64,
+    /// What frees room before a refusal (a back-reference: the collector needs the downloads,
+    /// which need this budget, so it is installed once they exist).
+    reclaim: OnceLock<Weak<dyn Reclaim>>,
+    /// Bytes freed that way so far.
+    reclaimed: AtomicU64,
 }
 
 impl fmt::Debug for SpaceBudget {
@@ -259,7 +277,34 @@ impl SpaceBudget {
             estimate: Mutex::new(Estimate::default()),
             refusals: AtomicU64::new(0),
             measures: AtomicU64::new(0),
+            reclaim: OnceLock::new(),
+            reclaimed: AtomicU64::new(0),
         }
+    }
+
+    /// Installs what frees room before a claim is refused (once).
+    pub fn reclaim_with(&self, r: Weak<dyn Reclaim>) {
+        let _ = self.reclaim.set(r);
+    }
+
+    /// Bytes freed by the reclaimer so far.
+    pub fn reclaimed(&self) -> u64 {
+        self.reclaimed.load(Ordering::Relaxed)
+    }
+
+    /// Asks the reclaimer for the room `s` lacks (outside the estimate's lock); whether it
+    /// freed anything.
+    fn make_room(&self, s: &Shortfall) -> bool {
+        let Some(r) = self.reclaim.get().and_then(Weak::upgrade) else {
+            return false;
+        };
+        let lacking = s.needed.saturating_add(s.reserve).saturating_sub(s.free);
+        let freed = r.reclaim(lacking);
+        if freed > 0 {
+            self.reclaimed.fetch_add(freed, Ordering::Relaxed);
+            tracing::info!(freed, lacking, path = %self.path.display(), "idle partial downloads removed to make room");
+        }
+        freed > 0
     }
 
     pub fn reserve(&self) -> Reserve {
@@ -312,6 +357,16 @@ impl SpaceBudget {
         if self.reserve.is_off() {
             return Ok(());
         }
+        match self.try_claim(n) {
+            Err(s) if self.make_room(&s) => self.try_claim(n),
+            r => r,
+        }
+        .inspect_err(|_| {
+            self.refusals.fetch_add(1, Ordering::Relaxed);
+        })
+    }
+
+    fn try_claim(&self, n: u64) -> Result<(), Shortfall> {
         let mut e = self.lock();
         let crosses = |e: &Estimate| {
             e.measured
@@ -324,7 +379,6 @@ impl SpaceBudget {
             return Ok(());
         };
         if crosses(&e) {
-            self.refusals.fetch_add(1, Ordering::Relaxed);
             return Err(self.shortfall(m, e.free(m), n));
         }
         e.outstanding += n;
@@ -350,11 +404,20 @@ impl SpaceBudget {
         if self.reserve.is_off() || n == 0 {
             return Ok(());
         }
+        match self.try_check_fits(n) {
+            Err(s) if self.make_room(&s) => self.try_check_fits(n),
+            r => r,
+        }
+        .inspect_err(|_| {
+            self.refusals.fetch_add(1, Ordering::Relaxed);
+        })
+    }
+
+    fn try_check_fits(&self, n: u64) -> Result<(), Shortfall> {
         let mut e = self.lock();
         self.take_measure(&mut e);
         match e.measured {
             Some(m) if e.free(m) < n.saturating_add(self.reserve.bytes_of(m.total)) => {
-                self.refusals.fetch_add(1, Ordering::Relaxed);
                 Err(self.shortfall(m, e.free(m), n))
             }
             _ => Ok(()),

@@ -30,6 +30,7 @@
 
 pub mod detach;
 mod discard;
+pub mod partial;
 mod procedure;
 mod requesters;
 mod runner;
@@ -103,6 +104,8 @@ pub struct PullConfig {
     /// Keep a layer's compressed blob once the layer is unpacked (off: it is deleted, see
     /// [`discard`]). Without a snapshotter blobs are always kept.
     pub keep_layer_blobs: bool,
+    /// Partial data one pod's stopped pulls may leave behind ([`partial`]).
+    pub partial_data_per_pod: crate::space::Reserve,
 }
 
 /// The defaults of the `[pull]` section ([`PullSettings`]), with no holds recorded.
@@ -164,6 +167,14 @@ impl Requester {
     pub fn key(&self) -> String {
         match &self.pod {
             Some(p) => pod_key(&p.uid, p.attempt),
+            None => format!("call:{}", self.call_id),
+        }
+    }
+
+    /// Who partial data is charged to: the pod (every attempt), or the call.
+    pub fn owner(&self) -> String {
+        match &self.pod {
+            Some(p) => pod_uid_key(&p.uid),
             None => format!("call:{}", self.call_id),
         }
     }
@@ -238,6 +249,10 @@ struct Job {
     parts: Mutex<Vec<Part>>,
     /// Notified when a part's download registers (the unpack waits for it).
     parts_changed: tokio::sync::Notify,
+    /// Its layer applies, stopped and waited for when the job ends.
+    unpacks: crate::unpack::Unpacks,
+    /// The pods (by uid) and plain calls that wanted it, to charge the partial data it leaves.
+    owners: Mutex<Vec<String>>,
     /// The requesters, for the transfer scheduler: kept equal to `requesters`' keys (and their
     /// weights) under its lock.
     demand: Arc<Demand>,
@@ -261,6 +276,11 @@ struct JobBytes {
     rate: f64,
     /// Requests transferring the job's blobs now.
     connections: usize,
+    /// Layer bytes its unpacks have read, and the layer bytes they have to read at least.
+    unpacked: u64,
+    unpack_total: u64,
+    /// Layer applies running now.
+    unpacking: usize,
 }
 
 impl Job {
@@ -274,9 +294,15 @@ impl Job {
             refetched: 0,
             rate: 0.0,
             connections: 0,
+            unpacked: self.unpacks.bytes_read(),
+            unpack_total: 0,
+            unpacking: self.unpacks.running(),
         };
-        for p in parts.iter().filter(|p| !p.unpacked) {
+        for (i, p) in parts.iter().enumerate().filter(|(_, p)| !p.unpacked) {
             b.total += p.size;
+            if i > 0 {
+                b.unpack_total += p.size;
+            }
             if let Some(pr) = &p.progress {
                 b.done += pr.done();
                 b.downloaded += pr.downloaded();
@@ -404,6 +430,12 @@ pub struct PullManager {
     snapshot_users: Mutex<()>,
     /// Layer digests running pulls may still read ([`discard`]).
     pins: discard::LayerPins,
+    /// Cancelled when the daemon stops: every job ends, keeping its holds' records.
+    stopping: CancellationToken,
+    /// Who left which partial data, for its cap per pod.
+    left_behind: partial::LeftBehind,
+    /// Jobs whose run has not ended yet (a stopped job leaves `jobs` at once, and ends after).
+    running_jobs: AtomicUsize,
 }
 
 /// A call's reference on a job; dropping it releases the reference.
@@ -453,6 +485,9 @@ impl PullManager {
             counters: PullCounters::default(),
             snapshot_users: Mutex::new(()),
             pins: Default::default(),
+            stopping: CancellationToken::new(),
+            left_behind: Default::default(),
+            running_jobs: AtomicUsize::new(0),
         })
     }
 

@@ -11,6 +11,7 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
 use crate::blobs::BlobHandle;
+use crate::content::BlobKey;
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
 use crate::images::{ImageRecord, LayerRecord};
@@ -349,7 +350,10 @@ impl PullManager {
             let missing = blobs
                 .iter()
                 .filter(|&&(d, _)| seen.insert(d) && content.size(d).is_none())
-                .map(|&(d, desc)| (desc.size as u64).saturating_sub(content.ingest_bytes(d)))
+                .map(|&(d, desc)| {
+                    let size = desc.size as u64;
+                    size.saturating_sub(content.ingest_bytes(&BlobKey::new(d.clone(), size)))
+                })
                 .sum::<u64>();
             content.check_fits(missing, || {
                 format!(
@@ -439,16 +443,20 @@ impl PullManager {
                         }
                     }
                     let progress = self.layer_progress(job, i, &layers[i]).await;
-                    let chain = unpack::apply_layer(
-                        snap,
-                        &self.content,
-                        &reference.to_string(),
-                        image_id.as_str(),
-                        &layers[i],
-                        parent,
-                        progress,
-                    )
-                    .await?;
+                    let unpacker = unpack::Unpacker {
+                        snapshotter: snap,
+                        content: &self.content,
+                        unpacks: &job.unpacks,
+                    };
+                    let chain = unpacker
+                        .apply_layer(
+                            &reference.to_string(),
+                            image_id.as_str(),
+                            &layers[i],
+                            parent,
+                            progress,
+                        )
+                        .await?;
                     debug_assert_eq!(chain, expected);
                     gate.0.open(true);
                     Ok::<_, StoreError>(())

@@ -67,6 +67,8 @@ impl PullManager {
                     joined: AtomicUsize::new(0),
                     parts: Mutex::new(Vec::new()),
                     parts_changed: tokio::sync::Notify::new(),
+                    unpacks: Default::default(),
+                    owners: Mutex::new(Vec::new()),
                     demand: Demand::new(),
                     sessions: Mutex::new(Vec::new()),
                     result: watch::Sender::new(None),
@@ -143,6 +145,13 @@ impl PullManager {
             job.sync_demand(&reqs);
         }
         job.joined.fetch_add(1, Ordering::Relaxed);
+        {
+            let owner = requester.owner();
+            let mut owners = job.owners.lock().unwrap();
+            if !owners.contains(&owner) && owners.len() < MAX_OWNERS_PER_JOB {
+                owners.push(owner);
+            }
+        }
         if !is_call {
             return None;
         }
@@ -322,6 +331,9 @@ impl PullManager {
         dropped
     }
 }
+
+/// Owners a job charges its left-behind partial data to, at most.
+const MAX_OWNERS_PER_JOB: usize = 256;
 
 /// Uid marks of deleted pods kept at most (a mark matters only until the pod's sandbox is
 /// removed; past this many the oldest kind of mark is forgotten wholesale).

@@ -4,21 +4,55 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use super::detach::Hold;
 use super::{Job, PullManager};
-use crate::digest::Digest;
+use crate::content::BlobKey;
 use crate::error::StoreError;
 use crate::reference::Reference;
 use crate::registry::{FetchedManifest, Session};
 
+/// How long an ended job waits for its layer applies to return (they look at its stop every
+/// [`crate::unpack::STOP_CHECK`]; this covers a read or a write under way on a slow disk).
+pub const UNPACK_STOP_BOUND: Duration = Duration::from_secs(10);
+
 impl PullManager {
+    /// Stops every running job for a daemon that is stopping, keeping their partial data and
+    /// their sandboxes' hold records (the next start resumes them), and waits until they have
+    /// ended with their unpacks, at most `bound`; whether they did.
+    pub async fn shutdown(&self, bound: Duration) -> bool {
+        self.stopping.cancel();
+        let deadline = tokio::time::Instant::now() + bound;
+        loop {
+            let running = self
+                .jobs
+                .lock()
+                .unwrap()
+                .len()
+                .max(self.running_jobs.load(Ordering::Relaxed));
+            if running == 0 {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(
+                    jobs = running,
+                    "pull jobs still running at the end of the shutdown's grace"
+                );
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub(super) async fn run_job(
         self: Arc<Self>,
         job: Arc<Job>,
         session: Arc<Session>,
         top: FetchedManifest,
     ) {
+        self.running_jobs.fetch_add(1, Ordering::Relaxed);
+        let _running = RunningJob(&self.running_jobs);
         let watchdog = self.config.progress_timeout.map(|t| {
             let job = job.clone();
             let mgr = self.clone();
@@ -36,9 +70,15 @@ impl PullManager {
                 std::io::Error::other("the pull panicked (a bug: see the daemon's log)"),
             ))),
             _ = job.cancel.cancelled() => Err(StoreError::Cancelled(format!("pull of {} stopped: no requester left", job.reference))),
+            _ = self.stopping.cancelled() => Err(StoreError::Cancelled(format!("pull of {} stopped: the daemon is stopping", job.reference))),
         };
         if let Some(w) = watchdog {
             w.abort();
+        }
+        // The job has ended only once its layer applies have: a stopped or failed job stops
+        // them (they look every unpack::STOP_CHECK) and waits.
+        if !job.unpacks.stop_and_wait(UNPACK_STOP_BOUND).await {
+            tracing::warn!(job = job.id, image = %job.reference, "layer unpacks still running {UNPACK_STOP_BOUND:?} after the pull ended");
         }
         let bytes = job.bytes();
         let outcome = match &result {
@@ -75,6 +115,9 @@ impl PullManager {
                 jobs.remove(&job.key);
             }
         }
+        if matches!(result, Err(StoreError::Cancelled(_))) && !self.stopping.is_cancelled() {
+            self.charge_left_behind(&job);
+        }
         job.result.send_replace(Some(result.map_err(Arc::new)));
         // Holds end with the job (a call detaching from now on sees the result instead); the
         // image gets the names their calls asked for, as those calls would have done.
@@ -85,6 +128,12 @@ impl PullManager {
             .iter_mut()
             .filter_map(|(k, e)| Some((k.clone(), e.hold.take()?)))
             .collect();
+        // A daemon that stops keeps the hold records: the next start resumes their downloads.
+        let holds = if self.stopping.is_cancelled() {
+            Vec::new()
+        } else {
+            holds
+        };
         for (key, hold) in holds {
             if let Some(Ok(rec)) = job.result.borrow().as_ref() {
                 for name in &hold.names {
@@ -100,6 +149,37 @@ impl PullManager {
         }
     }
 
+    /// Charges the partial data a stopped job leaves to the pods that wanted it, removing what
+    /// is past a pod's share ([`super::partial`]), on a blocking thread.
+    fn charge_left_behind(self: &Arc<Self>, job: &Job) {
+        let owners = job.owners.lock().unwrap().clone();
+        let keys: Vec<BlobKey> = job
+            .parts
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|p| BlobKey::new(p.digest.clone(), p.size))
+            .collect();
+        let mgr = self.clone();
+        tokio::spawn(async move {
+            // The stopped downloads' writers still flush what they had queued, holding their
+            // ingests' locks: wait for them (not for a download of the blob started since).
+            let active = mgr.blobs.active();
+            let flushed = async {
+                for k in keys.iter().filter(|k| !active.contains(k)) {
+                    drop(mgr.content.lock_ingest(k).await);
+                }
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(5), flushed).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                let cap = mgr.config.partial_data_per_pod;
+                mgr.left_behind
+                    .charge(&owners, &keys, cap, &mgr.content, &mgr.blobs)
+            })
+            .await;
+        });
+    }
+
     /// Offers `session` to `job` and to the downloads of its parts running now (unless one of the
     /// same source is there): a requester reaching the image through another registry, mirror or
     /// credentials keeps the job going when the first requester's registry fails.
@@ -107,15 +187,24 @@ impl PullManager {
         if !Session::add_distinct(&mut job.sessions.lock().unwrap(), session) {
             return;
         }
-        let digests: Vec<Digest> = job
+        let keys: Vec<BlobKey> = job
             .parts
             .lock()
             .unwrap()
             .iter()
-            .map(|p| p.digest.clone())
+            .map(|p| BlobKey::new(p.digest.clone(), p.size))
             .collect();
-        for d in digests {
-            self.blobs.add_session(&d, session);
+        for k in keys {
+            self.blobs.add_session(&k, session);
         }
+    }
+}
+
+/// Counts a job as running until its run ends, however it ends.
+struct RunningJob<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for RunningJob<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }

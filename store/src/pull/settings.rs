@@ -53,13 +53,15 @@ pub struct PullSettings {
     #[arg(long, value_name = "BYTES")]
     pub blob_chunk_size: u64,
 
-    /// Seconds without a downloaded byte after which a pull's requesters are dropped (0: never).
+    /// Seconds of transfers without a downloaded byte (or, every byte in, of unpacks without a
+    /// layer byte read) after which a pull's requesters are dropped. More than 0: it is what
+    /// ends a pull whose registry stopped sending.
     #[arg(long = "pull-progress-timeout", value_name = "SECONDS")]
     pub progress_timeout: f64,
 
     /// Bytes per second a pull with something left to download must receive, averaged over each
     /// progress_timeout window, or its requesters are dropped: a registry trickling bytes
-    /// cannot hold a pull (or the kubelet's serial puller) forever (0: no minimum).
+    /// cannot hold a pull (or the kubelet's serial puller) forever. At least 1.
     #[arg(long = "pull-min-speed", value_name = "BYTES_PER_SEC")]
     pub min_speed: u64,
 
@@ -103,6 +105,12 @@ pub struct PullSettings {
     /// be at least ingest_min_free.
     #[arg(long, value_name = "PERCENT%|SIZE")]
     pub image_fs_reserve: Reserve,
+
+    /// Partial data that one pod's stopped pulls may leave behind for a resume: a percentage of
+    /// the image filesystem (10%) or a size (20GiB, or bytes). Past it, the pod's oldest partial
+    /// data that no running download wants is removed.
+    #[arg(long, value_name = "PERCENT%|SIZE")]
+    pub partial_data_per_pod: Reserve,
 }
 
 impl Default for PullSettings {
@@ -126,6 +134,7 @@ impl Default for PullSettings {
             ingest_ttl: 24.0,
             ingest_min_free: 5.0,
             image_fs_reserve: DEFAULT_RESERVE,
+            partial_data_per_pod: Reserve::Percent(10.0),
         }
     }
 }
@@ -162,7 +171,20 @@ impl PullSettings {
         if self.blob_chunk_size == 0 {
             return Err("pull.blob_chunk_size must be at least 1".into());
         }
-        seconds_or_off("pull.progress_timeout", self.progress_timeout)?;
+        if seconds_or_off("pull.progress_timeout", self.progress_timeout)?.is_none() {
+            return Err(
+                "pull.progress_timeout must be more than 0 seconds: it is what ends a pull \
+                 whose registry stopped sending (there is no \"never\")"
+                    .into(),
+            );
+        }
+        if self.min_speed == 0 {
+            return Err(
+                "pull.min_speed must be at least 1 byte/s: it is what ends a pull whose \
+                 registry trickles bytes (there is no \"no minimum\")"
+                    .into(),
+            );
+        }
         seconds_or_off("pull.detach_after", self.detach_after)?;
         if !(1..=MAX_BLOB_BYTES).contains(&self.max_blob_size) {
             return Err(format!(
@@ -230,6 +252,7 @@ impl PullSettings {
             holds_dir,
             max_blob_size: self.max_blob_size,
             keep_layer_blobs: self.keep_layer_blobs,
+            partial_data_per_pod: self.partial_data_per_pod,
         })
     }
 }
@@ -252,17 +275,31 @@ mod tests {
     }
 
     #[test]
-    fn zero_turns_timeouts_off_and_bad_values_name_their_key() {
+    fn zero_turns_the_detach_window_off_and_bad_values_name_their_key() {
         let s = PullSettings {
             detach_after: 0.0,
             progress_timeout: 2.5,
-            min_speed: 0,
+            min_speed: 1,
             ..Default::default()
         };
         let c = s.pull_config(None).unwrap();
         assert_eq!(c.detach_after, None);
         assert_eq!(c.progress_timeout, Some(Duration::from_millis(2500)));
-        assert_eq!(c.min_speed, None);
+        assert_eq!(c.min_speed, Some(1));
+        // Nothing that bounds a pull can be turned off: no setting makes a PullImage hang.
+        for s in [
+            PullSettings {
+                progress_timeout: 0.0,
+                ..Default::default()
+            },
+            PullSettings {
+                min_speed: 0,
+                ..Default::default()
+            },
+        ] {
+            let err = s.validate().unwrap_err();
+            assert!(err.contains("there is no"), "{err}");
+        }
         let bad = |s: PullSettings, key: &str| {
             let err = s.validate().unwrap_err();
             assert!(err.contains(key), "{key}: {err}");

@@ -1,6 +1,9 @@
 //! The progress watchdog of a pull job: the job's references are all dropped when its transfers
 //! run for `pull.progress_timeout` without a byte, or (with `pull.min_speed`) below that speed
-//! over a window as long. Only time with a transfer of the job running counts.
+//! over a window as long, or when, every byte downloaded, its layer unpacks read no byte for
+//! `pull.progress_timeout`. Only time with a transfer running, or with the unpacks still having
+//! layer bytes to read, counts: waiting for a transfer slot is not a stall, nor is the sync that
+//! commits an unpacked layer.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,7 +38,8 @@ impl PullManager {
 struct Watchdog {
     timeout: Duration,
     min_speed: Option<u64>,
-    last_done: u64,
+    /// Bytes downloaded and bytes unpacked, at the last change.
+    last_moved: u64,
     /// Transfer time since the last byte arrived.
     idle: Duration,
     /// Transfer time in the current speed window, and the bytes downloaded when it began.
@@ -47,7 +51,7 @@ impl Watchdog {
         Watchdog {
             timeout,
             min_speed,
-            last_done: first.done,
+            last_moved: first.done + first.unpacked,
             idle: Duration::ZERO,
             window: (Duration::ZERO, first.downloaded),
         }
@@ -57,16 +61,26 @@ impl Watchdog {
     fn observe(&mut self, dt: Duration, b: &JobBytes) -> Option<String> {
         let complete = b.total > 0 && b.done >= b.total;
         let transferring = b.connections > 0 && !complete;
-        if b.done != self.last_done || complete {
-            self.last_done = b.done;
+        // Every byte is in: the unpacks are judged while they have layer bytes left to read.
+        let unpacking = complete && b.unpacking > 0 && b.unpacked < b.unpack_total;
+        let moved = b.done + b.unpacked;
+        if moved != self.last_moved || (complete && !unpacking) {
+            self.last_moved = moved;
             self.idle = Duration::ZERO;
-        } else if transferring {
+        } else if transferring || unpacking {
             self.idle += dt;
             if self.idle >= self.timeout {
-                return Some(format!(
-                    "no progress: no byte in {:?} of transfers (pull.progress_timeout)",
-                    self.timeout
-                ));
+                return Some(if transferring {
+                    format!(
+                        "no progress: no byte in {:?} of transfers (pull.progress_timeout)",
+                        self.timeout
+                    )
+                } else {
+                    format!(
+                        "no progress: every byte is downloaded, and the layer unpacks read none in {:?} (pull.progress_timeout)",
+                        self.timeout
+                    )
+                });
             }
         }
         let min = self.min_speed?;
@@ -101,6 +115,9 @@ mod tests {
             refetched: 0,
             rate: 0.0,
             connections,
+            unpacked: 0,
+            unpack_total: total,
+            unpacking: 0,
         }
     }
 
@@ -162,5 +179,63 @@ mod tests {
     fn a_job_with_every_byte_in_is_left_alone() {
         let mut dog = Watchdog::new(Duration::from_secs(10), Some(1 << 20), &bytes(100, 100, 1));
         assert_eq!(run(&mut dog, 600, |_| bytes(100, 100, 1)), None);
+    }
+}
+
+#[cfg(test)]
+mod unpack_tests {
+    use super::*;
+
+    fn unpacking(read: u64, total: u64, running: usize) -> JobBytes {
+        JobBytes {
+            done: total,
+            total,
+            downloaded: total,
+            resumed: 0,
+            refetched: 0,
+            rate: 0.0,
+            connections: 0,
+            unpacked: read,
+            unpack_total: total,
+            unpacking: running,
+        }
+    }
+
+    #[test]
+    fn an_unpack_that_reads_is_progress_and_one_that_stops_reading_is_a_stall() {
+        let t = Duration::from_secs(10);
+        let mut dog = Watchdog::new(t, Some(1 << 20), &unpacking(0, 100, 1));
+        // A byte every 9 s of unpacking: alive, however slow (no speed minimum on unpacks).
+        let mut verdict = None;
+        for s in 1..=600u64 {
+            verdict = dog.observe(Duration::from_secs(1), &unpacking(s / 9, 100, 1));
+            if verdict.is_some() {
+                break;
+            }
+        }
+        assert_eq!(verdict, None);
+        // Stuck at 70 of 100 bytes: dropped after the timeout, saying so.
+        let mut at = None;
+        for s in 1..=600u64 {
+            if let Some(v) = dog.observe(Duration::from_secs(1), &unpacking(70, 100, 1)) {
+                at = Some((s, v));
+                break;
+            }
+        }
+        let (s, why) = at.expect("a verdict");
+        // The first sample at 70 is a change; ten seconds without one follow.
+        assert_eq!(s, 11);
+        assert!(why.contains("layer unpacks read none"), "{why}");
+    }
+
+    #[test]
+    fn the_commits_after_the_last_byte_read_are_not_judged() {
+        let mut dog = Watchdog::new(Duration::from_secs(10), None, &unpacking(100, 100, 2));
+        for _ in 0..600 {
+            assert_eq!(
+                dog.observe(Duration::from_secs(1), &unpacking(100, 100, 2)),
+                None
+            );
+        }
     }
 }
