@@ -399,6 +399,7 @@ mod tests {
                 diff_id: &diff_id,
                 parent,
                 user,
+                ..Default::default()
             };
             snap.apply_layer(&spec, &mut bytes.as_slice())
                 .unwrap()

@@ -41,6 +41,7 @@ fn main() {
             diff_id,
             parent: parent.as_deref(),
             user: Some("bench"),
+            ..Default::default()
         };
         let applied = s.apply_layer(&spec, &mut f).expect("apply layer");
         let secs = t.elapsed().as_secs_f64();

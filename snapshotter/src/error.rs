@@ -68,6 +68,11 @@ pub enum Error {
     #[error("the layer must be applied on top of its parent: {reason}")]
     NeedsParent { reason: String },
 
+    /// The caller gave up ([`crate::LayerSpec::stop`]) while the apply waited for another
+    /// apply of the same layer; nothing was applied.
+    #[error("stopped while waiting for another apply of layer {chain}")]
+    Cancelled { chain: String },
+
     /// overlayfs cannot be used on this host or root directory.
     #[error("overlayfs unavailable: {0}")]
     OverlayUnsupported(String),

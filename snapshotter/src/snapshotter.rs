@@ -97,7 +97,7 @@ impl Drop for Released {
 }
 
 /// One layer to apply.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct LayerSpec<'a> {
     /// The layer descriptor's media type (OCI or Docker; gzip, zstd or uncompressed).
     pub media_type: &'a str,
@@ -108,6 +108,15 @@ pub struct LayerSpec<'a> {
     /// Image id to record as a user of the resulting snapshot (and of every layer's snapshot the
     /// image's pull applies), so a concurrent removal of another image cannot take it away.
     pub user: Option<&'a str>,
+    /// Where the bytes come from (a blob's digest and size, say). Applies of one chain from one
+    /// source share one apply (later ones wait for it); from another source they run side by
+    /// side and the first to commit wins, so an apply never waits for a slower download of
+    /// other bytes that happen to unpack to the same layer. None: every apply of the chain is
+    /// one source.
+    pub source: Option<&'a str>,
+    /// Set when the apply's caller gives up: a wait for another apply of the chain ends then
+    /// (looked at every 200 ms) with [`crate::Error::Cancelled`].
+    pub stop: Option<&'a std::sync::atomic::AtomicBool>,
 }
 
 /// What [`Snapshotter::apply_layer`] did.

@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::backend;
@@ -98,14 +98,29 @@ struct Flight {
 }
 
 impl Flight {
-    /// Blocks until the flight has landed (committed or failed).
-    fn wait(&self) {
+    /// Blocks until the flight has landed (committed or failed); false, at once, if `stop` is
+    /// set meanwhile (looked at every [`STOP_CHECK`]).
+    fn wait(&self, stop: Option<&AtomicBool>) -> bool {
         let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
         while !*done {
-            done = self.cv.wait(done).unwrap_or_else(|p| p.into_inner());
+            if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+                return false;
+            }
+            done = self
+                .cv
+                .wait_timeout(done, STOP_CHECK)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
+        true
     }
 }
+
+/// A flight's key: the chain id, and where its bytes come from.
+type FlightKey = (String, Option<String>);
+
+/// How often an apply waiting for another apply of its layer looks whether its caller stopped.
+const STOP_CHECK: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Snapshots on the local filesystem, with the overlayfs or the copy backend.
 pub struct LocalSnapshotter {
@@ -113,7 +128,8 @@ pub struct LocalSnapshotter {
     backend: Backend,
     options: Options,
     state: Mutex<State>,
-    flights: Mutex<HashMap<String, Arc<Flight>>>,
+    /// The applies under way, by chain id and source ([`LayerSpec::source`]).
+    flights: Mutex<HashMap<FlightKey, Arc<Flight>>>,
     tmp_seq: AtomicU64,
     _lock: nix::fcntl::Flock<File>,
 }
@@ -264,24 +280,32 @@ impl LocalSnapshotter {
         }))
     }
 
-    /// Joins the flight for `chain`: Ok(guard) if this caller leads, Err(flight) to wait on.
-    fn join_flight(&self, chain: &str) -> std::result::Result<FlightGuard<'_>, Arc<Flight>> {
+    /// Joins the flight for `chain` from `source`: Ok(guard) if this caller leads, Err(flight)
+    /// to wait on.
+    fn join_flight(
+        &self,
+        chain: &str,
+        source: Option<&str>,
+    ) -> std::result::Result<FlightGuard<'_>, Arc<Flight>> {
+        let key = (chain.to_string(), source.map(str::to_string));
         let mut flights = self.flights.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(f) = flights.get(chain) {
+        if let Some(f) = flights.get(&key) {
             return Err(f.clone());
         }
         let f = Arc::new(Flight::default());
-        flights.insert(chain.to_string(), f.clone());
+        flights.insert(key.clone(), f.clone());
         Ok(FlightGuard {
             s: self,
-            key: chain.to_string(),
+            key,
             flight: f,
         })
     }
 
     /// Applies `layer` through `unpack` (given its chain id and codec) unless its chain is
-    /// committed already, as the only apply of that chain in this process: a caller finding
-    /// another one under way waits for it, then looks again.
+    /// committed already, as the only apply of that chain from that source in this process: a
+    /// caller finding another one under way waits for it (or for its own stop), then looks again.
+    /// Applies of one chain from different sources run side by side; the first commit wins
+    /// ([`Self::install`] throws the others' work away).
     fn in_flight(
         &self,
         layer: &LayerSpec<'_>,
@@ -297,7 +321,7 @@ impl LocalSnapshotter {
             if let Some(done) = self.existing_layer(&chain, layer.user)? {
                 return Ok(done);
             }
-            match self.join_flight(&chain) {
+            match self.join_flight(&chain, layer.source) {
                 Ok(_guard) => {
                     // Another flight may have committed between the check and the join.
                     if let Some(done) = self.existing_layer(&chain, layer.user)? {
@@ -305,7 +329,11 @@ impl LocalSnapshotter {
                     }
                     return unpack(&chain, codec);
                 }
-                Err(flight) => flight.wait(),
+                Err(flight) => {
+                    if !flight.wait(layer.stop) {
+                        return Err(Error::Cancelled { chain });
+                    }
+                }
             }
         }
     }
@@ -546,7 +574,7 @@ impl Drop for Pin<'_> {
 
 struct FlightGuard<'a> {
     s: &'a LocalSnapshotter,
-    key: String,
+    key: FlightKey,
     flight: Arc<Flight>,
 }
 

@@ -19,6 +19,7 @@ both_backends!(
     state_survives_restart_and_crash_leftovers_are_swept,
     concurrent_applies_of_one_chain_unpack_once,
     streams_from_a_channel,
+    an_apply_from_other_bytes_does_not_wait_and_a_waiter_can_stop,
     prepare_and_view_errors,
     unpadded_stream_end_and_root_entry,
 );
@@ -62,6 +63,7 @@ fn compressions_and_media_types(b: Backend) {
             diff_id: &d,
             parent: None,
             user: Some(IMAGE),
+            ..Default::default()
         };
         let a = s.apply_layer(&spec, &mut &blob[..]).unwrap();
         assert!(a.unpacked);
@@ -79,6 +81,7 @@ fn compressions_and_media_types(b: Backend) {
         diff_id: &d,
         parent: None,
         user: None,
+        ..Default::default()
     };
     assert!(matches!(
         s.apply_layer(&spec, &mut &tar[..]),
@@ -99,6 +102,7 @@ fn chain_ids_and_unpack_once(b: Backend) {
         diff_id: &diffs[1],
         parent: Some(&chain[0]),
         user: Some("other"),
+        ..Default::default()
     };
     let mut unread: &[u8] = b"not a tar at all";
     let a = s.apply_layer(&spec, &mut unread).unwrap();
@@ -114,6 +118,7 @@ fn chain_ids_and_unpack_once(b: Backend) {
         diff_id: &diffs[2],
         parent: Some(&diffs[2]),
         user: None,
+        ..Default::default()
     };
     assert!(matches!(
         s.apply_layer(&spec, &mut &layers[2][..]),
@@ -264,6 +269,7 @@ fn concurrent_applies_of_one_chain_unpack_once(b: Backend) {
                     diff_id: &d,
                     parent: None,
                     user: Some(&user),
+                    ..Default::default()
                 };
                 barrier.wait();
                 s.apply_layer(&spec, &mut &tar[..]).unwrap()
@@ -294,6 +300,7 @@ fn streams_from_a_channel(b: Backend) {
         diff_id: &d,
         parent: None,
         user: Some(IMAGE),
+        ..Default::default()
     };
     let a = s.apply_layer(&spec, &mut reader).unwrap();
     feeder.join().unwrap();
@@ -313,6 +320,77 @@ fn streams_from_a_channel(b: Backend) {
     let err = s2.apply_layer(&spec, &mut reader).unwrap_err();
     assert!(err.to_string().contains("registry went away"), "{err}");
     assert!(s2.list().unwrap().is_empty());
+}
+
+/// Two applies of one layer: one from a source whose bytes do not come (a slow download, held
+/// here), one from another source (other bytes that unpack to the same layer). The second does
+/// not wait for the first: it commits; the first, once its bytes come, finds the layer there.
+/// A third apply from the first one's source waits for it, and returns `Cancelled` soon after
+/// its caller gives up.
+fn an_apply_from_other_bytes_does_not_wait_and_a_waiter_can_stop(b: Backend) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+    let (_d, s) = open(b);
+    let s = Arc::new(s);
+    let tar = base_layer();
+    let d = diff_id(&tar);
+    let spec = |source: &'static str| LayerSpec {
+        media_type: TAR,
+        diff_id: &d,
+        user: Some(IMAGE),
+        source: Some(source),
+        ..Default::default()
+    };
+    let (tx, rx) = mpsc::sync_channel::<io::Result<Vec<u8>>>(1);
+    let slow = std::thread::spawn({
+        let (s, d) = (s.clone(), d.clone());
+        move || {
+            let spec = LayerSpec {
+                media_type: TAR,
+                diff_id: &d,
+                user: Some(IMAGE),
+                source: Some("slow"),
+                ..Default::default()
+            };
+            s.apply_layer(&spec, &mut ChunkReader::new(move || rx.recv().ok()))
+        }
+    });
+    // The slow apply leads its flight once it has its first bytes.
+    tx.send(Ok(tar[..512].to_vec())).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    // A second apply from the slow source waits for it; stopped, it gives up within a check
+    // or two.
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let waiter = scope.spawn(|| {
+            let spec = LayerSpec {
+                stop: Some(&stop),
+                ..spec("slow")
+            };
+            s.apply_layer(&spec, &mut tar.as_slice())
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            !waiter.is_finished(),
+            "the same source waits for its flight"
+        );
+        let stopped_at = Instant::now();
+        stop.store(true, Ordering::Relaxed);
+        let err = waiter.join().unwrap().unwrap_err();
+        assert!(matches!(err, Error::Cancelled { .. }), "{err}");
+        assert!(stopped_at.elapsed() < Duration::from_secs(2));
+    });
+    // Another source does not wait for the slow one: it commits the layer.
+    let start = Instant::now();
+    let a = s.apply_layer(&spec("fast"), &mut tar.as_slice()).unwrap();
+    assert!(a.unpacked, "the other source applied it");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    // The slow bytes come: that apply finds the layer committed and throws its work away.
+    tx.send(Ok(tar[512..].to_vec())).unwrap();
+    drop(tx);
+    let late = slow.join().unwrap().unwrap();
+    assert!(!late.unpacked);
+    assert_eq!(late.chain_id, a.chain_id);
 }
 
 fn prepare_and_view_errors(b: Backend) {

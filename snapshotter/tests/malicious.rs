@@ -166,6 +166,7 @@ fn diff_id_mismatch(b: Backend) {
         diff_id: &wrong,
         parent: None,
         user: None,
+        ..Default::default()
     };
     let err = s.apply_layer(&spec, &mut &tar[..]).unwrap_err();
     match err {
@@ -192,6 +193,7 @@ fn truncated_stream(b: Backend) {
         diff_id: &d,
         parent: None,
         user: None,
+        ..Default::default()
     };
     let err = s.apply_layer(&spec, &mut &gz[..gz.len() / 2]).unwrap_err();
     assert!(matches!(err, Error::LayerStream { .. }), "{err:?}");

@@ -633,6 +633,7 @@ fn a_layer_waiting_for_a_parent_that_failed_commits_nothing() {
         diff_id: &d1,
         parent: Some(&parent),
         user: Some(IMAGE),
+        ..Default::default()
     };
     let err = s
         .apply_layer_early(&spec, &mut &tar[..], &|| false)

@@ -249,6 +249,8 @@ pub struct SpaceBudget {
     /// What frees room before a refusal (a back-reference: the collector needs the downloads,
     /// which need this budget, so it is installed once they exist).
     reclaim: OnceLock<Weak<dyn Reclaim>>,
+    /// Held while room is made.
+    reclaiming: Mutex<()>,
     /// Bytes freed that way so far.
     reclaimed: AtomicU64,
 }
@@ -278,6 +280,7 @@ impl SpaceBudget {
             refusals: AtomicU64::new(0),
             measures: AtomicU64::new(0),
             reclaim: OnceLock::new(),
+            reclaiming: Mutex::new(()),
             reclaimed: AtomicU64::new(0),
         }
     }
@@ -357,13 +360,7 @@ impl SpaceBudget {
         if self.reserve.is_off() {
             return Ok(());
         }
-        match self.try_claim(n) {
-            Err(s) if self.make_room(&s) => self.try_claim(n),
-            r => r,
-        }
-        .inspect_err(|_| {
-            self.refusals.fetch_add(1, Ordering::Relaxed);
-        })
+        self.or_make_room(|| self.try_claim(n))
     }
 
     fn try_claim(&self, n: u64) -> Result<(), Shortfall> {
@@ -404,11 +401,24 @@ impl SpaceBudget {
         if self.reserve.is_off() || n == 0 {
             return Ok(());
         }
-        match self.try_check_fits(n) {
-            Err(s) if self.make_room(&s) => self.try_check_fits(n),
+        self.or_make_room(|| self.try_check_fits(n))
+    }
+
+    /// `attempt`, and if the reserve refuses it, once more after making room: one writer at a
+    /// time, so that writers refused together do not each find the room another is freeing
+    /// already taken (the retry comes first, with a fresh measure), nor free it twice.
+    fn or_make_room(&self, attempt: impl Fn() -> Result<(), Shortfall>) -> Result<(), Shortfall> {
+        let r = match attempt() {
+            Err(_) if self.reclaim.get().is_some() => {
+                let _one = self.reclaiming.lock().unwrap_or_else(|p| p.into_inner());
+                match attempt() {
+                    Err(s) if self.make_room(&s) => attempt(),
+                    r => r,
+                }
+            }
             r => r,
-        }
-        .inspect_err(|_| {
+        };
+        r.inspect_err(|_| {
             self.refusals.fetch_add(1, Ordering::Relaxed);
         })
     }
@@ -574,6 +584,61 @@ mod tests {
         // Space freed elsewhere is seen at the next claim (a refusal always measures afresh).
         fake.set_available(80 * MIB);
         put(&b, &fake, MIB).unwrap();
+    }
+
+    /// Frees up to what it holds when asked, as the collector of idle partial data does.
+    struct Idle {
+        fake: Fake,
+        held: Mutex<u64>,
+        asked: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Reclaim for Idle {
+        fn reclaim(&self, bytes: u64) -> u64 {
+            self.asked.fetch_add(1, Ordering::Relaxed);
+            let mut held = self.held.lock().unwrap();
+            let freed = (*held).min(bytes.max(1)).min(*held);
+            *held -= freed;
+            let mut s = self.fake.0.lock().unwrap();
+            s.available += freed;
+            freed
+        }
+    }
+
+    /// Before a refusal, the reclaimer frees what is lacking and the claim goes through; a claim
+    /// that finds room asks nothing; with nothing left to free, the claim is refused.
+    #[test]
+    fn room_is_made_before_a_refusal() {
+        let fake = Fake::new(100 * MIB, 1000 * MIB);
+        let b = Arc::new(budget(&fake, Reserve::Percent(5.0))); // 50 MiB reserved
+        let idle = Arc::new(Idle {
+            fake: fake.clone(),
+            held: Mutex::new(40 * MIB),
+            asked: Default::default(),
+        });
+        let r: Arc<dyn Reclaim> = idle.clone();
+        b.reclaim_with(Arc::downgrade(&r));
+        put(&b, &fake, 40 * MIB).unwrap();
+        // 10 MiB of room; 30 wanted: 20 lacking, freed from the 40 idle.
+        put(&b, &fake, 30 * MIB).unwrap();
+        assert_eq!(b.reclaimed(), 20 * MIB);
+        assert_eq!(b.refusals(), 0);
+        // 20 idle left: a 10 MiB claim has 10 freed, then another finds room freed elsewhere
+        // and asks nothing.
+        put(&b, &fake, 10 * MIB).unwrap();
+        assert_eq!(*idle.held.lock().unwrap(), 10 * MIB);
+        let asked = idle.asked.load(Ordering::Relaxed);
+        fake.write(0);
+        fake.0.lock().unwrap().available += 5 * MIB;
+        put(&b, &fake, 5 * MIB).unwrap();
+        assert_eq!(idle.asked.load(Ordering::Relaxed), asked);
+        put(&b, &fake, 10 * MIB).unwrap();
+        assert_eq!(*idle.held.lock().unwrap(), 0);
+        // Nothing left to free: refused, having asked.
+        let asked = idle.asked.load(Ordering::Relaxed);
+        assert!(put(&b, &fake, MIB).is_err());
+        assert_eq!(idle.asked.load(Ordering::Relaxed), asked + 1);
+        assert_eq!(b.refusals(), 1);
     }
 
     /// The periodic measure: no syscall per claim while far from the reserve (one per

@@ -24,12 +24,11 @@
 
 use std::fs::File;
 use std::io::BufReader;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use minicri_snapshotter::{LayerSpec, Snapshotter, WriterStatus};
-use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::blobs::{BlobProgress, BlobState};
@@ -103,13 +102,13 @@ impl Gate {
 
     /// Blocks until the gate opens, true if the layer was committed; false as soon as `stop` is
     /// cancelled (looked at every [`STOP_CHECK`]).
-    pub fn wait(&self, stop: &CancellationToken) -> bool {
+    pub fn wait(&self, stop: &AtomicBool) -> bool {
         let mut g = self.committed.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(c) = *g {
                 return c;
             }
-            if stop.is_cancelled() {
+            if stop.load(Ordering::Relaxed) {
                 return false;
             }
             g = self
@@ -143,7 +142,7 @@ pub const STOP_CHECK: Duration = Duration::from_millis(200);
 /// the layer bytes they have read (the progress watchdog's view of unpacking).
 #[derive(Clone, Default)]
 pub struct Unpacks {
-    pub stop: CancellationToken,
+    pub stop: Arc<AtomicBool>,
     pub tasks: TaskTracker,
     pub read: Arc<AtomicU64>,
 }
@@ -161,7 +160,7 @@ impl Unpacks {
 
     /// Stops the applies and waits for them to return, at most `bound`; whether they did.
     pub async fn stop_and_wait(&self, bound: Duration) -> bool {
-        self.stop.cancel();
+        self.stop.store(true, Ordering::Relaxed);
         self.tasks.close();
         tokio::time::timeout(bound, self.tasks.wait()).await.is_ok()
     }
@@ -171,13 +170,13 @@ impl Unpacks {
 /// within one read of the stop) and counts what it reads.
 struct Stoppable<R> {
     inner: R,
-    stop: CancellationToken,
+    stop: Arc<AtomicBool>,
     read: Arc<AtomicU64>,
 }
 
 impl<R: std::io::Read> std::io::Read for Stoppable<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        if self.stop.is_cancelled() {
+        if self.stop.load(Ordering::Relaxed) {
             return Err(stopped());
         }
         let n = self.inner.read(buf)?;
@@ -268,6 +267,12 @@ impl Unpacker<'_> {
         );
         let stop = unpacks.stop.clone();
         let read = unpacks.read.clone();
+        // Applies of the layer from the same bytes share one apply; from other bytes (another
+        // blob, or a descriptor with another size) they run side by side.
+        let source = match &live {
+            Some(p) => p.key().to_string(),
+            None => digest.to_string(),
+        };
         let task = unpacks.tasks.spawn_blocking(move || {
             let (parent, gate) = parent.unzip();
             let spec = LayerSpec {
@@ -275,6 +280,8 @@ impl Unpacker<'_> {
                 diff_id: &diff_id,
                 parent: parent.as_deref(),
                 user: Some(&user),
+                source: Some(&source),
+                stop: Some(&stop),
             };
             let parent_ready = || gate.as_ref().is_none_or(|g| g.wait(&stop));
             let apply = |stream: &mut (dyn std::io::Read + Send)| {
@@ -304,7 +311,7 @@ impl Unpacker<'_> {
                         p.wait_until(STOP_CHECK, |p| {
                             p.written() > read || !in_progress(p.state())
                         });
-                        if stop.is_cancelled() {
+                        if stop.load(Ordering::Relaxed) {
                             return WriterStatus::Failed(stopped());
                         }
                         follow_status(p.state(), p.written())
@@ -327,10 +334,10 @@ fn open_growing(
     content: &ContentStore,
     digest: &Digest,
     p: &BlobProgress,
-    stop: &CancellationToken,
+    stop: &AtomicBool,
 ) -> std::io::Result<File> {
     loop {
-        if stop.is_cancelled() {
+        if stop.load(Ordering::Relaxed) {
             return Err(stopped());
         }
         if let Ok(f) = File::open(content.ingest_data_path(&p.key())) {

@@ -291,6 +291,7 @@ pub fn try_apply(
         diff_id: &d,
         parent,
         user,
+        ..Default::default()
     };
     s.apply_layer(&spec, &mut &tar[..]).map(|a| a.chain_id)
 }
@@ -307,6 +308,7 @@ pub fn try_apply_stream(
         diff_id,
         parent: None,
         user: None,
+        ..Default::default()
     };
     s.apply_layer(&spec, stream).map(|a| a.chain_id)
 }
@@ -359,6 +361,7 @@ pub fn apply_all_early(s: &dyn Snapshotter, layers: &[Vec<u8>]) -> (Vec<String>,
                     diff_id: &diff_ids[i],
                     parent: i.checked_sub(1).map(|p| chains[p].as_str()),
                     user: Some(IMAGE),
+                    ..Default::default()
                 };
                 let result = if i == 0 {
                     let mut n = arrived.lock().unwrap();

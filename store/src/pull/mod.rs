@@ -864,6 +864,7 @@ mod tests {
                     diff_id: &diff_id,
                     parent: None,
                     user: Some(id.as_str()),
+                    ..Default::default()
                 },
                 &mut std::io::Cursor::new(tar),
             )
