@@ -141,10 +141,21 @@ fn ingest_dir_bytes(dir: &Path) -> u64 {
     }
 }
 
+/// The ingest directory of blob `digest` (`sha256:<hex>`) under a daemon's root, whatever size
+/// its descriptor gave (`content/ingest/<hex>-<size>`), if there is one.
+pub fn ingest_dir(root: &Path, digest: &str) -> Option<PathBuf> {
+    let prefix = format!("{}-", digest.trim_start_matches("sha256:"));
+    std::fs::read_dir(root.join("content/ingest"))
+        .ok()?
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|e| e.path())
+}
+
 /// The record of the pieces on disk of one blob's ingest (`sha256:<hex>`), or "" if none.
 pub fn ingest_ranges(root: &Path, digest: &str) -> String {
-    let hex = digest.trim_start_matches("sha256:");
-    std::fs::read_to_string(root.join("content/ingest").join(hex).join("ranges.json"))
+    ingest_dir(root, digest)
+        .and_then(|d| std::fs::read_to_string(d.join("ranges.json")).ok())
         .unwrap_or_default()
 }
 

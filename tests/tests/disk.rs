@@ -63,14 +63,15 @@ impl Watch {
 
     /// The largest file of blob `digest` under `<root>/content`: its ingest or the blob.
     fn blob_file(root: &Path, digest: &str) -> Watch {
-        let hex = digest.trim_start_matches("sha256:");
-        let files = [
-            root.join("content/ingest").join(hex).join("data"),
-            root.join("content/blobs/sha256").join(hex),
-        ];
+        let (root, digest) = (root.to_path_buf(), digest.to_string());
+        let blob = root
+            .join("content/blobs/sha256")
+            .join(digest.trim_start_matches("sha256:"));
         Watch::start(false, move || {
-            files
+            let ingest = pull_env::ingest_dir(&root, &digest).map(|d| d.join("data"));
+            [Some(blob.clone()), ingest]
                 .iter()
+                .flatten()
                 .filter_map(|f| std::fs::metadata(f).ok())
                 .map(|m| m.len())
                 .max()
@@ -357,4 +358,158 @@ async fn a_registry_serving_endless_bytes_is_cut_at_the_blob_size() {
         "{served} bytes served over {} requests",
         requests.len()
     );
+}
+
+/// A deleted pod's partial download does not make a later pull fail: pod 1's pull of a 120 MiB
+/// layer stops (its call goes) with 100 MiB on disk, kept for a resume (no cap here); pod 2's
+/// image (80 MiB, which with its unpack needs more room than is left above the reserve beside
+/// that partial data) pulls on its first try: the reserve has the idle partial data removed
+/// before it would refuse.
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_partial_data_makes_room_before_a_pull_is_refused() {
+    if minicri_tests::prereq::skip_unless_root() {
+        return;
+    }
+    // One stream per blob, so that the proxy's stall holds the whole download.
+    let mut e = pull_env::env(&[
+        "--image-fs-reserve",
+        "15%",
+        "--partial-data-per-pod",
+        "1TiB",
+        "--blob-connections",
+        "1",
+    ])
+    .await;
+    let disk = SmallDisk::under(&mut e.daemon, 256).await;
+    let (a_img, a) = big(&e, "room-a", 1, 120, 41).await;
+    let (b_img, b) = big(&e, "room-b", 1, 80, 42).await;
+    let a_layer = a_img.layers.last().unwrap().digest.clone();
+    e.proxy
+        .faults()
+        .stall_after(Target::Blob(a_layer.clone()), 100 * MIB);
+    let call = pull_env::spawn_pull(&e.daemon, &a, pull_env::pod(1)).await;
+    assert!(
+        e.proxy
+            .faults()
+            .wait_stalled(1, Duration::from_secs(60))
+            .await
+    );
+    let root = e.daemon.root();
+    wait_until("100 MiB on disk", Duration::from_secs(30), || {
+        ingest_bytes(&root) >= 100 * MIB
+    })
+    .await;
+    call.abort();
+    wait_until("the pull stops", Duration::from_secs(10), || {
+        e.daemon.log().contains("last requester gone")
+    })
+    .await;
+    e.proxy.faults().release_stall();
+    let (free, total) = disk.space();
+    let room = free.saturating_sub(total * 15 / 100);
+    assert!(
+        room < 2 * 80 * MIB,
+        "the test needs the partial data to crowd the room: {room} bytes left"
+    );
+    let got = pull(&e.daemon, &b, pull_env::pod(2))
+        .await
+        .expect("the pull succeeds on its first try");
+    assert_eq!(got, b_img.config_digest);
+    let log = e.daemon.log();
+    assert!(
+        log.contains("idle partial downloads removed to make room"),
+        "{log}"
+    );
+    assert!(pull_env::ingest_dir(&root, &a_layer).is_none());
+}
+
+/// Three 200 MiB images pulled at once on a 1 GiB filesystem (15% reserved) do not all fit:
+/// some stop with RESOURCE_EXHAUSTED. Each that failed then pulls alone on its first try,
+/// whatever partial data the failures left.
+#[tokio::test(flavor = "multi_thread")]
+async fn images_that_failed_together_at_the_reserve_each_pull_alone() {
+    if minicri_tests::prereq::skip_unless_root() {
+        return;
+    }
+    let mut e = pull_env::env(&[
+        "--image-fs-reserve",
+        "15%",
+        "--partial-data-per-pod",
+        "1TiB",
+    ])
+    .await;
+    let _disk = SmallDisk::under(&mut e.daemon, 1024).await;
+    let mut images = Vec::new();
+    for i in 0..3 {
+        images.push(big(&e, &format!("together-{i}"), 1, 200, 50 + i).await);
+    }
+    let mut calls = Vec::new();
+    for (i, (_, r)) in images.iter().enumerate() {
+        calls.push(pull_env::spawn_pull(&e.daemon, r, pull_env::pod(10 + i)).await);
+    }
+    let mut failed = Vec::new();
+    for (i, call) in calls.into_iter().enumerate() {
+        match call.await.unwrap() {
+            Ok(_) => {}
+            Err(err) => {
+                assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+                failed.push(i);
+            }
+        }
+    }
+    eprintln!("together, images {failed:?} stopped at the reserve");
+    assert!(
+        !failed.is_empty(),
+        "the three images fitted together: the test needs them not to"
+    );
+    for i in failed {
+        let (img, r) = &images[i];
+        let got = pull(&e.daemon, r, pull_env::pod(20 + i))
+            .await
+            .unwrap_or_else(|err| panic!("image {i} alone: {err:?}"));
+        assert_eq!(&got, &img.config_digest);
+    }
+}
+
+/// A pod's share of partial data (`--partial-data-per-pod`, 50 MiB here): a pod that leaves
+/// 100 MiB of one blob behind has it removed; a pod that leaves 30 MiB keeps it for a resume.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pods_partial_data_past_its_share_goes() {
+    let e = pull_env::env(&["--partial-data-per-pod", "50MiB", "--blob-connections", "1"]).await;
+    let root = e.daemon.root();
+    let (img, r) = big(&e, "share", 1, 120, 61).await;
+    let layer = img.layers.last().unwrap().digest.clone();
+    for (pod, stall, kept) in [(1, 100 * MIB, false), (2, 30 * MIB, true)] {
+        e.proxy
+            .faults()
+            .stall_after(Target::Blob(layer.clone()), stall);
+        let call = pull_env::spawn_pull(&e.daemon, &r, pull_env::pod(pod)).await;
+        assert!(
+            e.proxy
+                .faults()
+                .wait_stalled(1, Duration::from_secs(60))
+                .await
+        );
+        wait_until(
+            "the bytes before the stall are on disk",
+            Duration::from_secs(30),
+            || ingest_bytes(&root) >= stall,
+        )
+        .await;
+        call.abort();
+        e.proxy.faults().release_stall();
+        if kept {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            assert!(
+                ingest_bytes(&root) >= stall,
+                "pod {pod}'s partial data is kept"
+            );
+        } else {
+            wait_until("pod 1's partial data goes", Duration::from_secs(20), || {
+                e.daemon.log().contains("(pull.partial_data_per_pod)")
+            })
+            .await;
+            assert_eq!(ingest_bytes(&root), 0);
+        }
+    }
 }

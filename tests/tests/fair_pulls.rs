@@ -272,3 +272,183 @@ async fn a_poisoned_partial_blob_does_not_fail_the_next_honest_pull() {
     assert_eq!(err.code(), Code::DataLoss, "{err:?}");
     assert_eq!(e.proxy.blob_requests(&bad_layer).len(), 1);
 }
+
+/// A registry that ignores `Range` and trickles 30 kB/s: an 8-layer image's pull holds both
+/// large transfer slots with streams that cannot resume. The pod's call goes (its last
+/// requester): the job ends with its live unpacks (they follow those streams), and the daemon
+/// then exits on SIGTERM within its grace period, whatever was in flight.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pull_stopped_while_its_blobs_stream_without_range_ends_and_the_daemon_stops() {
+    let addr = free_metrics_address();
+    let mut e = env(&[
+        "--max-concurrent-transfers",
+        "2",
+        "--metrics-address",
+        &addr,
+    ])
+    .await;
+    let (_img, slow_ref) = image_via(&e, &e.proxy, "norange", &[6, 6, 6, 6, 6, 6, 6, 6], 61).await;
+    e.proxy.faults().set_ignore_range(true);
+    e.proxy.faults().set_rate_limit(Some(30_000));
+
+    let call = spawn_pull(&e.daemon, &slow_ref, pod(1)).await;
+    wait_for_slots_in_use(&addr, 2).await;
+    // Bytes flow into live unpacks.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    call.abort();
+    wait_until("the job ends", Duration::from_secs(10), || {
+        e.daemon.log().contains("pull job finished")
+    })
+    .await;
+    wait_until(
+        "the transfer slots are free",
+        Duration::from_secs(10),
+        || {
+            futures::executor::block_on(scrape(&addr))
+                .contains("minicri_transfer_slots_in_use{lane=\"large\"} 0")
+        },
+    )
+    .await;
+    // Pulled again (resuming), and the daemon told to stop while the blobs stream into live
+    // unpacks: the pull ends with them, and the daemon exits.
+    let again = spawn_pull(&e.daemon, &slow_ref, pod(2)).await;
+    wait_for_slots_in_use(&addr, 2).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let start = Instant::now();
+    let status = e.daemon.stop().expect("the daemon exits on SIGTERM");
+    let took = start.elapsed();
+    eprintln!("the daemon exited {took:?} after SIGTERM: {status:?}");
+    assert!(status.success(), "{status:?}");
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    let err = again
+        .await
+        .unwrap()
+        .expect_err("the call ends with the daemon");
+    eprintln!("the call in flight: {err:?}");
+}
+
+/// Two large transfer slots, both held by an 8-layer image's blobs streaming from a registry
+/// that ignores `Range` and trickles 30 kB/s (they cannot resume: revoking one loses its
+/// bytes). Another pod's image of one large layer (256 MiB; `MINICRI_TEST_BIG_MIB=1024` for the
+/// 1 GiB of the issue, on a release build) from a fast registry still pulls in under 10 s: a
+/// trickle that cannot resume gives its slot up once its rate shows it would hold it past the
+/// quantum, and starts again from byte 0 only in a slot nobody else waits for.
+#[tokio::test(flavor = "multi_thread")]
+async fn trickles_that_cannot_resume_do_not_hold_slots_against_another_pods_pull() {
+    let mib: u64 = std::env::var("MINICRI_TEST_BIG_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    let addr = free_metrics_address();
+    let e = env(&[
+        "--max-concurrent-transfers",
+        "2",
+        "--metrics-address",
+        &addr,
+    ])
+    .await;
+    let fast = Proxy::start(&e.registry.addr()).expect("proxy");
+    let (_, slow_ref) = image_via(&e, &e.proxy, "trickle", &[6, 6, 6, 6, 6, 6, 6, 6], 71).await;
+    let (big_img, big_ref) = image_via(&e, &fast, "big-one", &[mib], 72).await;
+    e.proxy.faults().set_ignore_range(true);
+    e.proxy.faults().set_rate_limit(Some(30_000));
+
+    let slow_call = spawn_pull(&e.daemon, &slow_ref, pod(1)).await;
+    wait_for_slots_in_use(&addr, 2).await;
+    let start = Instant::now();
+    let got = tokio::time::timeout(Duration::from_secs(60), pull(&e.daemon, &big_ref, pod(2)))
+        .await
+        .expect("the other pod's pull is not starved by the trickles")
+        .expect("the other pod's pull");
+    let took = start.elapsed();
+    eprintln!("the {mib} MiB pull took {took:?} beside the trickles");
+    assert_eq!(got, big_img.config_digest);
+    assert!(
+        took < Duration::from_secs(10),
+        "the {mib} MiB pull took {took:?}"
+    );
+    let m = scrape(&addr).await;
+    assert!(
+        lane(
+            &m,
+            "minicri_transfer_unresumable_revocations_total",
+            "large"
+        ) >= 1,
+        "{m}"
+    );
+    let log = e.daemon.log();
+    assert!(
+        log.contains("taken back from a download that cannot resume"),
+        "{log}"
+    );
+    assert!(!slow_call.is_finished(), "the trickling pull goes on");
+    slow_call.abort();
+}
+
+/// A pod's image names a popular layer's digest with another size, and its own registry serves
+/// that layer slowly. While that download runs, another pod's honest pull of the layer (right
+/// size, another registry) neither waits for it nor fails: downloads are keyed by digest and
+/// size. The liar's pull then fails on its own, and the honest image stays.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_descriptor_with_a_wrong_size_fails_only_its_own_pull() {
+    let e = env(&[]).await;
+    let honest = Proxy::start(&e.registry.addr()).expect("proxy");
+    let (img, honest_ref) = image_via(&e, &honest, "popular-size", &[24], 81).await;
+    let layer = img.layers.last().unwrap().clone();
+
+    // The liar's manifest: the same config and layer, the layer's size 1 MiB larger.
+    let client = minicri_tests::images::RegistryClient::new(e.proxy.upstream());
+    let fetched = client
+        .get_manifest("minicri-test/popular-size", "latest")
+        .await
+        .expect("manifest");
+    let mut doc: serde_json::Value = serde_json::from_slice(&fetched.body).unwrap();
+    for l in doc["layers"].as_array_mut().unwrap() {
+        if l["digest"] == layer.digest.as_str() {
+            l["size"] = serde_json::json!(layer.size + MIB);
+        }
+    }
+    let body = serde_json::to_vec(&doc).unwrap();
+    let digest = minicri_tests::images::sha256_digest(&body);
+    e.proxy.faults().answer(
+        Target::Manifests,
+        200,
+        &[
+            ("Content-Type", img.manifest_media_type.as_str()),
+            ("Docker-Content-Digest", digest.as_str()),
+        ],
+        body,
+        minicri_tests::proxy::Times::Always,
+    );
+    e.proxy.faults().set_rate_limit(Some(256 * KIB));
+    let liar_ref = format!("{}/minicri-test/popular-size:latest", e.proxy.addr());
+
+    let liar = spawn_pull(&e.daemon, &liar_ref, pod(1)).await;
+    wait_until(
+        "the liar's registry serves the layer",
+        Duration::from_secs(20),
+        || e.proxy.bytes_served(&layer.digest) > 0,
+    )
+    .await;
+    let start = Instant::now();
+    let got = pull(&e.daemon, &honest_ref, pod(2))
+        .await
+        .expect("the honest pull succeeds while the liar's download runs");
+    assert_eq!(got, img.config_digest);
+    eprintln!("the honest pull took {:?}", start.elapsed());
+    assert!(start.elapsed() < Duration::from_secs(20));
+    assert_eq!(honest.bytes_served(&layer.digest), layer.size);
+    assert!(!liar.is_finished(), "the liar's download is still running");
+
+    e.proxy.faults().set_rate_limit(None);
+    let err = tokio::time::timeout(Duration::from_secs(60), liar)
+        .await
+        .expect("the liar's pull ends")
+        .unwrap()
+        .expect_err("the liar's pull fails");
+    eprintln!("the liar's pull: {err:?}");
+    assert!(err.message().contains(&layer.digest), "{err:?}");
+    // The honest image is still there and whole.
+    let again = pull(&e.daemon, &honest_ref, pod(3)).await.expect("again");
+    assert_eq!(again, img.config_digest);
+}

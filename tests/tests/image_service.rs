@@ -561,7 +561,7 @@ async fn corrupt_blob_fails_the_pull_and_stores_nothing() {
     );
     // Other layers' partial downloads may stay for a later resume; the bad one is discarded.
     assert!(
-        !root.join("content/ingest").join(&top[7..]).exists(),
+        minicri_tests::pull_env::ingest_dir(&root, &top).is_none(),
         "the bad partial is discarded"
     );
 }
