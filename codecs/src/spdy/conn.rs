@@ -13,11 +13,12 @@
 //! ends (EOF, I/O or protocol error, [`Handle::close`]) every channel ends, waiting writers give
 //! up and [`Event::Closed`] is the last event.
 //!
-//! A connection served with a [`Budget`] ([`serve_budgeted`], port-forward's) charges what it
-//! buffers of the peer's DATA: a DATA frame's payload before it is read (twice a frame larger
-//! than [`MAX_DATA_CHUNK`], which is copied into pieces), each piece's share going with it to
-//! its consumer ([`Input`]); DATA this side sends with [`StreamWriter::write_charged`] holds its
-//! charge until the writer has written it. See [`crate::budget`].
+//! A connection served with a pod's [`Share`] of a budget ([`serve_budgeted`], port-forward's)
+//! charges what it buffers of the peer's DATA: a DATA frame's payload before it is read (twice a
+//! frame larger than [`MAX_DATA_CHUNK`], which is copied into pieces), each piece's part going
+//! with it to its consumer ([`Input`]); DATA this side sends with
+//! [`StreamWriter::write_charged`] holds its charge until the writer has written it. See
+//! [`crate::budget`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -31,7 +32,7 @@ use super::flow::{RecvWindow, SendBlocked, SendWindows};
 use super::headers::{HeaderCompressor, HeaderDecompressor, Headers};
 use super::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
 use super::{FLAG_FIN, FLAG_UNIDIRECTIONAL, Frame, SpdyError, decode, encode, goaway, rst};
-use crate::budget::{self, Budget, Charge, Input, InputTx};
+use crate::budget::{self, Charge, Input, InputTx, Share};
 
 /// Largest DATA frame this side sends.
 pub const MAX_DATA_CHUNK: usize = 32 * 1024;
@@ -232,12 +233,12 @@ where
     serve_with(io, IDLE_TIMEOUT, KEEPALIVE)
 }
 
-/// [`serve`], charging the peer's DATA to `budget` (see the module docs).
-pub fn serve_budgeted<IO>(io: IO, budget: Budget) -> (Handle, mpsc::Receiver<Event>)
+/// [`serve`], charging the peer's DATA to `share` (see the module docs).
+pub fn serve_budgeted<IO>(io: IO, share: Share) -> (Handle, mpsc::Receiver<Event>)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    start(io, IDLE_TIMEOUT, KEEPALIVE, Some(budget))
+    start(io, IDLE_TIMEOUT, KEEPALIVE, Some(share))
 }
 
 /// [`serve`], ending the connection after `idle` without a frame either way, and pinging the
@@ -257,7 +258,7 @@ fn start<IO>(
     io: IO,
     idle: Duration,
     keepalive: Duration,
-    budget: Option<Budget>,
+    budget: Option<Share>,
 ) -> (Handle, mpsc::Receiver<Event>)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
@@ -364,7 +365,7 @@ struct Reader {
     goaway: bool,
     session_recv: RecvWindow,
     /// What the peer's DATA is charged to (port-forward's connections).
-    budget: Option<Budget>,
+    budget: Option<Share>,
 }
 
 impl Reader {
@@ -602,13 +603,13 @@ impl Reader {
     }
 }
 
-/// Reads one frame; `None` at a clean end of the connection (EOF between frames).
-/// Reads one frame; a DATA frame's payload is charged to `budget` before it is read (twice when
-/// it is larger than [`MAX_DATA_CHUNK`]: its pieces are copies while it lives).
+/// Reads one frame; `None` at a clean end of the connection (EOF between frames). A DATA
+/// frame's payload is charged to `budget` before it is read (twice when it is larger than
+/// [`MAX_DATA_CHUNK`]: its pieces are copies while it lives).
 async fn read_frame<R: AsyncRead + Unpin>(
     rd: &mut R,
     z: &mut HeaderDecompressor,
-    budget: Option<&Budget>,
+    budget: Option<&Share>,
 ) -> Result<Option<(Frame, Charge)>, SpdyError> {
     let mut header = [0u8; 8];
     let mut got = 0;

@@ -24,7 +24,7 @@
 //! - [`portforward`]: one port-forward session (`portforward.k8s.io`): TCP connections into
 //!   the pod's network namespace;
 //! - [`minicri_codecs::budget`]: the node-wide total of bytes port-forward sessions hold
-//!   buffered;
+//!   buffered, and each pod's share of it;
 //! - [`pty`]: a pty master as async I/O, and terminal resizes (exec with a tty).
 //!
 //! Attach shares exec's upgrade and streams; the container's stdio comes from its shim.
@@ -161,6 +161,13 @@ impl StreamServer {
     /// The port-forward sessions' total and what they hold of it.
     pub fn port_forward_budget(&self) -> &budget::Budget {
         &self.port_forward_budget
+    }
+
+    /// What bounds a port-forward session into `pod`: the pod's share of the node's total.
+    pub fn port_forward_bounds(&self, pod: &str) -> portforward::Bounds {
+        portforward::Bounds {
+            share: self.port_forward_budget.share(pod),
+        }
     }
 
     /// The address actually bound.

@@ -23,11 +23,11 @@
 //! The same session runs on SPDY tunnelled through WebSocket; WebSocket clients may also use the
 //! kubelet's per-port channel form ([`super::ws::portforward`]); [`super::http`] picks.
 //!
-//! Everything a session buffers counts against the node's port-forward total
-//! ([`minicri_codecs::budget`], `port_forward_buffer_bytes`): its connection's own buffers
-//! ([`SESSION_BYTES`], taken when it starts), the client's DATA until it is written to the pod's
-//! socket, and each read from the pod's socket until the client's connection has taken it. A
-//! forward whose bytes do not fit waits.
+//! Everything a session buffers counts against its pod's share of the node's port-forward total
+//! ([`minicri_codecs::budget`], `port_forward_buffer_bytes`; [`Bounds`]): its connection's own
+//! buffers ([`SESSION_BYTES`], taken when it starts), the client's DATA until it is written to
+//! the pod's socket, and each read from the pod's socket until the client's connection has taken
+//! it. A forward whose bytes do not fit waits.
 //!
 //! A pair left incomplete for [`super::session::STREAM_CREATION_TIMEOUT`] gets "timed out waiting
 //! for complete stream pair" on its error stream (as the kubelet). A stream of another type, or
@@ -39,7 +39,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use minicri_codecs::budget::{Budget, Input};
+use minicri_codecs::budget::{Input, Share};
 use minicri_codecs::spdy::conn::{self, Event, IncomingStream, MAX_DATA_CHUNK};
 use minicri_codecs::spdy::rst;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
@@ -74,6 +74,22 @@ const MAX_FORWARDS: usize = 512;
 /// and the header blocks being inflated.
 pub const SESSION_BYTES: usize = 64 << 10;
 
+/// What bounds a port-forward session's buffers: its pod's share of the node's total.
+#[derive(Clone, Debug)]
+pub struct Bounds {
+    pub share: Share,
+}
+
+/// How a session's SPDY connection reaches its client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Carrier {
+    /// On the upgraded connection itself.
+    Direct,
+    /// Tunnelled through WebSocket ([`super::ws::tunnel`]), whose buffers take the pod's bytes
+    /// after this session's (which are then relays, [`Share::relay`]).
+    Tunnel,
+}
+
 /// What the PortForward RPC accepted, kept under its token until the client connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PortForwardRequest {
@@ -107,14 +123,26 @@ pub fn parse_port(v: Option<&str>) -> Result<u16, String> {
     }
 }
 
-/// Runs one port-forward session on an upgraded connection, its buffers charged to `budget`.
-pub async fn serve<IO>(io: IO, req: PortForwardRequest, budget: Budget)
+/// Runs one port-forward session on an upgraded connection, its buffers held to `bounds`.
+pub async fn serve<IO>(io: IO, req: PortForwardRequest, bounds: Bounds)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let _own = budget.charge(SESSION_BYTES).await;
+    run(io, req, bounds, Carrier::Direct).await;
+}
+
+/// Runs one session whose SPDY connection is `io`, reaching the client by `carrier`.
+pub(super) async fn run<IO>(io: IO, req: PortForwardRequest, bounds: Bounds, carrier: Carrier)
+where
+    IO: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let _own = bounds.share.charge_session(SESSION_BYTES).await;
     let req = Arc::new(req);
-    let (conn, mut events) = conn::serve_budgeted(io, budget.clone());
+    let reads = match carrier {
+        Carrier::Direct => bounds.share.clone(),
+        Carrier::Tunnel => bounds.share.relay(),
+    };
+    let (conn, mut events) = conn::serve_budgeted(io, bounds.share.clone());
     // Tells the forwards in progress that the connection is gone.
     let (closed_tx, closed_rx) = watch::channel(false);
     let mut pairs: HashMap<String, (Instant, Pair)> = HashMap::new();
@@ -177,9 +205,9 @@ where
                 continue;
             };
             forwards += 1;
-            let (req, closed, budget) = (req.clone(), closed_rx.clone(), budget.clone());
+            let (req, closed, reads) = (req.clone(), closed_rx.clone(), reads.clone());
             tokio::spawn(async move {
-                forward(req, error, data, closed, budget).await;
+                forward(req, error, data, closed, reads).await;
                 drop(slot);
             });
         }
@@ -267,20 +295,21 @@ pub async fn dial(req: &PortForwardRequest, port: u16) -> Result<TcpStream, Stri
     })
 }
 
-/// Forwards one pair's connection; reports a failure on its error stream.
+/// Forwards one pair's connection, charging the pod's bytes read for the client to `reads`;
+/// reports a failure on its error stream.
 async fn forward(
     req: Arc<PortForwardRequest>,
     error: IncomingStream,
     data: IncomingStream,
     closed: watch::Receiver<bool>,
-    budget: Budget,
+    reads: Share,
 ) {
     let data_writer = data.writer.clone();
     let result = async {
         let port = parse_port(data.headers.get(PORT_HEADER))?;
         let socket = dial(&req, port).await?;
         tracing::debug!(sandbox = %req.sandbox_id, port, "port-forward connected");
-        copy(socket, data, closed, &budget).await
+        copy(socket, data, closed, &reads).await
     }
     .await;
     if let Err(msg) = result {
@@ -310,13 +339,13 @@ pub(super) async fn client_to_socket(
 
 /// Copies the pod's bytes to the client until the socket's EOF, or until the client cannot be
 /// written to (it reset the stream or went away); a read error is the text to report. A read
-/// waits until the socket has bytes, then for their room in `budget`, then takes at most
+/// waits until the socket has bytes, then for their room in the pod's share, then takes at most
 /// [`MAX_DATA_CHUNK`] into a buffer of its own that goes to the client's connection as it is:
 /// an idle forward holds no buffer, and one whose client does not read holds one.
 pub(super) async fn socket_to_client(
     rd: tokio::net::tcp::OwnedReadHalf,
     to: &Output,
-    budget: &Budget,
+    budget: &Share,
 ) -> Result<(), String> {
     let failed = |e: std::io::Error| format!("reading from the pod: {e}");
     loop {
@@ -347,7 +376,7 @@ async fn copy(
     socket: TcpStream,
     data: IncomingStream,
     mut closed: watch::Receiver<bool>,
-    budget: &Budget,
+    reads: &Share,
 ) -> Result<(), String> {
     let IncomingStream {
         data: from_client,
@@ -358,7 +387,7 @@ async fn copy(
     let to_socket = client_to_socket(from_client, wr);
     let we_closed = std::sync::atomic::AtomicBool::new(false);
     let to_client = async {
-        let res = socket_to_client(rd, &Output::Spdy(writer.clone()), budget).await;
+        let res = socket_to_client(rd, &Output::Spdy(writer.clone()), reads).await;
         we_closed.store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = writer.close().await;
         res
@@ -530,19 +559,15 @@ mod tests {
     }
 
     fn session() -> Peer<tokio::io::DuplexStream> {
-        session_with(Budget::new(64 << 20))
-    }
-
-    fn session_with(budget: Budget) -> Peer<tokio::io::DuplexStream> {
         let (client, server) = tokio::io::duplex(1 << 20);
-        tokio::spawn(serve(
-            server,
-            PortForwardRequest {
-                sandbox_id: "sb1".into(),
-                netns: None,
-            },
-            budget,
-        ));
+        let bounds = Bounds {
+            share: minicri_codecs::budget::Budget::new(64 << 20).share("sb1"),
+        };
+        let req = PortForwardRequest {
+            sandbox_id: "sb1".into(),
+            netns: None,
+        };
+        tokio::spawn(serve(server, req, bounds));
         Peer::new(client)
     }
 

@@ -14,16 +14,17 @@
 //! [`Conn::finish`] closes from the server side and waits a bounded time for the client's
 //! answer.
 //!
-//! Served with a [`Budget`] ([`serve_budgeted`], port-forward's), the bytes of each read are
-//! charged before the decoder takes them (frames and fragments being put together included),
-//! a whole message's share going with it ([`Event::Message`]), and messages sent with
+//! Served with a pod's [`Share`] of a budget ([`serve_budgeted`], port-forward's), the bytes of
+//! each read are charged before the decoder takes them (frames and fragments being put together
+//! included; the rest of a message under way is a top-up, [`Share::top_up`]), a whole
+//! message's part going with it ([`Event::Message`]), and messages sent with
 //! [`Sender::send_charged`] hold theirs until written. See [`minicri_codecs::budget`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use minicri_codecs::budget::{self, Budget, Charge, InputTx};
+use minicri_codecs::budget::{Charge, InputTx, Share};
 use minicri_codecs::spdy::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::mpsc;
@@ -147,12 +148,12 @@ where
     serve_with(io, IDLE_TIMEOUT, KEEPALIVE)
 }
 
-/// [`serve`], charging the client's messages to `budget` (see the module docs).
-pub fn serve_budgeted<IO>(io: IO, budget: Budget) -> (Conn, mpsc::Receiver<Event>)
+/// [`serve`], charging the client's messages to `share` (see the module docs).
+pub fn serve_budgeted<IO>(io: IO, share: Share) -> (Conn, mpsc::Receiver<Event>)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    start(io, IDLE_TIMEOUT, KEEPALIVE, Some(budget))
+    start(io, IDLE_TIMEOUT, KEEPALIVE, Some(share))
 }
 
 /// [`serve`], ending the connection after `idle` without a frame either way, and pinging the
@@ -168,7 +169,7 @@ fn start<IO>(
     io: IO,
     idle: Duration,
     keepalive: Duration,
-    budget: Option<Budget>,
+    budget: Option<Share>,
 ) -> (Conn, mpsc::Receiver<Event>)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
@@ -244,7 +245,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
     events: mpsc::Sender<Event>,
     live: Liveness,
     ended: CancellationToken,
-    budget: Option<Budget>,
+    budget: Option<Share>,
 ) {
     let mut decoder = Decoder::new(MAX_MESSAGE);
     let mut buf = vec![0u8; 64 * 1024];
@@ -263,9 +264,16 @@ async fn read_loop<R: AsyncRead + Unpin>(
             };
             live.touch();
             // What the decoder will hold is charged before it takes the bytes; a whole
-            // message takes its share along, and the rest is trimmed to what the decoder
-            // still holds once it has given out what it could.
-            held.merge(budget::charge(budget.as_ref(), n).await);
+            // message takes its part along, and the rest is trimmed to what the decoder
+            // still holds once it has given out what it could. A read that continues what the
+            // decoder holds only waits for the total, not for the pod's share: the pod's
+            // readers must not each hold part of a message waiting for the others' bytes.
+            let more = match &budget {
+                Some(share) if held.bytes() > 0 => share.top_up(n).await,
+                Some(share) => share.charge(n).await,
+                None => Charge::none(),
+            };
+            held.merge(more);
             decoder.feed(&buf[..n]);
             loop {
                 match decoder.next_message() {

@@ -14,14 +14,15 @@
 //!   server closes the connection (the client has no half-close here). The client closing the
 //!   connection stops them all.
 //!
-//! Both charge what they buffer to the node's port-forward total ([`minicri_codecs::budget`]):
-//! the WebSocket connection's own buffers when the session starts ([`SESSION_BYTES`],
-//! [`TUNNEL_BYTES`]), each message of the client until it is handed on, and what goes back to
-//! the client until it is written.
+//! Both charge what they buffer to the pod's share of the node's port-forward total
+//! ([`minicri_codecs::budget`]): the WebSocket connection's own buffers when the session starts
+//! ([`SESSION_BYTES`], [`TUNNEL_BYTES`]), each message of the client until it is handed on (in
+//! the tunnelled form, to the SPDY connection inside: relays), and what goes back to the client
+//! until it is written.
 
 use std::sync::Arc;
 
-use minicri_codecs::budget::{self, Budget, InputTx};
+use minicri_codecs::budget::{self, InputTx, Share};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -30,7 +31,7 @@ use super::channels::ChannelWriter;
 use super::close;
 use super::conn::{self, Event};
 use crate::stream::portforward::{
-    PortForwardRequest, client_to_socket, dial, parse_port, socket_to_client,
+    self, Bounds, Carrier, PortForwardRequest, client_to_socket, dial, parse_port, socket_to_client,
 };
 use crate::stream::session::{LINGER, Output};
 
@@ -75,23 +76,26 @@ pub fn ports_from_query(query: Option<&str>) -> Result<Vec<u16>, String> {
 }
 
 /// Serves the tunnelled form on `io` (the handshake is done).
-pub async fn serve_tunnel<IO>(io: IO, req: PortForwardRequest, budget: Budget)
+pub async fn serve_tunnel<IO>(io: IO, req: PortForwardRequest, bounds: Bounds)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let _own = budget.charge(SESSION_BYTES + TUNNEL_BYTES).await;
-    let (c, events) = conn::serve_budgeted(io, budget.clone());
-    let stream = super::tunnel::byte_stream(c, events, Some(budget.clone()));
-    crate::stream::portforward::serve(stream, req, budget).await;
+    let share = &bounds.share;
+    let _own = share.charge_session(SESSION_BYTES + TUNNEL_BYTES).await;
+    // The client's messages go on to the SPDY connection's buffers: relays.
+    let (c, events) = conn::serve_budgeted(io, share.relay());
+    let stream = super::tunnel::byte_stream(c, events, Some(share.clone()));
+    portforward::run(stream, req, bounds, Carrier::Tunnel).await;
 }
 
 /// Serves the channel form on `io` (the handshake is done) for `ports`.
-pub async fn serve_channels<IO>(io: IO, req: PortForwardRequest, ports: Vec<u16>, budget: Budget)
+pub async fn serve_channels<IO>(io: IO, req: PortForwardRequest, ports: Vec<u16>, bounds: Bounds)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let _own = budget.charge(SESSION_BYTES).await;
-    let (c, events) = conn::serve_budgeted(io, budget.clone());
+    let share = &bounds.share;
+    let _own = share.charge_session(SESSION_BYTES).await;
+    let (c, events) = conn::serve_budgeted(io, share.clone());
     let req = Arc::new(req);
     let (gone_tx, gone) = watch::channel(false);
     let mut inputs = Vec::new();
@@ -108,7 +112,7 @@ where
             }
         }
         let (req, sender, gone) = (req.clone(), c.sender.clone(), gone.clone());
-        forwards.spawn(forward(req, port, data, rx, sender, gone, budget.clone()));
+        forwards.spawn(forward(req, port, data, rx, sender, gone, share.clone()));
     }
     tokio::spawn(demux(events, c.ended.clone(), inputs, gone_tx));
     let mut gone_now = gone.clone();
@@ -155,7 +159,7 @@ async fn forward(
     from_client: budget::Input,
     sender: conn::Sender,
     mut gone: watch::Receiver<bool>,
-    budget: Budget,
+    share: Share,
 ) {
     let socket = match dial(&req, port).await {
         Ok(s) => s,
@@ -171,7 +175,7 @@ async fn forward(
     let to_socket = tokio::spawn(client_to_socket(from_client, wr));
     let to_client = async {
         let data = Output::Ws(ChannelWriter::new(channel, sender.clone()));
-        if let Err(msg) = socket_to_client(rd, &data, &budget).await {
+        if let Err(msg) = socket_to_client(rd, &data, &share).await {
             let _ = ChannelWriter::new(channel + 1, sender)
                 .write(msg.as_bytes())
                 .await;
@@ -231,12 +235,10 @@ mod tests {
             sandbox_id: "sb1".into(),
             netns: None,
         };
-        tokio::spawn(serve_channels(
-            b,
-            req,
-            vec![port, closed],
-            Budget::new(64 << 20),
-        ));
+        let bounds = Bounds {
+            share: minicri_codecs::budget::Budget::new(64 << 20).share("sb1"),
+        };
+        tokio::spawn(serve_channels(b, req, vec![port, closed], bounds));
         let mut c = Client::new(a);
         let mut by_channel: std::collections::HashMap<u8, Vec<Vec<u8>>> = Default::default();
         // Each channel's first message is its port, little-endian.

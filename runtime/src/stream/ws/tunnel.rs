@@ -7,9 +7,10 @@
 //! as messages of at most [`MAX_DATA_CHUNK`] bytes (the caller's EOF: a close frame, then up to
 //! [`LINGER`] for the client's answer). Neither direction buffers more than the pipe and the
 //! connection's queues. With a budget (port-forward), each message's charge is held until the
-//! pipe has taken its bytes, and each read going out is charged until it is written.
+//! pipe has taken its bytes, and each read going out is charged (to the share given, the pod's
+//! last hop) until it is written.
 
-use minicri_codecs::budget::{self, Budget};
+use minicri_codecs::budget::{self, Share};
 use minicri_codecs::spdy::conn::MAX_DATA_CHUNK;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 use tokio::sync::mpsc;
@@ -25,7 +26,7 @@ const PIPE: usize = 64 * 1024;
 pub fn byte_stream(
     conn: Conn,
     mut events: mpsc::Receiver<Event>,
-    budget: Option<Budget>,
+    budget: Option<Share>,
 ) -> DuplexStream {
     let (theirs, ours) = tokio::io::duplex(PIPE);
     let (mut rd, mut wr) = tokio::io::split(ours);
