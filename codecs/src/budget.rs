@@ -46,16 +46,16 @@
 //! WebSocket session. With the default 64 MiB: 32 MiB with two pods present, 2 MiB each from 32
 //! pods on; alone, the whole 64 MiB. What a pod took while alone (or before others came) is not
 //! taken back: it is given back as its bytes move on, and what is given back goes to the pods
-//! within their limits first; bytes that do not move (a peer that does not read) are held until
-//! their session ends.
+//! within their limits first; bytes that do not move (a peer that does not read) are released
+//! when the runtime closes the stalled session or forward (`port_forward_stall_timeout`).
 //!
 //! **Progress.** A last-hop charge is at most [`MIN_SHARE`] `≤ L`: the limit refuses it only
 //! while its pod holds last-hop bytes, which move on without any further charge (to a socket or
 //! the client's connection). Eligible and first in line, it waits only for bytes to be given
 //! back: relays and sessions' buffers never hold more than `T - R`, so the rest is held by last
 //! hops, which move on. A relay's bytes move on once the last-hop charge after them is granted,
-//! which never waits for relays. So every charge is granted unless some peer stops reading.
-//! (With a total under `2 * MIN_SHARE`, 4 MiB, a DATA
+//! which never waits for relays. So every charge is granted unless some peer stops reading, and
+//! that is what the stall timeout bounds. (With a total under `2 * MIN_SHARE`, 4 MiB, a DATA
 //! frame over 512 KiB in a tunnel can need more than `R`.)
 //!
 //! Left as it was before the shares: a WebSocket message under way holds its bytes until its
