@@ -714,6 +714,7 @@ mod tests {
             "--pull-priority-namespace=ns",
             "--allow-own-path-mount=/",
             "--port-forward-buffer-bytes=3000000",
+            "--port-forward-stall-timeout=21",
         ])
         .unwrap();
         let (d, p) = (&c.daemon, &c.pull);
@@ -782,6 +783,7 @@ mod tests {
         assert_eq!(p.priority_namespaces, vec!["ns".to_string()]);
         assert_eq!(c.runtime.allow_own_path_mounts, vec![PathBuf::from("/")]);
         assert_eq!(c.stream.port_forward_buffer_bytes, 3_000_000);
+        assert_eq!(c.stream.port_forward_stall_timeout, 21.0);
     }
 
     /// `serve --help` shows each key's default, taken from its section's `Default`.

@@ -113,7 +113,13 @@ impl Daemon {
         }
         let streaming = Arc::new(
             crate::stream::StreamServer::bind(config.stream.address)?
-                .with_port_forward_buffer(config.stream.port_forward_buffer_bytes),
+                .with_port_forward_buffer(config.stream.port_forward_buffer_bytes)
+                .with_port_forward_stall(
+                    config
+                        .stream
+                        .port_forward_stall()
+                        .map_err(anyhow::Error::msg)?,
+                ),
         );
         let mut space = vec![content_space];
         if !Arc::ptr_eq(&space[0], &snapshots_space) {

@@ -324,6 +324,18 @@ impl PortForward {
         self.s.data(data_id, data, false).await
     }
 
+    /// Reads and drops frames until the server closes the connection (EOF, or a reset: a server
+    /// may drop a connection it still had bytes for); the bytes of DATA read.
+    pub async fn read_until_closed(&mut self) -> usize {
+        let mut got = 0;
+        while let Ok(Some((kind, _, _, payload))) = self.s.frame().await {
+            if kind.is_none() {
+                got += payload.len();
+            }
+        }
+        got
+    }
+
     /// Reads frames until `n` bytes have come on the data stream `data_id` (others' DATA is
     /// dropped); fails if the stream ends or is reset first.
     pub async fn read_data(&mut self, data_id: u32, n: usize) -> anyhow::Result<()> {

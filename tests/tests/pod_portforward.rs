@@ -3,8 +3,10 @@
 //! client-go) connects to it and forwards TCP connections to a busybox httpd listening on
 //! 127.0.0.1:8080 inside the pod's network namespace. Also: two connections on one session, a
 //! refused connection reported on the error stream, a token works once, the RPC's refusals, and
-//! a host-network pod forwarding to the host's loopback, and the node-wide total of what the
-//! sessions buffer holding under clients and pods that never read.
+//! a host-network pod forwarding to the host's loopback, the node-wide total of what the
+//! sessions buffer holding under clients and pods that never read, and one pod's client that
+//! never reads neither stalling another pod's port-forward nor holding its part for longer
+//! than the stall timeout.
 //!
 //! Root only, with runc and Debian's CNI plugins ([`skip_reason`]).
 
@@ -204,6 +206,23 @@ async fn drained(metrics: &str) -> u64 {
     left
 }
 
+/// Waits until port 8080 of pod `sb` sends (its server starts in the background): a forward
+/// reads 1 MiB from it.
+async fn until_8080_sends(c: &mut RuntimeClient, sb: &str) {
+    for _ in 0..100 {
+        let mut pf = PortForward::connect(&port_forward(c, sb, &[]).await.unwrap())
+            .await
+            .unwrap();
+        let (_, data) = pf.open(8080).await.unwrap();
+        let read = tokio::time::timeout(Duration::from_secs(5), pf.read_data(data, 1 << 20));
+        if let Ok(Ok(())) = read.await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("port 8080 of pod {sb} did not send");
+}
+
 /// Pushes 1 MiB DATA frames round-robin on `streams` of `pf` until a frame has not gone out in
 /// 3 s (the daemon stopped reading) or `most` bytes went: the bytes pushed.
 async fn push_until_held(pf: &mut PortForward, streams: &[u32], most: usize) -> usize {
@@ -263,21 +282,8 @@ async fn port_forward_buffers_stay_under_the_node_total() {
         sh_container_config("flood", &image, script),
     )
     .await;
-    // Both listen (nc starts in the background): a forward reads from 8080.
-    let mut ready = false;
-    for _ in 0..100 {
-        let mut pf = PortForward::connect(&port_forward(&mut c, &sb, &[]).await.unwrap())
-            .await
-            .unwrap();
-        let (_, data) = pf.open(8080).await.unwrap();
-        let read = tokio::time::timeout(Duration::from_secs(5), pf.read_data(data, 1 << 20));
-        if let Ok(Ok(())) = read.await {
-            ready = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(ready, "the pod's port 8080 did not send");
+    // Both listen (nc starts in the background).
+    until_8080_sends(&mut c, &sb).await;
     let pid = env.daemon.pid().expect("daemon pid");
     assert_eq!(
         drained(&metrics).await,
@@ -401,4 +407,154 @@ async fn port_forward_buffers_stay_under_the_node_total() {
         .unwrap();
     drop(pf);
     stop_and_remove_pod(&mut c, &sb).await;
+}
+
+/// A port-forward client of one pod that never reads cannot stall another pod's port-forward,
+/// and holds its part of the total for the stall timeout at most. With an 8 MiB total and a
+/// 3 s stall timeout: pod B's client connects; pod A's client opens 4 sessions of 32
+/// connections each to a port that sends without end and reads none of it, more than the
+/// whole total would take; A stops at its share (half, two pods present) with reads waiting.
+/// B's forward then reads 16 MiB, twice the total, while A's sessions are still open and their
+/// client still reads nothing. A's sessions are closed about 3 s after they stalled, each with
+/// a warning naming the pod, its port and the setting; their connections end and their bytes
+/// are given back. (With one pool for the node, B's reads waited behind A's for good.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_never_reads_cannot_stall_another_pods_port_forward() {
+    use minicri_tests::pull_env::{free_metrics_address, sample, scrape};
+    use tokio::time::Instant;
+    if let Some(why) = skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    const LIMIT: u64 = 8 << 20;
+    const STALL: Duration = Duration::from_secs(3);
+    const KEY: &str = "stream.port_forward_stall_timeout";
+    const CLOSED: &str = "port-forward session closed: its client stopped reading";
+    let metrics = free_metrics_address();
+    let limit = LIMIT.to_string();
+    let stall = STALL.as_secs().to_string();
+    let env = PodEnv::with_args(&[
+        "--port-forward-buffer-bytes",
+        &limit,
+        "--port-forward-stall-timeout",
+        &stall,
+        "--metrics-address",
+        &metrics,
+    ])
+    .await;
+    let image = env.pull_busybox().await;
+    let mut c = env.runtime().await;
+    // Two pods whose port 8080 sends zeros to each connection without end.
+    let mut pods = Vec::new();
+    for name in ["pf-hog", "pf-other"] {
+        let pod = pod_config(name, env.logs.path());
+        let sb = run_pod(&mut c, &pod).await;
+        let zeros = sh_container_config("zeros", &image, "exec nc -ll -p 8080 -e cat /dev/zero");
+        run_container(&mut c, &sb, &pod, zeros).await;
+        until_8080_sends(&mut c, &sb).await;
+        pods.push(sb);
+    }
+    let (hog, other) = (pods[0].clone(), pods[1].clone());
+    assert_eq!(drained(&metrics).await, 0, "the first sessions' bytes stay");
+
+    // B's client connects (its session's own buffers make B present), then A's never reads.
+    let mut b = PortForward::connect(&port_forward(&mut c, &other, &[]).await.unwrap())
+        .await
+        .unwrap();
+    let hog_start = Instant::now();
+    let mut hogs = Vec::new();
+    for _ in 0..4 {
+        let url = port_forward(&mut c, &hog, &[]).await.unwrap();
+        let mut pf = PortForward::connect(&url).await.unwrap();
+        for _ in 0..32 {
+            pf.open(8080).await.unwrap();
+        }
+        hogs.push(pf);
+    }
+    let mut held = (0, 0);
+    for _ in 0..100 {
+        let text = scrape(&metrics).await;
+        held = (
+            sample(&text, "minicri_port_forward_buffered_bytes"),
+            sample(&text, "minicri_port_forward_buffer_waiting"),
+        );
+        if held.0 >= LIMIT / 2 && held.1 > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (buffered, waiting) = held;
+    eprintln!(
+        "A held {buffered} B with {waiting} reads waiting after {:?}",
+        hog_start.elapsed()
+    );
+    assert!(
+        buffered >= LIMIT / 2 && waiting > 0,
+        "A's client did not fill its share: {buffered} B, {waiting} waiting"
+    );
+
+    // B reads twice the total, while A's client still reads nothing.
+    let b_start = Instant::now();
+    let (_, data) = b.open(8080).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), b.read_data(data, 16 << 20))
+        .await
+        .expect("B's 16 MiB within 30 s")
+        .unwrap();
+    let b_took = b_start.elapsed();
+    eprintln!(
+        "B read 16 MiB in {b_took:?}, {:?} after A's client connected",
+        hog_start.elapsed()
+    );
+    let log = env.daemon.log();
+    assert!(
+        !log.contains(CLOSED),
+        "A's sessions were closed before B's transfer ended ({b_took:?}): B waited for A"
+    );
+    drop(b);
+    assert!(
+        buffered < LIMIT - (1 << 20),
+        "A took more than its share: {buffered} B"
+    );
+
+    // A's sessions are closed after the stall timeout, each with a warning naming the pod, its
+    // port and the setting.
+    let deadline = hog_start + STALL + Duration::from_secs(15);
+    let lines = loop {
+        let log = env.daemon.log();
+        let lines: Vec<String> = log
+            .lines()
+            .filter(|l| l.contains(CLOSED))
+            .map(str::to_string)
+            .collect();
+        if lines.len() >= 4 || Instant::now() > deadline {
+            break lines;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let closed_after = hog_start.elapsed();
+    eprintln!("A's sessions closed {closed_after:?} after its client connected");
+    assert_eq!(lines.len(), 4, "{lines:#?}");
+    eprintln!("{}", lines[0]);
+    for l in &lines {
+        assert!(
+            l.contains(&hog) && l.contains("8080") && l.contains(KEY),
+            "{l}"
+        );
+    }
+    assert!(closed_after >= STALL, "closed after {closed_after:?}");
+    // Their connections end: what the client had not read, then EOF.
+    for mut pf in hogs {
+        let left = tokio::time::timeout(Duration::from_secs(10), pf.read_until_closed())
+            .await
+            .expect("A's connection closed");
+        eprintln!("a closed session of A left {} KiB unread", left >> 10);
+    }
+    assert_eq!(
+        drained(&metrics).await,
+        0,
+        "bytes still charged after the sessions ended"
+    );
+    for sb in &pods {
+        stop_and_remove_pod(&mut c, sb).await;
+    }
 }

@@ -13,11 +13,14 @@
 //! ends (EOF, I/O or protocol error, [`Handle::close`]) every channel ends, waiting writers give
 //! up and [`Event::Closed`] is the last event.
 //!
-//! A connection served with a [`Budget`] ([`serve_budgeted`], port-forward's) charges what it
-//! buffers of the peer's DATA: a DATA frame's payload before it is read (twice a frame larger
-//! than [`MAX_DATA_CHUNK`], which is copied into pieces), each piece's share going with it to
-//! its consumer ([`Input`]); DATA this side sends with [`StreamWriter::write_charged`] holds its
-//! charge until the writer has written it. See [`crate::budget`].
+//! A connection served with a pod's [`Share`] of a budget ([`serve_budgeted`], port-forward's)
+//! charges what it buffers of the peer's DATA: a DATA frame's payload before it is read (twice a
+//! frame larger than [`MAX_DATA_CHUNK`], which is copied into pieces), each piece's part going
+//! with it to its consumer ([`Input`]); DATA this side sends with
+//! [`StreamWriter::write_charged`] holds its charge until the writer has written it. See
+//! [`crate::budget`]. Served with a [`Stall`] limit too, a frame the client does not take within
+//! it, or a stream's flow-control window it does not open within it, ends the connection
+//! ([`super::liveness`]): what the client does not read is then no longer held.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,9 +32,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::flow::{RecvWindow, SendBlocked, SendWindows};
 use super::headers::{HeaderCompressor, HeaderDecompressor, Headers};
-use super::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
+use super::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness, Stall};
 use super::{FLAG_FIN, FLAG_UNIDIRECTIONAL, Frame, SpdyError, decode, encode, goaway, rst};
-use crate::budget::{self, Budget, Charge, Input, InputTx};
+use crate::budget::{self, Charge, Input, InputTx, Share};
 
 /// Largest DATA frame this side sends.
 pub const MAX_DATA_CHUNK: usize = 32 * 1024;
@@ -77,6 +80,8 @@ pub struct StreamWriter {
     id: u32,
     out: mpsc::Sender<Outgoing>,
     windows: Arc<SendWindows>,
+    /// The connection's, for its stall limit on flow-control windows.
+    live: Liveness,
 }
 
 impl std::fmt::Debug for StreamWriter {
@@ -90,13 +95,21 @@ impl StreamWriter {
         self.id
     }
 
+    /// Takes up to `want` bytes of the send windows, waiting for the peer's WINDOW_UPDATE at most
+    /// the connection's stall limit (then the connection is over).
+    async fn reserve(&self, want: usize) -> Result<usize, SendBlocked> {
+        let what = format!("a flow-control window for stream {}", self.id);
+        let wait = self.windows.reserve(self.id, want);
+        self.live
+            .within_stall(&what, wait)
+            .await
+            .unwrap_or(Err(SendBlocked::Closed))
+    }
+
     /// Sends `data` as DATA frames of at most [`MAX_DATA_CHUNK`] bytes, within the send windows.
     pub async fn write(&self, mut data: &[u8]) -> Result<(), SendBlocked> {
         while !data.is_empty() {
-            let n = self
-                .windows
-                .reserve(self.id, data.len().min(MAX_DATA_CHUNK))
-                .await?;
+            let n = self.reserve(data.len().min(MAX_DATA_CHUNK)).await?;
             let frame = Frame::Data {
                 stream_id: self.id,
                 flags: 0,
@@ -120,7 +133,7 @@ impl StreamWriter {
         if data.is_empty() {
             return Ok(());
         }
-        let n = self.windows.reserve(self.id, data.len()).await?;
+        let n = self.reserve(data.len()).await?;
         if n == data.len() {
             let frame = Frame::Data {
                 stream_id: self.id,
@@ -232,12 +245,21 @@ where
     serve_with(io, IDLE_TIMEOUT, KEEPALIVE)
 }
 
-/// [`serve`], charging the peer's DATA to `budget` (see the module docs).
-pub fn serve_budgeted<IO>(io: IO, budget: Budget) -> (Handle, mpsc::Receiver<Event>)
+/// [`serve`], charging the peer's DATA to `share`, and ending the connection when the client
+/// stalls past `stall` (see the module docs).
+pub fn serve_budgeted<IO>(
+    io: IO,
+    share: Share,
+    stall: Option<Stall>,
+) -> (Handle, mpsc::Receiver<Event>)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    start(io, IDLE_TIMEOUT, KEEPALIVE, Some(budget))
+    start(
+        io,
+        Liveness::new(IDLE_TIMEOUT, KEEPALIVE, stall),
+        Some(share),
+    )
 }
 
 /// [`serve`], ending the connection after `idle` without a frame either way, and pinging the
@@ -250,19 +272,13 @@ pub fn serve_with<IO>(
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    start(io, idle, keepalive, None)
+    start(io, Liveness::new(idle, keepalive, None), None)
 }
 
-fn start<IO>(
-    io: IO,
-    idle: Duration,
-    keepalive: Duration,
-    budget: Option<Budget>,
-) -> (Handle, mpsc::Receiver<Event>)
+fn start<IO>(io: IO, live: Liveness, budget: Option<Share>) -> (Handle, mpsc::Receiver<Event>)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let live = Liveness::new(idle, keepalive);
     let (rd, wr) = tokio::io::split(io);
     let (out_tx, out_rx) = mpsc::channel(64);
     let (ev_tx, ev_rx) = mpsc::channel(16);
@@ -330,11 +346,18 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             tracing::warn!(error = %e, "cannot encode a SPDY frame");
             continue;
         }
-        let mut res = wr.write_all(&buf).await;
-        // Flush when nothing else is queued: batches frames without delaying the last one.
-        if res.is_ok() && rx.is_empty() {
-            res = wr.flush().await;
-        }
+        let write = async {
+            wr.write_all(&buf).await?;
+            // Flush when nothing else is queued: batches frames without delaying the last one.
+            if rx.is_empty() {
+                wr.flush().await?;
+            }
+            Ok::<_, std::io::Error>(())
+        };
+        let Some(res) = live.within_stall("a frame sent to it", write).await else {
+            // What is queued, and its charges, go with the writer.
+            break;
+        };
         if let Err(e) = res {
             tracing::debug!(error = %e, "SPDY connection write failed");
             live.write_failed();
@@ -364,7 +387,7 @@ struct Reader {
     goaway: bool,
     session_recv: RecvWindow,
     /// What the peer's DATA is charged to (port-forward's connections).
-    budget: Option<Budget>,
+    budget: Option<Share>,
 }
 
 impl Reader {
@@ -480,6 +503,7 @@ impl Reader {
                         id: stream_id,
                         out: self.out.clone(),
                         windows: self.windows.clone(),
+                        live: self.live.clone(),
                     },
                 };
                 let _ = self.events.send(Event::Stream(stream)).await;
@@ -602,13 +626,13 @@ impl Reader {
     }
 }
 
-/// Reads one frame; `None` at a clean end of the connection (EOF between frames).
-/// Reads one frame; a DATA frame's payload is charged to `budget` before it is read (twice when
-/// it is larger than [`MAX_DATA_CHUNK`]: its pieces are copies while it lives).
+/// Reads one frame; `None` at a clean end of the connection (EOF between frames). A DATA
+/// frame's payload is charged to `budget` before it is read (twice when it is larger than
+/// [`MAX_DATA_CHUNK`]: its pieces are copies while it lives).
 async fn read_frame<R: AsyncRead + Unpin>(
     rd: &mut R,
     z: &mut HeaderDecompressor,
-    budget: Option<&Budget>,
+    budget: Option<&Share>,
 ) -> Result<Option<(Frame, Charge)>, SpdyError> {
     let mut header = [0u8; 8];
     let mut got = 0;
@@ -816,6 +840,74 @@ mod tests {
         flood_until_the_reader_waits(&mut peer).await;
         let why = closed_within(&mut ev, Duration::from_secs(10)).await;
         assert!(why.contains("no frame in either direction"), "{why}");
+    }
+
+    /// A port-forward client that keeps its connection but stops reading: the frame the writer
+    /// cannot get out ends the connection after the stall limit, naming the setting, and the
+    /// bytes queued behind it are given back.
+    #[tokio::test]
+    async fn a_client_that_stops_reading_is_closed_after_the_stall_limit() {
+        let (a, b) = tokio::io::duplex(64 << 10);
+        let budget = crate::budget::Budget::new(64 << 20);
+        let stall = Stall {
+            after: Duration::from_millis(300),
+            setting: "stream.some_timeout",
+        };
+        let (_h, mut ev) = serve_budgeted(b, budget.share("pod"), Some(stall));
+        let mut peer = Peer::new(a);
+        peer.open(1, "data").await;
+        let s = next_stream(&mut ev).await;
+        let share = budget.share("pod");
+        let start = tokio::time::Instant::now();
+        let sender = tokio::spawn(async move {
+            loop {
+                let charge = share.charge(MAX_DATA_CHUNK).await;
+                let piece = vec![7u8; MAX_DATA_CHUNK];
+                if s.writer.write_charged(piece, charge).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let why = closed_within(&mut ev, Duration::from_secs(10)).await;
+        assert!(super::super::liveness::is_stall(&why), "{why}");
+        assert!(why.contains("stream.some_timeout"), "{why}");
+        assert!(start.elapsed() >= stall.after);
+        tokio::time::timeout(Duration::from_secs(5), sender)
+            .await
+            .expect("the session's writes fail")
+            .unwrap();
+        assert_eq!(
+            budget.in_use(),
+            0,
+            "the queued frames' charges are given back"
+        );
+    }
+
+    /// A client that does flow control and opens no window for a stream stalls it likewise.
+    #[tokio::test]
+    async fn a_window_never_opened_is_a_stall() {
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let budget = crate::budget::Budget::new(64 << 20);
+        let stall = Stall {
+            after: Duration::from_millis(300),
+            setting: "stream.some_timeout",
+        };
+        let (_h, mut ev) = serve_budgeted(b, budget.share("pod"), Some(stall));
+        let mut peer = Peer::new(a);
+        peer.send(Frame::Settings {
+            flags: 0,
+            entries: vec![Setting {
+                flags: 0,
+                id: crate::spdy::SETTINGS_INITIAL_WINDOW_SIZE,
+                value: 10,
+            }],
+        })
+        .await;
+        peer.open(1, "data").await;
+        let s = next_stream(&mut ev).await;
+        assert_eq!(s.writer.write(&[1; 100]).await, Err(SendBlocked::Closed));
+        let why = closed_within(&mut ev, Duration::from_secs(10)).await;
+        assert!(why.contains("flow-control window for stream 1"), "{why}");
     }
 
     #[tokio::test]

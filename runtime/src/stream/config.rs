@@ -1,8 +1,12 @@
 //! The `[stream]` section of the daemon's configuration: where the streaming server (exec,
-//! attach, port-forward) listens and what its port-forwards may buffer. Each field is a key of
-//! the section and a flag of `minicri serve`; its default is in [`Default`] only.
+//! attach, port-forward) listens, what its port-forwards may buffer and how long their bytes
+//! may wait for a peer that does not read. Each field is a key of the section and a flag of
+//! `minicri serve`; its default is in [`Default`] only.
 
 use std::net::SocketAddr;
+use std::time::Duration;
+
+use minicri_store::pull::settings::seconds_or_off;
 
 use clap::Args;
 use serde::{Deserialize, Serialize};
@@ -12,6 +16,8 @@ pub const DEFAULT_PORT_FORWARD_BUFFER_BYTES: u64 = 64 << 20;
 /// The least `port_forward_buffer_bytes` taken: a SPDY DATA frame of up to 1 MiB is charged
 /// whole before it is read, so the total must hold one with room for the other direction.
 pub const MIN_PORT_FORWARD_BUFFER_BYTES: u64 = 2 << 20;
+/// The key of `port_forward_stall_timeout`, as the messages of stalled port-forwards name it.
+pub const PORT_FORWARD_STALL_KEY: &str = "stream.port_forward_stall_timeout";
 
 /// `[stream]`: the streaming server.
 #[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
@@ -28,6 +34,13 @@ pub struct StreamSettings {
     /// it, forwards wait until bytes are delivered. At least 2097152 (2 MiB).
     #[arg(long, value_name = "BYTES")]
     pub port_forward_buffer_bytes: u64,
+
+    /// Seconds a port-forward's bytes may wait for a peer that does not read them: a client
+    /// that has taken no frame of its session in that time has its session closed, a pod that
+    /// has taken no byte of a forwarded connection has that connection closed, so neither holds
+    /// its part of port_forward_buffer_bytes for longer (0: never).
+    #[arg(long, value_name = "SECONDS")]
+    pub port_forward_stall_timeout: f64,
 }
 
 impl Default for StreamSettings {
@@ -35,6 +48,7 @@ impl Default for StreamSettings {
         StreamSettings {
             address: SocketAddr::from(([127, 0, 0, 1], 0)),
             port_forward_buffer_bytes: DEFAULT_PORT_FORWARD_BUFFER_BYTES,
+            port_forward_stall_timeout: 60.0,
         }
     }
 }
@@ -55,7 +69,13 @@ impl StreamSettings {
                  {MIN_PORT_FORWARD_BUFFER_BYTES} (2 MiB)"
             ));
         }
+        self.port_forward_stall()?;
         Ok(())
+    }
+
+    /// `port_forward_stall_timeout` (`None`: off).
+    pub fn port_forward_stall(&self) -> Result<Option<Duration>, String> {
+        seconds_or_off(PORT_FORWARD_STALL_KEY, self.port_forward_stall_timeout)
     }
 }
 
@@ -103,5 +123,26 @@ mod tests {
         assert!(with(2 << 20).is_ok());
         let err = with((2 << 20) - 1).unwrap_err();
         assert!(err.contains("stream.port_forward_buffer_bytes"), "{err}");
+    }
+
+    #[test]
+    fn port_forward_stall_timeout_is_a_minute_by_default_and_zero_turns_it_off() {
+        let with = |t: f64| StreamSettings {
+            port_forward_stall_timeout: t,
+            ..Default::default()
+        };
+        assert_eq!(
+            StreamSettings::default().port_forward_stall(),
+            Ok(Some(Duration::from_secs(60)))
+        );
+        assert_eq!(
+            with(2.5).port_forward_stall(),
+            Ok(Some(Duration::from_millis(2500)))
+        );
+        assert_eq!(with(0.0).port_forward_stall(), Ok(None));
+        for bad in [-1.0, f64::NAN, 1e10] {
+            let err = with(bad).validate().unwrap_err();
+            assert!(err.contains(PORT_FORWARD_STALL_KEY), "{bad}: {err}");
+        }
     }
 }

@@ -317,7 +317,7 @@ fn port_forward(mut req: Request<Incoming>, token: &str, server: &StreamServer) 
     };
     let on_upgrade = hyper::upgrade::on(&mut req);
     let websocket = up.is_websocket();
-    let budget = server.port_forward_budget().clone();
+    let bounds = server.port_forward_bounds(&pf.sandbox_id);
     tokio::spawn(async move {
         let _slot = slot;
         let io = match on_upgrade.await {
@@ -327,9 +327,9 @@ fn port_forward(mut req: Request<Incoming>, token: &str, server: &StreamServer) 
             }
         };
         match (websocket, channel_ports) {
-            (false, _) => serve(io, pf, budget).await,
-            (true, None) => ws::portforward::serve_tunnel(io, pf, budget).await,
-            (true, Some(ports)) => ws::portforward::serve_channels(io, pf, ports, budget).await,
+            (false, _) => serve(io, pf, bounds).await,
+            (true, None) => ws::portforward::serve_tunnel(io, pf, bounds).await,
+            (true, Some(ports)) => ws::portforward::serve_channels(io, pf, ports, bounds).await,
         }
     });
     switching(&up, chosen.as_deref())

@@ -24,7 +24,7 @@
 //! - [`portforward`]: one port-forward session (`portforward.k8s.io`): TCP connections into
 //!   the pod's network namespace;
 //! - [`minicri_codecs::budget`]: the node-wide total of bytes port-forward sessions hold
-//!   buffered;
+//!   buffered, and each pod's share of it;
 //! - [`pty`]: a pty master as async I/O, and terminal resizes (exec with a tty).
 //!
 //! Attach shares exec's upgrade and streams; the container's stdio comes from its shim.
@@ -132,6 +132,8 @@ pub struct StreamServer {
     max_pod_sessions: usize,
     /// What the port-forward sessions buffer, node-wide (`port_forward_buffer_bytes`).
     port_forward_budget: budget::Budget,
+    /// How long port-forwards' bytes may wait for a peer (`port_forward_stall_timeout`).
+    port_forward_stall: Option<Duration>,
 }
 
 impl StreamServer {
@@ -149,6 +151,9 @@ impl StreamServer {
             pod_sessions: Arc::new(Mutex::new(HashMap::new())),
             max_pod_sessions: MAX_POD_SESSIONS,
             port_forward_budget: budget::Budget::new(config::DEFAULT_PORT_FORWARD_BUFFER_BYTES),
+            port_forward_stall: config::StreamSettings::default()
+                .port_forward_stall()
+                .map_err(anyhow::Error::msg)?,
         })
     }
 
@@ -158,9 +163,24 @@ impl StreamServer {
         self
     }
 
+    /// Port-forwards whose bytes wait `stall` for a peer are closed (`None`: never).
+    pub fn with_port_forward_stall(mut self, stall: Option<Duration>) -> StreamServer {
+        self.port_forward_stall = stall;
+        self
+    }
+
     /// The port-forward sessions' total and what they hold of it.
     pub fn port_forward_budget(&self) -> &budget::Budget {
         &self.port_forward_budget
+    }
+
+    /// What bounds a port-forward session into `pod`: the pod's share of the node's total and
+    /// the stall timeout.
+    pub fn port_forward_bounds(&self, pod: &str) -> portforward::Bounds {
+        portforward::Bounds {
+            share: self.port_forward_budget.share(pod),
+            stall: self.port_forward_stall,
+        }
     }
 
     /// The address actually bound.

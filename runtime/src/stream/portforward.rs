@@ -23,30 +23,36 @@
 //! The same session runs on SPDY tunnelled through WebSocket; WebSocket clients may also use the
 //! kubelet's per-port channel form ([`super::ws::portforward`]); [`super::http`] picks.
 //!
-//! Everything a session buffers counts against the node's port-forward total
-//! ([`minicri_codecs::budget`], `port_forward_buffer_bytes`): its connection's own buffers
-//! ([`SESSION_BYTES`], taken when it starts), the client's DATA until it is written to the pod's
-//! socket, and each read from the pod's socket until the client's connection has taken it. A
-//! forward whose bytes do not fit waits.
+//! Everything a session buffers counts against its pod's share of the node's port-forward total
+//! ([`minicri_codecs::budget`], `port_forward_buffer_bytes`; [`Bounds`]): its connection's own
+//! buffers ([`SESSION_BYTES`], taken when it starts), the client's DATA until it is written to
+//! the pod's socket, and each read from the pod's socket until the client's connection has taken
+//! it. A forward whose bytes do not fit waits. Bytes that wait for a peer that does not read
+//! are bounded in time (`port_forward_stall_timeout`): a client that takes no frame of the
+//! session in that time has the session closed (logged with the pod, its ports and the
+//! setting), a pod that takes no byte of a forwarded connection has that connection closed
+//! (the reason on its error stream).
 //!
 //! A pair left incomplete for [`super::session::STREAM_CREATION_TIMEOUT`] gets "timed out waiting
 //! for complete stream pair" on its error stream (as the kubelet). A stream of another type, or
 //! a second stream of one type for a key, is refused (RST_STREAM REFUSED_STREAM). The session
 //! ends when the client closes the connection; forwards in progress then stop.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use minicri_codecs::budget::{Budget, Input};
+use minicri_codecs::budget::{Input, Share};
 use minicri_codecs::spdy::conn::{self, Event, IncomingStream, MAX_DATA_CHUNK};
+use minicri_codecs::spdy::liveness::{self, Stall};
 use minicri_codecs::spdy::rst;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::config::PORT_FORWARD_STALL_KEY;
 use super::remotecommand::STREAM_TYPE_HEADER;
 use super::session::{LINGER, Output, STREAM_CREATION_TIMEOUT};
 
@@ -73,6 +79,72 @@ const MAX_FORWARDS: usize = 512;
 /// the reader's and the writer's buffers (8 KiB each), the frame being encoded (up to 32 KiB)
 /// and the header blocks being inflated.
 pub const SESSION_BYTES: usize = 64 << 10;
+
+/// What bounds a port-forward session's buffers: its pod's share of the node's total, and how
+/// long its bytes may wait for a peer that does not read (`None`: for ever).
+#[derive(Clone, Debug)]
+pub struct Bounds {
+    pub share: Share,
+    pub stall: Option<Duration>,
+}
+
+impl Bounds {
+    /// The stall limit of the connection to the client.
+    pub(super) fn client_stall(&self) -> Option<Stall> {
+        self.stall.map(|after| Stall {
+            after,
+            setting: PORT_FORWARD_STALL_KEY,
+        })
+    }
+}
+
+/// What a forward whose pod took no byte for `after` reports.
+pub(super) fn pod_stalled(req: &PortForwardRequest, port: u16, after: Duration) -> String {
+    format!(
+        "port-forward to port {port} of pod {} closed: the pod took none of the client's bytes \
+         for {after:?} ({PORT_FORWARD_STALL_KEY})",
+        req.sandbox_id
+    )
+}
+
+/// How a session's SPDY connection reaches its client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Carrier {
+    /// On the upgraded connection itself.
+    Direct,
+    /// Tunnelled through WebSocket ([`super::ws::tunnel`]): the WebSocket connection has the
+    /// stall limit, and its buffers take the pod's bytes after this session's (which are then
+    /// relays, [`Share::relay`]).
+    Tunnel,
+}
+
+/// How a session ended.
+pub(super) struct Ended {
+    /// The ports it forwarded connections to.
+    pub(super) ports: BTreeSet<u16>,
+    pub(super) forwards: u64,
+    pub(super) reason: String,
+}
+
+/// Logs a session's end: a stall (the reason names the setting) as a warning with the pod and
+/// its ports, anything else for debugging.
+pub(super) fn log_end(req: &PortForwardRequest, ended: &Ended, reason: &str) {
+    if liveness::is_stall(reason) {
+        tracing::warn!(
+            sandbox = %req.sandbox_id,
+            ports = ?ended.ports,
+            %reason,
+            "port-forward session closed: its client stopped reading"
+        );
+    } else {
+        tracing::debug!(
+            sandbox = %req.sandbox_id,
+            forwards = ended.forwards,
+            %reason,
+            "port-forward session ended"
+        );
+    }
+}
 
 /// What the PortForward RPC accepted, kept under its token until the client connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,18 +179,37 @@ pub fn parse_port(v: Option<&str>) -> Result<u16, String> {
     }
 }
 
-/// Runs one port-forward session on an upgraded connection, its buffers charged to `budget`.
-pub async fn serve<IO>(io: IO, req: PortForwardRequest, budget: Budget)
+/// Runs one port-forward session on an upgraded connection, its buffers held to `bounds`.
+pub async fn serve<IO>(io: IO, req: PortForwardRequest, bounds: Bounds)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let _own = budget.charge(SESSION_BYTES).await;
+    let ended = run(io, req.clone(), bounds, Carrier::Direct).await;
+    log_end(&req, &ended, &ended.reason);
+}
+
+/// Runs one session whose SPDY connection is `io`, reaching the client by `carrier`.
+pub(super) async fn run<IO>(
+    io: IO,
+    req: PortForwardRequest,
+    bounds: Bounds,
+    carrier: Carrier,
+) -> Ended
+where
+    IO: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let _own = bounds.share.charge_session(SESSION_BYTES).await;
     let req = Arc::new(req);
-    let (conn, mut events) = conn::serve_budgeted(io, budget.clone());
+    let (stall, reads) = match carrier {
+        Carrier::Direct => (bounds.client_stall(), bounds.share.clone()),
+        Carrier::Tunnel => (None, bounds.share.relay()),
+    };
+    let (conn, mut events) = conn::serve_budgeted(io, bounds.share.clone(), stall);
     // Tells the forwards in progress that the connection is gone.
     let (closed_tx, closed_rx) = watch::channel(false);
     let mut pairs: HashMap<String, (Instant, Pair)> = HashMap::new();
     let mut forwards = 0u64;
+    let mut ports = BTreeSet::new();
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_FORWARDS));
     let reason = loop {
         let next_expiry = pairs
@@ -177,16 +268,22 @@ where
                 continue;
             };
             forwards += 1;
-            let (req, closed, budget) = (req.clone(), closed_rx.clone(), budget.clone());
+            ports.extend(parse_port(data.headers.get(PORT_HEADER)).ok());
+            let (req, closed, reads) = (req.clone(), closed_rx.clone(), reads.clone());
+            let stall = bounds.stall;
             tokio::spawn(async move {
-                forward(req, error, data, closed, budget).await;
+                forward(req, error, data, closed, reads, stall).await;
                 drop(slot);
             });
         }
     };
     let _ = closed_tx.send(true);
-    tracing::debug!(sandbox = %req.sandbox_id, forwards, %reason, "port-forward session ended");
     conn.close().await;
+    Ended {
+        ports,
+        forwards,
+        reason,
+    }
 }
 
 /// Writes `msg` on an error stream and ends it, in a task of its own and for at most
@@ -267,20 +364,24 @@ pub async fn dial(req: &PortForwardRequest, port: u16) -> Result<TcpStream, Stri
     })
 }
 
-/// Forwards one pair's connection; reports a failure on its error stream.
+/// Forwards one pair's connection, charging the pod's bytes read for the client to `reads`;
+/// reports a failure (a pod stalled for `stall` included) on its error stream.
 async fn forward(
     req: Arc<PortForwardRequest>,
     error: IncomingStream,
     data: IncomingStream,
     closed: watch::Receiver<bool>,
-    budget: Budget,
+    reads: Share,
+    stall: Option<Duration>,
 ) {
     let data_writer = data.writer.clone();
     let result = async {
         let port = parse_port(data.headers.get(PORT_HEADER))?;
         let socket = dial(&req, port).await?;
         tracing::debug!(sandbox = %req.sandbox_id, port, "port-forward connected");
-        copy(socket, data, closed, &budget).await
+        copy(socket, data, closed, &reads, stall)
+            .await
+            .map_err(|e| e.report(&req, port))
     }
     .await;
     if let Err(msg) = result {
@@ -292,31 +393,44 @@ async fn forward(
     let _ = error.writer.close().await;
 }
 
-/// Copies the client's bytes to the pod's socket until the client's side ends (or the pod stops
-/// reading), then half-closes the socket (`shutdown(SHUT_WR)`). Each piece's charge is given
-/// back once the socket has taken it.
+/// Copies the client's bytes to the pod's socket until the client's side ends (or the pod
+/// closes its side), then half-closes the socket (`shutdown(SHUT_WR)`). Each piece's charge is
+/// given back once the socket has taken it. A pod that takes no byte for `stall` ends the copy
+/// with `Err(stall)`; the socket is left to the caller to drop.
 pub(super) async fn client_to_socket(
     mut from_client: Input,
     mut wr: tokio::net::tcp::OwnedWriteHalf,
-) {
-    while let Some((buf, _charge)) = from_client.recv_charged().await {
-        if wr.write_all(&buf).await.is_err() {
-            // The pod's side closed its read half: nothing more can be delivered.
-            break;
+    stall: Option<Duration>,
+) -> Result<(), Duration> {
+    'pieces: while let Some((buf, _charge)) = from_client.recv_charged().await {
+        let mut rest = &buf[..];
+        while !rest.is_empty() {
+            let written = match stall {
+                Some(after) => tokio::time::timeout(after, wr.write(rest))
+                    .await
+                    .map_err(|_| after)?,
+                None => wr.write(rest).await,
+            };
+            match written {
+                Ok(n) if n > 0 => rest = &rest[n..],
+                // The pod's side closed its read half: nothing more can be delivered.
+                _ => break 'pieces,
+            }
         }
     }
     let _ = wr.shutdown().await;
+    Ok(())
 }
 
 /// Copies the pod's bytes to the client until the socket's EOF, or until the client cannot be
 /// written to (it reset the stream or went away); a read error is the text to report. A read
-/// waits until the socket has bytes, then for their room in `budget`, then takes at most
+/// waits until the socket has bytes, then for their room in the pod's share, then takes at most
 /// [`MAX_DATA_CHUNK`] into a buffer of its own that goes to the client's connection as it is:
 /// an idle forward holds no buffer, and one whose client does not read holds one.
 pub(super) async fn socket_to_client(
     rd: tokio::net::tcp::OwnedReadHalf,
     to: &Output,
-    budget: &Budget,
+    budget: &Share,
 ) -> Result<(), String> {
     let failed = |e: std::io::Error| format!("reading from the pod: {e}");
     loop {
@@ -338,27 +452,47 @@ pub(super) async fn socket_to_client(
     }
 }
 
+/// Why a forward's copy failed.
+enum CopyError {
+    /// Reading from the pod failed (the text to report).
+    Read(String),
+    /// The pod took no byte for this long.
+    PodStalled(Duration),
+}
+
+impl CopyError {
+    fn report(self, req: &PortForwardRequest, port: u16) -> String {
+        match self {
+            CopyError::Read(e) => e,
+            CopyError::PodStalled(after) => pod_stalled(req, port, after),
+        }
+    }
+}
+
 /// Copies between the socket and the data stream until both directions are done (once the pod
-/// has closed its side, the client's gets [`POD_CLOSED_GRACE`]); then FINs the data stream. A client that resets the data stream (client-go does once its local connection
-/// is done with) or whose connection ends has abandoned the forward: the socket is closed then,
-/// even if the pod keeps its side open and silent, so the forward does not hold its slot and the
-/// pod's connection until the session ends.
+/// has closed its side, the client's gets [`POD_CLOSED_GRACE`]); then FINs the data stream. A
+/// client that resets the data stream (client-go does once its local connection is done with)
+/// or whose connection ends has abandoned the forward: the socket is closed then, even if the
+/// pod keeps its side open and silent, so the forward does not hold its slot and the pod's
+/// connection until the session ends. A pod that takes no byte for `stall` ends the forward,
+/// and its queue of the client's bytes with it.
 async fn copy(
     socket: TcpStream,
     data: IncomingStream,
     mut closed: watch::Receiver<bool>,
-    budget: &Budget,
-) -> Result<(), String> {
+    reads: &Share,
+    stall: Option<Duration>,
+) -> Result<(), CopyError> {
     let IncomingStream {
         data: from_client,
         writer,
         ..
     } = data;
     let (rd, wr) = socket.into_split();
-    let to_socket = client_to_socket(from_client, wr);
+    let to_socket = client_to_socket(from_client, wr, stall);
     let we_closed = std::sync::atomic::AtomicBool::new(false);
     let to_client = async {
-        let res = socket_to_client(rd, &Output::Spdy(writer.clone()), budget).await;
+        let res = socket_to_client(rd, &Output::Spdy(writer.clone()), reads).await;
         we_closed.store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = writer.close().await;
         res
@@ -381,13 +515,18 @@ async fn copy(
         tokio::pin!(to_socket, to_client);
         tokio::select! {
             // The client is done sending: the pod's answer still comes.
-            () = &mut to_socket => to_client.await,
+            r = &mut to_socket => {
+                r.map_err(CopyError::PodStalled)?;
+                to_client.await.map_err(CopyError::Read)
+            }
             // The pod closed its side: what the client still sends gets a short grace, then
             // the forward ends (and its error stream with it, which older clients wait for
             // before they let go of the connection).
             res = &mut to_client => {
-                let _ = tokio::time::timeout(POD_CLOSED_GRACE, to_socket).await;
-                res
+                if let Ok(Err(after)) = tokio::time::timeout(POD_CLOSED_GRACE, to_socket).await {
+                    return Err(CopyError::PodStalled(after));
+                }
+                res.map_err(CopyError::Read)
             }
         }
     };
@@ -530,20 +669,76 @@ mod tests {
     }
 
     fn session() -> Peer<tokio::io::DuplexStream> {
-        session_with(Budget::new(64 << 20))
+        session_with(&minicri_codecs::budget::Budget::new(64 << 20), None)
     }
 
-    fn session_with(budget: Budget) -> Peer<tokio::io::DuplexStream> {
+    /// A session into pod `sb1` charging `budget`, stalled forwards closed after `stall`.
+    fn session_with(
+        budget: &minicri_codecs::budget::Budget,
+        stall: Option<Duration>,
+    ) -> Peer<tokio::io::DuplexStream> {
         let (client, server) = tokio::io::duplex(1 << 20);
-        tokio::spawn(serve(
-            server,
-            PortForwardRequest {
-                sandbox_id: "sb1".into(),
-                netns: None,
-            },
-            budget,
-        ));
+        let bounds = Bounds {
+            share: budget.share("sb1"),
+            stall,
+        };
+        let req = PortForwardRequest {
+            sandbox_id: "sb1".into(),
+            netns: None,
+        };
+        tokio::spawn(serve(server, req, bounds));
         Peer::new(client)
+    }
+
+    /// A pod that accepts the connection and never reads it: once its socket's buffers are
+    /// full, the forward waits the stall timeout, then ends with the reason on its error stream
+    /// (the pod, the port and the setting), and the session's bytes are given back when it ends.
+    #[tokio::test]
+    async fn a_pod_that_does_not_read_has_its_forward_closed_after_the_stall_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let held = tokio::spawn(async move { listener.accept().await.unwrap().0 });
+        let budget = minicri_codecs::budget::Budget::new(64 << 20);
+        let mut p = session_with(&budget, Some(Duration::from_millis(300)));
+        let (rid, port_text) = ("0", port.to_string());
+        open_error_half_closed(&mut p, 1, &port_text, rid).await;
+        open(
+            &mut p,
+            3,
+            "data",
+            &[("port", &port_text), ("requestID", rid)],
+        )
+        .await;
+        // More than the pod's socket takes (the kernel grows its buffers as the pod reads, and
+        // it reads nothing): the forward's queue fills, the session stops reading until the
+        // forward is closed, then drops what comes for it.
+        for _ in 0..32 {
+            let frame = Frame::Data {
+                stream_id: 3,
+                flags: 0,
+                data: vec![b'x'; 1 << 20],
+            };
+            let sent = tokio::time::timeout(Duration::from_secs(10), p.send(frame)).await;
+            assert!(sent.is_ok(), "the session did not read on after the stall");
+        }
+        let out = collect(&mut p, &[1, 3]).await;
+        let msg = String::from_utf8_lossy(&out[&1]);
+        assert!(
+            msg.contains(&format!("port-forward to port {port} of pod sb1 closed"))
+                && msg.contains("stream.port_forward_stall_timeout"),
+            "{msg}"
+        );
+        drop(p);
+        let mut left = budget.in_use();
+        for _ in 0..50 {
+            left = budget.in_use();
+            if left == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(left, 0, "bytes still held after the session ended");
+        drop(held);
     }
 
     #[tokio::test]

@@ -14,17 +14,20 @@
 //! [`Conn::finish`] closes from the server side and waits a bounded time for the client's
 //! answer.
 //!
-//! Served with a [`Budget`] ([`serve_budgeted`], port-forward's), the bytes of each read are
-//! charged before the decoder takes them (frames and fragments being put together included),
-//! a whole message's share going with it ([`Event::Message`]), and messages sent with
-//! [`Sender::send_charged`] hold theirs until written. See [`minicri_codecs::budget`].
+//! Served with a pod's [`Share`] of a budget ([`serve_budgeted`], port-forward's), the bytes of
+//! each read are charged before the decoder takes them (frames and fragments being put together
+//! included; the rest of a message under way is a top-up, [`Share::top_up`]), a whole
+//! message's part going with it ([`Event::Message`]), and messages sent with
+//! [`Sender::send_charged`] hold theirs until written. See [`minicri_codecs::budget`]. Served
+//! with a [`Stall`] limit too, a frame the client does not take within it ends the connection
+//! ([`minicri_codecs::spdy::liveness`]); nothing more is sent then, not even a close frame.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use minicri_codecs::budget::{self, Budget, Charge, InputTx};
-use minicri_codecs::spdy::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness};
+use minicri_codecs::budget::{Charge, InputTx, Share};
+use minicri_codecs::spdy::liveness::{IDLE_TIMEOUT, KEEPALIVE, Liveness, Stall};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -147,12 +150,21 @@ where
     serve_with(io, IDLE_TIMEOUT, KEEPALIVE)
 }
 
-/// [`serve`], charging the client's messages to `budget` (see the module docs).
-pub fn serve_budgeted<IO>(io: IO, budget: Budget) -> (Conn, mpsc::Receiver<Event>)
+/// [`serve`], charging the client's messages to `share`, and ending the connection when the
+/// client stalls past `stall` (see the module docs).
+pub fn serve_budgeted<IO>(
+    io: IO,
+    share: Share,
+    stall: Option<Stall>,
+) -> (Conn, mpsc::Receiver<Event>)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    start(io, IDLE_TIMEOUT, KEEPALIVE, Some(budget))
+    start(
+        io,
+        Liveness::new(IDLE_TIMEOUT, KEEPALIVE, stall),
+        Some(share),
+    )
 }
 
 /// [`serve`], ending the connection after `idle` without a frame either way, and pinging the
@@ -161,19 +173,13 @@ pub fn serve_with<IO>(io: IO, idle: Duration, keepalive: Duration) -> (Conn, mps
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    start(io, idle, keepalive, None)
+    start(io, Liveness::new(idle, keepalive, None), None)
 }
 
-fn start<IO>(
-    io: IO,
-    idle: Duration,
-    keepalive: Duration,
-    budget: Option<Budget>,
-) -> (Conn, mpsc::Receiver<Event>)
+fn start<IO>(io: IO, live: Liveness, budget: Option<Share>) -> (Conn, mpsc::Receiver<Event>)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let live = Liveness::new(idle, keepalive);
     let (rd, wr) = tokio::io::split(io);
     let (out_tx, out_rx) = mpsc::channel(OUT_QUEUE);
     let (ev_tx, ev_rx) = mpsc::channel(EVENT_QUEUE);
@@ -219,11 +225,19 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             };
         buf.clear();
         encode(op, &payload, &mut buf);
-        let mut res = wr.write_all(&buf).await;
-        // Flush when nothing else is queued: batches frames without delaying the last one.
-        if res.is_ok() && (rx.is_empty() || op == opcode::CLOSE) {
-            res = wr.flush().await;
-        }
+        let write = async {
+            wr.write_all(&buf).await?;
+            // Flush when nothing else is queued: batches frames without delaying the last one.
+            if rx.is_empty() || op == opcode::CLOSE {
+                wr.flush().await?;
+            }
+            Ok::<_, std::io::Error>(())
+        };
+        let Some(res) = live.within_stall("a frame sent to it", write).await else {
+            // Shutting down would flush to a client that does not read: the connection is
+            // dropped, and what is queued (with its charges) with it.
+            return;
+        };
         if res.is_err() {
             live.write_failed();
             break;
@@ -244,7 +258,7 @@ async fn read_loop<R: AsyncRead + Unpin>(
     events: mpsc::Sender<Event>,
     live: Liveness,
     ended: CancellationToken,
-    budget: Option<Budget>,
+    budget: Option<Share>,
 ) {
     let mut decoder = Decoder::new(MAX_MESSAGE);
     let mut buf = vec![0u8; 64 * 1024];
@@ -263,9 +277,16 @@ async fn read_loop<R: AsyncRead + Unpin>(
             };
             live.touch();
             // What the decoder will hold is charged before it takes the bytes; a whole
-            // message takes its share along, and the rest is trimmed to what the decoder
-            // still holds once it has given out what it could.
-            held.merge(budget::charge(budget.as_ref(), n).await);
+            // message takes its part along, and the rest is trimmed to what the decoder
+            // still holds once it has given out what it could. A read that continues what the
+            // decoder holds only waits for the total, not for the pod's share: the pod's
+            // readers must not each hold part of a message waiting for the others' bytes.
+            let more = match &budget {
+                Some(share) if held.bytes() > 0 => share.top_up(n).await,
+                Some(share) => share.charge(n).await,
+                None => Charge::none(),
+            };
+            held.merge(more);
             decoder.feed(&buf[..n]);
             loop {
                 match decoder.next_message() {

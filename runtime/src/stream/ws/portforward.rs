@@ -14,14 +14,21 @@
 //!   server closes the connection (the client has no half-close here). The client closing the
 //!   connection stops them all.
 //!
-//! Both charge what they buffer to the node's port-forward total ([`minicri_codecs::budget`]):
-//! the WebSocket connection's own buffers when the session starts ([`SESSION_BYTES`],
-//! [`TUNNEL_BYTES`]), each message of the client until it is handed on, and what goes back to
-//! the client until it is written.
+//! Both charge what they buffer to the pod's share of the node's port-forward total
+//! ([`minicri_codecs::budget`]): the WebSocket connection's own buffers when the session starts
+//! ([`SESSION_BYTES`], [`TUNNEL_BYTES`]), each message of the client until it is handed on (in
+//! the tunnelled form, to the SPDY connection inside: relays), and what goes back to the client
+//! until it is written. Both hold the stall timeout ([`Bounds::stall`]): the WebSocket
+//! connection to a client that takes no frame within it is closed (logged with the pod, its
+//! ports and the setting), and a port whose pod takes no byte within it is closed with the
+//! reason on its error channel (in the tunnelled form, the forward's error stream).
 
 use std::sync::Arc;
 
-use minicri_codecs::budget::{self, Budget, InputTx};
+use std::time::Duration;
+
+use minicri_codecs::budget::{self, InputTx, Share};
+use minicri_codecs::spdy::liveness;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -30,7 +37,8 @@ use super::channels::ChannelWriter;
 use super::close;
 use super::conn::{self, Event};
 use crate::stream::portforward::{
-    PortForwardRequest, client_to_socket, dial, parse_port, socket_to_client,
+    self, Bounds, Carrier, PortForwardRequest, client_to_socket, dial, parse_port, pod_stalled,
+    socket_to_client,
 };
 use crate::stream::session::{LINGER, Output};
 
@@ -75,23 +83,33 @@ pub fn ports_from_query(query: Option<&str>) -> Result<Vec<u16>, String> {
 }
 
 /// Serves the tunnelled form on `io` (the handshake is done).
-pub async fn serve_tunnel<IO>(io: IO, req: PortForwardRequest, budget: Budget)
+pub async fn serve_tunnel<IO>(io: IO, req: PortForwardRequest, bounds: Bounds)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let _own = budget.charge(SESSION_BYTES + TUNNEL_BYTES).await;
-    let (c, events) = conn::serve_budgeted(io, budget.clone());
-    let stream = super::tunnel::byte_stream(c, events, Some(budget.clone()));
-    crate::stream::portforward::serve(stream, req, budget).await;
+    let share = &bounds.share;
+    let _own = share.charge_session(SESSION_BYTES + TUNNEL_BYTES).await;
+    // The client's messages go on to the SPDY connection's buffers: relays.
+    let (c, events) = conn::serve_budgeted(io, share.relay(), bounds.client_stall());
+    let tunnel = super::tunnel::byte_stream(c, events, Some(share.clone()));
+    let ended = portforward::run(tunnel.stream, req.clone(), bounds, Carrier::Tunnel).await;
+    // A stall is the WebSocket connection's; the SPDY session inside only saw its end.
+    let outer = tokio::time::timeout(LINGER, tunnel.ended).await;
+    let reason = match outer {
+        Ok(Ok(why)) if liveness::is_stall(&why) => why,
+        _ => ended.reason.clone(),
+    };
+    portforward::log_end(&req, &ended, &reason);
 }
 
 /// Serves the channel form on `io` (the handshake is done) for `ports`.
-pub async fn serve_channels<IO>(io: IO, req: PortForwardRequest, ports: Vec<u16>, budget: Budget)
+pub async fn serve_channels<IO>(io: IO, req: PortForwardRequest, ports: Vec<u16>, bounds: Bounds)
 where
     IO: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let _own = budget.charge(SESSION_BYTES).await;
-    let (c, events) = conn::serve_budgeted(io, budget.clone());
+    let share = &bounds.share;
+    let _own = share.charge_session(SESSION_BYTES).await;
+    let (c, events) = conn::serve_budgeted(io, share.clone(), bounds.client_stall());
     let req = Arc::new(req);
     let (gone_tx, gone) = watch::channel(false);
     let mut inputs = Vec::new();
@@ -108,28 +126,59 @@ where
             }
         }
         let (req, sender, gone) = (req.clone(), c.sender.clone(), gone.clone());
-        forwards.spawn(forward(req, port, data, rx, sender, gone, budget.clone()));
+        let to = Port {
+            port,
+            channel: data,
+            share: share.clone(),
+            stall: bounds.stall,
+        };
+        forwards.spawn(forward(req, to, rx, sender, gone));
     }
-    tokio::spawn(demux(events, c.ended.clone(), inputs, gone_tx));
+    let (reason_tx, reason) = tokio::sync::oneshot::channel();
+    tokio::spawn(demux(events, c.ended.clone(), inputs, gone_tx, reason_tx));
     let mut gone_now = gone.clone();
-    tokio::select! {
-        _ = async { while forwards.join_next().await.is_some() {} } => {}
-        _ = gone_now.wait_for(|g| *g) => {}
-    }
+    let client_gone = tokio::select! {
+        _ = async { while forwards.join_next().await.is_some() {} } => false,
+        _ = gone_now.wait_for(|g| *g) => true,
+    };
     forwards.abort_all();
-    tracing::debug!(sandbox = %req.sandbox_id, ?ports, "port-forward (WebSocket channels) ended");
+    // Why the connection ended, if it did (the demux says so right after it saw it go).
+    let why = match client_gone {
+        true => reason.await.unwrap_or_default(),
+        false => String::new(),
+    };
+    match why {
+        why if liveness::is_stall(&why) => tracing::warn!(
+            sandbox = %req.sandbox_id,
+            ?ports,
+            reason = %why,
+            "port-forward session closed: its client stopped reading"
+        ),
+        _ => tracing::debug!(
+            sandbox = %req.sandbox_id,
+            ?ports,
+            "port-forward (WebSocket channels) ended"
+        ),
+    }
     c.finish(close::NORMAL, LINGER).await;
 }
 
-/// Routes the client's data messages to their ports until the connection ends.
+/// Routes the client's data messages to their ports until the connection ends; then says why
+/// it ended (nothing if the session went first).
 async fn demux(
     mut events: mpsc::Receiver<Event>,
     ended: CancellationToken,
     inputs: Vec<InputTx>,
     gone: watch::Sender<bool>,
+    reason: tokio::sync::oneshot::Sender<String>,
 ) {
     // A message's charge goes with its bytes to the port (less the channel byte, dropped).
-    while let Some(Event::Message(m, charge)) = events.recv().await {
+    let why = loop {
+        let (m, charge) = match events.recv().await {
+            Some(Event::Message(m, charge)) => (m, charge),
+            Some(Event::Closed(why)) => break why,
+            None => break String::new(),
+        };
         let Some((&channel, data)) = m.split_first() else {
             continue;
         };
@@ -140,48 +189,64 @@ async fn demux(
             && !conn::deliver(tx, data.to_vec(), charge, &ended).await
             && ended.is_cancelled()
         {
-            break;
+            // The rest of the events: up to the reason.
+            let mut why = String::new();
+            while let Some(ev) = events.recv().await {
+                if let Event::Closed(r) = ev {
+                    why = r;
+                }
+            }
+            break why;
         }
-    }
+    };
     drop(inputs);
     let _ = gone.send(true);
+    let _ = reason.send(why);
 }
 
-/// One port's connection: until the pod closes the socket or the client goes.
+/// One port of a channel-form session.
+struct Port {
+    port: u16,
+    /// Its data channel (the error channel is the next).
+    channel: u8,
+    share: Share,
+    stall: Option<Duration>,
+}
+
+/// One port's connection: until the pod closes the socket, stalls, or the client goes.
 async fn forward(
     req: Arc<PortForwardRequest>,
-    port: u16,
-    channel: u8,
+    to: Port,
     from_client: budget::Input,
     sender: conn::Sender,
     mut gone: watch::Receiver<bool>,
-    budget: Budget,
 ) {
-    let socket = match dial(&req, port).await {
+    let error = ChannelWriter::new(to.channel + 1, sender.clone());
+    let fail = async |msg: String| {
+        tracing::info!(sandbox = %req.sandbox_id, error = %msg, "port-forward failed");
+        let _ = error.write(msg.as_bytes()).await;
+    };
+    let socket = match dial(&req, to.port).await {
         Ok(s) => s,
-        Err(msg) => {
-            tracing::info!(sandbox = %req.sandbox_id, error = %msg, "port-forward failed");
-            let _ = ChannelWriter::new(channel + 1, sender)
-                .write(msg.as_bytes())
-                .await;
-            return;
-        }
+        Err(msg) => return fail(msg).await,
     };
     let (rd, wr) = socket.into_split();
-    let to_socket = tokio::spawn(client_to_socket(from_client, wr));
+    let mut to_socket = tokio::spawn(client_to_socket(from_client, wr, to.stall));
     let to_client = async {
-        let data = Output::Ws(ChannelWriter::new(channel, sender.clone()));
-        if let Err(msg) = socket_to_client(rd, &data, &budget).await {
-            let _ = ChannelWriter::new(channel + 1, sender)
-                .write(msg.as_bytes())
-                .await;
+        let data = Output::Ws(ChannelWriter::new(to.channel, sender.clone()));
+        if let Err(msg) = socket_to_client(rd, &data, &to.share).await {
+            let _ = error.write(msg.as_bytes()).await;
         }
     };
-    tokio::select! {
-        () = to_client => {}
-        _ = gone.wait_for(|g| *g) => {}
-    }
+    let stalled = tokio::select! {
+        () = to_client => None,
+        _ = gone.wait_for(|g| *g) => None,
+        Ok(Err(after)) = &mut to_socket => Some(after),
+    };
     to_socket.abort();
+    if let Some(after) = stalled {
+        fail(pod_stalled(&req, to.port, after)).await;
+    }
 }
 
 #[cfg(test)]
@@ -191,6 +256,36 @@ mod tests {
     use super::super::opcode;
     use super::super::tests::Client;
     use super::*;
+
+    /// A client of the channel form that stops reading while its pod sends without end: its
+    /// connection is closed after the stall timeout, and what the session held is given back.
+    #[tokio::test]
+    async fn a_client_that_stops_reading_is_closed_after_the_stall_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let zeros = vec![0u8; 64 << 10];
+            while s.write_all(&zeros).await.is_ok() {}
+        });
+        let (a, b) = tokio::io::duplex(64 << 10);
+        let budget = minicri_codecs::budget::Budget::new(64 << 20);
+        let bounds = Bounds {
+            share: budget.share("sb1"),
+            stall: Some(Duration::from_millis(300)),
+        };
+        let req = PortForwardRequest {
+            sandbox_id: "sb1".into(),
+            netns: None,
+        };
+        let session = tokio::spawn(serve_channels(b, req, vec![port], bounds));
+        let _client = Client::new(a);
+        tokio::time::timeout(Duration::from_secs(10), session)
+            .await
+            .expect("the session is closed")
+            .unwrap();
+        assert_eq!(budget.in_use(), 0);
+    }
 
     #[test]
     fn ports_come_from_the_query() {
@@ -231,12 +326,11 @@ mod tests {
             sandbox_id: "sb1".into(),
             netns: None,
         };
-        tokio::spawn(serve_channels(
-            b,
-            req,
-            vec![port, closed],
-            Budget::new(64 << 20),
-        ));
+        let bounds = Bounds {
+            share: minicri_codecs::budget::Budget::new(64 << 20).share("sb1"),
+            stall: None,
+        };
+        tokio::spawn(serve_channels(b, req, vec![port, closed], bounds));
         let mut c = Client::new(a);
         let mut by_channel: std::collections::HashMap<u8, Vec<Vec<u8>>> = Default::default();
         // Each channel's first message is its port, little-endian.

@@ -7,12 +7,14 @@
 //! as messages of at most [`MAX_DATA_CHUNK`] bytes (the caller's EOF: a close frame, then up to
 //! [`LINGER`] for the client's answer). Neither direction buffers more than the pipe and the
 //! connection's queues. With a budget (port-forward), each message's charge is held until the
-//! pipe has taken its bytes, and each read going out is charged until it is written.
+//! pipe has taken its bytes, and each read going out is charged (to the share given, the pod's
+//! last hop) until it is written. The caller learns why the WebSocket connection ended (a
+//! stall, say) from [`Tunnel::ended`].
 
-use minicri_codecs::budget::{self, Budget};
+use minicri_codecs::budget::{self, Share};
 use minicri_codecs::spdy::conn::MAX_DATA_CHUNK;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use super::close;
 use super::conn::{Conn, Event};
@@ -21,17 +23,29 @@ use crate::stream::session::LINGER;
 /// Bytes buffered between the tunnel and its user, per direction.
 const PIPE: usize = 64 * 1024;
 
+/// A tunnelled byte stream and how its connection ended.
+pub struct Tunnel {
+    pub stream: DuplexStream,
+    /// Why the WebSocket connection ended, once it has.
+    pub ended: oneshot::Receiver<String>,
+}
+
 /// The tunnelled byte stream of a served connection.
-pub fn byte_stream(
-    conn: Conn,
-    mut events: mpsc::Receiver<Event>,
-    budget: Option<Budget>,
-) -> DuplexStream {
+pub fn byte_stream(conn: Conn, mut events: mpsc::Receiver<Event>, budget: Option<Share>) -> Tunnel {
     let (theirs, ours) = tokio::io::duplex(PIPE);
     let (mut rd, mut wr) = tokio::io::split(ours);
     let ended = conn.ended.clone();
+    let (reason_tx, reason_rx) = oneshot::channel();
     tokio::spawn(async move {
-        while let Some(Event::Message(m, _charge)) = events.recv().await {
+        let mut reason = None;
+        while let Some(ev) = events.recv().await {
+            let m = match ev {
+                Event::Message(m, _charge) => m,
+                Event::Closed(why) => {
+                    reason = Some(why);
+                    break;
+                }
+            };
             // The pipe's reader may wait on a consumer of its own: the connection can end
             // meanwhile.
             let written = tokio::select! {
@@ -44,7 +58,12 @@ pub fn byte_stream(
         }
         let _ = wr.shutdown().await;
         // Keep reading (and dropping) until the connection ends: its reader must not stall.
-        while events.recv().await.is_some() {}
+        while let Some(ev) = events.recv().await {
+            if let Event::Closed(why) = ev {
+                reason = Some(why);
+            }
+        }
+        let _ = reason_tx.send(reason.unwrap_or_default());
     });
     tokio::spawn(async move {
         let mut buf = vec![0u8; MAX_DATA_CHUNK];
@@ -66,7 +85,10 @@ pub fn byte_stream(
         }
         conn.finish(close::NORMAL, LINGER).await;
     });
-    theirs
+    Tunnel {
+        stream: theirs,
+        ended: reason_rx,
+    }
 }
 
 #[cfg(test)]
@@ -80,7 +102,7 @@ mod tests {
     async fn bytes_cross_whatever_the_message_boundaries() {
         let (a, b) = tokio::io::duplex(1 << 20);
         let (c, events) = conn::serve(b);
-        let mut stream = byte_stream(c, events, None);
+        let Tunnel { mut stream, ended } = byte_stream(c, events, None);
         let mut client = Client::new(a);
         client.send(opcode::BINARY, b"hel").await;
         client.send(opcode::BINARY, b"lo").await;
@@ -100,5 +122,7 @@ mod tests {
         stream.read_to_end(&mut rest).await.unwrap();
         assert!(rest.is_empty());
         assert_eq!(client.recv().await, None);
+        let why = ended.await.unwrap();
+        assert!(why.contains("1000"), "{why}");
     }
 }
