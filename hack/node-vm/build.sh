@@ -12,7 +12,8 @@
 # Usage: hack/node-vm/build.sh [--dir DIR] [--force]
 #   --dir DIR   where the image goes (default /var/tmp/minicri-node-vm)
 #   --force     rebuild even if DIR/disk.img exists
-# Needs root. Installs debootstrap, qemu-system-x86, qemu-utils and e2fsprogs with apt-get when missing.
+# Needs root. Installs debootstrap, qemu-system-x86, qemu-utils (of one version) and e2fsprogs with
+# apt-get when missing, also when the image exists.
 set -euo pipefail
 
 dir=/var/tmp/minicri-node-vm
@@ -26,18 +27,32 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 [[ $(id -u) == 0 ]] || { echo "node-vm build: needs root" >&2; exit 1; }
+# The tools run.sh needs too, also when the image exists (run.sh calls this script either way).
+need=()
+command -v debootstrap > /dev/null || need+=(debootstrap)
+command -v mke2fs > /dev/null || need+=(e2fsprogs)
+if ! command -v qemu-system-x86_64 > /dev/null; then
+    # qemu-system-x86 and qemu-utils come from one qemu source package of one version: a newer
+    # qemu-utils already there (a backport, as on this project's machines) would be removed by
+    # installing Debian's qemu-system-x86, taking qemu-img with it. Both are installed at the
+    # version apt picks for qemu-system-x86.
+    apt-get update -qq
+    version=$(apt-cache policy qemu-system-x86 | awk '/Candidate:/ {print $2}')
+    need+=("qemu-system-x86=$version" "qemu-utils=$version")
+elif ! command -v qemu-img > /dev/null; then
+    need+=(qemu-utils)
+fi
+if [[ ${#need[@]} -gt 0 ]]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --allow-downgrades "${need[@]}"
+fi
+command -v qemu-img > /dev/null && command -v qemu-system-x86_64 > /dev/null || {
+    echo "node-vm build: qemu-img or qemu-system-x86_64 is still missing after installing ${need[*]}" >&2
+    exit 1
+}
 if [[ -f $dir/disk.img && $force == false ]]; then
     echo "node-vm build: $dir/disk.img exists (--force rebuilds)"
     exit 0
-fi
-need=()
-command -v debootstrap > /dev/null || need+=(debootstrap)
-command -v qemu-system-x86_64 > /dev/null || need+=(qemu-system-x86)
-command -v qemu-img > /dev/null || need+=(qemu-utils)
-command -v mke2fs > /dev/null || need+=(e2fsprogs)
-if [[ ${#need[@]} -gt 0 ]]; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
 fi
 
 # The mirror apt uses here (deb822 or one-line sources), else Debian's.

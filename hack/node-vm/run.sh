@@ -82,7 +82,8 @@ if [[ -z $deb ]]; then
     fi
     [[ -x $minicri ]] || fail "$minicri is not an executable"
 fi
-[[ -f $dir/disk.img ]] || "$here/build.sh" --dir "$dir"
+# Installs the qemu tools when missing, and builds the image unless it exists.
+"$here/build.sh" --dir "$dir"
 if [[ -z $accel ]]; then
     accel=tcg
     if [[ -w /dev/kvm ]] && timeout 20 qemu-system-x86_64 -accel kvm -nodefaults -nographic -no-reboot \
