@@ -11,6 +11,9 @@ PACKAGES=(
     # OCI runtimes that minicri drives.
     runc
     crun
+    # CheckpointContainer and restores run runc with CRIU; the checkpoint tests exercise it (or,
+    # where the host's kernel keeps CRIU from running, the refusal naming CRIU's reason).
+    criu
     # CNI plugins (bridge, loopback, host-local, portmap, ...) for pod networking.
     containernetworking-plugins
     # A real registry (distribution 2.x) and image tools for the pull tests.

@@ -148,11 +148,6 @@ pub struct Unpacks {
 }
 
 impl Unpacks {
-    /// Applies running now.
-    pub fn running(&self) -> usize {
-        self.tasks.len()
-    }
-
     /// Layer bytes read by the applies so far.
     pub fn bytes_read(&self) -> u64 {
         self.read.load(Ordering::Relaxed)

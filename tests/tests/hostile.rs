@@ -333,12 +333,14 @@ async fn a_malformed_diff_id_or_too_many_layers_is_a_failed_precondition() {
     );
 }
 
-/// Two images giving one layer different sizes: the download of the one that came first is not
-/// shared with the other (the wrong one would decide the right one's result), the other is told
-/// at once, and once the blob is in the store its size settles which descriptor is wrong without
-/// a byte downloaded. (The blob stays in the store with `--keep-layer-blobs`; by default it is
-/// deleted once unpacked, and a later image naming the same layer chain in its config uses the
-/// committed snapshot, whatever its descriptor says of the compressed blob.)
+/// Two images giving one layer different sizes: downloads are keyed by digest and size, so the
+/// right one neither joins nor waits for the wrong one's running download (the wrong one would
+/// decide its result): it downloads the blob itself and succeeds while the other still runs;
+/// the wrong one then fails on its own, and once the blob is in the store its size settles which
+/// descriptor is wrong without a byte downloaded. (The blob stays in the store with
+/// `--keep-layer-blobs`; by default it is deleted once unpacked, and a later image naming the
+/// same layer chain in its config uses the committed snapshot, whatever its descriptor says of
+/// the compressed blob.)
 #[tokio::test(flavor = "multi_thread")]
 async fn images_giving_one_blob_different_sizes_do_not_share_its_download() {
     let e = env(&["--keep-layer-blobs", "true"]).await;
@@ -363,25 +365,14 @@ async fn images_giving_one_blob_different_sizes_do_not_share_its_download() {
         || e.proxy.bytes_served(&layer.digest) > 0,
     )
     .await;
-    let start = Instant::now();
-    let err = pull_within(&e, &right, Duration::from_secs(60))
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
-    assert!(err.message().contains("one of the two is wrong"), "{err:?}");
-    assert!(
-        start.elapsed() < Duration::from_secs(5),
-        "told at once, not when the other download ended: {:?}",
-        start.elapsed()
-    );
-    let err = first.await.unwrap().unwrap_err();
-    assert_eq!(err.code(), Code::DataLoss, "{err:?}");
-
-    // Asked again, the right one downloads the blob itself.
-    e.proxy.faults().set_rate_limit(None);
+    // Its own download, at the proxy's 1 MiB/s: about 8 s, not bound to the other one's.
     pull_within(&e, &right, Duration::from_secs(60))
         .await
-        .unwrap();
+        .expect("the right one pulls while the wrong one's download runs");
+    let err = first.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), Code::DataLoss, "{err:?}");
+    e.proxy.faults().set_rate_limit(None);
+
     // The wrong one is refused from the stored blob's size.
     e.proxy.reset_stats();
     let err = pull_within(&e, &wrong, Duration::from_secs(60))

@@ -276,11 +276,8 @@ struct JobBytes {
     rate: f64,
     /// Requests transferring the job's blobs now.
     connections: usize,
-    /// Layer bytes its unpacks have read, and the layer bytes they have to read at least.
+    /// Layer bytes its unpacks have read.
     unpacked: u64,
-    unpack_total: u64,
-    /// Layer applies running now.
-    unpacking: usize,
 }
 
 impl Job {
@@ -295,14 +292,9 @@ impl Job {
             rate: 0.0,
             connections: 0,
             unpacked: self.unpacks.bytes_read(),
-            unpack_total: 0,
-            unpacking: self.unpacks.running(),
         };
-        for (i, p) in parts.iter().enumerate().filter(|(_, p)| !p.unpacked) {
+        for p in parts.iter().filter(|p| !p.unpacked) {
             b.total += p.size;
-            if i > 0 {
-                b.unpack_total += p.size;
-            }
             if let Some(pr) = &p.progress {
                 b.done += pr.done();
                 b.downloaded += pr.downloaded();

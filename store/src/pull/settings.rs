@@ -53,9 +53,9 @@ pub struct PullSettings {
     #[arg(long, value_name = "BYTES")]
     pub blob_chunk_size: u64,
 
-    /// Seconds of transfers without a downloaded byte (or, every byte in, of unpacks without a
-    /// layer byte read) after which a pull's requesters are dropped. More than 0: it is what
-    /// ends a pull whose registry stopped sending.
+    /// Seconds of transfers without a byte moving (downloaded, or read by the layer unpacks)
+    /// after which a pull's requesters are dropped. More than 0: it is what ends a pull whose
+    /// registry stopped sending.
     #[arg(long = "pull-progress-timeout", value_name = "SECONDS")]
     pub progress_timeout: f64,
 
