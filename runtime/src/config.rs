@@ -521,7 +521,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("image_fs_reserve") && err.contains("ingest_min_free"),
+            err.contains("pull.image_fs_reserve") && err.contains("pull.ingest_min_free"),
             "{err}"
         );
         assert!(serve(&["--image-fs-reserve", "3%", "--ingest-min-free", "2"]).is_ok());

@@ -289,7 +289,7 @@ fn warn_if_reserve_under_min_free(content_dir: &std::path::Path, pull: &PullSett
     let min_free = (fs.total as f64 * min_free_ratio) as u64;
     if reserve > 0 && reserve < min_free {
         tracing::warn!(
-            image_fs_reserve = %pull.image_fs_reserve,
+            pull.image_fs_reserve = %pull.image_fs_reserve,
             reserve_bytes = reserve,
             ingest_min_free_bytes = min_free,
             "pull.image_fs_reserve is less than pull.ingest_min_free on this filesystem: downloads stopped at the reserve will have their partial data collected"

@@ -278,7 +278,7 @@ pub fn render(s: &Sample) -> String {
         &mut out,
         "minicri_transfer_slots",
         "gauge",
-        "Transfer slots of each lane of the fair scheduler (max_concurrent_transfers).",
+        "Transfer slots of each lane of the fair scheduler (pull.max_concurrent_transfers).",
         &per_lane(&|l| l.snapshot.capacity as u64),
     );
     metric(
@@ -340,7 +340,8 @@ pub fn render(s: &Sample) -> String {
         &mut out,
         "minicri_image_fs_reserve_refusals_total",
         "counter",
-        "Downloads and unpacks stopped (or refused before their first byte) to keep the image filesystem's reserve free (image_fs_reserve).",
+        "Downloads and unpacks stopped (or refused before their first byte) to keep the image \
+         filesystem's reserve free (pull.image_fs_reserve).",
         &one(s.reserve_refusals),
     );
     let pf = &s.port_forward;

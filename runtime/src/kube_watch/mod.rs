@@ -456,7 +456,7 @@ async fn find_kubeconfig(
             info!(
                 searched = ?cfg.search,
                 "no kubeconfig found: running without the API-server watch (pulls detach after \
-                 pull_detach_after); looking again every 10s"
+                 pull.detach_after); looking again every 10s"
             );
             said = true;
         }

@@ -239,7 +239,8 @@ impl PodService {
             };
             return Err(Error::ResourceExhausted(format!(
                 "its labels and annotations ({adding} bytes) would bring those of the node's \
-                 {what} to {} bytes, past the node's budget of {budget} (node_metadata_budget)",
+                 {what} to {} bytes, past the node's budget of {budget} \
+                 (daemon.node_metadata_budget)",
                 held + adding
             )));
         }

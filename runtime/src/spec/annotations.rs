@@ -44,12 +44,13 @@ impl AnnotationPolicy {
             let stem = p.strip_suffix('*').unwrap_or(p);
             if p.is_empty() || stem.contains('*') {
                 return Err(format!(
-                    "pod_annotations pattern {p:?} is not a key or a prefix ending in '*'"
+                    "runtime.pod_annotations pattern {p:?} is not a key or a prefix ending in '*'"
                 ));
             }
             if let Some(r) = RESERVED.iter().find(|r| stem.starts_with(*r)) {
                 return Err(format!(
-                    "pod_annotations pattern {p:?} names reserved keys ({r}*): they never come from a pod"
+                    "runtime.pod_annotations pattern {p:?} names reserved keys ({r}*): they never \
+                     come from a pod"
                 ));
             }
         }
@@ -85,7 +86,7 @@ impl AnnotationPolicy {
         if dropped > 0 {
             tracing::debug!(
                 dropped,
-                "annotations not in pod_annotations are kept out of the OCI spec"
+                "annotations not in runtime.pod_annotations are kept out of the OCI spec"
             );
         }
         kept.into_iter()

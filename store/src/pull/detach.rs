@@ -356,7 +356,7 @@ impl PullManager {
         format!(
             "image {reference} is still downloading in the background: {progress}. The pod \
              starts when the download completes (minicri stops holding a pod's pull call after \
-             pull_detach_after={}; the download continues for pod sandbox {})",
+             pull.detach_after = {}; the download continues for pod sandbox {})",
             human_duration(window.as_secs_f64()),
             &sandbox[..sandbox.len().min(13)],
         )

@@ -203,7 +203,7 @@ impl PullSettings {
             return Err(format!(
                 "pull.image_fs_reserve ({p}%) is less than pull.ingest_min_free ({}%): downloads \
                  stopped at the reserve would have their partial data collected; raise \
-                 image_fs_reserve, or lower ingest_min_free",
+                 pull.image_fs_reserve, or lower pull.ingest_min_free",
                 self.ingest_min_free
             ));
         }
@@ -363,7 +363,7 @@ mod tests {
         };
         let err = with("3%", 5.0).unwrap_err();
         assert!(
-            err.contains("image_fs_reserve") && err.contains("ingest_min_free"),
+            err.contains("pull.image_fs_reserve") && err.contains("pull.ingest_min_free"),
             "{err}"
         );
         assert!(with("3%", 2.0).is_ok());
