@@ -85,8 +85,8 @@ pub struct DaemonSettings {
     #[arg(long, value_name = "auto|off", value_enum)]
     pub kube_watch: KubeWatchMode,
 
-    /// The kubeconfig the watch uses. [default: the first of kube_watch_kubeconfig_search that
-    /// exists, looked for again every 10 s until one does]
+    /// The kubeconfig the watch uses. [default: the first of daemon.kube_watch_kubeconfig_search
+    /// that exists, looked for again every 10 s until one does]
     #[arg(long, value_name = "FILE")]
     pub kube_watch_kubeconfig: Option<PathBuf>,
 
@@ -403,7 +403,8 @@ pub fn parse(text: &str) -> anyhow::Result<Config> {
 }
 
 /// Where the key `old` of the flat file went: a field of a section keeps its flag's name, or
-/// its name, or drops the section's name in front (`pull_detach_after` is `pull.detach_after`).
+/// its name, or drops the section's name and `_` in front (the flat key of `pull.detach_after`
+/// began with `pull_`).
 fn new_key_of(old: &str, sections: &[(&'static str, &'static str, Command)]) -> Option<String> {
     if old == "runtimes" {
         return Some("runtime.handlers".into());

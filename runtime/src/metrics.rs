@@ -32,7 +32,7 @@ pub struct Sample<'a> {
     /// Writes refused by the image filesystem's reserve.
     pub reserve_refusals: u64,
     pub kube_watch: KubeWatchSample,
-    /// The port-forward sessions' buffered bytes (`port_forward_buffer_bytes`).
+    /// The port-forward sessions' buffered bytes (`stream.port_forward_buffer_bytes`).
     pub port_forward: minicri_codecs::budget::BudgetSample,
 }
 

@@ -134,7 +134,7 @@ impl std::fmt::Debug for WatchState {
 }
 
 impl WatchState {
-    /// `on`: the watch runs (`kube_watch` is not off).
+    /// `on`: the watch runs (`daemon.kube_watch` is not off).
     pub fn new(on: bool) -> WatchState {
         WatchState {
             status: WatchStatus::new(on),

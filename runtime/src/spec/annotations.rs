@@ -5,8 +5,9 @@
 //! `run.oci.keep_original_groups`, `run.oci.hooks.*`, ...), systemd cgroup drivers turn
 //! `org.systemd.property.*` keys into unit properties, and `io.kubernetes.cri.*` keys are the
 //! runtime's own statements about the container. So the pod's annotations reach the spec only
-//! through an allowlist ([`AnnotationPolicy`], config key `pod_annotations`, empty by default),
-//! and even an allowlisted key is dropped when it falls under one of the [`RESERVED`] prefixes.
+//! through an allowlist ([`AnnotationPolicy`], config key `runtime.pod_annotations`, empty by
+//! default), and even an allowlisted key is dropped when it falls under one of the [`RESERVED`]
+//! prefixes.
 //! The CRI-level annotations are kept as they were given (ListContainers, statuses): only what
 //! the runtime sees is filtered.
 
