@@ -423,6 +423,9 @@ fn new_key_of(old: &str, sections: &[(&'static str, &'static str, Command)]) -> 
 }
 
 #[cfg(test)]
+mod docs_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::oci::host::CgroupDriver;
