@@ -5,7 +5,7 @@
 #     image of incompressible bytes, behind the tests' proxy limiting the link to 40 MiB/s
 #     (`minicri-testimg proxy`, which also counts the blob bytes that cross it);
 #   - the tests' API server and kubelet simulator (`minicri-kubesim demo`);
-#   - minicri, watching that API server as node-1 (default detach window; image_fs_reserve off,
+#   - minicri, watching that API server as node-1 (default detach window; pull.image_fs_reserve off,
 #     see below);
 # then runs pod demo/big-1 with the image, deletes it 15 s into its pull, and runs demo/big-2
 # with the same image. It prints the pods' events as `kubectl describe pod` lists them, how long
@@ -92,7 +92,7 @@ pids+=("$demo")
 first_line "$work/kubelet.conf" >/dev/null
 
 mkdir -p "$work/cni"
-# image_fs_reserve is off: the demo's root is on this machine's disk, whose free space (shared with
+# pull.image_fs_reserve is off: the demo's root is on this machine's disk, whose free space (shared with
 # whatever else runs here) has nothing to do with the demo; the reserve would refuse the pull when
 # it is under 15%.
 "$bin/minicri" serve --socket "$work/minicri.sock" --root "$work/root" --state "$work/state" \

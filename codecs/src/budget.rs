@@ -1,6 +1,6 @@
 //! The node-wide total of bytes the port-forward sessions hold buffered
-//! (`port_forward_buffer_bytes`) and how the pods share it: [`Budget`], a pod's [`Share`] of it,
-//! the [`Charge`] each buffer holds while it lives, and [`Input`], a stream's input queue whose
+//! (`stream.port_forward_buffer_bytes`) and how the pods share it: [`Budget`], a pod's [`Share`] of
+//! it, the [`Charge`] each buffer holds while it lives, and [`Input`], a stream's input queue whose
 //! pieces carry their charges to the consumer.
 //!
 //! Port-forward is where a client can make the daemon hold data for long: a pod that does not
@@ -47,7 +47,7 @@
 //! pods on; alone, the whole 64 MiB. What a pod took while alone (or before others came) is not
 //! taken back: it is given back as its bytes move on, and what is given back goes to the pods
 //! within their limits first; bytes that do not move (a peer that does not read) are released
-//! when the runtime closes the stalled session or forward (`port_forward_stall_timeout`).
+//! when the runtime closes the stalled session or forward (`stream.port_forward_stall_timeout`).
 //!
 //! **Progress.** A last-hop charge is at most [`MIN_SHARE`] `≤ L`: the limit refuses it only
 //! while its pod holds last-hop bytes, which move on without any further charge (to a socket or

@@ -85,8 +85,8 @@ pub struct DaemonSettings {
     #[arg(long, value_name = "auto|off", value_enum)]
     pub kube_watch: KubeWatchMode,
 
-    /// The kubeconfig the watch uses. [default: the first of kube_watch_kubeconfig_search that
-    /// exists, looked for again every 10 s until one does]
+    /// The kubeconfig the watch uses. [default: the first of daemon.kube_watch_kubeconfig_search
+    /// that exists, looked for again every 10 s until one does]
     #[arg(long, value_name = "FILE")]
     pub kube_watch_kubeconfig: Option<PathBuf>,
 
@@ -403,7 +403,8 @@ pub fn parse(text: &str) -> anyhow::Result<Config> {
 }
 
 /// Where the key `old` of the flat file went: a field of a section keeps its flag's name, or
-/// its name, or drops the section's name in front (`pull_detach_after` is `pull.detach_after`).
+/// its name, or drops the section's name and `_` in front (the flat key of `pull.detach_after`
+/// began with `pull_`).
 fn new_key_of(old: &str, sections: &[(&'static str, &'static str, Command)]) -> Option<String> {
     if old == "runtimes" {
         return Some("runtime.handlers".into());
@@ -420,6 +421,9 @@ fn new_key_of(old: &str, sections: &[(&'static str, &'static str, Command)]) -> 
         })
     })
 }
+
+#[cfg(test)]
+mod docs_tests;
 
 #[cfg(test)]
 mod tests {
@@ -521,7 +525,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("image_fs_reserve") && err.contains("ingest_min_free"),
+            err.contains("pull.image_fs_reserve") && err.contains("pull.ingest_min_free"),
             "{err}"
         );
         assert!(serve(&["--image-fs-reserve", "3%", "--ingest-min-free", "2"]).is_ok());

@@ -275,8 +275,8 @@ struct Measure {
     inodes: u64,
 }
 
-/// A reserve given in bytes cannot be compared with `ingest_min_free` (a percentage) before the
-/// filesystem's size is known: warn when it is smaller, since a download stopped at it would
+/// A reserve given in bytes cannot be compared with `pull.ingest_min_free` (a percentage) before
+/// the filesystem's size is known: warn when it is smaller, since a download stopped at it would
 /// have its partial data collected (see `minicri_store::gc`).
 fn warn_if_reserve_under_min_free(content_dir: &std::path::Path, pull: &PullSettings) {
     let (Ok(fs), Ok(min_free_ratio)) = (
@@ -289,7 +289,7 @@ fn warn_if_reserve_under_min_free(content_dir: &std::path::Path, pull: &PullSett
     let min_free = (fs.total as f64 * min_free_ratio) as u64;
     if reserve > 0 && reserve < min_free {
         tracing::warn!(
-            image_fs_reserve = %pull.image_fs_reserve,
+            pull.image_fs_reserve = %pull.image_fs_reserve,
             reserve_bytes = reserve,
             ingest_min_free_bytes = min_free,
             "pull.image_fs_reserve is less than pull.ingest_min_free on this filesystem: downloads stopped at the reserve will have their partial data collected"

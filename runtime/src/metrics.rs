@@ -32,7 +32,7 @@ pub struct Sample<'a> {
     /// Writes refused by the image filesystem's reserve.
     pub reserve_refusals: u64,
     pub kube_watch: KubeWatchSample,
-    /// The port-forward sessions' buffered bytes (`port_forward_buffer_bytes`).
+    /// The port-forward sessions' buffered bytes (`stream.port_forward_buffer_bytes`).
     pub port_forward: minicri_codecs::budget::BudgetSample,
 }
 
@@ -278,7 +278,7 @@ pub fn render(s: &Sample) -> String {
         &mut out,
         "minicri_transfer_slots",
         "gauge",
-        "Transfer slots of each lane of the fair scheduler (max_concurrent_transfers).",
+        "Transfer slots of each lane of the fair scheduler (pull.max_concurrent_transfers).",
         &per_lane(&|l| l.snapshot.capacity as u64),
     );
     metric(
@@ -340,7 +340,8 @@ pub fn render(s: &Sample) -> String {
         &mut out,
         "minicri_image_fs_reserve_refusals_total",
         "counter",
-        "Downloads and unpacks stopped (or refused before their first byte) to keep the image filesystem's reserve free (image_fs_reserve).",
+        "Downloads and unpacks stopped (or refused before their first byte) to keep the image \
+         filesystem's reserve free (pull.image_fs_reserve).",
         &one(s.reserve_refusals),
     );
     let pf = &s.port_forward;

@@ -238,7 +238,7 @@ fn spawn_kube_watch(
 ) -> Option<tokio::task::JoinHandle<()>> {
     use crate::kube_watch::DeletedPod;
     let Some(w) = daemon.config.daemon.kube_watch() else {
-        tracing::info!("the API-server watch is off (kube_watch = \"off\")");
+        tracing::info!("the API-server watch is off (daemon.kube_watch = \"off\")");
         return None;
     };
     let pulls = daemon.pulls.clone();

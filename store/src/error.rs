@@ -108,14 +108,14 @@ pub enum StoreError {
     },
 
     /// A download or an unpack stopped (or was refused) before free space on the image
-    /// filesystem fell under its reserve (`image_fs_reserve`).
+    /// filesystem fell under its reserve (`pull.image_fs_reserve`).
     #[error("{what} stopped: {shortfall}")]
     ImageFsReserve {
         what: String,
         shortfall: crate::space::Shortfall,
     },
 
-    /// A descriptor claims a blob larger than this node takes (`max_blob_size`).
+    /// A descriptor claims a blob larger than this node takes (`pull.max_blob_size`).
     #[error(
         "blob {digest} of {reference} claims {size} bytes, more than pull.max_blob_size allows ({max} bytes); no byte of it was fetched"
     )]

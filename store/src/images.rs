@@ -545,7 +545,7 @@ impl ImageStore {
     /// For every record whose layers are unpacked (`unpacked_size` gives their unpacked bytes,
     /// `None` when not unpacked): its compressed layer blobs are no longer held by it, and its
     /// size counts the unpacked layers instead (the record is rewritten if it held them, as
-    /// records written with `keep_layer_blobs` on do). Returns the layer digests of those
+    /// records written with `pull.keep_layer_blobs` on do). Returns the layer digests of those
     /// records, for [`ImageStore::discard_unheld`]. Blocking; called at start.
     pub fn unhold_layer_blobs(
         &self,

@@ -573,7 +573,7 @@ mod tests {
         for part in [
             "70.0 MiB free",
             "reserve of 50.0 MiB",
-            "image_fs_reserve = 5% of",
+            "pull.image_fs_reserve = 5% of",
             "/var/lib/minicri",
         ] {
             assert!(text.contains(part), "{part:?} not in {text:?}");

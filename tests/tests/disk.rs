@@ -179,7 +179,7 @@ async fn a_download_stops_at_the_reserve_keeps_it_free_and_resumes() {
         stopped.iter().any(|s| err.message().contains(s.as_str())),
         "{err:?}"
     );
-    for part in ["free", "image_fs_reserve = 25% of"] {
+    for part in ["free", "pull.image_fs_reserve = 25% of"] {
         assert!(err.message().contains(part), "{part:?} not in {err:?}");
     }
     assert!(
@@ -246,7 +246,7 @@ async fn an_unpack_stops_at_the_reserve_and_keeps_it_free() {
         "{err:?}"
     );
     assert!(
-        err.message().contains("image_fs_reserve = 16777216"),
+        err.message().contains("pull.image_fs_reserve = 16777216"),
         "{err:?}"
     );
     assert!(low >= 16 * MIB, "free space fell to {low}");
@@ -278,7 +278,7 @@ async fn a_pull_that_cannot_fit_is_refused_before_its_first_byte() {
     let err = pull(&e.daemon, &image, None).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
     assert!(err.message().contains("of blobs to download"), "{err:?}");
-    assert!(err.message().contains("image_fs_reserve"), "{err:?}");
+    assert!(err.message().contains("pull.image_fs_reserve"), "{err:?}");
     assert_eq!(e.proxy.total_blob_bytes(), img.config_size);
     assert_eq!(e.proxy.bytes_served(&img.layers[0].digest), 0);
     assert_eq!(ingest_bytes(&e.daemon.root()), 0);

@@ -18,11 +18,11 @@
 //! the connection within about two intervals. Pings do not count as activity for the idle
 //! timeout.
 //!
-//! A connection may also have a [`Stall`] limit (port-forward's, `port_forward_stall_timeout`):
-//! a client that keeps the connection but stops reading leaves the writer waiting with bytes to
-//! send, and what waits behind them stays buffered. The writers run each frame's write within
-//! the limit ([`Liveness::within_stall`]); one the client has not taken in that time ends the
-//! connection, the reason naming the setting ([`is_stall`]).
+//! A connection may also have a [`Stall`] limit (port-forward's,
+//! `stream.port_forward_stall_timeout`): a client that keeps the connection but stops reading
+//! leaves the writer waiting with bytes to send, and what waits behind them stays buffered. The
+//! writers run each frame's write within the limit ([`Liveness::within_stall`]); one the client has
+//! not taken in that time ends the connection, the reason naming the setting ([`is_stall`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

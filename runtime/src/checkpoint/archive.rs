@@ -87,7 +87,7 @@ fn err(path: &Path, message: impl Into<String>) -> ArchiveError {
 }
 
 /// The rule for "this image names a checkpoint archive": an absolute path that, symlinks
-/// resolved, is a regular file inside one of `dirs` (`[runtime] checkpoint_restore_dirs`), owned
+/// resolved, is a regular file inside one of `dirs` (`runtime.checkpoint_restore_dirs`), owned
 /// by root and writable by no one else. Anything else is an image reference. Returns the
 /// resolved path. The directories bound what a pod spec can make the daemon read and restore
 /// (CRIU images are trusted input to a root process).

@@ -134,7 +134,7 @@ impl std::fmt::Debug for WatchState {
 }
 
 impl WatchState {
-    /// `on`: the watch runs (`kube_watch` is not off).
+    /// `on`: the watch runs (`daemon.kube_watch` is not off).
     pub fn new(on: bool) -> WatchState {
         WatchState {
             status: WatchStatus::new(on),
@@ -456,7 +456,7 @@ async fn find_kubeconfig(
             info!(
                 searched = ?cfg.search,
                 "no kubeconfig found: running without the API-server watch (pulls detach after \
-                 pull_detach_after); looking again every 10s"
+                 pull.detach_after); looking again every 10s"
             );
             said = true;
         }

@@ -17,7 +17,7 @@ use tracing::{info, warn};
 /// Where the watch is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
-    /// `kube_watch = "off"`.
+    /// `daemon.kube_watch = "off"`.
     Off,
     /// No kubeconfig found yet.
     Searching,

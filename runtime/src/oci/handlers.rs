@@ -3,8 +3,9 @@
 //!
 //! Each handler is a runc-compatible binary with its own state directory (`--root`). `runc` is
 //! built in and is the default (the handler `""` means the default); `crun` is built in too and
-//! is offered where it works. The configuration's `runtimes` table adds handlers or changes these
-//! (`[runtimes.NAME] binary = ..., root = ...`), and `default_runtime` names the default.
+//! is offered where it works. The configuration's `runtime.handlers` table adds handlers or
+//! changes these (`[runtime.handlers.NAME] binary = ..., root = ...`), and
+//! `runtime.default_runtime` names the default.
 //!
 //! Whether a handler works is found out, not assumed: at start each one creates and deletes a
 //! throwaway container (the infra process's rootfs, its own cgroup and namespaces) under a root

@@ -104,7 +104,7 @@ impl RuntimeSettings {
     }
 
     /// The handlers configured (the built-in ones are added by
-    /// [`super::Handlers::new`]), `oci_runtime` as the binary of `runc`.
+    /// [`super::Handlers::new`]), `runtime.oci_runtime` as the binary of `runc`.
     pub fn handler_configs(&self) -> BTreeMap<String, HandlerConfig> {
         let mut all = self.handlers.clone();
         for (name, binary) in &self.runtime_flags {

@@ -112,7 +112,7 @@ pub struct PodService {
     node_metadata_budget: usize,
     /// Whether CRIU works here (`criu check`, run at the first checkpoint).
     pub(crate) criu: crate::checkpoint::criu::CriuCheck,
-    /// `[runtime] checkpoint_restore_dirs`: where archives to restore from may lie.
+    /// `runtime.checkpoint_restore_dirs`: where archives to restore from may lie.
     pub(crate) restore_dirs: Vec<PathBuf>,
     /// The layer limits (`[snapshotter]`) that bound unpacking an archive and its rootfs diff.
     pub(crate) unpack_limits: minicri_snapshotter::Options,
@@ -140,7 +140,7 @@ pub fn now_ns() -> i64 {
 /// (`kubernetes.io/config.*`).
 pub const MAX_METADATA_BYTES: usize = (256 + 16) << 10;
 
-/// Default of `node_metadata_budget`: most bytes of labels and annotations of all the node's
+/// Default of `daemon.node_metadata_budget`: most bytes of labels and annotations of all the node's
 /// pods together, and of all its containers. A memory bound (the records, and each list made of
 /// them, hold them all), and by default also what keeps every list RPC (ListPodSandbox,
 /// ListContainers, the stats lists), which carries all of one kind in one message, under the
@@ -205,10 +205,9 @@ impl Drop for MetadataClaim<'_> {
 }
 
 impl PodService {
-    /// Refuses a new pod or container whose labels and annotations would bring those of its
-    /// kind on the node (recorded, or claimed by creations in progress) past
-    /// the node's budget, `node_metadata_budget` (RESOURCE_EXHAUSTED: room comes back as others
-    /// are removed).
+    /// Refuses a new pod or container whose labels and annotations would bring those of its kind on
+    /// the node (recorded, or claimed by creations in progress) past the node's budget,
+    /// `daemon.node_metadata_budget` (RESOURCE_EXHAUSTED: room comes back as others are removed).
     /// Keep the claim until the record is stored.
     pub(crate) fn check_node_metadata(
         &self,
@@ -239,7 +238,8 @@ impl PodService {
             };
             return Err(Error::ResourceExhausted(format!(
                 "its labels and annotations ({adding} bytes) would bring those of the node's \
-                 {what} to {} bytes, past the node's budget of {budget} (node_metadata_budget)",
+                 {what} to {} bytes, past the node's budget of {budget} \
+                 (daemon.node_metadata_budget)",
                 held + adding
             )));
         }

@@ -636,7 +636,7 @@ async fn the_pods_of_a_node_share_a_metadata_budget() {
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
     let budget = format!(
-        "past the node's budget of {}",
+        "past the node's budget of {} (daemon.node_metadata_budget)",
         super::DEFAULT_NODE_METADATA_BYTES
     );
     assert!(err.to_string().contains(&budget), "{err}");

@@ -5,8 +5,9 @@
 //! `run.oci.keep_original_groups`, `run.oci.hooks.*`, ...), systemd cgroup drivers turn
 //! `org.systemd.property.*` keys into unit properties, and `io.kubernetes.cri.*` keys are the
 //! runtime's own statements about the container. So the pod's annotations reach the spec only
-//! through an allowlist ([`AnnotationPolicy`], config key `pod_annotations`, empty by default),
-//! and even an allowlisted key is dropped when it falls under one of the [`RESERVED`] prefixes.
+//! through an allowlist ([`AnnotationPolicy`], config key `runtime.pod_annotations`, empty by
+//! default), and even an allowlisted key is dropped when it falls under one of the [`RESERVED`]
+//! prefixes.
 //! The CRI-level annotations are kept as they were given (ListContainers, statuses): only what
 //! the runtime sees is filtered.
 
@@ -44,12 +45,13 @@ impl AnnotationPolicy {
             let stem = p.strip_suffix('*').unwrap_or(p);
             if p.is_empty() || stem.contains('*') {
                 return Err(format!(
-                    "pod_annotations pattern {p:?} is not a key or a prefix ending in '*'"
+                    "runtime.pod_annotations pattern {p:?} is not a key or a prefix ending in '*'"
                 ));
             }
             if let Some(r) = RESERVED.iter().find(|r| stem.starts_with(*r)) {
                 return Err(format!(
-                    "pod_annotations pattern {p:?} names reserved keys ({r}*): they never come from a pod"
+                    "runtime.pod_annotations pattern {p:?} names reserved keys ({r}*): they never \
+                     come from a pod"
                 ));
             }
         }
@@ -85,7 +87,7 @@ impl AnnotationPolicy {
         if dropped > 0 {
             tracing::debug!(
                 dropped,
-                "annotations not in pod_annotations are kept out of the OCI spec"
+                "annotations not in runtime.pod_annotations are kept out of the OCI spec"
             );
         }
         kept.into_iter()

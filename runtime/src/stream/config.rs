@@ -11,12 +11,12 @@ use minicri_store::pull::settings::seconds_or_off;
 use clap::Args;
 use serde::{Deserialize, Serialize};
 
-/// The default of `port_forward_buffer_bytes`.
+/// The default of `stream.port_forward_buffer_bytes`.
 pub const DEFAULT_PORT_FORWARD_BUFFER_BYTES: u64 = 64 << 20;
-/// The least `port_forward_buffer_bytes` taken: a SPDY DATA frame of up to 1 MiB is charged
+/// The least `stream.port_forward_buffer_bytes` taken: a SPDY DATA frame of up to 1 MiB is charged
 /// whole before it is read, so the total must hold one with room for the other direction.
 pub const MIN_PORT_FORWARD_BUFFER_BYTES: u64 = 2 << 20;
-/// The key of `port_forward_stall_timeout`, as the messages of stalled port-forwards name it.
+/// The key of the stall timeout, as the messages of stalled port-forwards name it.
 pub const PORT_FORWARD_STALL_KEY: &str = "stream.port_forward_stall_timeout";
 
 /// `[stream]`: the streaming server.
@@ -38,7 +38,7 @@ pub struct StreamSettings {
     /// Seconds a port-forward's bytes may wait for a peer that does not read them: a client
     /// that has taken no frame of its session in that time has its session closed, a pod that
     /// has taken no byte of a forwarded connection has that connection closed, so neither holds
-    /// its part of port_forward_buffer_bytes for longer (0: never).
+    /// its part of stream.port_forward_buffer_bytes for longer (0: never).
     #[arg(long, value_name = "SECONDS")]
     pub port_forward_stall_timeout: f64,
 }
@@ -73,7 +73,7 @@ impl StreamSettings {
         Ok(())
     }
 
-    /// `port_forward_stall_timeout` (`None`: off).
+    /// `stream.port_forward_stall_timeout` (`None`: off).
     pub fn port_forward_stall(&self) -> Result<Option<Duration>, String> {
         seconds_or_off(PORT_FORWARD_STALL_KEY, self.port_forward_stall_timeout)
     }

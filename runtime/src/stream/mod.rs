@@ -3,7 +3,7 @@
 //! The CRI does not stream over gRPC: Exec (and Attach, PortForward) answer a URL, and the
 //! client opens it with HTTP/1.1, upgrades the connection to SPDY/3.1 or WebSocket (whichever
 //! it asks for) and speaks the Kubernetes remotecommand (or port-forward) protocol on it. minicri serves that URL on a loopback address
-//! (`stream_address`, default `127.0.0.1:0`: any free port), like containerd's default
+//! (`stream.address`, default `127.0.0.1:0`: any free port), like containerd's default
 //! `stream_server_address`; nothing here authenticates the client beyond the token, so the
 //! configuration refuses other addresses.
 //!
@@ -130,9 +130,9 @@ pub struct StreamServer {
     /// Running sessions per pod, and their most ([`MAX_POD_SESSIONS`]).
     pod_sessions: Arc<Mutex<HashMap<String, usize>>>,
     max_pod_sessions: usize,
-    /// What the port-forward sessions buffer, node-wide (`port_forward_buffer_bytes`).
+    /// What the port-forward sessions buffer, node-wide (`stream.port_forward_buffer_bytes`).
     port_forward_budget: budget::Budget,
-    /// How long port-forwards' bytes may wait for a peer (`port_forward_stall_timeout`).
+    /// How long port-forwards' bytes may wait for a peer (`stream.port_forward_stall_timeout`).
     port_forward_stall: Option<Duration>,
 }
 

@@ -24,13 +24,13 @@
 //! kubelet's per-port channel form ([`super::ws::portforward`]); [`super::http`] picks.
 //!
 //! Everything a session buffers counts against its pod's share of the node's port-forward total
-//! ([`minicri_codecs::budget`], `port_forward_buffer_bytes`; [`Bounds`]): its connection's own
-//! buffers ([`SESSION_BYTES`], taken when it starts), the client's DATA until it is written to
+//! ([`minicri_codecs::budget`], `stream.port_forward_buffer_bytes`; [`Bounds`]): its connection's
+//! own buffers ([`SESSION_BYTES`], taken when it starts), the client's DATA until it is written to
 //! the pod's socket, and each read from the pod's socket until the client's connection has taken
-//! it. A forward whose bytes do not fit waits. Bytes that wait for a peer that does not read
-//! are bounded in time (`port_forward_stall_timeout`): a client that takes no frame of the
-//! session in that time has the session closed (logged with the pod, its ports and the
-//! setting), a pod that takes no byte of a forwarded connection has that connection closed
+//! it. A forward whose bytes do not fit waits. Bytes that wait for a peer that does not read are
+//! bounded in time (`stream.port_forward_stall_timeout`): a client that takes no frame of the
+//! session in that time has the session closed (logged with the pod, its ports and the setting), a
+//! pod that takes no byte of a forwarded connection has that connection closed
 //! (the reason on its error stream).
 //!
 //! A pair left incomplete for [`super::session::STREAM_CREATION_TIMEOUT`] gets "timed out waiting

@@ -2,7 +2,7 @@
 //!
 //! The kubelet calls PullImage with no deadline and never cancels it; a pod deleted meanwhile
 //! stays Terminating until the call returns (kubernetes #125050). So a call made for a pod sandbox
-//! minicri runs waits at most the **detach window** (`pull_detach_after`); then it fails with
+//! minicri runs waits at most the **detach window** (`pull.detach_after`); then it fails with
 //! [`StoreError::Detached`], whose message says how far the download is, and the sandbox takes
 //! over the call's reference: a **hold**. The download goes on for the sandbox until the job ends
 //! (the image is recorded under the names the detached calls asked for), the sandbox is stopped
@@ -13,7 +13,7 @@
 //! **Per-sync budget.** One kubelet sync calls PullImage for each of the pod's images in turn
 //! (and once per candidate credential), carrying on after failures, so k large images would hold
 //! the pod worker k windows. The window is therefore a budget per sandbox and sync: every call of
-//! the sandbox detaches at the latest `pull_detach_after` after the first call of the sync began,
+//! the sandbox detaches at the latest `pull.detach_after` after the first call of the sync began,
 //! though each call may take [`MIN_HOLD`] so that images already on disk still complete. Calls
 //! of one sandbox that follow each other within [`SYNC_GAP`] (or half the window, if shorter)
 //! belong to one sync; the kubelet's image back-off (10 s at least) separates its syncs' retries.
@@ -356,7 +356,7 @@ impl PullManager {
         format!(
             "image {reference} is still downloading in the background: {progress}. The pod \
              starts when the download completes (minicri stops holding a pod's pull call after \
-             pull_detach_after={}; the download continues for pod sandbox {})",
+             pull.detach_after = {}; the download continues for pod sandbox {})",
             human_duration(window.as_secs_f64()),
             &sandbox[..sandbox.len().min(13)],
         )

@@ -17,7 +17,7 @@
 //! - until a layer is committed its download stays the resume point: nothing here touches partial
 //!   downloads, and a failed pull deletes nothing;
 //! - at start, the layer blobs of every unpacked image are deleted (a crash between the record
-//!   and the deletion; records written while `keep_layer_blobs` was on are rewritten without
+//!   and the deletion; records written while `pull.keep_layer_blobs` was on are rewritten without
 //!   them).
 //!
 //! A layer shared by two images at different places in their chains (other layers below it) has
@@ -77,7 +77,7 @@ impl Drop for Pinned {
 
 impl PullManager {
     /// Whether layer blobs are dropped once unpacked: there is a snapshotter and
-    /// `keep_layer_blobs` is off.
+    /// `pull.keep_layer_blobs` is off.
     pub(super) fn discards_layer_blobs(&self) -> bool {
         self.snapshotter.is_some() && !self.config.keep_layer_blobs
     }

@@ -89,9 +89,9 @@ pub struct PullConfig {
     /// reference (`None`: never). Time spent waiting for a transfer slot does not count.
     pub progress_timeout: Option<Duration>,
     /// Bytes per second a job with something left to download must receive, averaged over each
-    /// `progress_timeout` window, or every reference is dropped (`None`: no minimum). Catches a
-    /// registry that trickles bytes slowly enough to never trip the no-byte rule or a read
-    /// timeout, and would otherwise hold a pull (and the kubelet's serial puller) forever.
+    /// [`PullConfig::progress_timeout`] window, or every reference is dropped (`None`: no minimum).
+    /// Catches a registry that trickles bytes slowly enough to never trip the no-byte rule or a
+    /// read timeout, and would otherwise hold a pull (and the kubelet's serial puller) forever.
     pub min_speed: Option<u64>,
     /// How long a call made for a known pod sandbox waits before it returns and leaves the
     /// download to the sandbox (`None`: never detach).

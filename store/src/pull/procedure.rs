@@ -33,10 +33,10 @@ pub const MAX_USER_BYTES: usize = 256;
 /// terabytes; no real layer comes near this.
 pub const MAX_BLOB_BYTES: u64 = 1 << 40;
 
-/// Default of the configurable maximum blob size (`max_blob_size`): 64 GiB, the default most
-/// bytes a layer may unpack to (`max_layer_bytes`). A compressed layer is no larger than what it
-/// unpacks to, except by a few bytes per 32 KiB block for data that does not compress, so a blob
-/// past it could only fail its unpack after filling the disk with its download.
+/// Default of the configurable maximum blob size (`pull.max_blob_size`): 64 GiB, the default most
+/// bytes a layer may unpack to (`snapshotter.max_layer_bytes`). A compressed layer is no larger
+/// than what it unpacks to, except by a few bytes per 32 KiB block for data that does not compress,
+/// so a blob past it could only fail its unpack after filling the disk with its download.
 pub const DEFAULT_MAX_BLOB_SIZE: u64 = 64 << 30;
 
 /// Most layers an image may have: overlayfs mounts at most 500 lower layers, and each layer costs
@@ -386,7 +386,7 @@ impl PullManager {
     }
 
     /// Unpacks the image's layers above the `have` committed already (and claimed), up to
-    /// `max_concurrent_unpacks` at once in chain order (each starts as its download does; a
+    /// `pull.max_concurrent_unpacks` at once in chain order (each starts as its download does; a
     /// layer whose parent is still unpacking is applied ahead of it); returns the top chain id,
     /// if unpacking.
     async fn unpack_layers(

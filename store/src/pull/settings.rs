@@ -60,7 +60,7 @@ pub struct PullSettings {
     pub progress_timeout: f64,
 
     /// Bytes per second a pull with something left to download must receive, averaged over each
-    /// progress_timeout window, or its requesters are dropped: a registry trickling bytes
+    /// pull.progress_timeout window, or its requesters are dropped: a registry trickling bytes
     /// cannot hold a pull (or the kubelet's serial puller) forever. At least 1.
     #[arg(long = "pull-min-speed", value_name = "BYTES_PER_SEC")]
     pub min_speed: u64,
@@ -102,7 +102,7 @@ pub struct PullSettings {
     /// would leave less stops with RESOURCE_EXHAUSTED (the downloaded bytes are kept for a
     /// resume). A percentage of the filesystem (15%, what the kubelet's default hard eviction
     /// threshold imagefs.available<15% keeps) or a size (20GiB, or bytes); 0 turns it off. Must
-    /// be at least ingest_min_free.
+    /// be at least pull.ingest_min_free.
     #[arg(long, value_name = "PERCENT%|SIZE")]
     pub image_fs_reserve: Reserve,
 
@@ -203,7 +203,7 @@ impl PullSettings {
             return Err(format!(
                 "pull.image_fs_reserve ({p}%) is less than pull.ingest_min_free ({}%): downloads \
                  stopped at the reserve would have their partial data collected; raise \
-                 image_fs_reserve, or lower ingest_min_free",
+                 pull.image_fs_reserve, or lower pull.ingest_min_free",
                 self.ingest_min_free
             ));
         }
@@ -220,7 +220,7 @@ impl PullSettings {
         }
     }
 
-    /// `ingest_min_free` as a fraction of the filesystem (0..1).
+    /// `pull.ingest_min_free` as a fraction of the filesystem (0..1).
     pub fn ingest_min_free_ratio(&self) -> Result<f64, String> {
         match self.ingest_min_free {
             p if !p.is_finite() || !(0.0..=100.0).contains(&p) => {
@@ -363,7 +363,7 @@ mod tests {
         };
         let err = with("3%", 5.0).unwrap_err();
         assert!(
-            err.contains("image_fs_reserve") && err.contains("ingest_min_free"),
+            err.contains("pull.image_fs_reserve") && err.contains("pull.ingest_min_free"),
             "{err}"
         );
         assert!(with("3%", 2.0).is_ok());

@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 use super::{Job, JobBytes, PullManager};
 
 impl PullManager {
-    /// Drops every reference of a job whose transfers ran for `timeout` without a byte, or (with a
-    /// `min_speed`) received fewer than `min_speed` bytes per second of transfer time over a
-    /// window of `timeout` ([`Watchdog`]). Only time with a transfer of the job running counts:
-    /// waiting for a transfer slot, for the registry to resolve the image, or for the unpack and
-    /// its sync after the last byte is not the network's doing.
+    /// Drops every reference of a job whose transfers ran for `timeout` without a byte, or (given a
+    /// minimum speed, `pull.min_speed`) received fewer bytes per second of transfer time than that
+    /// over a window of `timeout` ([`Watchdog`]). Only time with a transfer of the job running
+    /// counts: waiting for a transfer slot, for the registry to resolve the image, or for the
+    /// unpack and its sync after the last byte is not the network's doing.
     pub(super) async fn watchdog(&self, job: Arc<Job>, timeout: Duration, min_speed: Option<u64>) {
         let tick = (timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
         let mut dog = Watchdog::new(timeout, min_speed, &job.bytes());

@@ -13,9 +13,9 @@
 //! What a registry (or anyone in its place) can make a pull do is bounded (docs/hardening.md
 //! has the whole list):
 //! - each manifest request, the authentication it triggers included, has a total deadline
-//!   ([`REQUEST_DEADLINE`], `registry_request_timeout`) on top of the per-read timeout; a blob
+//!   ([`REQUEST_DEADLINE`], `registry.request_timeout`) on top of the per-read timeout; a blob
 //!   request has it until its response headers, and blob bodies are held to a minimum speed by
-//!   the pull's watchdog (`pull_min_speed`) and to their descriptor's size by the ingest;
+//!   the pull's watchdog (`pull.min_speed`) and to their descriptor's size by the ingest;
 //! - manifests are read up to [`MAX_MANIFEST_BYTES`], token responses up to [`MAX_TOKEN_BYTES`]
 //!   and error bodies up to 64 KiB, each refused as soon as it goes past, while it is read;
 //! - error messages built from a registry's answer are cut to [`crate::text::MAX_MESSAGE_CHARS`], and what
