@@ -41,7 +41,7 @@
 //! The scheduler only decides who holds slots; time spent waiting for one is not a stall (the
 //! pull's watchdog judges bytes only while a connection runs: [`Flow::connections`]).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -250,7 +250,9 @@ struct Waiter {
 #[derive(Default)]
 struct State {
     next: u64,
-    grants: HashMap<u64, Grant>,
+    /// In grant order (ids grow): victims that rank equal are told apart the same way on every
+    /// run (the oldest grant), so a schedule replays exactly.
+    grants: BTreeMap<u64, Grant>,
     /// In arrival order.
     waiters: Vec<Waiter>,
     ticking: bool,
@@ -525,7 +527,7 @@ struct Usage {
 }
 
 impl Usage {
-    fn of(grants: &HashMap<u64, Grant>) -> Usage {
+    fn of(grants: &BTreeMap<u64, Grant>) -> Usage {
         let mut u = Usage {
             by_requester: HashMap::new(),
             flows: HashMap::new(),
@@ -579,7 +581,7 @@ impl Usage {
 }
 
 /// The node's average rate per connection, over the connections with a measured rate.
-fn average_rate(grants: &HashMap<u64, Grant>) -> Option<f64> {
+fn average_rate(grants: &BTreeMap<u64, Grant>) -> Option<f64> {
     let rates: Vec<f64> = grants
         .values()
         .filter(|g| g.live())
@@ -595,7 +597,7 @@ type VictimRank = (bool, bool, bool, f64, f64, Duration);
 
 /// The connection to revoke for waiter `w`, if the rules (module docs) allow one.
 fn pick_victim(
-    grants: &HashMap<u64, Grant>,
+    grants: &BTreeMap<u64, Grant>,
     w: &Waiter,
     usage: &mut Usage,
     avg_rate: Option<f64>,
