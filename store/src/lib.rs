@@ -11,7 +11,9 @@
 //! - [`gc`]: collection of abandoned partial downloads (TTL, low disk space);
 //! - [`space`]: the image filesystem's reserve, which downloads and unpacks keep free;
 //! - [`unpack`]: layers applied into snapshots as they download;
-//! - [`pull`]: pull jobs shared by their requesters, with references, aborts and progress.
+//! - [`pull`]: pull jobs shared by their requesters, with references, aborts and progress;
+//! - `sim` (tests only): a deterministic simulation of pulls sharing the transfer slots, driving
+//!   the real [`sched`] with seeded scenarios and checking its invariants.
 
 pub mod blobs;
 pub mod content;
@@ -27,6 +29,8 @@ pub mod pull;
 pub mod reference;
 pub mod registry;
 pub mod sched;
+#[cfg(test)]
+mod sim;
 pub mod space;
 pub mod text;
 pub mod unpack;

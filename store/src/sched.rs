@@ -167,6 +167,11 @@ impl Flow {
         self.connections.load(Ordering::Relaxed)
     }
 
+    #[cfg(test)]
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
     /// The requesters served, each once with its highest weight; a flow serving nobody (its
     /// pulls are between requesters) counts as a requester of its own.
     fn requesters(&self) -> Vec<(String, u32)> {
@@ -208,6 +213,13 @@ impl Lease {
 
     pub fn is_revoked(&self) -> bool {
         self.revoked.is_cancelled()
+    }
+
+    /// Its grant's id: ids of grants and waiters come from one counter, so a waiter with a lower
+    /// id asked before this grant was made.
+    #[cfg(test)]
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 }
 
@@ -473,6 +485,55 @@ impl Scheduler {
         QUANTUM.max(SOLE_TENURE + RATE_AFTER) + 2 * TICK
     }
 
+    /// Who holds slots and who waits, as plain data, for the simulation's invariant checks.
+    #[cfg(test)]
+    pub(crate) fn view(&self) -> SchedView {
+        let st = self.state.lock().unwrap();
+        let mut flows: Vec<FlowView> = Vec::new();
+        let mut note = |f: &Arc<Flow>| {
+            if !flows.iter().any(|v| v.id == f.id) {
+                flows.push(FlowView {
+                    id: f.id,
+                    requesters: f.requesters(),
+                    struck: f.struck(),
+                    resumable: f.is_resumable(),
+                });
+            }
+        };
+        let grants = st
+            .grants
+            .iter()
+            .map(|(&id, g)| {
+                note(&g.flow);
+                GrantView {
+                    id,
+                    flow: g.flow.id,
+                    live: g.live(),
+                    since: g.since,
+                }
+            })
+            .collect();
+        let waiters = st
+            .waiters
+            .iter()
+            .map(|w| {
+                note(&w.flow);
+                WaiterView {
+                    id: w.id,
+                    flow: w.flow.id,
+                    since: w.since,
+                }
+            })
+            .collect();
+        SchedView {
+            capacity: self.capacity,
+            grants,
+            waiters,
+            flows,
+            ticking: st.ticking,
+        }
+    }
+
     fn grant(self: &Arc<Self>, st: &mut State, flow: &Arc<Flow>, now: Instant) -> Lease {
         st.next += 1;
         let id = st.next;
@@ -502,7 +563,51 @@ impl Scheduler {
     }
 }
 
-const EPS: f64 = 1e-9;
+/// Usages closer than this are equal.
+pub(crate) const EPS: f64 = 1e-9;
+
+/// The scheduler's state as plain data ([`Scheduler::view`]).
+#[cfg(test)]
+#[derive(Debug, Clone)]
+pub(crate) struct SchedView {
+    pub capacity: usize,
+    /// In grant order, revoked ones (not yet given back) included.
+    pub grants: Vec<GrantView>,
+    /// In arrival order.
+    pub waiters: Vec<WaiterView>,
+    /// The flows of those grants and waiters.
+    pub flows: Vec<FlowView>,
+    /// Whether the task reconsidering waiters every [`TICK`] runs.
+    pub ticking: bool,
+}
+
+#[cfg(test)]
+#[derive(Debug, Clone)]
+pub(crate) struct GrantView {
+    pub id: u64,
+    pub flow: u64,
+    /// Not revoked.
+    pub live: bool,
+    pub since: Instant,
+}
+
+#[cfg(test)]
+#[derive(Debug, Clone)]
+pub(crate) struct WaiterView {
+    pub id: u64,
+    pub flow: u64,
+    pub since: Instant,
+}
+
+#[cfg(test)]
+#[derive(Debug, Clone)]
+pub(crate) struct FlowView {
+    pub id: u64,
+    /// As the scheduler counts them: each key once with its highest weight.
+    pub requesters: Vec<(String, u32)>,
+    pub struck: bool,
+    pub resumable: bool,
+}
 
 /// Waiter indices, best first: struck flows last (they wait for a free slot), then lowest
 /// score, first connections before extra ones, oldest.
