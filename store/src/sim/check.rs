@@ -310,9 +310,8 @@ impl Checker {
                     note(if resumable { 0 } else { 1 }, since);
                 }
                 if strictly_above(after, want) && now - since > bound {
-                    let resumable = v.flow(g.flow).resumable;
                     broken.push(format!(
-                        "(2) waiter {} of {} ({:?}, served {:.3}, asked {:?} ago) waited {:?} (bound {bound:?}) while slot {} was held by {} ({:?}, {}, served {:.3} without that slot): over its share",
+                        "(2) waiter {} of {} ({:?}, served {:.3}, asked {:?} ago) waited {:?} (bound {bound:?}) while slot {} was held by {} ({:?}, served {:.3} without that slot): over its share",
                         w.id,
                         sim.name(w.flow),
                         v.flow(w.flow).requesters,
@@ -322,7 +321,6 @@ impl Checker {
                         g.id,
                         sim.name(g.flow),
                         v.flow(g.flow).requesters,
-                        if resumable { "resumable" } else { "cannot resume" },
                         after,
                     ));
                 }

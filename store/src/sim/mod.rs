@@ -358,23 +358,31 @@ fn simulated_pulls_keep_every_invariant() {
     if !keep_going {
         panic!("{first}");
     }
-    // Per invariant: how many scenarios broke it, and the first that did.
-    let mut by: Vec<(&str, u64, &Failure)> = Vec::new();
+    // Per invariant: the scenarios that broke it, the first with its message.
+    let mut by: Vec<(&str, Vec<&Failure>)> = Vec::new();
     for (_, f) in &t.failed {
         let inv = f.what.split(' ').next().unwrap_or_default();
         match by.iter_mut().find(|b| b.0 == inv) {
-            Some(b) => b.1 += 1,
-            None => by.push((inv, 1, f)),
+            Some(b) => b.1.push(f),
+            None => by.push((inv, vec![f])),
         }
     }
     by.sort_by_key(|b| b.0);
     let mut report = String::new();
-    for (inv, count, f) in by {
+    for (inv, fs) in by {
+        let f = fs[0];
+        let more: Vec<String> = fs[1..]
+            .iter()
+            .take(8)
+            .map(|f| format!("{:#x}", f.seed))
+            .collect();
         report.push_str(&format!(
-            "invariant {inv} broken in {count} of {n} scenarios, first: seed {:#x} at {:.3}s: {}\n",
+            "invariant {inv} broken in {} of {n} scenarios, first: seed {:#x} at {:.3}s: {}\n  next seeds: {}\n",
+            fs.len(),
             f.seed,
             f.at.as_secs_f64(),
-            f.what
+            f.what,
+            more.join(" ")
         ));
     }
     panic!("{report}");

@@ -225,12 +225,16 @@ impl Sim {
         w.flows.iter().map(|(f, _)| f.clone()).collect()
     }
 
-    /// Names flow `id` by its blob (flow ids are process-wide: they differ between the suite and
-    /// a replay, blob numbers do not).
+    /// Names flow `id` by its blob and the blob's registry (flow ids are process-wide: they
+    /// differ between the suite and a replay, blob numbers do not).
     pub fn name(&self, id: u64) -> String {
         let w = self.world.lock().unwrap();
         match w.flows.iter().find(|(f, _)| f.id() == id) {
-            Some((_, b)) => format!("blob {b}"),
+            Some((_, b)) => {
+                let r = &self.sc.registries[self.sc.blobs[*b].registry];
+                let ranged = if r.resumable { "ranged" } else { "whole blobs" };
+                format!("blob {b} ({:?}, {ranged})", r.speed)
+            }
             None => format!("flow {id}"),
         }
     }
