@@ -1,7 +1,7 @@
 //! The invariants the simulation checks on the scheduler's state at every step, and the one rule
 //! it mirrors from the scheduler to do so: how well a flow's requesters are served ([`Served`]).
 //!
-//! Checked every [`STEP`] of simulated time (invariants 3, 4 and 6 are checked elsewhere: by the
+//! Checked every [`STEP`] of simulated time (invariants 4, 5 and 7 are checked elsewhere: by the
 //! run and by the connections, see the module docs of `super`):
 //!
 //! - **(1) Every grant takes a slot:** grants (revoked ones not yet given back included) never
@@ -10,10 +10,10 @@
 //!   [`Scheduler::wait_bound`] while one same slot is held by another flow that is *over its
 //!   share* for it: whose requesters would stay strictly better served than the waiter's
 //!   without that slot ([`Served::over_share`]).
-//! - **(2b) Equals take turns.** The same, for a slot held by a flow whose requesters would stay
+//! - **(3) Equals take turns.** The same, for a slot held by a flow whose requesters would stay
 //!   at least as well served as the waiter's without it ([`Served::at_least_level`]): it is
 //!   rotated within the same bound.
-//! - **(5)** A download that no pull wants any more has no connection and no waiter a [`TICK`]
+//! - **(6)** A download that no pull wants any more has no connection and no waiter a [`TICK`]
 //!   later.
 //!
 //! A step that sees the same state as the one before (nothing happened in between: see
@@ -224,7 +224,7 @@ impl Checker {
         self.next_due = None;
         let snap = sim.sched.snapshot();
         if snap.waiting == 0 {
-            // Nobody waits: only (1)'s count and (5) can fail; no pair is waiting.
+            // Nobody waits: only (1)'s count and (6) can fail; no pair is waiting.
             self.idle_since = None;
             self.over.clear();
             self.level.clear();
@@ -263,7 +263,7 @@ impl Checker {
             self.idle_since = None;
         }
 
-        // (2) and (2b)
+        // (2) and (3)
         let served = Served::of(&v);
         let mut over = HashMap::new();
         let mut level = HashMap::new();
@@ -290,7 +290,7 @@ impl Checker {
                 let mut unequal = None;
                 if now - since > bound {
                     unequal = Some(format!(
-                        "(2b) waiter {} of {} ({:?}, served {:.3}, asked {:?} ago) waited {:?} (bound {bound:?}) while slot {} was held by {} ({:?}, served {:.3} without that slot): equals do not take turns",
+                        "(3) waiter {} of {} ({:?}, served {:.3}, asked {:?} ago) waited {:?} (bound {bound:?}) while slot {} was held by {} ({:?}, served {:.3} without that slot): equals do not take turns",
                         w.id,
                         sim.name(w.flow),
                         v.flow(w.flow).requesters,
@@ -335,14 +335,14 @@ impl Checker {
         self.stopped(sim, now, &v.waiters, broken);
     }
 
-    /// (5): downloads stopped a [`TICK`] ago hold no slot and wait for none.
+    /// (6): downloads stopped a [`TICK`] ago hold no slot and wait for none.
     fn stopped(&self, sim: &Sim, now: Instant, waiters: &[WaiterView], broken: &mut Vec<String>) {
         sim.watch_stopping(|flow, at, blob| {
             let waits = waiters.iter().any(|w| w.flow == flow.id());
             let gone = flow.connections() == 0 && !waits;
             if !gone && now - at > TICK {
                 broken.push(format!(
-                    "(5) blob {blob} stopped {:?} ago (no pull wants it) still has {} connections{}",
+                    "(6) blob {blob} stopped {:?} ago (no pull wants it) still has {} connections{}",
                     now - at,
                     flow.connections(),
                     if waits { " and waits for a slot" } else { "" }

@@ -4,7 +4,7 @@
 //! and invariants are checked at every step. Test-only.
 //!
 //! - [`scenario`]: what a seed draws (slots, registries, blobs, images, pods) and the bound of
-//!   invariant 3;
+//!   invariant 4;
 //! - [`world`]: the engine around the scheduler (pods joining and leaving pulls that share blob
 //!   downloads, downloads stopping when nobody wants them);
 //! - [`download`]: one blob download's connections, their leases and bytes, revocation, strikes
@@ -16,13 +16,13 @@
 //! milliseconds, and the same seed gives the same events in the same order (the run's
 //! fingerprint, a hash of its events, is compared in a test).
 //!
-//! The invariants (1, 2, 2b and 5 in [`check`]):
+//! The invariants (1, 2, 3 and 6 in [`check`]):
 //!
-//! - **(3)** Once the last pod arrived, every download ends (done, given up, stalled, or stopped)
+//! - **(4)** Once the last pod arrived, every download ends (done, given up, stalled, or stopped)
 //!   within [`Scenario::end_bound`].
-//! - **(4)** At the end the scheduler holds nothing: no grant, no waiter, every flow without
+//! - **(5)** At the end the scheduler holds nothing: no grant, no waiter, every flow without
 //!   connections, and its tick task stopped within two ticks.
-//! - **(6)** A struck flow (it cannot resume and lost a slot) revokes nobody and goes last: it is
+//! - **(7)** A struck flow (it cannot resume and lost a slot) revokes nobody and goes last: it is
 //!   granted no slot another flow asked for before it, and no connection is revoked while only
 //!   struck flows wait (checked by the connections as they are granted and revoked).
 //!
@@ -34,7 +34,7 @@
 //! line of figures. `MINICRI_SIM_SEED=<seed>` replays that one scenario and prints its events;
 //! `MINICRI_SIM_SCENARIOS=<n>` and `MINICRI_SIM_BASE=<seed>` run other scenarios;
 //! `MINICRI_SIM_KEEP_GOING=1` runs every scenario and reports, per invariant, how many broke it
-//! and the first seed that did; `MINICRI_SIM_IGNORE=6,2b` only counts those invariants'
+//! and the first seed that did; `MINICRI_SIM_IGNORE=7,3` only counts those invariants'
 //! violations and lets the scenarios go on (what else a hole breaks).
 
 mod check;
@@ -58,7 +58,7 @@ struct Outcome {
     steps: u64,
     counts: Counts,
     longest: Longest,
-    /// How long downloads ran after the last arrival, against invariant 3's bound.
+    /// How long downloads ran after the last arrival, against invariant 4's bound.
     tail: (Duration, Duration),
     fingerprint: u64,
     /// The events' text, all of them if asked for.
@@ -145,7 +145,7 @@ async fn simulate(sc: Scenario, all_events: bool) -> Result<Outcome, Failure> {
         let now = Instant::now();
         if now >= last_arrival && now - last_arrival > bound {
             let what = format!(
-                "(3) downloads of blobs {:?} still run {:?} after the last pod arrived (bound {bound:?})",
+                "(4) downloads of blobs {:?} still run {:?} after the last pod arrived (bound {bound:?})",
                 sim.running_blobs(),
                 now - last_arrival
             );
@@ -153,7 +153,7 @@ async fn simulate(sc: Scenario, all_events: bool) -> Result<Outcome, Failure> {
         }
     }
     let ended = Instant::now();
-    // (4)
+    // (5)
     let v = sim.sched.view();
     let busy: Vec<String> = sim
         .flows()
@@ -163,7 +163,7 @@ async fn simulate(sc: Scenario, all_events: bool) -> Result<Outcome, Failure> {
         .collect();
     if !v.grants.is_empty() || !v.waiters.is_empty() || !busy.is_empty() {
         let what = format!(
-            "(4) every download ended, yet the scheduler has {} grants and {} waiters, and {busy:?} connections",
+            "(5) every download ended, yet the scheduler has {} grants and {} waiters, and {busy:?} connections",
             v.grants.len(),
             v.waiters.len()
         );
@@ -171,14 +171,14 @@ async fn simulate(sc: Scenario, all_events: bool) -> Result<Outcome, Failure> {
     }
     if sim.running_pulls() > 0 {
         let what = format!(
-            "(4) every download ended, yet {} pulls run",
+            "(5) every download ended, yet {} pulls run",
             sim.running_pulls()
         );
         return Err(fail(&sim, what));
     }
     tokio::time::sleep(2 * TICK).await;
     if sim.sched.view().ticking {
-        let what = "(4) the scheduler still ticks with nobody waiting".to_string();
+        let what = "(5) the scheduler still ticks with nobody waiting".to_string();
         return Err(fail(&sim, what));
     }
     Ok(Outcome {
@@ -215,7 +215,7 @@ struct Totals {
     steps: u64,
     counts: Counts,
     longest: Longest,
-    /// The largest share of invariant 3's bound a scenario used.
+    /// The largest share of invariant 4's bound a scenario used.
     tightest: f64,
     /// Failed scenarios: their index and failure.
     failed: Vec<(u64, Failure)>,

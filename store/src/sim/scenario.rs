@@ -2,7 +2,7 @@
 //! trickling, stalled; answering ranged requests or not; cutting connections), blobs, images made
 //! of them, and pods that arrive, pull an image with a weight, and may be deleted mid-pull.
 //!
-//! It also derives the bound of invariant (3): how long after the last arrival every download
+//! It also derives the bound of invariant (4): how long after the last arrival every download
 //! may still run ([`Scenario::end_bound`]).
 
 use std::fmt::Write;
@@ -152,7 +152,7 @@ impl Scenario {
         self.pods.last().map_or(Duration::ZERO, |p| p.arrives)
     }
 
-    /// Invariant (3)'s bound: once the last pod arrived, every download ends within the sum over
+    /// Invariant (4)'s bound: once the last pod arrived, every download ends within the sum over
     /// the blobs of [`Scenario::slot_time`], plus two seconds.
     ///
     /// Why: while a download runs, it holds a slot or waits, and while anyone waits every slot

@@ -41,7 +41,7 @@ pub(super) struct Counts {
     pub ignored: u64,
 }
 
-/// The invariants whose violations are only counted (`MINICRI_SIM_IGNORE=6,2b`): what else a
+/// The invariants whose violations are only counted (`MINICRI_SIM_IGNORE=7,3`): what else a
 /// hole breaks shows then.
 fn ignored() -> &'static [String] {
     static IGNORED: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
@@ -66,11 +66,11 @@ struct World {
     pod_pull: Vec<Option<usize>>,
     arrived: usize,
     /// Downloads stopped because no pull wanted them, not yet seen to let go of the scheduler
-    /// (invariant 5).
+    /// (invariant 6).
     stopping: Vec<(Arc<Flow>, Instant, usize)>,
     /// When a download last ended or stopped, or a connection last stopped waiting for a slot.
     last_gone: Option<Instant>,
-    /// Every flow of the run (invariant 4), with its blob.
+    /// Every flow of the run (invariant 5), with its blob.
     flows: Vec<(Arc<Flow>, usize)>,
     violation: Option<String>,
     counts: Counts,
@@ -160,7 +160,7 @@ impl Sim {
         self.changes.load(Ordering::Relaxed)
     }
 
-    /// Whether a stopped download is still to be seen letting go (invariant 5).
+    /// Whether a stopped download is still to be seen letting go (invariant 6).
     pub fn stopping(&self) -> bool {
         !self.world.lock().unwrap().stopping.is_empty()
     }
@@ -431,7 +431,7 @@ impl Sim {
     }
 
     /// A connection of `dl` got `lease`. A struck flow is granted only a slot no other flow
-    /// asked for first (invariant 6).
+    /// asked for first (invariant 7).
     pub(super) fn granted(&self, dl: &Download, lease: &Lease) {
         {
             let mut w = self.world.lock().unwrap();
@@ -453,7 +453,7 @@ impl Sim {
         {
             let other = self.name(o.flow);
             self.violated(format!(
-                "(6) blob {} (struck: it cannot resume and lost a slot) was granted slot {} while waiter {} of {other} (not struck) asked before",
+                "(7) blob {} (struck: it cannot resume and lost a slot) was granted slot {} while waiter {} of {other} (not struck) asked before",
                 dl.blob,
                 lease.id(),
                 o.id,
@@ -462,7 +462,7 @@ impl Sim {
     }
 
     /// A connection of `dl` sees its lease revoked: the scheduler revokes only for a flow that
-    /// is not struck (invariant 6), which still waits now, or got a slot or left at this very
+    /// is not struck (invariant 7), which still waits now, or got a slot or left at this very
     /// instant (a connection whose pieces were all claimed by others stops waiting, and the
     /// scheduler may have revoked a slot for it just before).
     pub(super) fn revoked(&self, dl: &Download, lease: &Lease) {
@@ -489,7 +489,7 @@ impl Sim {
             || self.last_gone() == Some(now);
         if !for_someone {
             self.violated(format!(
-                "(6) blob {}'s slot {} was revoked while only struck flows wait (they revoke nobody)",
+                "(7) blob {}'s slot {} was revoked while only struck flows wait (they revoke nobody)",
                 dl.blob,
                 lease.id()
             ));
