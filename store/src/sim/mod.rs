@@ -330,7 +330,7 @@ fn simulated_pulls_keep_every_invariant() {
     let t = run_many(base, n, keep_going);
     let c = &t.counts;
     println!(
-        "simulation: {} scenarios, {:.1} h simulated in {:.2} s, {} invariant checks; {} grants, {} revocations; downloads: {} done, {} given up, {} stalled, {} stopped{}; longest wait behind a slot over its share {:.1} s (resumable holder) / {:.1} s (holder that cannot resume), behind an equal {:.1} s (bound {:.1} s); downloads ended within {:.0}% of their bound",
+        "simulation: {} scenarios, {:.1} h simulated in {:.2} s, {} invariant checks; {} grants, {} revocations; downloads: {} done, {} given up, {} stalled, {} stopped{}; longest wait behind a slot over its share {:.1} s (holder that can resume; bound {:.1} s) / {:.1} s (holder that cannot resume), behind an equal {:.1} s (bound {:.1} s); downloads ended within {:.0}% of their bound",
         t.scenarios,
         t.simulated.as_secs_f64() / 3600.0,
         wall.elapsed().as_secs_f64(),
@@ -347,6 +347,7 @@ fn simulated_pulls_keep_every_invariant() {
             String::new()
         },
         t.longest.over_resumable.as_secs_f64(),
+        check::RESUMABLE_BOUND.as_secs_f64(),
         t.longest.over_unresumable.as_secs_f64(),
         t.longest.level.as_secs_f64(),
         crate::sched::Scheduler::wait_bound().as_secs_f64(),
