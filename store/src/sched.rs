@@ -2,7 +2,7 @@
 //! requesters (pod sandboxes and plain calls) that want downloads.
 //!
 //! Every request that transfers blob bytes holds a **lease** on one of a fixed number of slots
-//! (`max_concurrent_transfers`; small blobs have a lane of their own, so they never wait behind
+//! (`pull.max_concurrent_transfers`; small blobs have a lane of their own, so they never wait behind
 //! large transfers). A blob download is a **flow**: it asks for one lease per connection, and
 //! the requesters it serves are those of the pulls holding it ([`Demand`]), each with a weight
 //! (its priority). How the slots are shared:
