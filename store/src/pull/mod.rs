@@ -316,6 +316,16 @@ impl Job {
             .set(reqs.iter().map(|(k, e)| (k.clone(), e.info.weight)));
     }
 
+    /// Its config's and layers' blobs, as their descriptors name them.
+    fn part_keys(&self) -> Vec<crate::content::BlobKey> {
+        self.parts
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|p| crate::content::BlobKey::new(p.digest.clone(), p.size))
+            .collect()
+    }
+
     fn finished(&self) -> bool {
         self.result.borrow().is_some()
     }

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use super::detach::Hold;
 use super::{Job, PullManager};
-use crate::content::BlobKey;
 use crate::error::StoreError;
 use crate::reference::Reference;
 use crate::registry::{FetchedManifest, Session};
@@ -153,13 +152,7 @@ impl PullManager {
     /// is past a pod's share ([`super::partial`]), on a blocking thread.
     fn charge_left_behind(self: &Arc<Self>, job: &Job) {
         let owners = job.owners.lock().unwrap().clone();
-        let keys: Vec<BlobKey> = job
-            .parts
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|p| BlobKey::new(p.digest.clone(), p.size))
-            .collect();
+        let keys = job.part_keys();
         let mgr = self.clone();
         tokio::spawn(async move {
             // The stopped downloads' writers still flush what they had queued, holding their
@@ -187,13 +180,7 @@ impl PullManager {
         if !Session::add_distinct(&mut job.sessions.lock().unwrap(), session) {
             return;
         }
-        let keys: Vec<BlobKey> = job
-            .parts
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|p| BlobKey::new(p.digest.clone(), p.size))
-            .collect();
+        let keys = job.part_keys();
         for k in keys {
             self.blobs.add_session(&k, session);
         }

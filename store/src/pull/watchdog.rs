@@ -99,6 +99,11 @@ mod tests {
     use super::*;
 
     fn bytes(done: u64, total: u64, connections: usize) -> JobBytes {
+        read(done, total, connections, 0)
+    }
+
+    /// `bytes`, with `unpacked` bytes read by the unpacks.
+    fn read(done: u64, total: u64, connections: usize, unpacked: u64) -> JobBytes {
         JobBytes {
             done,
             total,
@@ -107,7 +112,7 @@ mod tests {
             refetched: 0,
             rate: 0.0,
             connections,
-            unpacked: 0,
+            unpacked,
         }
     }
 
@@ -170,48 +175,30 @@ mod tests {
         let mut dog = Watchdog::new(Duration::from_secs(10), Some(1 << 20), &bytes(100, 100, 1));
         assert_eq!(run(&mut dog, 600, |_| bytes(100, 100, 1)), None);
     }
-}
-
-#[cfg(test)]
-mod unpack_tests {
-    use super::*;
-
-    fn bytes(done: u64, total: u64, connections: usize, unpacked: u64) -> JobBytes {
-        JobBytes {
-            done,
-            total,
-            downloaded: done,
-            resumed: 0,
-            refetched: 0,
-            rate: 0.0,
-            connections,
-            unpacked,
-        }
-    }
 
     #[test]
     fn bytes_read_by_the_unpacks_are_progress_and_the_unpack_after_the_last_byte_is_not_judged() {
         let t = Duration::from_secs(10);
         // A transfer stuck at 50 of 100 bytes while the unpacks read what is on disk: alive as
         // long as they read.
-        let mut dog = Watchdog::new(t, None, &bytes(50, 100, 1, 0));
+        let mut dog = Watchdog::new(t, None, &read(50, 100, 1, 0));
         for s in 1..=30u64 {
             assert_eq!(
-                dog.observe(Duration::from_secs(1), &bytes(50, 100, 1, s)),
+                dog.observe(Duration::from_secs(1), &read(50, 100, 1, s)),
                 None
             );
         }
         let fired = (1..=30u64).find(|_| {
-            dog.observe(Duration::from_secs(1), &bytes(50, 100, 1, 30))
+            dog.observe(Duration::from_secs(1), &read(50, 100, 1, 30))
                 .is_some()
         });
         assert_eq!(fired, Some(10));
         // Every byte in, the unpacks reading nothing for minutes (files being written): left
         // alone.
-        let mut dog = Watchdog::new(t, Some(1 << 20), &bytes(100, 100, 0, 40));
+        let mut dog = Watchdog::new(t, Some(1 << 20), &read(100, 100, 0, 40));
         for _ in 0..600 {
             assert_eq!(
-                dog.observe(Duration::from_secs(1), &bytes(100, 100, 0, 40)),
+                dog.observe(Duration::from_secs(1), &read(100, 100, 0, 40)),
                 None
             );
         }
