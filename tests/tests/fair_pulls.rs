@@ -121,7 +121,7 @@ async fn a_trickling_registry_does_not_starve_another_pods_pull() {
     );
     assert!(!slow_call.is_finished(), "the slow pull is still running");
 
-    // Longer than pull_progress_timeout, during which the slow blob waited for its slots at
+    // Longer than pull.progress_timeout, during which the slow blob waited for its slots at
     // times: not a stall.
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert!(!slow_call.is_finished(), "the slow pull is still running");
@@ -137,7 +137,7 @@ async fn a_trickling_registry_does_not_starve_another_pods_pull() {
 
 /// One transfer slot and two pods pulling large blobs from a slow registry: the newcomer gets the
 /// slot within about a second, the first waits a quantum (10 s) for it back, longer than
-/// `pull_progress_timeout` (3 s), and neither is dropped for it.
+/// `pull.progress_timeout` (3 s), and neither is dropped for it.
 #[tokio::test(flavor = "multi_thread")]
 async fn waiting_for_a_transfer_slot_is_not_a_stall() {
     let addr = free_metrics_address();

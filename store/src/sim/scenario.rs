@@ -12,7 +12,7 @@ use super::rng::Rng;
 use crate::sched::{EXTRA_TENURE, MAX_STRIKES, NORMAL_WEIGHT};
 
 /// A connection whose registry sends nothing for this long in total is a stall: the blob fails
-/// (the pull watchdog's `pull_progress_timeout`, 60 s by default, set shorter here to keep
+/// (the pull watchdog's `pull.progress_timeout`, 60 s by default, set shorter here to keep
 /// scenarios short; see [`super::world`] for how it is modelled).
 pub(super) const PROGRESS_TIMEOUT: Duration = Duration::from_secs(30);
 /// A body cut short is asked for again after this back-off, the slot kept (blobs.rs's first
