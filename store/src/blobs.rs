@@ -10,7 +10,8 @@
 //! ingest hashes the contiguous prefix as it grows, and a reader following the download reads
 //! only that prefix. Transient failures (connection errors, 5xx, a body cut short) are retried
 //! with back-off inside the download, resuming each piece where it stopped; the count of failures
-//! resets whenever bytes arrive. The node's transfer connections are shared between the requesters
+//! resets whenever bytes arrive that the next request goes on from (never for a registry that
+//! ignores Range: its bodies cut short fail the download after the retries). The node's transfer connections are shared between the requesters
 //! that want downloads by the fair scheduler ([`crate::sched`]): each request holds a lease, which
 //! the scheduler may revoke for a fairer share; a revoked request stops and its piece is resumed
 //! later from where it stopped. Blobs up to [`TransferConfig::small_blob_bytes`] have a lane of
@@ -724,7 +725,11 @@ impl Transfer<'_> {
             };
             let backoff = {
                 let mut f = self.failures.lock().unwrap();
-                if piece.pos > before {
+                // Bytes are progress only if the next answer goes on from them: a registry that
+                // ignores Range starts every answer from byte 0, so one that cuts its bodies
+                // fails the download after its retries, however far each body got (else bodies
+                // cut at varying points would keep it going for ever).
+                if piece.pos > before && self.progress.flow.is_resumable() {
                     *f = (0, FIRST_BACKOFF);
                 }
                 match outcome {

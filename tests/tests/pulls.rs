@@ -314,6 +314,33 @@ async fn registry_ignoring_range_restarts_the_blob_and_verifies_it() {
     assert!(e.daemon.log().contains("ignored the range request"));
 }
 
+/// A registry that ignores `Range` and cuts every body short, each one a MiB further than the one
+/// before: every answer starts from byte 0 again, so no cut body is progress, and the blob fails
+/// after its retries (6 requests) with a message that says so, instead of being fetched from the
+/// start as long as each body gets further (32 requests here; for ever for a registry whose cuts
+/// keep moving).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_registry_ignoring_range_and_cutting_every_body_fails_the_blob_after_its_retries() {
+    let e = env(&[]).await;
+    let (img, r) = big(&e, "big", 1, 32, 9).await;
+    let layer = img.layers.last().unwrap().digest.clone();
+    for mib in 1..32 {
+        e.proxy
+            .faults()
+            .cut_after(Target::Blob(layer.clone()), mib * MIB, Times::Once);
+    }
+    e.proxy.faults().set_ignore_range(true);
+    let err = pull(&e.daemon, &r, None).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(
+        err.message().contains("gave up after 5 failures"),
+        "{}",
+        err.message()
+    );
+    let requests = e.proxy.blob_requests(&layer).len();
+    assert_eq!(requests, 6, "the first request and 5 retries");
+}
+
 /// A daemon that fetches blobs of two chunks or more over four ranged requests of 2 MiB at once.
 const RANGED: &[&str] = &["--blob-connections", "4", "--blob-chunk-size", "2097152"];
 const CHUNK: u64 = 2 * MIB;
