@@ -25,11 +25,13 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
+use futures::future::BoxFuture;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::time::Instant;
 
 use crate::sched::{Demand, Flow, Lease, MAX_STRIKES, Scheduler};
 use tokio_util::sync::CancellationToken;
@@ -37,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 use crate::content::{BlobKey, ContentStore, Ingest};
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
-use crate::registry::{BlobBody, Session};
+use crate::registry::BlobBody;
 
 /// Consecutive failures without progress after which a blob download gives up.
 const BLOB_RETRIES: u32 = 5;
@@ -50,6 +52,39 @@ const SLOW_SOURCE_WINDOW: Duration = Duration::from_secs(10);
 const SLOW_SOURCE_BYTES: u64 = 1 << 20;
 const FIRST_BACKOFF: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Where a download gets a blob's bytes: a pull's registry session
+/// ([`Session`](crate::registry::Session)) on a node, a simulated registry in the simulation of
+/// the pull engine. The seam between the downloads and the network.
+pub trait BlobSource: Send + Sync {
+    /// The image reference it serves, for messages.
+    fn reference(&self) -> String;
+    /// Sources with the same key fetch from the same endpoints with the same credentials: a
+    /// failure of one is a failure of all.
+    fn source_key(&self) -> [u8; 32];
+    /// Opens `length` bytes of `digest` from byte `offset` (a source that ignores ranges
+    /// answers with the whole blob: [`BlobBody::resumed`] says which); the endpoint named
+    /// `last_resort`, whose body broke off, is tried after every other.
+    fn blob<'a>(
+        &'a self,
+        digest: &'a Digest,
+        offset: u64,
+        length: u64,
+        last_resort: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<BlobBody>>;
+}
+
+/// Appends `source` to `sources` unless one with its key is there; whether it did.
+pub fn add_distinct<S: BlobSource + ?Sized>(sources: &mut Vec<Arc<S>>, source: &Arc<S>) -> bool {
+    if sources
+        .iter()
+        .any(|s| s.source_key() == source.source_key())
+    {
+        return false;
+    }
+    sources.push(source.clone());
+    true
+}
 
 /// Where a blob download stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,6 +179,12 @@ impl BlobProgress {
     /// none is waiting for a slot, not stalled.
     pub fn connections(&self) -> usize {
         self.flow.connections()
+    }
+
+    /// The download's claim on the transfer scheduler (the simulation watches it).
+    #[cfg(test)]
+    pub(crate) fn flow(&self) -> &Arc<Flow> {
+        &self.flow
     }
 
     /// Bytes downloaded again from byte 0 because resumed data failed the digest.
@@ -265,15 +306,15 @@ struct BlobDownload {
     /// Handles alive; guarded by the `inflight` map's lock.
     interest: Mutex<usize>,
     result: watch::Receiver<Option<Result<(), Arc<StoreError>>>>,
-    /// The sessions of the requesters, one per source ([`Session::same_source`]), in the order
+    /// The sources of the requesters, one per key ([`BlobSource::source_key`]), in the order
     /// they came: when the download fails with one, it goes on with the next.
-    sessions: Mutex<Vec<Arc<Session>>>,
+    sessions: Mutex<Vec<Arc<dyn BlobSource>>>,
 }
 
 impl BlobDownload {
     /// Adds `session` unless one of the same source is there.
-    fn add_session(&self, session: &Arc<Session>) {
-        Session::add_distinct(&mut self.sessions.lock().unwrap(), session);
+    fn add_session(&self, session: &Arc<dyn BlobSource>) {
+        add_distinct(&mut self.sessions.lock().unwrap(), session);
     }
 }
 
@@ -288,6 +329,29 @@ pub struct BlobDownloads {
     small: Arc<Scheduler>,
     small_blob_bytes: u64,
     ranged: RangedFetch,
+    file_work: FileWork,
+}
+
+/// Where a download's file work (opening, writing, committing its ingest) runs: on blocking
+/// threads in the daemon, so that writes, hashing and fsync stay off the async workers; inline
+/// in the simulation of the pull engine, whose paused clock stands still while a blocking thread
+/// runs (its files are small, on a tmpfs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FileWork {
+    #[default]
+    Threads,
+    Inline,
+}
+
+impl FileWork {
+    async fn run<T: Send + 'static>(self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        match self {
+            FileWork::Threads => tokio::task::spawn_blocking(f)
+                .await
+                .expect("a download's file work does not panic"),
+            FileWork::Inline => f(),
+        }
+    }
 }
 
 /// How many requests may transfer blob bytes at once.
@@ -327,6 +391,16 @@ impl BlobDownloads {
         transfers: TransferConfig,
         ranged: RangedFetch,
     ) -> Arc<BlobDownloads> {
+        Self::with_file_work(content, transfers, ranged, FileWork::Threads)
+    }
+
+    /// [`BlobDownloads::new`], with the file work done where `file_work` says.
+    pub fn with_file_work(
+        content: Arc<ContentStore>,
+        transfers: TransferConfig,
+        ranged: RangedFetch,
+        file_work: FileWork,
+    ) -> Arc<BlobDownloads> {
         Arc::new(BlobDownloads {
             content,
             inflight: Mutex::new(HashMap::new()),
@@ -334,6 +408,7 @@ impl BlobDownloads {
             small: Scheduler::new(transfers.max_transfers),
             small_blob_bytes: transfers.small_blob_bytes,
             ranged,
+            file_work,
         })
     }
 
@@ -353,7 +428,7 @@ impl BlobDownloads {
         self: &Arc<Self>,
         digest: &Digest,
         size: u64,
-        sessions: &[Arc<Session>],
+        sessions: &[Arc<dyn BlobSource>],
         demand: &Arc<Demand>,
     ) -> Result<BlobHandle> {
         let session = sessions.first().expect("a blob is fetched with a session");
@@ -406,11 +481,14 @@ impl BlobDownloads {
             let mut refetched = false;
             let result = loop {
                 let session = me.sessions.lock().unwrap()[used].clone();
+                // Biased (here and below): the same events in the same order give the same
+                // outcome, which the simulation of the pull engine relies on.
                 let result = tokio::select! {
-                    r = fetch(&this.content, &session, &progress, &lane, this.ranged) => r,
+                    biased;
                     _ = cancel.cancelled() => Err(StoreError::Cancelled(format!("download of {} stopped: no pull wants it", progress.digest))),
+                    r = fetch(&this.content, &*session, &progress, &lane, this.ranged, this.file_work) => r,
                     _ = slow_while_another_waits(&me, used) => Err(StoreError::Unavailable {
-                        reference: session.reference().to_string(),
+                        reference: session.reference(),
                         reason: format!(
                             "under {SLOW_SOURCE_BYTES} bytes in {SLOW_SOURCE_WINDOW:?} while another requester's registry could serve the blob"
                         ),
@@ -463,7 +541,7 @@ impl BlobDownloads {
     }
 
     /// Adds `session` to the ones the running download of `key` may go on with.
-    pub fn add_session(&self, key: &BlobKey, session: &Arc<Session>) {
+    pub fn add_session(&self, key: &BlobKey, session: &Arc<dyn BlobSource>) {
         if let Some(dl) = self.inflight.lock().unwrap().get(key) {
             dl.add_session(session);
         }
@@ -622,7 +700,7 @@ fn writer_gone() -> StoreError {
 
 /// One download of one blob: its pieces and the requests fetching them.
 struct Transfer<'a> {
-    session: &'a Session,
+    session: &'a dyn BlobSource,
     progress: &'a BlobProgress,
     lane: &'a Arc<Scheduler>,
     tx: tokio::sync::mpsc::Sender<WriterMsg>,
@@ -675,6 +753,7 @@ impl Transfer<'_> {
         if !first {
             let mut ranged = self.ranged.subscribe();
             let works = tokio::select! {
+                biased;
                 known = ranged.wait_for(Option::is_some) => matches!(known.as_deref(), Ok(Some(true))),
                 _ = self.drained.cancelled() => false,
             };
@@ -688,6 +767,7 @@ impl Transfer<'_> {
                 self.lane.acquire(&self.progress.flow).await
             } else {
                 tokio::select! {
+                    biased;
                     lease = self.lane.acquire(&self.progress.flow) => lease,
                     _ = self.drained.cancelled() => return Ok(()),
                 }
@@ -699,7 +779,7 @@ impl Transfer<'_> {
             let flow = &self.progress.flow;
             if !flow.is_resumable() && flow.strikes() >= MAX_STRIKES {
                 return Err(StoreError::Unavailable {
-                    reference: self.session.reference().to_string(),
+                    reference: self.session.reference(),
                     reason: format!(
                         "{} ignores Range requests, so its transfer of {} cannot resume; it was stopped {} times (at byte {} of {}, {}/s) to let other pulls have their transfer slots, and is given up",
                         self.progress.source().unwrap_or_default(),
@@ -746,7 +826,7 @@ impl Transfer<'_> {
                 f.0 += 1;
                 if f.0 > BLOB_RETRIES {
                     return Err(StoreError::Unavailable {
-                        reference: self.session.reference().to_string(),
+                        reference: self.session.reference(),
                         reason: format!(
                             "blob {}: gave up after {BLOB_RETRIES} failures at byte {} of {}",
                             self.progress.digest, piece.pos, self.progress.total
@@ -760,8 +840,9 @@ impl Transfer<'_> {
             };
             // The slot is kept through the back-off unless it is wanted elsewhere.
             tokio::select! {
-                _ = tokio::time::sleep(backoff) => {}
+                biased;
                 _ = lease.revoked() => return Ok(Run::Revoked),
+                _ = tokio::time::sleep(backoff) => {}
             }
         }
         Ok(Run::Done)
@@ -774,8 +855,9 @@ impl Transfer<'_> {
         let avoid = self.broke_off.lock().unwrap().clone();
         let request = self.session.blob(digest, pos, end - pos, avoid.as_deref());
         let mut body = tokio::select! {
-            r = request => r.map_err(|e| self.session.fold_errors("blob", e))?,
+            biased;
             _ = lease.revoked() => return Ok(Run::Revoked),
+            r = request => r?,
         };
         if avoid.is_some() || pos > 0 {
             tracing::info!(blob = %digest, offset = pos, end, endpoint = %body.endpoint, "blob continues");
@@ -814,7 +896,7 @@ impl Transfer<'_> {
             let sole = self.ranged.send_if_modified(|r| r.replace(false).is_none());
             if !sole && *self.ranged.borrow() == Some(true) {
                 return Err(StoreError::Unavailable {
-                    reference: self.session.reference().to_string(),
+                    reference: self.session.reference(),
                     reason: format!(
                         "{} answered a range request for {digest} with the whole blob",
                         body.endpoint
@@ -847,7 +929,7 @@ impl Transfer<'_> {
             };
             let Some(chunk) = next else { break };
             let mut chunk = chunk.map_err(|e| StoreError::Unavailable {
-                reference: self.session.reference().to_string(),
+                reference: self.session.reference(),
                 reason: format!("downloading {digest} from {}: {e}", body.endpoint),
             })?;
             let Piece { pos, end, .. } = self.piece(i);
@@ -918,10 +1000,11 @@ async fn slow_while_another_waits(dl: &BlobDownload, used: usize) {
 /// Makes sure the blob is committed, downloading what is missing.
 async fn fetch(
     content: &Arc<ContentStore>,
-    session: &Session,
+    session: &dyn BlobSource,
     progress: &Arc<BlobProgress>,
     lane: &Arc<Scheduler>,
     ranged: RangedFetch,
+    file_work: FileWork,
 ) -> Result<()> {
     let digest = progress.digest.clone();
     let key = progress.key();
@@ -934,9 +1017,7 @@ async fn fetch(
     }
     let c = content.clone();
     let k = key.clone();
-    let ingest = tokio::task::spawn_blocking(move || c.open_ingest(&k))
-        .await
-        .expect("open_ingest does not panic")?;
+    let ingest = file_work.run(move || c.open_ingest(&k)).await?;
     let on_disk = ingest.on_disk();
     let pieces = ranged.pieces(&ingest.missing());
     progress.resumed_from.store(on_disk, Ordering::Relaxed);
@@ -952,21 +1033,21 @@ async fn fetch(
     // queued chunk is on disk, even when this future is dropped (cancelled) mid-transfer.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<WriterMsg>(32);
     let on_disk = progress.clone();
-    let writer = tokio::task::spawn_blocking(move || {
-        let guard = guard;
-        let mut ingest: Ingest = ingest;
-        while let Some(msg) = rx.blocking_recv() {
-            match msg {
-                WriterMsg::Data { at, bytes, .. } => ingest.write_at(at, &bytes)?,
-                WriterMsg::Restart => ingest.restart()?,
-                WriterMsg::Source(endpoint) => ingest.record_writer(&endpoint)?,
+    let mut ingest: Ingest = ingest;
+    let writer = match file_work {
+        FileWork::Threads => tokio::task::spawn_blocking(move || {
+            while let Some(msg) = rx.blocking_recv() {
+                write(&mut ingest, msg, &on_disk)?;
             }
-            if ingest.offset() != on_disk.written() {
-                on_disk.set_written(ingest.offset());
+            Ok::<_, StoreError>((ingest, guard))
+        }),
+        FileWork::Inline => tokio::spawn(async move {
+            while let Some(msg) = rx.recv().await {
+                write(&mut ingest, msg, &on_disk)?;
             }
-        }
-        Ok::<_, StoreError>((ingest, guard))
-    });
+            Ok::<_, StoreError>((ingest, guard))
+        }),
+    };
 
     let connections = if pieces.len() > 1 {
         ranged.connections.max(1)
@@ -996,14 +1077,14 @@ async fn fetch(
     if let Err(e) = outcome {
         // The writer's own error (too many bytes, disk full) explains more.
         return Err(match written {
-            Err(we) => discard_on_size_error(content, &key, we).await,
+            Err(we) => discard_on_size_error(content, &key, we, file_work).await,
             Ok(_) => e,
         });
     }
     debug_assert!(pieces.into_inner().unwrap().iter().all(|p| p.pos >= p.end));
     let (ingest, guard) = match written {
         Ok(i) => i,
-        Err(e) => return Err(discard_on_size_error(content, &key, e).await),
+        Err(e) => return Err(discard_on_size_error(content, &key, e, file_work).await),
     };
     // Every byte is on disk now: readers following the ingest may read to its end.
     progress.set_state(BlobState::Verifying);
@@ -1011,12 +1092,25 @@ async fn fetch(
     // The ingest stays locked until it is committed (or its commit failed), even if this future
     // is dropped meanwhile: a new download of the blob must not reopen the file being committed,
     // nor the collector remove it.
-    tokio::task::spawn_blocking(move || {
-        let _guard = guard;
-        ingest.commit(&c)
-    })
-    .await
-    .expect("commit does not panic")
+    file_work
+        .run(move || {
+            let _guard = guard;
+            ingest.commit(&c)
+        })
+        .await
+}
+
+/// The writer's work for one message.
+fn write(ingest: &mut Ingest, msg: WriterMsg, progress: &BlobProgress) -> Result<()> {
+    match msg {
+        WriterMsg::Data { at, bytes, .. } => ingest.write_at(at, &bytes)?,
+        WriterMsg::Restart => ingest.restart()?,
+        WriterMsg::Source(endpoint) => ingest.record_writer(&endpoint)?,
+    }
+    if ingest.offset() != progress.written() {
+        progress.set_written(ingest.offset());
+    }
+    Ok(())
 }
 
 /// The answer for a blob already committed: done, or (committed blobs were checked against their
@@ -1041,10 +1135,11 @@ async fn discard_on_size_error(
     content: &Arc<ContentStore>,
     key: &BlobKey,
     e: StoreError,
+    file_work: FileWork,
 ) -> StoreError {
     if matches!(e, StoreError::SizeMismatch { .. }) {
         let (c, k) = (content.clone(), key.clone());
-        let _ = tokio::task::spawn_blocking(move || c.remove_ingest(&k)).await;
+        let _ = file_work.run(move || c.remove_ingest(&k)).await;
     }
     e
 }

@@ -141,7 +141,7 @@ impl Flow {
 
     /// A flow that lost a connection it could not resume: it waits for a slot nobody else
     /// wants, and its requests revoke no other.
-    fn struck(&self) -> bool {
+    pub(crate) fn struck(&self) -> bool {
         !self.is_resumable() && self.strikes() > 0
     }
 
@@ -213,13 +213,6 @@ impl Lease {
 
     pub fn is_revoked(&self) -> bool {
         self.revoked.is_cancelled()
-    }
-
-    /// Its grant's id: ids of grants and waiters come from one counter, so a waiter with a lower
-    /// id asked before this grant was made.
-    #[cfg(test)]
-    pub(crate) fn id(&self) -> u64 {
-        self.id
     }
 }
 

@@ -35,7 +35,7 @@ mod procedure;
 mod requesters;
 mod runner;
 pub mod settings;
-mod watchdog;
+pub(crate) mod watchdog;
 pub use procedure::{DEFAULT_MAX_BLOB_SIZE, MAX_BLOB_BYTES};
 pub use settings::PullSettings;
 
@@ -52,7 +52,7 @@ use tokio_util::sync::CancellationToken;
 
 use minicri_snapshotter::Snapshotter;
 
-use crate::blobs::{BlobDownloads, BlobProgress, BlobState};
+use crate::blobs::{BlobDownloads, BlobProgress, BlobSource, BlobState};
 use crate::content::ContentStore;
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
@@ -258,14 +258,14 @@ struct Job {
     demand: Arc<Demand>,
     /// The registry sessions of the requesters that resolved the image, one per source: a blob
     /// download that fails with one goes on with the next.
-    sessions: Mutex<Vec<Arc<Session>>>,
+    sessions: Mutex<Vec<Arc<dyn BlobSource>>>,
     result: watch::Sender<JobResult>,
     started: Instant,
     started_at: chrono::DateTime<chrono::Utc>,
 }
 
 /// Bytes of a job: on disk, expected, downloaded by this job, found on disk when it started.
-struct JobBytes {
+pub(crate) struct JobBytes {
     done: u64,
     total: u64,
     downloaded: u64,
@@ -280,9 +280,13 @@ struct JobBytes {
     unpacked: u64,
 }
 
-impl Job {
-    fn bytes(&self) -> JobBytes {
-        let parts = self.parts.lock().unwrap();
+impl JobBytes {
+    /// The bytes of blobs of these sizes and downloads (none yet for a blob not started), with
+    /// `unpacked` bytes read by the unpacks.
+    pub(crate) fn of<'a>(
+        parts: impl Iterator<Item = (u64, Option<&'a BlobProgress>)>,
+        unpacked: u64,
+    ) -> JobBytes {
         let mut b = JobBytes {
             done: 0,
             total: 0,
@@ -291,11 +295,11 @@ impl Job {
             refetched: 0,
             rate: 0.0,
             connections: 0,
-            unpacked: self.unpacks.bytes_read(),
+            unpacked,
         };
-        for p in parts.iter().filter(|p| !p.unpacked) {
-            b.total += p.size;
-            if let Some(pr) = &p.progress {
+        for (size, progress) in parts {
+            b.total += size;
+            if let Some(pr) = progress {
                 b.done += pr.done();
                 b.downloaded += pr.downloaded();
                 b.resumed += pr.resumed_from();
@@ -307,6 +311,19 @@ impl Job {
             }
         }
         b
+    }
+}
+
+impl Job {
+    fn bytes(&self) -> JobBytes {
+        let parts = self.parts.lock().unwrap();
+        JobBytes::of(
+            parts
+                .iter()
+                .filter(|p| !p.unpacked)
+                .map(|p| (p.size, p.progress.as_deref())),
+            self.unpacks.bytes_read(),
+        )
     }
 
     /// Hands the requesters (and their weights) to the transfer scheduler; call under the

@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
-use crate::blobs::BlobHandle;
+use crate::blobs::{BlobHandle, BlobSource};
 use crate::content::BlobKey;
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
@@ -497,7 +497,7 @@ impl PullManager {
             (parts[i].digest.clone(), parts[i].size)
         };
         // The job's own session first, then those of requesters that joined from elsewhere.
-        let mut sessions = vec![session.clone()];
+        let mut sessions: Vec<Arc<dyn BlobSource>> = vec![session.clone()];
         sessions.extend(job.sessions.lock().unwrap().iter().cloned());
         let handle = self.blobs.acquire(&digest, size, &sessions, &job.demand)?;
         job.parts.lock().unwrap()[i].progress = Some(handle.progress().clone());

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use super::detach::Hold;
 use super::{Job, PullManager};
+use crate::blobs::{BlobSource, add_distinct};
 use crate::error::StoreError;
 use crate::reference::Reference;
 use crate::registry::{FetchedManifest, Session};
@@ -177,12 +178,13 @@ impl PullManager {
     /// same source is there): a requester reaching the image through another registry, mirror or
     /// credentials keeps the job going when the first requester's registry fails.
     pub(super) fn add_session(&self, job: &Job, session: &Arc<Session>) {
-        if !Session::add_distinct(&mut job.sessions.lock().unwrap(), session) {
+        let source: Arc<dyn BlobSource> = session.clone();
+        if !add_distinct(&mut job.sessions.lock().unwrap(), &source) {
             return;
         }
         let keys = job.part_keys();
         for k in keys {
-            self.blobs.add_session(&k, session);
+            self.blobs.add_session(&k, &source);
         }
     }
 }

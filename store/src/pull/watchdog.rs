@@ -7,7 +7,9 @@
 //! so it is not judged, rather than cancelled while healthy).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::{Job, JobBytes, PullManager};
 
@@ -18,19 +20,29 @@ impl PullManager {
     /// counts: waiting for a transfer slot, for the registry to resolve the image, or for the
     /// unpack and its sync after the last byte is not the network's doing.
     pub(super) async fn watchdog(&self, job: Arc<Job>, timeout: Duration, min_speed: Option<u64>) {
-        let tick = (timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
-        let mut dog = Watchdog::new(timeout, min_speed, &job.bytes());
-        let mut last = Instant::now();
-        loop {
-            tokio::time::sleep(tick).await;
-            let now = Instant::now();
-            let verdict = dog.observe(now - last, &job.bytes());
-            last = now;
-            if let Some(reason) = verdict {
-                tracing::warn!(job = job.id, image = %job.reference, "{reason}; dropping every requester");
-                self.drop_requesters(&job, &reason, |_| true);
-                return;
-            }
+        let reason = judge(timeout, min_speed, || job.bytes()).await;
+        tracing::warn!(job = job.id, image = %job.reference, "{reason}; dropping every requester");
+        self.drop_requesters(&job, &reason, |_| true);
+    }
+}
+
+/// Samples a job's bytes (`bytes`) until the [`Watchdog`] judges it stalled; why. Also what the
+/// simulation of the pull engine runs for each of its pulls.
+pub(crate) async fn judge(
+    timeout: Duration,
+    min_speed: Option<u64>,
+    bytes: impl Fn() -> JobBytes,
+) -> String {
+    let tick = (timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
+    let mut dog = Watchdog::new(timeout, min_speed, &bytes());
+    let mut last = Instant::now();
+    loop {
+        tokio::time::sleep(tick).await;
+        let now = Instant::now();
+        let verdict = dog.observe(now - last, &bytes());
+        last = now;
+        if let Some(reason) = verdict {
+            return reason;
         }
     }
 }

@@ -571,6 +571,32 @@ pub struct BlobBody {
     pub endpoint: String,
 }
 
+/// A session is where a pull's blob downloads get their bytes.
+impl crate::blobs::BlobSource for Session {
+    fn reference(&self) -> String {
+        self.reference.to_string()
+    }
+
+    /// Where the session's blob requests go and with what credentials.
+    fn source_key(&self) -> [u8; 32] {
+        self.source
+    }
+
+    fn blob<'a>(
+        &'a self,
+        digest: &'a Digest,
+        offset: u64,
+        length: u64,
+        last_resort: Option<&'a str>,
+    ) -> futures::future::BoxFuture<'a, Result<BlobBody>> {
+        Box::pin(async move {
+            Session::blob(self, digest, offset, length, last_resort)
+                .await
+                .map_err(|e| self.fold_errors("blob", e))
+        })
+    }
+}
+
 /// A pull's view of one image's registry endpoints.
 pub struct Session {
     reference: Reference,
@@ -585,24 +611,6 @@ pub struct Session {
 impl Session {
     pub fn reference(&self) -> &Reference {
         &self.reference
-    }
-
-    /// Whether `other` fetches from the same endpoints, for the same repository, with the same
-    /// credentials (so a failure of one is a failure of both).
-    pub fn same_source(&self, other: &Session) -> bool {
-        self.source == other.source
-    }
-
-    /// Appends `session` to `sessions` unless one of the same source is there; whether it did.
-    pub fn add_distinct(
-        sessions: &mut Vec<std::sync::Arc<Session>>,
-        session: &std::sync::Arc<Session>,
-    ) -> bool {
-        if sessions.iter().any(|s| s.same_source(session)) {
-            return false;
-        }
-        sessions.push(session.clone());
-        true
     }
 
     /// Endpoint indices in the order to try: the preferred one first, then the rest in order.

@@ -1,8 +1,8 @@
 //! The invariants the simulation checks on the scheduler's state at every step, and the one rule
 //! it mirrors from the scheduler to do so: how well a flow's requesters are served ([`Served`]).
 //!
-//! Checked every [`STEP`] of simulated time (invariants 4, 5 and 7 are checked elsewhere: by the
-//! run and by the connections, see the module docs of `super`):
+//! Checked every [`STEP`] of simulated time (invariants 4 and 5 are checked by the run, see the
+//! module docs of `super`):
 //!
 //! - **(1) Every grant takes a slot:** grants (revoked ones not yet given back included) never
 //!   exceed the slots, and no slot stays free for more than a [`TICK`] while anyone waits.
@@ -16,12 +16,11 @@
 //!   rotated within the same bound.
 //! - **(6)** A download that no pull wants any more has no connection and no waiter a [`TICK`]
 //!   later.
-//!
-//! A step that sees the same state as the one before (nothing happened in between: see
-//! [`Checker::step`]) only compares the oldest waits with the bound.
+//! - **(7)** A struck flow (it cannot resume and lost a slot) goes last: a slot it was granted
+//!   since the last step was asked for first by a waiter of a flow that is not struck and still
+//!   waits, never.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -166,12 +165,8 @@ pub(super) struct Longest {
 /// State carried from one step to the next.
 #[derive(Default)]
 pub(super) struct Checker {
-    /// What the last full check saw: the engine's change count and the scheduler's grant and
-    /// revocation counts. A step that sees the same saw the same state; it only looks at the
-    /// clock.
-    seen: Option<(u64, u64, u64)>,
-    /// When the oldest waiting pair of the last full check passes the bound.
-    next_due: Option<Instant>,
+    /// When the last step ran.
+    last: Option<Instant>,
     /// Since when the oldest pair of each kind waits (over a resumable holder, over one that
     /// cannot resume, level), for the figures.
     oldest: [Option<Instant>; 3],
@@ -185,27 +180,13 @@ pub(super) struct Checker {
 }
 
 impl Checker {
-    /// One step: the violations found, if any. The engine counts everything that may change
-    /// the scheduler's state ([`Sim::changes`]); with that count and the scheduler's grant and
-    /// revocation counts as they were at the last full check, nothing changed.
+    /// One step: the violations found, if any.
     pub fn step(&mut self, sim: &Sim) -> Vec<String> {
         self.steps += 1;
         let now = Instant::now();
-        let c = sim.sched.counters();
-        let seen = (
-            sim.changes(),
-            c.granted.load(Ordering::Relaxed),
-            c.revoked.load(Ordering::Relaxed),
-        );
-        let same = self.seen == Some(seen)
-            && self.next_due.is_none_or(|due| now <= due)
-            && self.idle_since.is_none_or(|since| now - since <= TICK)
-            && !sim.stopping();
         let mut broken = Vec::new();
-        if !same {
-            self.seen = Some(seen);
-            self.check_all(sim, now, &mut broken);
-        }
+        self.check_all(sim, now, &mut broken);
+        self.last = Some(now);
         self.note_longest(now);
         broken
     }
@@ -226,7 +207,6 @@ impl Checker {
 
     fn check_all(&mut self, sim: &Sim, now: Instant, broken: &mut Vec<String>) {
         self.oldest = [None; 3];
-        self.next_due = None;
         let snap = sim.sched.snapshot();
         if snap.waiting == 0 {
             // Nobody waits: only (1)'s count and (6) can fail; no pair is waiting.
@@ -336,24 +316,40 @@ impl Checker {
         self.over = over;
         self.level = level;
         self.oldest = oldest;
-        let limits = [RESUMABLE_BOUND, bound, bound];
-        self.next_due = oldest
-            .iter()
-            .zip(limits)
-            .filter_map(|(o, limit)| o.map(|o| o + limit))
-            .min();
+
+        // (7)
+        let since = self.last.unwrap_or(sim.start);
+        for g in v.grants.iter().filter(|g| g.since > since) {
+            if !v.flow(g.flow).struck {
+                continue;
+            }
+            if let Some(o) = v
+                .waiters
+                .iter()
+                .find(|o| o.since < g.since && !v.flow(o.flow).struck)
+            {
+                broken.push(format!(
+                    "(7) {} (struck: it cannot resume and lost a slot) was granted slot {} while waiter {} of {} (not struck) asked before and still waits",
+                    sim.name(g.flow),
+                    g.id,
+                    o.id,
+                    sim.name(o.flow),
+                ));
+            }
+        }
 
         self.stopped(sim, now, &v.waiters, broken);
     }
 
     /// (6): downloads stopped a [`TICK`] ago hold no slot and wait for none.
     fn stopped(&self, sim: &Sim, now: Instant, waiters: &[WaiterView], broken: &mut Vec<String>) {
-        sim.watch_stopping(|flow, at, blob| {
+        sim.watch_stopping(|flow, at, r| {
             let waits = waiters.iter().any(|w| w.flow == flow.id());
             let gone = flow.connections() == 0 && !waits;
             if !gone && now - at > TICK {
                 broken.push(format!(
-                    "(6) blob {blob} stopped {:?} ago (no pull wants it) still has {} connections{}",
+                    "(6) blob {} stopped {:?} ago (no pull wants it) still has {} connections{}",
+                    r.blob,
                     now - at,
                     flow.connections(),
                     if waits { " and waits for a slot" } else { "" }

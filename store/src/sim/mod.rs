@@ -1,34 +1,36 @@
-//! A deterministic simulation of pulls sharing the node's transfer slots: seeded random scenarios
-//! drive the daemon's own [`Scheduler`], [`Flow`](crate::sched::Flow),
-//! [`Demand`](crate::sched::Demand) and [`Lease`](crate::sched::Lease) code in simulated time,
-//! and invariants are checked at every step. Test-only.
+//! A deterministic simulation of the pull engine: seeded random scenarios drive the daemon's own
+//! blob downloads ([`BlobDownloads`](crate::blobs::BlobDownloads): their pieces, retries,
+//! strikes, ingest writer and content store), transfer [`Scheduler`](crate::sched::Scheduler)
+//! and progress watchdog in simulated time, with simulated registries behind the downloads'
+//! [`BlobSource`](crate::blobs::BlobSource) seam, and
+//! invariants are checked at every step. Test-only.
 //!
 //! - [`scenario`]: what a seed draws (slots, registries, blobs, images, pods) and the bound of
 //!   invariant 4;
-//! - [`world`]: the engine around the scheduler (pods joining and leaving pulls that share blob
-//!   downloads, downloads stopping when nobody wants them);
-//! - [`download`]: one blob download's connections, their leases and bytes, revocation, strikes
-//!   and the stall watchdog;
+//! - [`registry`]: the registries, sending each blob's real bytes at their rate, with or without
+//!   ranges, cut short, stalled or wrong;
+//! - [`world`]: the pull layer around the downloads (pods joining and leaving pulls, each pull
+//!   holding handles of the downloads it waits for, with its watchdog);
 //! - [`check`]: the invariants checked on the scheduler's state every 100 ms;
+//! - [`observe`]: the scheduler's revocations, heard as they happen;
 //! - [`rng`]: the seeded generator.
 //!
-//! Time is tokio's paused clock on a current-thread runtime: simulated minutes cost
-//! milliseconds, and the same seed gives the same events in the same order (the run's
-//! fingerprint, a hash of its events, is compared in a test).
+//! Time is tokio's paused clock on a current-thread runtime, the downloads' file work runs inline
+//! ([`FileWork::Inline`](crate::blobs::FileWork)) on a tmpfs: simulated minutes cost
+//! milliseconds, and the same seed gives the same events (the run's fingerprint, a hash of its
+//! events, is compared in a test).
 //!
-//! The invariants (1, 2, 3 and 6 in [`check`]):
+//! The invariants (1, 2, 3, 6 and 7 in [`check`]):
 //!
-//! - **(4)** Once the last pod arrived, every download ends (done, given up, stalled, or stopped)
-//!   within [`Scenario::end_bound`].
+//! - **(4)** Once the last pod arrived, every download ends (done, failed, or stopped) within
+//!   [`Scenario::end_bound`].
 //! - **(5)** At the end the scheduler holds nothing: no grant, no waiter, every flow without
-//!   connections, and its tick task stopped within two ticks.
-//! - **(7)** A struck flow (it cannot resume and lost a slot) revokes nobody and goes last: it is
-//!   granted no slot another flow asked for before it, and no connection is revoked while only
-//!   struck flows wait (checked by the connections as they are granted and revoked).
-//!
-//! Left out: registries that cut connections *and* ignore Range (each answer starts again from
-//! byte 0, so a blob longer than the cut never arrives; the daemon resets its failure count on
-//! every byte, so nothing but the watchdog's min speed ends it).
+//!   connections, and its tick task stopped within two ticks; no pull runs.
+//! - **(7)** (also) A struck flow revokes nobody: checked on each revocation as the scheduler
+//!   makes it ([`observe`]).
+//! - **(8)** A blob named with its size, from a registry that sends its bytes right and answers
+//!   ranged requests, never fails a pull: only descriptors with a wrong size, wrong bytes,
+//!   registries that stall (the watchdog) or that cannot resume (strikes, cuts) fail one.
 //!
 //! Running: `cargo nextest run -p minicri-store --lib sim::` runs the scenarios and prints one
 //! line of figures. `MINICRI_SIM_SEED=<seed>` replays that one scenario and prints its events;
@@ -38,7 +40,8 @@
 //! violations and lets the scenarios go on (what else a hole breaks).
 
 mod check;
-mod download;
+mod observe;
+mod registry;
 mod rng;
 mod scenario;
 mod world;
@@ -96,11 +99,19 @@ fn run(seed: u64, all_events: bool) -> Result<Outcome, Failure> {
         .start_paused(true)
         .build()
         .expect("a current-thread runtime");
-    rt.block_on(simulate(sc, all_events))
+    let revocations = observe::subscriber();
+    tracing::subscriber::with_default(revocations.clone(), || {
+        rt.block_on(simulate(sc, all_events, &revocations))
+    })
 }
 
-async fn simulate(sc: Scenario, all_events: bool) -> Result<Outcome, Failure> {
+async fn simulate(
+    sc: Scenario,
+    all_events: bool,
+    revocations: &observe::Revocations,
+) -> Result<Outcome, Failure> {
     let sim = Sim::new(sc, all_events);
+    *revocations.sim.lock().unwrap() = std::sync::Arc::downgrade(&sim);
     let start = sim.start;
     for p in 0..sim.sc.pods.len() {
         let pod = sim.sc.pods[p].clone();
@@ -184,7 +195,15 @@ async fn simulate(sc: Scenario, all_events: bool) -> Result<Outcome, Failure> {
     Ok(Outcome {
         simulated: ended - start,
         steps: checker.steps,
-        counts: sim.counts(),
+        counts: {
+            use std::sync::atomic::Ordering::Relaxed;
+            let c = sim.sched.counters();
+            Counts {
+                grants: c.granted.load(Relaxed),
+                revocations: c.revoked.load(Relaxed),
+                ..sim.counts()
+            }
+        },
         longest: checker.longest,
         tail: (ended.saturating_duration_since(last_arrival), bound),
         fingerprint: sim.fingerprint(),

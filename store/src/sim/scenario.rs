@@ -1,6 +1,12 @@
-//! Scenarios of the simulation, each drawn from one seed: transfer slots, registries (fast, slow,
-//! trickling, stalled; answering ranged requests or not; cutting connections), blobs, images made
-//! of them, and pods that arrive, pull an image with a weight, and may be deleted mid-pull.
+//! Scenarios of the simulation, each drawn from one seed: transfer slots and how blobs are split
+//! between connections, registries (fast, slow, trickling, stalled; answering ranged requests or
+//! not; cutting connections; serving wrong bytes), blobs, images made of them (some naming a blob
+//! with a wrong size), and pods that arrive, pull an image with a weight, and may be deleted
+//! mid-pull.
+//!
+//! Sizes and rates are a node's divided by [`SCALE`]: the engine's decisions depend on times and
+//! on bytes relative to rates, and the blobs' bytes are real (written, hashed and committed by the
+//! content store), so smaller blobs keep thousands of scenarios within seconds.
 //!
 //! It also derives the bound of invariant (4): how long after the last arrival every download
 //! may still run ([`Scenario::end_bound`]).
@@ -11,18 +17,21 @@ use std::time::Duration;
 use super::rng::Rng;
 use crate::sched::{EXTRA_TENURE, MAX_STRIKES, NORMAL_WEIGHT};
 
-/// A connection whose registry sends nothing for this long in total is a stall: the blob fails
-/// (the pull watchdog's `pull.progress_timeout`, 60 s by default, set shorter here to keep
-/// scenarios short; see [`super::world`] for how it is modelled).
+/// A node's sizes and rates are divided by this.
+pub(super) const SCALE: u64 = 4096;
+/// A pull whose transfers run this long without a byte is stopped by the pull watchdog (its
+/// `pull.progress_timeout`, 60 s by default, set shorter here to keep scenarios short).
 pub(super) const PROGRESS_TIMEOUT: Duration = Duration::from_secs(30);
-/// A body cut short is asked for again after this back-off, the slot kept (blobs.rs's first
-/// back-off).
-pub(super) const CUT_BACKOFF: Duration = Duration::from_millis(200);
-/// Bytes arrive in chunks at most this far apart (a slower registry's chunk is 16 KiB). The
-/// scheduler measures rates over [`RATE_AFTER`](crate::sched::RATE_AFTER) (2 s): a chunk is at
-/// most an eighth of that.
+/// A failed request is asked again after at most this back-off (blobs.rs: 200 ms, doubling up
+/// to 5 s, back to 200 ms once bytes arrive); [`BLOB_RETRIES`] in a row without a byte fail the
+/// download.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+const BLOB_RETRIES: u32 = 5;
+/// Bytes arrive in chunks at most this far apart (a slower registry's chunk is 16 KiB on a
+/// node). The scheduler measures rates over [`RATE_AFTER`](crate::sched::RATE_AFTER) (2 s): a
+/// chunk is at most an eighth of that.
 pub(super) const CHUNK_EVERY: Duration = Duration::from_millis(250);
-const CHUNK_BYTES: u64 = 16 * 1024;
+const CHUNK_BYTES: u64 = 16 * 1024 / SCALE;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Speed {
@@ -41,12 +50,13 @@ pub(super) struct RegistrySpec {
     pub rate: u64,
     /// Whether it answers ranged requests with the range (else with the whole blob).
     pub resumable: bool,
-    /// Cuts every response after this long of body.
+    /// Cuts every response after about this long of body (between 0.75 and 1.25 times it, drawn
+    /// per response: how far a body gets differs from one to the next).
     pub cut_every: Option<Duration>,
     /// From the request to the first byte.
     pub latency: Duration,
-    /// How long a revoked request takes to stop (the chunk in hand is written first).
-    pub stop_delay: Duration,
+    /// Serves every blob with one byte wrong (its digest fails).
+    pub corrupt: bool,
 }
 
 impl RegistrySpec {
@@ -65,8 +75,14 @@ impl RegistrySpec {
 pub(super) struct BlobSpec {
     pub registry: usize,
     pub size: u64,
-    /// Connections it uses when its registry answers ranged requests.
-    pub connections: usize,
+}
+
+/// A blob as an image's manifest names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct BlobRef {
+    pub blob: usize,
+    /// The size the descriptor gives: the blob's, or a wrong one.
+    pub size: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -82,10 +98,14 @@ pub(super) struct PodSpec {
 pub(super) struct Scenario {
     pub seed: u64,
     pub slots: usize,
+    /// Requests one blob may have open at once (`RangedFetch::connections`).
+    pub connections: usize,
+    /// Bytes asked for by one ranged request (`RangedFetch::chunk_size`).
+    pub chunk_size: u64,
     pub registries: Vec<RegistrySpec>,
     pub blobs: Vec<BlobSpec>,
     /// Each image's blobs.
-    pub images: Vec<Vec<usize>>,
+    pub images: Vec<Vec<BlobRef>>,
     /// In arrival order.
     pub pods: Vec<PodSpec>,
 }
@@ -103,6 +123,8 @@ impl Scenario {
         };
         // Few slots more often than many: contention is what the invariants are about.
         let slots = 1 + rng.weighted(&[6, 6, 5, 4, 3, 2, 2, 2]);
+        let connections = rng.range(1, 3) as usize;
+        let chunk_size = [8 << 20, 32 << 20, 64 << 20][rng.weighted(&[1, 2, 1])] / SCALE;
         let registries: Vec<RegistrySpec> =
             (0..rng.range(1, 4)).map(|_| registry(&mut rng)).collect();
         let blobs: Vec<BlobSpec> = (0..rng.range(blobs.0, blobs.1))
@@ -111,11 +133,23 @@ impl Scenario {
         let images = (0..rng.range(images.0, images.1))
             .map(|_| {
                 let want = rng.range(1, 4.min(blobs.len() as u64)) as usize;
-                let mut image: Vec<usize> = Vec::new();
+                let mut image: Vec<BlobRef> = Vec::new();
                 while image.len() < want {
                     let b = rng.range(0, blobs.len() as u64 - 1) as usize;
-                    if !image.contains(&b) {
-                        image.push(b);
+                    if image.iter().all(|r| r.blob != b) {
+                        let real = blobs[b].size;
+                        // One descriptor in twenty lies about the size, either way.
+                        let size = if rng.chance(0.05) {
+                            let by = rng.range(1, real.div_ceil(2));
+                            if rng.chance(0.5) {
+                                real + by
+                            } else {
+                                real - by.min(real - 1)
+                            }
+                        } else {
+                            real
+                        };
+                        image.push(BlobRef { blob: b, size });
                     }
                 }
                 image
@@ -141,6 +175,8 @@ impl Scenario {
         Scenario {
             seed,
             slots,
+            connections,
+            chunk_size,
             registries,
             blobs,
             images,
@@ -159,51 +195,104 @@ impl Scenario {
     /// is held (invariant 1), so at every moment some unfinished download holds a slot. The time
     /// until the last one ends is then at most the slot time all of them can use in total.
     pub fn end_bound(&self) -> Duration {
-        let sum: Duration = (0..self.blobs.len()).map(|b| self.slot_time(b)).sum();
+        let sum: Duration = self.downloads().map(|r| self.slot_time(r)).sum();
         sum + Duration::from_secs(2)
     }
 
-    /// The most slot time one download of blob `b` can hold before it ends:
+    /// Every (blob, size) the images name: each is a download of its own.
+    fn downloads(&self) -> impl Iterator<Item = BlobRef> + '_ {
+        let mut seen: Vec<BlobRef> = Vec::new();
+        self.images
+            .iter()
+            .flatten()
+            .filter(move |r| {
+                let new = !seen.contains(*r);
+                if new {
+                    seen.push(**r);
+                }
+                new
+            })
+            .copied()
+    }
+
+    /// The most slot time one download of `r` can hold before it ends:
     ///
-    /// - stalled: each of its `k` connections holds slots at most [`PROGRESS_TIMEOUT`] without
-    ///   a byte (plus a stop delay per grant, each grant lasting at least [`EXTRA_TENURE`]);
+    /// - stalled (its registry sends nothing): its pulls' watchdogs stop them after
+    ///   [`PROGRESS_TIMEOUT`] of transfer time without a byte, time that starts again whenever
+    ///   another blob of the same pull brings bytes: at most the timeout plus the slot time of
+    ///   those other blobs, for each of its `k` connections;
     /// - cannot resume: at most [`MAX_STRIKES`] attempts (the last revocation gives up), each at
-    ///   most latency + size / rate + stop delay;
+    ///   most latency + size / rate; if its registry cuts bodies, each of those is up to
+    ///   [`BLOB_RETRIES`] + 1 answers, each cut (a body that starts again from byte 0 is no
+    ///   progress, however far it gets) and followed by a back-off;
     /// - resumable: its bytes take `P` = size / rate of slot time and cuts add `C` (back-off and
     ///   latency per cut, one cut per `cut_every` of body). Every other moment of a grant is
-    ///   waste: latency and the stop delay, plus one more latency when a worker moves to a piece
-    ///   another gave back; a revoked grant lasted at least [`EXTRA_TENURE`], so the waste is at
-    ///   most a fraction `w` = (2 latency + stop delay) / tenure of what it held, and the `k`
-    ///   grants that end with a finished piece waste a latency each: `(P + C) / (1 - w) + k
-    ///   latency`.
-    pub fn slot_time(&self, b: usize) -> Duration {
-        let blob = &self.blobs[b];
+    ///   waste: a latency per request, one per piece of `chunk_size` and one more per grant (a
+    ///   revoked grant lasted at least [`EXTRA_TENURE`], so at most a fraction `w` = latency /
+    ///   tenure of what it held): `(P + C) / (1 - w) + pieces latency`;
+    /// - a descriptor with a wrong size, or a registry serving wrong bytes: as many attempts as
+    ///   the download makes before it fails ([`BLOB_RETRIES`] + 1 requests, each after a back-off
+    ///   of at most [`MAX_BACKOFF`]; wrong bytes after a resume are fetched once more from byte
+    ///   0).
+    pub fn slot_time(&self, r: BlobRef) -> Duration {
+        let blob = &self.blobs[r.blob];
         let reg = &self.registries[blob.registry];
-        let k = if reg.resumable { blob.connections } else { 1 } as f64;
-        let (l, d) = (reg.latency.as_secs_f64(), reg.stop_delay.as_secs_f64());
-        let tenure = EXTRA_TENURE.as_secs_f64();
+        let k = if reg.resumable { self.connections } else { 1 } as f64;
+        let l = reg.latency.as_secs_f64();
+        let size = r.size.max(blob.size) as f64;
         let secs = if reg.rate == 0 {
-            k * PROGRESS_TIMEOUT.as_secs_f64() / (1.0 - d / tenure)
+            let others: f64 = self
+                .images
+                .iter()
+                .filter(|im| im.contains(&r))
+                .flatten()
+                .filter(|o| *o != &r && self.registries[self.blobs[o.blob].registry].rate > 0)
+                .map(|o| self.slot_time(*o).as_secs_f64())
+                .sum();
+            k * (PROGRESS_TIMEOUT.as_secs_f64() + others)
         } else if !reg.resumable {
-            MAX_STRIKES as f64 * (l + blob.size as f64 / reg.rate as f64 + d)
+            let whole = size / reg.rate as f64;
+            match reg.cut_every {
+                None => MAX_STRIKES as f64 * (l + whole),
+                // Each answer starts from byte 0: a cut one is a failure however far it got.
+                Some(every) => {
+                    let attempt =
+                        l + whole.min(1.25 * every.as_secs_f64()) + MAX_BACKOFF.as_secs_f64();
+                    MAX_STRIKES as f64 * f64::from(BLOB_RETRIES + 1) * attempt
+                }
+            }
         } else {
-            let p = blob.size as f64 / reg.rate as f64;
+            let p = size / reg.rate as f64;
             let c = reg.cut_every.map_or(0.0, |every| {
-                (p / every.as_secs_f64() + k) * (CUT_BACKOFF.as_secs_f64() + l)
+                (p / (0.75 * every.as_secs_f64()) + k) * (MAX_BACKOFF.as_secs_f64() + l)
             });
-            let waste = (2.0 * l + d) / tenure;
-            (p + c) / (1.0 - waste) + k * l
+            let waste = l / EXTRA_TENURE.as_secs_f64();
+            let pieces = (size / self.chunk_size.max(1) as f64).ceil() + k;
+            (p + c) / (1.0 - waste) + pieces * l
         };
-        Duration::from_secs_f64(secs)
+        let attempts = if r.size != blob.size || reg.corrupt {
+            2.0 * f64::from(BLOB_RETRIES + 1)
+        } else {
+            1.0
+        };
+        let retries = if attempts > 1.0 {
+            f64::from(BLOB_RETRIES + 1) * (MAX_BACKOFF.as_secs_f64() + l)
+        } else {
+            0.0
+        };
+        Duration::from_secs_f64(secs * attempts + retries)
     }
 
     /// What a failure report shows: enough to read the scenario without replaying it.
     pub fn describe(&self) -> String {
-        let mut s = format!("seed {:#x}: {} transfer slots\n", self.seed, self.slots);
+        let mut s = format!(
+            "seed {:#x}: {} transfer slots, {} connections per blob, ranged requests of {} bytes\n",
+            self.seed, self.slots, self.connections, self.chunk_size
+        );
         for (i, r) in self.registries.iter().enumerate() {
             let _ = writeln!(
                 s,
-                "  registry {i}: {:?} {} B/s, {}{}, latency {:?}, stop delay {:?}",
+                "  registry {i}: {:?} {} B/s, {}{}, latency {:?}{}",
                 r.speed,
                 r.rate,
                 if r.resumable {
@@ -215,18 +304,32 @@ impl Scenario {
                     .map(|c| format!(", cuts every {c:?}"))
                     .unwrap_or_default(),
                 r.latency,
-                r.stop_delay
+                if r.corrupt {
+                    ", serves wrong bytes"
+                } else {
+                    ""
+                }
             );
         }
         for (i, b) in self.blobs.iter().enumerate() {
             let _ = writeln!(
                 s,
-                "  blob {i}: {} bytes from registry {}, {} connections",
-                b.size, b.registry, b.connections
+                "  blob {i}: {} bytes from registry {}",
+                b.size, b.registry
             );
         }
         for (i, im) in self.images.iter().enumerate() {
-            let _ = writeln!(s, "  image {i}: blobs {im:?}");
+            let named: Vec<String> = im
+                .iter()
+                .map(|r| {
+                    if r.size == self.blobs[r.blob].size {
+                        format!("{}", r.blob)
+                    } else {
+                        format!("{} (named with {} bytes)", r.blob, r.size)
+                    }
+                })
+                .collect();
+            let _ = writeln!(s, "  image {i}: blobs {}", named.join(", "));
         }
         for (i, p) in self.pods.iter().enumerate() {
             let _ = writeln!(
@@ -252,19 +355,19 @@ fn registry(rng: &mut Rng) -> RegistrySpec {
         Speed::Slow => rng.log_uniform(200e3, 2e6) as u64,
         Speed::Trickle => 30_000,
         Speed::Stalled => 0,
-    };
+    } / SCALE;
     let resumable = rng.chance(0.6);
-    // A registry that cuts connections and ignores Range never delivers a blob longer than its
-    // cut (each answer starts again from byte 0): left out, see the module docs of `super`.
-    let cut_every = (resumable && rate > 0 && rng.chance(0.25))
-        .then(|| Duration::from_millis(rng.range(1000, 8000)));
+    // One that also ignores Range never delivers a blob longer than its cuts (each answer
+    // starts again from byte 0): the download must give up rather than try for ever.
+    let cut_every =
+        (rate > 0 && rng.chance(0.25)).then(|| Duration::from_millis(rng.range(1000, 8000)));
     RegistrySpec {
         speed,
         rate,
         resumable,
         cut_every,
         latency: Duration::from_millis(rng.range(10, 60)),
-        stop_delay: Duration::from_millis(rng.range(0, 30)),
+        corrupt: rng.chance(0.04),
     }
 }
 
@@ -278,13 +381,9 @@ fn blob(rng: &mut Rng, registries: &[RegistrySpec]) -> BlobSpec {
         Speed::Stalled => 1.0,
     };
     let size = if reg.rate == 0 {
-        rng.range(1 << 20, 20 << 20)
+        rng.range(1 << 20, 20 << 20) / SCALE
     } else {
         (reg.rate as f64 * secs) as u64 + 1
     };
-    BlobSpec {
-        registry,
-        size,
-        connections: rng.range(1, 3) as usize,
-    }
+    BlobSpec { registry, size }
 }

@@ -1,31 +1,46 @@
-//! The simulated pull engine around the real scheduler: pods arrive and join pulls, pulls share
-//! blob downloads ([`super::download`]), pods leave, and a download nobody wants stops. The
-//! scheduler, its flows, demands and leases are the daemon's own code; what is simulated here is
-//! everything around them. It also keeps the run's trace (a fingerprint of its events and the
-//! last of them as text) and the first broken invariant.
+//! The simulated pull engine around the daemon's own downloads: pods arrive and join pulls,
+//! pulls take [`BlobHandle`]s of [`BlobDownloads`] (the daemon's `blobs.rs`, with its scheduler,
+//! ingest writer and content store, on a tmpfs) whose bytes come from the simulated registries
+//! ([`super::registry`]), each pull has the daemon's progress watchdog
+//! ([`judge`](crate::pull::watchdog::judge)), pods leave, and a pull nobody waits for drops its
+//! handles. What is simulated is only what the pull layer does around the downloads (resolving
+//! images, unpacking layers, the requesters' records). It also keeps the run's trace (a
+//! fingerprint of its events and the last of them as text) and the first broken invariant.
 
-use std::collections::VecDeque;
-use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::FutureExt;
+use bytes::Bytes;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
-use super::download::{Download, End};
-use super::scenario::Scenario;
-use crate::sched::{Demand, Flow, Lease, Scheduler};
+use super::registry::{SimRegistry, blob_bytes, sources};
+use super::scenario::{BlobRef, PROGRESS_TIMEOUT, Scenario};
+use crate::blobs::{
+    BlobDownloads, BlobHandle, BlobProgress, BlobSource, FileWork, RangedFetch, TransferConfig,
+};
+use crate::content::ContentStore;
+use crate::digest::Digest;
+use crate::error::StoreError;
+use crate::pull::JobBytes;
+use crate::sched::{Demand, Flow, Scheduler};
 
-/// The simulation: the scenario, the real scheduler, and the engine's state.
+/// The simulation: the scenario, the daemon's downloads, and the engine's state.
 pub(super) struct Sim {
     pub sc: Scenario,
+    pub downloads: Arc<BlobDownloads>,
+    /// The downloads' scheduler (every simulated blob is larger than the small lane's bound).
     pub sched: Arc<Scheduler>,
+    pub content: Arc<ContentStore>,
+    /// Per registry, its source.
+    sources: Vec<Arc<dyn BlobSource>>,
+    /// Per blob, its digest.
+    digests: Vec<Digest>,
     pub start: Instant,
     world: Mutex<World>,
-    /// Bumped by everything that may change what the scheduler holds or how it counts shares:
-    /// a step that sees the same count (and the same scheduler counters) sees the same state.
-    changes: AtomicU64,
+    /// The content store's directory.
+    _dir: tempfile::TempDir,
 }
 
 /// Counts for the figures of a run.
@@ -33,9 +48,13 @@ pub(super) struct Sim {
 pub(super) struct Counts {
     pub grants: u64,
     pub revocations: u64,
+    /// Blobs a pull got.
     pub done: u64,
+    /// Blobs whose download failed for a pull (given up, wrong size or bytes).
     pub gave_up: u64,
+    /// Pulls the watchdog stopped.
     pub stalled: u64,
+    /// Downloads stopped because no pull wanted them any more.
     pub stopped: u64,
     /// Violations of invariants `MINICRI_SIM_IGNORE` lists.
     pub ignored: u64,
@@ -59,36 +78,44 @@ struct World {
     pulls: Vec<Pull>,
     /// Per image, the pull running for it.
     running: Vec<Option<usize>>,
-    /// Per blob, its running download and how many running pulls want it.
-    downloads: Vec<Option<(Arc<Download>, usize)>>,
-    blob_done: Vec<bool>,
+    /// Per download (blob and the size it is named with), how many running pulls want it.
+    interest: HashMap<BlobRef, usize>,
     /// Per pod, the pull it waits for.
     pod_pull: Vec<Option<usize>>,
     arrived: usize,
     /// Downloads stopped because no pull wanted them, not yet seen to let go of the scheduler
     /// (invariant 6).
-    stopping: Vec<(Arc<Flow>, Instant, usize)>,
-    /// When a download last ended or stopped, or a connection last stopped waiting for a slot.
-    last_gone: Option<Instant>,
-    /// Every flow of the run (invariant 5), with its blob.
-    flows: Vec<(Arc<Flow>, usize)>,
+    stopping: Vec<(Arc<Flow>, Instant, BlobRef)>,
+    /// Every flow of the run (invariant 5), with its download.
+    flows: Vec<(Arc<Flow>, BlobRef)>,
     violation: Option<String>,
     counts: Counts,
     trace: Trace,
 }
 
+/// A pull's downloads (the size each is named with, and its progress), for its watchdog.
+type Progress = Arc<Mutex<Vec<(u64, Arc<BlobProgress>)>>>;
+
 struct Pull {
     image: usize,
     demand: Arc<Demand>,
     pods: Vec<usize>,
-    /// Blobs not yet downloaded.
-    waiting: Vec<usize>,
+    /// Blobs not yet in.
+    waiting: Vec<BlobRef>,
+    /// Every blob's download, for the watchdog.
+    progress: Progress,
+    /// Cancelled when the pull ends: its handles drop, its watchdog stops.
+    stop: CancellationToken,
 }
 
-/// A fingerprint of the events in their order (same seed, same fingerprint), and the last of
-/// them as text, for a failure's report.
+/// A fingerprint of the events (same seed, same fingerprint), and the last of them as text, for
+/// a failure's report. Events of one instant are hashed in sorted order: tokio wakes the tasks
+/// waiting on one `watch` channel in an order it draws at random, so tasks woken together (the
+/// pulls sharing a download that ended) report in either order; what they do is the same.
 pub(super) struct Trace {
     hash: u64,
+    /// The events of the current instant, not yet hashed.
+    instant: (Duration, Vec<String>),
     recent: VecDeque<String>,
     keep_all: bool,
 }
@@ -99,46 +126,107 @@ impl Trace {
     fn new(keep_all: bool) -> Trace {
         Trace {
             hash: 0xcbf2_9ce4_8422_2325,
+            instant: (Duration::ZERO, Vec::new()),
             recent: VecDeque::new(),
             keep_all,
         }
     }
 
     fn event(&mut self, at: Duration, what: String) {
-        // FNV-1a over the time and the text.
-        for b in at.as_micros().to_le_bytes().iter().chain(what.as_bytes()) {
-            self.hash = (self.hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+        if at != self.instant.0 {
+            self.flush();
+            self.instant.0 = at;
         }
+        self.instant.1.push(what.clone());
         if self.recent.len() == RECENT && !self.keep_all {
             self.recent.pop_front();
         }
         self.recent
             .push_back(format!("{:>10.3}s {what}", at.as_secs_f64()));
     }
+
+    /// Hashes the current instant's events (FNV-1a over the time and the texts).
+    fn flush(&mut self) {
+        let (at, mut events) = std::mem::take(&mut self.instant);
+        events.sort();
+        for what in events {
+            for b in at.as_micros().to_le_bytes().iter().chain(what.as_bytes()) {
+                self.hash = (self.hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+    }
+
+    fn fingerprint(&mut self) -> u64 {
+        self.flush();
+        self.hash
+    }
 }
 
 impl Sim {
     pub fn new(sc: Scenario, all_events: bool) -> Arc<Sim> {
+        let dir = tempfile::Builder::new()
+            .prefix("minicri-sim")
+            .tempdir_in(if std::path::Path::new("/dev/shm").is_dir() {
+                "/dev/shm"
+            } else {
+                "/tmp"
+            })
+            .expect("a directory for the simulation's content store");
+        let content = Arc::new(ContentStore::open(dir.path()).expect("content store"));
+        let downloads = BlobDownloads::with_file_work(
+            content.clone(),
+            TransferConfig {
+                max_transfers: sc.slots,
+                small_blob_bytes: 0,
+            },
+            RangedFetch {
+                chunk_size: sc.chunk_size,
+                connections: sc.connections,
+            },
+            FileWork::Inline,
+        );
+        let data: Vec<Bytes> = (0..sc.blobs.len())
+            .map(|b| blob_bytes(sc.seed, b, sc.blobs[b].size))
+            .collect();
+        let digests: Vec<Digest> = data.iter().map(|d| Digest::of(d)).collect();
         let world = World {
             pulls: Vec::new(),
             running: vec![None; sc.images.len()],
-            downloads: (0..sc.blobs.len()).map(|_| None).collect(),
-            blob_done: vec![false; sc.blobs.len()],
+            interest: HashMap::new(),
             pod_pull: vec![None; sc.pods.len()],
             arrived: 0,
             stopping: Vec::new(),
-            last_gone: None,
             flows: Vec::new(),
             violation: None,
             counts: Counts::default(),
             trace: Trace::new(all_events),
         };
-        Arc::new(Sim {
-            sched: Scheduler::new(sc.slots),
-            sc,
-            start: Instant::now(),
-            world: Mutex::new(world),
-            changes: AtomicU64::new(0),
+        Arc::new_cyclic(|me| {
+            let regs: Vec<Arc<SimRegistry>> = (0..sc.registries.len())
+                .map(|i| {
+                    Arc::new(SimRegistry {
+                        index: i,
+                        spec: sc.registries[i].clone(),
+                        blobs: (0..sc.blobs.len())
+                            .filter(|&b| sc.blobs[b].registry == i)
+                            .map(|b| (digests[b].clone(), data[b].clone(), b))
+                            .collect(),
+                        sim: me.clone(),
+                        cuts: Mutex::new(super::rng::Rng::new(sc.seed ^ (i as u64 + 1) << 32)),
+                    })
+                })
+                .collect();
+            Sim {
+                sched: downloads.schedulers().0.clone(),
+                downloads,
+                content,
+                sources: sources(&regs),
+                digests,
+                sc,
+                start: Instant::now(),
+                world: Mutex::new(world),
+                _dir: dir,
+            }
         })
     }
 
@@ -147,29 +235,18 @@ impl Sim {
     }
 
     fn event(&self, w: &mut World, what: String) {
-        self.changed();
         w.trace.event(self.at(), what);
-    }
-
-    pub(super) fn changed(&self) {
-        self.changes.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// How many changes so far (see the field of that name).
-    pub fn changes(&self) -> u64 {
-        self.changes.load(Ordering::Relaxed)
-    }
-
-    /// Whether a stopped download is still to be seen letting go (invariant 6).
-    pub fn stopping(&self) -> bool {
-        !self.world.lock().unwrap().stopping.is_empty()
     }
 
     /// Records a broken invariant (the first one is reported), unless it is one of the
     /// invariants `MINICRI_SIM_IGNORE` lists (then it is only counted).
     pub fn violated(&self, what: String) {
         let mut w = self.world.lock().unwrap();
-        self.event(&mut w, format!("VIOLATION {what}"));
+        self.violate(&mut w, what);
+    }
+
+    fn violate(&self, w: &mut World, what: String) {
+        self.event(w, format!("VIOLATION {what}"));
         let label = what.split(' ').next().unwrap_or_default();
         let label = label.trim_start_matches('(').trim_end_matches(')');
         if ignored().iter().any(|i| i == label) {
@@ -184,7 +261,7 @@ impl Sim {
     }
 
     pub fn fingerprint(&self) -> u64 {
-        self.world.lock().unwrap().trace.hash
+        self.world.lock().unwrap().trace.fingerprint()
     }
 
     pub fn recent_events(&self) -> Vec<String> {
@@ -202,16 +279,27 @@ impl Sim {
         self.world.lock().unwrap().counts.clone()
     }
 
-    /// Every pod arrived and no download runs.
+    /// Every pod arrived, no pull runs and no download runs.
     pub fn settled(&self) -> bool {
         let w = self.world.lock().unwrap();
-        w.arrived == self.sc.pods.len() && w.downloads.iter().all(Option::is_none)
+        w.arrived == self.sc.pods.len()
+            && w.running.iter().all(Option::is_none)
+            && self.downloads.active().is_empty()
     }
 
-    pub fn running_blobs(&self) -> Vec<usize> {
+    /// The downloads running now, named.
+    pub fn running_blobs(&self) -> Vec<String> {
+        let running = self.downloads.active();
         let w = self.world.lock().unwrap();
-        (0..w.downloads.len())
-            .filter(|&b| w.downloads[b].is_some())
+        w.flows
+            .iter()
+            .map(|(_, r)| *r)
+            .filter(|r| {
+                running
+                    .iter()
+                    .any(|k| k.digest == self.digests[r.blob] && k.size == r.size)
+            })
+            .map(|r| describe(r, &self.sc))
             .collect()
     }
 
@@ -230,28 +318,47 @@ impl Sim {
     pub fn name(&self, id: u64) -> String {
         let w = self.world.lock().unwrap();
         match w.flows.iter().find(|(f, _)| f.id() == id) {
-            Some((_, b)) => {
-                let r = &self.sc.registries[self.sc.blobs[*b].registry];
-                let ranged = if r.resumable { "ranged" } else { "whole blobs" };
-                format!("blob {b} ({:?}, {ranged})", r.speed)
+            Some((_, r)) => {
+                let reg = &self.sc.registries[self.sc.blobs[r.blob].registry];
+                let ranged = if reg.resumable {
+                    "ranged"
+                } else {
+                    "whole blobs"
+                };
+                format!("{} ({:?}, {ranged})", describe(*r, &self.sc), reg.speed)
             }
             None => format!("flow {id}"),
         }
     }
 
-    pub fn last_gone(&self) -> Option<Instant> {
-        self.world.lock().unwrap().last_gone
+    /// The scheduler took a slot of flow `victim` back for a waiter of flow `for_flow` (heard
+    /// through its log events, [`super::observe`]): (7) a struck flow revokes nobody.
+    pub(super) fn revoked(&self, victim: u64, for_flow: u64) {
+        let (victim_name, for_name) = (self.name(victim), self.name(for_flow));
+        let struck = {
+            let w = self.world.lock().unwrap();
+            w.flows
+                .iter()
+                .find(|(f, _)| f.id() == for_flow)
+                .is_some_and(|(f, _)| f.struck())
+        };
+        self.note(format!("slot of {victim_name} taken back for {for_name}"));
+        if struck {
+            self.violated(format!(
+                "(7) a slot of {victim_name} was taken back for {for_name}, which is struck (it cannot resume and lost a slot): it revokes nobody"
+            ));
+        }
     }
 
-    /// A connection stopped waiting for a slot: every piece is claimed by others.
-    pub(super) fn gave_up_waiting(&self) {
-        self.changed();
-        self.world.lock().unwrap().last_gone = Some(Instant::now());
+    /// Records an event of the registries.
+    pub(super) fn note(&self, what: String) {
+        let mut w = self.world.lock().unwrap();
+        self.event(&mut w, what);
     }
 
     /// Downloads stopped and not yet seen to have let go, with when they were stopped and their
     /// blob; `keep` says which are still to be watched.
-    pub fn watch_stopping(&self, mut keep: impl FnMut(&Arc<Flow>, Instant, usize) -> bool) {
+    pub fn watch_stopping(&self, mut keep: impl FnMut(&Arc<Flow>, Instant, BlobRef) -> bool) {
         self.world
             .lock()
             .unwrap()
@@ -266,7 +373,8 @@ impl Sim {
     }
 
     /// Pod `p` arrives and pulls its image: it joins the pull running for it, or starts one,
-    /// which joins the running downloads of its blobs or starts them.
+    /// which joins the running downloads of its blobs or starts them (the daemon's
+    /// [`BlobDownloads::acquire`]).
     pub fn arrive(self: &Arc<Self>, p: usize) {
         let mut w = self.world.lock().unwrap();
         w.arrived += 1;
@@ -281,36 +389,99 @@ impl Sim {
         }
         let demand = Demand::new();
         demand.set(self.requesters(&[p]));
+        let pi = w.pulls.len();
+        let stop = CancellationToken::new();
+        let progress = Arc::new(Mutex::new(Vec::new()));
         let mut waiting = Vec::new();
-        for &b in &self.sc.images[image] {
-            if w.blob_done[b] {
+        for &r in &self.sc.images[image] {
+            let digest = &self.digests[r.blob];
+            if self.content.size(digest) == Some(r.size) {
                 continue;
             }
-            waiting.push(b);
-            match &mut w.downloads[b] {
-                Some((dl, interest)) => {
-                    *interest += 1;
-                    dl.flow.add_demand(&demand);
+            let source = self.sources[self.sc.blobs[r.blob].registry].clone();
+            let handle = match self.downloads.acquire(digest, r.size, &[source], &demand) {
+                Ok(h) => h,
+                Err(e) => {
+                    self.violate(&mut w, format!("blob {}: acquire failed: {e}", r.blob));
+                    continue;
                 }
-                None => self.start_download(&mut w, b, &demand),
+            };
+            let flow = handle.progress().flow().clone();
+            if !w.flows.iter().any(|(f, _)| Arc::ptr_eq(f, &flow)) {
+                w.flows.push((flow, r));
             }
+            *w.interest.entry(r).or_default() += 1;
+            progress
+                .lock()
+                .unwrap()
+                .push((r.size, handle.progress().clone()));
+            waiting.push(r);
+            self.wait_for(pi, r, handle, stop.clone());
         }
+        let named: Vec<String> = waiting.iter().map(|r| describe(*r, &self.sc)).collect();
         self.event(
             &mut w,
-            format!("pod-{p} pulls image {image}, waiting for blobs {waiting:?}"),
+            format!("pod-{p} pulls image {image}, waiting for {named:?}"),
         );
         if waiting.is_empty() {
             return;
         }
-        let pi = w.pulls.len();
+        self.watch(pi, progress.clone(), stop.clone());
         w.pulls.push(Pull {
             image,
             demand,
             pods: vec![p],
             waiting,
+            progress,
+            stop,
         });
         w.running[image] = Some(pi);
         w.pod_pull[p] = Some(pi);
+    }
+
+    /// Pull `pi` waits for its blob `r` through `handle` until the download ends or the pull
+    /// does (then the handle drops: the pull's claim on the download).
+    fn wait_for(
+        self: &Arc<Self>,
+        pi: usize,
+        r: BlobRef,
+        handle: BlobHandle,
+        stop: CancellationToken,
+    ) {
+        let sim = self.clone();
+        tokio::spawn(async move {
+            let result = tokio::select! {
+                biased;
+                _ = stop.cancelled() => None,
+                r = handle.wait() => Some(r),
+            };
+            drop(handle);
+            if let Some(result) = result {
+                sim.blob_ended(pi, r, result);
+            }
+        });
+    }
+
+    /// The daemon's progress watchdog, over pull `pi`'s downloads.
+    fn watch(self: &Arc<Self>, pi: usize, progress: Progress, stop: CancellationToken) {
+        let sim = self.clone();
+        tokio::spawn(async move {
+            let bytes = || {
+                let parts = progress.lock().unwrap();
+                JobBytes::of(parts.iter().map(|(size, p)| (*size, Some(&**p))), 0)
+            };
+            let reason = tokio::select! {
+                biased;
+                _ = stop.cancelled() => return,
+                reason = crate::pull::watchdog::judge(PROGRESS_TIMEOUT, None, bytes) => reason,
+            };
+            let mut w = sim.world.lock().unwrap();
+            if w.pulls[pi].stop.is_cancelled() {
+                return;
+            }
+            w.counts.stalled += 1;
+            sim.end_pull(&mut w, pi, &format!("failed: {reason}"));
+        });
     }
 
     /// Pod `p` is deleted: it leaves its pull, which stops if nobody else waits for it.
@@ -329,170 +500,102 @@ impl Sim {
         }
     }
 
+    /// Pull `pi` ends: its handles of downloads it still waits for drop, and a download no
+    /// other pull wants stops (invariant 6 watches it let go).
     fn end_pull(&self, w: &mut World, pi: usize, why: &str) {
         let image = w.pulls[pi].image;
         w.running[image] = None;
         for p in std::mem::take(&mut w.pulls[pi].pods) {
             w.pod_pull[p] = None;
         }
-        let demand = w.pulls[pi].demand.clone();
-        for b in std::mem::take(&mut w.pulls[pi].waiting) {
-            self.release_blob(w, b, &demand);
+        w.pulls[pi].stop.cancel();
+        let progress = w.pulls[pi].progress.lock().unwrap().clone();
+        let now = Instant::now();
+        for r in std::mem::take(&mut w.pulls[pi].waiting) {
+            let left = w.interest.get_mut(&r).map(|n| {
+                *n -= 1;
+                *n
+            });
+            if left != Some(0) {
+                continue;
+            }
+            w.interest.remove(&r);
+            let Some((_, pr)) = progress
+                .iter()
+                .find(|(size, pr)| *size == r.size && pr.digest == self.digests[r.blob])
+            else {
+                continue;
+            };
+            if pr.ended_now() {
+                continue;
+            }
+            w.stopping.push((pr.flow().clone(), now, r));
+            w.counts.stopped += 1;
+            self.event(
+                w,
+                format!("{} stopped: no pull wants it", describe(r, &self.sc)),
+            );
         }
         self.event(w, format!("pull of image {image} ends: {why}"));
     }
 
-    /// A pull no longer wants blob `b`: a download nobody wants stops.
-    fn release_blob(&self, w: &mut World, b: usize, demand: &Arc<Demand>) {
-        let Some((dl, interest)) = &mut w.downloads[b] else {
-            return;
-        };
-        dl.flow.remove_demand(demand);
-        *interest -= 1;
-        if *interest > 0 {
-            return;
-        }
-        let dl = dl.clone();
-        w.downloads[b] = None;
-        dl.stop.cancel();
-        let now = Instant::now();
-        w.stopping.push((dl.flow.clone(), now, b));
-        w.last_gone = Some(now);
-        self.event(w, format!("blob {b} stopped: no pull wants it"));
-    }
-
-    fn start_download(self: &Arc<Self>, w: &mut World, b: usize, demand: &Arc<Demand>) {
-        let flow = Flow::new();
-        flow.add_demand(demand);
-        w.flows.push((flow.clone(), b));
-        let spec = self.sc.blobs[b].clone();
-        let reg = self.sc.registries[spec.registry].clone();
-        let dl = Arc::new(Download::new(b, flow, spec, reg));
-        w.downloads[b] = Some((dl.clone(), 1));
-        self.event(w, format!("blob {b} download starts"));
-        let sim = self.clone();
-        tokio::spawn(async move {
-            let end = AssertUnwindSafe(dl.run(&sim)).catch_unwind().await;
-            match end {
-                Ok(end) => sim.download_ended(&dl, end),
-                Err(panic) => {
-                    let msg = panic
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_default();
-                    sim.violated(format!("blob {b}'s download panicked: {msg}"));
-                }
-            }
-        });
-    }
-
-    fn download_ended(&self, dl: &Arc<Download>, end: End) {
+    /// The download of `r` ended for pull `pi`.
+    fn blob_ended(&self, pi: usize, r: BlobRef, result: crate::error::Result<()>) {
         let mut w = self.world.lock().unwrap();
-        // Its other connections stopped waiting for slots.
-        w.last_gone = Some(Instant::now());
-        let b = dl.blob;
-        self.event(&mut w, format!("blob {b} ends: {end:?}"));
-        match &end {
-            End::Done => w.counts.done += 1,
-            End::GaveUp(_) => w.counts.gave_up += 1,
-            End::Stalled(_) => w.counts.stalled += 1,
-            End::Stopped => {
-                w.counts.stopped += 1;
-                return;
-            }
-        }
-        if w.downloads[b]
-            .as_ref()
-            .is_some_and(|(d, _)| Arc::ptr_eq(d, dl))
-        {
-            w.downloads[b] = None;
-        }
-        if end == End::Done {
-            w.blob_done[b] = true;
-        }
-        for pi in 0..w.pulls.len() {
-            if !w.pulls[pi].waiting.contains(&b) {
-                continue;
-            }
-            w.pulls[pi].waiting.retain(|&x| x != b);
-            match &end {
-                End::Done if w.pulls[pi].waiting.is_empty() => {
-                    self.end_pull(&mut w, pi, "every blob is in")
-                }
-                End::Done => {}
-                End::GaveUp(e) | End::Stalled(e) => {
-                    let why = format!("failed: {e}");
-                    self.end_pull(&mut w, pi, &why)
-                }
-                End::Stopped => unreachable!(),
-            }
-        }
-    }
-
-    /// A connection of `dl` got `lease`. A struck flow is granted only a slot no other flow
-    /// asked for first (invariant 7).
-    pub(super) fn granted(&self, dl: &Download, lease: &Lease) {
-        {
-            let mut w = self.world.lock().unwrap();
-            w.counts.grants += 1;
-            self.event(
-                &mut w,
-                format!("blob {} granted slot {}", dl.blob, lease.id()),
-            );
-        }
-        if dl.flow.strikes() == 0 || dl.flow.is_resumable() {
+        if w.pulls[pi].stop.is_cancelled() || !w.pulls[pi].waiting.contains(&r) {
             return;
         }
-        let v = self.sched.view();
-        let struck = |f: u64| v.flows.iter().any(|x| x.id == f && x.struck);
-        if let Some(o) = v
-            .waiters
-            .iter()
-            .find(|o| o.id < lease.id() && !struck(o.flow))
-        {
-            let other = self.name(o.flow);
-            self.violated(format!(
-                "(7) blob {} (struck: it cannot resume and lost a slot) was granted slot {} while waiter {} of {other} (not struck) asked before",
-                dl.blob,
-                lease.id(),
-                o.id,
-            ));
+        w.pulls[pi].waiting.retain(|x| *x != r);
+        if let Some(n) = w.interest.get_mut(&r) {
+            *n -= 1;
+            if *n == 0 {
+                w.interest.remove(&r);
+            }
+        }
+        let name = describe(r, &self.sc);
+        match result {
+            Ok(()) => {
+                w.counts.done += 1;
+                let image = w.pulls[pi].image;
+                self.event(
+                    &mut w,
+                    format!("{name} is in for the pull of image {image}"),
+                );
+                if w.pulls[pi].waiting.is_empty() {
+                    self.end_pull(&mut w, pi, "every blob is in");
+                }
+            }
+            Err(e) => {
+                if matches!(e, StoreError::Cancelled(_)) {
+                    drop(w);
+                    self.violated(format!(
+                        "{name}'s download was stopped while a pull waited for it: {e}"
+                    ));
+                    return;
+                }
+                w.counts.gave_up += 1;
+                let blob = &self.sc.blobs[r.blob];
+                let reg = &self.sc.registries[blob.registry];
+                // (8) A blob named with its size, from a registry that sends its right bytes, fails
+                // only when its registry cannot resume (after its strikes or cuts).
+                if r.size == blob.size && !reg.corrupt && reg.rate > 0 && reg.resumable {
+                    let what = format!(
+                        "(8) {name} failed for the pull of image {}, although it is named with its size and its registry sends its bytes and resumes: {e}",
+                        w.pulls[pi].image
+                    );
+                    self.violate(&mut w, what);
+                }
+                self.end_pull(&mut w, pi, &format!("failed: {name}: {e}"));
+            }
         }
     }
+}
 
-    /// A connection of `dl` sees its lease revoked: the scheduler revokes only for a flow that
-    /// is not struck (invariant 7), which still waits now, or got a slot or left at this very
-    /// instant (a connection whose pieces were all claimed by others stops waiting, and the
-    /// scheduler may have revoked a slot for it just before).
-    pub(super) fn revoked(&self, dl: &Download, lease: &Lease) {
-        {
-            let mut w = self.world.lock().unwrap();
-            w.counts.revocations += 1;
-            self.event(
-                &mut w,
-                format!(
-                    "blob {} slot {} revoked (strikes {})",
-                    dl.blob,
-                    lease.id(),
-                    dl.flow.strikes()
-                ),
-            );
-        }
-        let v = self.sched.view();
-        let now = Instant::now();
-        let struck = |f: u64| v.flows.iter().any(|x| x.id == f && x.struck);
-        let for_someone = v.waiters.iter().any(|o| !struck(o.flow))
-            || v.grants
-                .iter()
-                .any(|g| g.live && g.since == now && !struck(g.flow))
-            || self.last_gone() == Some(now);
-        if !for_someone {
-            self.violated(format!(
-                "(7) blob {}'s slot {} was revoked while only struck flows wait (they revoke nobody)",
-                dl.blob,
-                lease.id()
-            ));
-        }
+/// `blob 3`, or `blob 3 named with 120 bytes` for a descriptor with a wrong size.
+fn describe(r: BlobRef, sc: &Scenario) -> String {
+    if sc.blobs[r.blob].size == r.size {
+        format!("blob {}", r.blob)
+    } else {
+        format!("blob {} named with {} bytes", r.blob, r.size)
     }
 }
