@@ -1067,13 +1067,26 @@ async fn fetch(
         ranged: watch::channel(None).0,
         drained: CancellationToken::new(),
     };
-    let outcome = {
-        let workers = (0..connections).map(|k| transfer.worker(k == 0));
-        futures::future::try_join_all(workers).await
+    let mut writer = writer;
+    let early = {
+        let workers =
+            futures::future::try_join_all((0..connections).map(|k| transfer.worker(k == 0)));
+        tokio::pin!(workers);
+        tokio::select! {
+            biased;
+            outcome = &mut workers => Ok(outcome),
+            // The writer ends before the requests only when it failed (a claim refused at the
+            // reserve, a full disk): the requests stop now, not when they next have bytes to
+            // write (a trickle's next chunk, or a stalled registry's never).
+            written = &mut writer => Err(written.expect("writer does not panic")),
+        }
     };
     let Transfer { tx, pieces, .. } = transfer;
     drop(tx);
-    let written = writer.await.expect("writer does not panic");
+    let (outcome, written) = match early {
+        Ok(outcome) => (outcome, writer.await.expect("writer does not panic")),
+        Err(written) => (Err(writer_gone()), written),
+    };
     if let Err(e) = outcome {
         // The writer's own error (too many bytes, disk full) explains more.
         return Err(match written {
