@@ -186,6 +186,7 @@ impl Checker {
         let now = Instant::now();
         let mut broken = Vec::new();
         self.check_all(sim, now, &mut broken);
+        broken.extend(sim.check_reserve());
         self.last = Some(now);
         self.note_longest(now);
         broken

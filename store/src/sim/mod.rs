@@ -40,6 +40,7 @@
 //! violations and lets the scenarios go on (what else a hole breaks).
 
 mod check;
+mod disk;
 mod observe;
 mod registry;
 mod rng;
@@ -252,6 +253,7 @@ impl Totals {
         t.gave_up += c.gave_up;
         t.stalled += c.stalled;
         t.stopped += c.stopped;
+        t.refused += c.refused;
         t.ignored += u64::from(c.ignored > 0);
         let l = &mut self.longest;
         l.over_resumable = l.over_resumable.max(o.longest.over_resumable);
@@ -273,6 +275,7 @@ impl Totals {
         t.gave_up += c.gave_up;
         t.stalled += c.stalled;
         t.stopped += c.stopped;
+        t.refused += c.refused;
         t.ignored += c.ignored;
         let l = &mut self.longest;
         l.over_resumable = l.over_resumable.max(other.longest.over_resumable);
@@ -349,7 +352,7 @@ fn simulated_pulls_keep_every_invariant() {
     let t = run_many(base, n, keep_going);
     let c = &t.counts;
     println!(
-        "simulation: {} scenarios, {:.1} h simulated in {:.2} s, {} invariant checks; {} grants, {} revocations; downloads: {} done, {} given up, {} stalled, {} stopped{}; longest wait behind a slot over its share {:.1} s (holder that can resume; bound {:.1} s) / {:.1} s (holder that cannot resume), behind an equal {:.1} s (bound {:.1} s); downloads ended within {:.0}% of their bound",
+        "simulation: {} scenarios, {:.1} h simulated in {:.2} s, {} invariant checks; {} grants, {} revocations; blobs: {} in, {} failed ({} at a small disk's reserve); {} pulls stalled; {} downloads stopped{}; longest wait behind a slot over its share {:.1} s (holder that can resume; bound {:.1} s) / {:.1} s (holder that cannot resume), behind an equal {:.1} s (bound {:.1} s); downloads ended within {:.0}% of their bound",
         t.scenarios,
         t.simulated.as_secs_f64() / 3600.0,
         wall.elapsed().as_secs_f64(),
@@ -358,6 +361,7 @@ fn simulated_pulls_keep_every_invariant() {
         c.revocations,
         c.done,
         c.gave_up,
+        c.refused,
         c.stalled,
         c.stopped,
         if c.ignored > 0 {

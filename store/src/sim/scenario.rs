@@ -108,6 +108,9 @@ pub(super) struct Scenario {
     pub images: Vec<Vec<BlobRef>>,
     /// In arrival order.
     pub pods: Vec<PodSpec>,
+    /// The image filesystem's size, when it is small enough to matter (the reserve is its 15%,
+    /// `pull.image_fs_reserve`'s default); else the disk is as large as the tmpfs.
+    pub disk: Option<u64>,
 }
 
 impl Scenario {
@@ -172,6 +175,12 @@ impl Scenario {
             })
             .collect();
         pods.sort_by_key(|p| p.arrives);
+        // A third of the scenarios on a disk from half to two and a half times what their
+        // blobs take above the reserve.
+        let disk = rng.chance(0.3).then(|| {
+            let blobs: u64 = blobs.iter().map(|b| b.size).sum();
+            (blobs as f64 * rng.log_uniform(0.5, 2.5) / 0.85) as u64
+        });
         Scenario {
             seed,
             slots,
@@ -181,6 +190,7 @@ impl Scenario {
             blobs,
             images,
             pods,
+            disk,
         }
     }
 
@@ -289,6 +299,9 @@ impl Scenario {
             "seed {:#x}: {} transfer slots, {} connections per blob, ranged requests of {} bytes\n",
             self.seed, self.slots, self.connections, self.chunk_size
         );
+        if let Some(d) = self.disk {
+            let _ = writeln!(s, "  a disk of {d} bytes, 15% of it reserved");
+        }
         for (i, r) in self.registries.iter().enumerate() {
             let _ = writeln!(
                 s,

@@ -8,13 +8,14 @@
 //! fingerprint of its events and the last of them as text) and the first broken invariant.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::disk::SimDisk;
 use super::registry::{SimRegistry, blob_bytes, sources};
 use super::scenario::{BlobRef, PROGRESS_TIMEOUT, Scenario};
 use crate::blobs::{
@@ -23,8 +24,10 @@ use crate::blobs::{
 use crate::content::ContentStore;
 use crate::digest::Digest;
 use crate::error::StoreError;
+use crate::gc::IngestGc;
 use crate::pull::JobBytes;
 use crate::sched::{Demand, Flow, Scheduler};
+use crate::space::{DEFAULT_RESERVE, Reclaim, SpaceBudget};
 
 /// The simulation: the scenario, the daemon's downloads, and the engine's state.
 pub(super) struct Sim {
@@ -39,6 +42,8 @@ pub(super) struct Sim {
     digests: Vec<Digest>,
     pub start: Instant,
     world: Mutex<World>,
+    /// The small disk, if the scenario has one, and the collector that makes room on it.
+    disk: Option<(Arc<SimDisk>, Arc<SpaceBudget>, Arc<Checked>)>,
     /// The content store's directory.
     _dir: tempfile::TempDir,
 }
@@ -56,6 +61,8 @@ pub(super) struct Counts {
     pub stalled: u64,
     /// Downloads stopped because no pull wanted them any more.
     pub stopped: u64,
+    /// Blobs refused at the small disk's reserve.
+    pub refused: u64,
     /// Violations of invariants `MINICRI_SIM_IGNORE` lists.
     pub ignored: u64,
 }
@@ -172,7 +179,26 @@ impl Sim {
                 "/tmp"
             })
             .expect("a directory for the simulation's content store");
-        let content = Arc::new(ContentStore::open(dir.path()).expect("content store"));
+        let content = ContentStore::open(dir.path()).expect("content store");
+        let disk = sc.disk.map(|size| {
+            Arc::new(SimDisk {
+                root: dir.path().to_path_buf(),
+                size,
+                content: OnceLock::new(),
+            })
+        });
+        let budget = disk.as_ref().map(|d| {
+            Arc::new(SpaceBudget::with_measure(
+                dir.path(),
+                DEFAULT_RESERVE,
+                Box::new(d.clone()),
+            ))
+        });
+        let content = match &budget {
+            Some(b) => content.with_space(b.clone()),
+            None => content,
+        };
+        let content = Arc::new(content);
         let downloads = BlobDownloads::with_file_work(
             content.clone(),
             TransferConfig {
@@ -202,6 +228,23 @@ impl Sim {
             trace: Trace::new(all_events),
         };
         Arc::new_cyclic(|me| {
+            // The daemon's collector of idle partial downloads makes room before a refusal.
+            let disk = disk.zip(budget).map(|(disk, b)| {
+                let _ = disk.content.set(Arc::downgrade(&content));
+                let gc = Arc::new(IngestGc::new(
+                    content.clone(),
+                    downloads.clone(),
+                    Duration::from_secs(24 * 3600),
+                ));
+                let checked = Arc::new(Checked {
+                    gc,
+                    sim: me.clone(),
+                    calls: Default::default(),
+                });
+                let reclaim: Arc<dyn Reclaim> = checked.clone();
+                b.reclaim_with(Arc::downgrade(&reclaim));
+                (disk, b, checked)
+            });
             let regs: Vec<Arc<SimRegistry>> = (0..sc.registries.len())
                 .map(|i| {
                     Arc::new(SimRegistry {
@@ -225,6 +268,7 @@ impl Sim {
                 sc,
                 start: Instant::now(),
                 world: Mutex::new(world),
+                disk,
                 _dir: dir,
             }
         })
@@ -566,6 +610,9 @@ impl Sim {
                 }
             }
             Err(e) => {
+                if e.kind() == crate::error::ErrorKind::ResourceExhausted {
+                    w.counts.refused += 1;
+                }
                 if matches!(e, StoreError::Cancelled(_)) {
                     drop(w);
                     self.violated(format!(
@@ -577,8 +624,11 @@ impl Sim {
                 let blob = &self.sc.blobs[r.blob];
                 let reg = &self.sc.registries[blob.registry];
                 // (8) A blob named with its size, from a registry that sends its right bytes, fails
-                // only when its registry cannot resume (after its strikes or cuts).
-                if r.size == blob.size && !reg.corrupt && reg.rate > 0 && reg.resumable {
+                // only when its registry cannot resume (after its strikes or cuts), or at the
+                // reserve.
+                let refused = e.kind() == crate::error::ErrorKind::ResourceExhausted;
+                if r.size == blob.size && !reg.corrupt && reg.rate > 0 && reg.resumable && !refused
+                {
                     let what = format!(
                         "(8) {name} failed for the pull of image {}, although it is named with its size and its registry sends its bytes and resumes: {e}",
                         w.pulls[pi].image
@@ -588,6 +638,77 @@ impl Sim {
                 self.end_pull(&mut w, pi, &format!("failed: {name}: {e}"));
             }
         }
+    }
+}
+
+impl Sim {
+    /// Bytes of partial downloads that no download wants.
+    fn idle_partial_bytes(&self) -> u64 {
+        let active = self.downloads.active();
+        self.content
+            .list_ingests()
+            .unwrap_or_default()
+            .iter()
+            .filter(|i| !active.contains(&i.key))
+            .map(|i| self.content.ingest_bytes(&i.key))
+            .sum()
+    }
+
+    /// The budget asked the collector for `lacking` bytes and it freed `freed`: (10) room is
+    /// made before a refusal, so a collector that could not free enough left no partial data
+    /// that no download wants.
+    fn reclaimed(&self, lacking: u64, freed: u64) {
+        let idle = self.idle_partial_bytes();
+        self.note(format!(
+            "the reserve lacked {lacking} bytes: {freed} freed, {idle} idle left"
+        ));
+        if freed < lacking && idle > 0 {
+            self.violated(format!(
+                "(10) the collector freed {freed} of the {lacking} bytes the reserve lacked, yet {idle} bytes of partial downloads no download wants stayed"
+            ));
+        }
+    }
+
+    /// (9) The blob bytes on the small disk leave its reserve free; (10) the reserve refused
+    /// nothing without asking the collector for room first.
+    pub fn check_reserve(&self) -> Option<String> {
+        let (disk, budget, checked) = self.disk.as_ref()?;
+        let asked = checked.calls.load(std::sync::atomic::Ordering::Relaxed);
+        if budget.refusals() > asked {
+            return Some(format!(
+                "(10) the reserve refused {} claims and asked the collector for room {asked} times",
+                budget.refusals()
+            ));
+        }
+        let used = disk.used();
+        let reserve = DEFAULT_RESERVE.bytes_of(disk.size);
+        (disk.size.saturating_sub(used) < reserve).then(|| {
+            format!(
+                "(9) {used} bytes of blobs on a disk of {} leave {} free, under the reserve of {reserve}",
+                disk.size,
+                disk.size.saturating_sub(used)
+            )
+        })
+    }
+}
+
+/// The daemon's collector as the reserve's [`Reclaim`], checked as it runs (invariant 10).
+struct Checked {
+    gc: Arc<IngestGc>,
+    sim: std::sync::Weak<Sim>,
+    /// Times the budget asked.
+    calls: std::sync::atomic::AtomicU64,
+}
+
+impl Reclaim for Checked {
+    fn reclaim(&self, bytes: u64) -> u64 {
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let freed = self.gc.reclaim(bytes);
+        if let Some(sim) = self.sim.upgrade() {
+            sim.reclaimed(bytes, freed);
+        }
+        freed
     }
 }
 
