@@ -812,23 +812,30 @@ impl Transfer<'_> {
                 if piece.pos > before && self.progress.flow.is_resumable() {
                     *f = (0, FIRST_BACKOFF);
                 }
-                match outcome {
+                let failure = match outcome {
                     Ok(Run::Revoked) => return Ok(Run::Revoked),
                     Ok(Run::Done) if piece.pos >= piece.end => continue,
                     Ok(Run::Done) => {
                         tracing::warn!(blob = %self.progress.digest, offset = piece.pos, end = piece.end, "blob body ended early; resuming");
+                        format!("its body ended at byte {} of {}", piece.pos, piece.end)
                     }
-                    Err(e @ StoreError::Unavailable { .. }) if f.0 < BLOB_RETRIES => {
-                        tracing::info!(blob = %self.progress.digest, offset = piece.pos, error = %e, "transient failure");
+                    Err(StoreError::Unavailable { reason, .. }) => {
+                        tracing::info!(blob = %self.progress.digest, offset = piece.pos, error = %reason, "transient failure");
+                        reason
                     }
                     Err(e) => return Err(e),
-                }
+                };
                 f.0 += 1;
                 if f.0 > BLOB_RETRIES {
+                    let restarts = if self.progress.flow.is_resumable() {
+                        ""
+                    } else {
+                        " (its registry ignores Range: every answer started again from byte 0)"
+                    };
                     return Err(StoreError::Unavailable {
                         reference: self.session.reference(),
                         reason: format!(
-                            "blob {}: gave up after {BLOB_RETRIES} failures at byte {} of {}",
+                            "blob {}: gave up after {BLOB_RETRIES} retries at byte {} of {}{restarts}; the last failure: {failure}",
                             self.progress.digest, piece.pos, self.progress.total
                         ),
                     });

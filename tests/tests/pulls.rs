@@ -333,7 +333,8 @@ async fn a_registry_ignoring_range_and_cutting_every_body_fails_the_blob_after_i
     let err = pull(&e.daemon, &r, None).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
     assert!(
-        err.message().contains("gave up after 5 failures"),
+        err.message().contains("gave up after 5 retries")
+            && err.message().contains("ignores Range"),
         "{}",
         err.message()
     );
