@@ -26,6 +26,11 @@ PACKAGES=(
     busybox-static
     # `ip` for network namespace checks in tests.
     iproute2
+    # The tests' small image filesystems: ext4 images on loop devices (mkfs.ext4, resize2fs;
+    # losetup, findmnt).
+    e2fsprogs
+    mount
+    util-linux
     # `htpasswd` for registries with basic auth; curl and jq for the scripts.
     apache2-utils
     curl

@@ -4,7 +4,8 @@
 //! fetched, a registry serving endless bytes is cut at the blob's size, and the bytes of partial
 //! downloads show in `minicri pulls` and the metrics.
 //!
-//! The small filesystems are tmpfs mounts: these tests need root.
+//! The small filesystems are loop-mounted ext4 images, or tmpfs mounts where a test grows one
+//! ([`SmallDisk`]): these tests need root.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -122,7 +123,7 @@ async fn a_download_stops_at_the_reserve_keeps_it_free_and_resumes() {
     }
     let metrics = free_metrics_address();
     let mut e = pull_env::env(&["--image-fs-reserve", "25%", "--metrics-address", &metrics]).await;
-    let disk = SmallDisk::under(&mut e.daemon, 64).await;
+    let disk = SmallDisk::tmpfs(&mut e.daemon, 64).await;
     let (img, image) = big(&e, "disk-stop", 1, 24, 31).await;
     let layer = img.layers.last().unwrap().clone();
     let root = e.daemon.root();
@@ -219,7 +220,7 @@ async fn an_unpack_stops_at_the_reserve_and_keeps_it_free() {
         return;
     }
     let mut e = pull_env::env(&["--image-fs-reserve", "16MiB"]).await;
-    let disk = SmallDisk::under(&mut e.daemon, 64).await;
+    let disk = SmallDisk::tmpfs(&mut e.daemon, 64).await;
     let zeros = LayerBuilder::new()
         .dir("zeros", 0o755)
         .file("zeros/a", vec![0u8; 24 << 20], 0o644)
@@ -273,7 +274,7 @@ async fn a_pull_that_cannot_fit_is_refused_before_its_first_byte() {
         return;
     }
     let mut e = pull_env::env(&["--image-fs-reserve", "25%"]).await;
-    let _disk = SmallDisk::under(&mut e.daemon, 64).await;
+    let _disk = SmallDisk::ext4(&mut e.daemon, 64).await;
     let (img, image) = big(&e, "disk-large", 1, 56, 32).await;
     let err = pull(&e.daemon, &image, None).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
@@ -360,8 +361,8 @@ async fn a_registry_serving_endless_bytes_is_cut_at_the_blob_size() {
     );
 }
 
-/// A deleted pod's partial download does not make a later pull fail: pod 1's pull of a 120 MiB
-/// layer stops (its call goes) with 100 MiB on disk, kept for a resume (no cap here); pod 2's
+/// A deleted pod's partial download does not make a later pull fail, on a 320 MiB ext4 (about
+/// 290 MiB of it usable, 15% reserved): pod 1's pull of a 120 MiB layer stops (its call goes) with 100 MiB on disk, kept for a resume (no cap here); pod 2's
 /// image (80 MiB, which with its unpack needs more room than is left above the reserve beside
 /// that partial data) pulls on its first try: the reserve has the idle partial data removed
 /// before it would refuse.
@@ -380,7 +381,7 @@ async fn idle_partial_data_makes_room_before_a_pull_is_refused() {
         "1",
     ])
     .await;
-    let disk = SmallDisk::under(&mut e.daemon, 256).await;
+    let disk = SmallDisk::ext4(&mut e.daemon, 320).await;
     let (a_img, a) = big(&e, "room-a", 1, 120, 41).await;
     let (b_img, b) = big(&e, "room-b", 1, 80, 42).await;
     let a_layer = a_img.layers.last().unwrap().digest.clone();
@@ -438,7 +439,7 @@ async fn images_that_failed_together_at_the_reserve_each_pull_alone() {
         "1TiB",
     ])
     .await;
-    let _disk = SmallDisk::under(&mut e.daemon, 1024).await;
+    let _disk = SmallDisk::ext4(&mut e.daemon, 1024).await;
     let mut images = Vec::new();
     for i in 0..3 {
         images.push(big(&e, &format!("together-{i}"), 1, 200, 50 + i).await);

@@ -954,7 +954,7 @@ async fn disk_full_during_a_download_is_resource_exhausted_and_recoverable() {
     let registry = Registry::start();
     let hosts = HostsDir::new();
     let mut d = Daemon::start(hosts.path()).await.expect("minicri");
-    let disk = SmallDisk::under(&mut d, 48).await;
+    let disk = SmallDisk::tmpfs(&mut d, 48).await;
     let client = RegistryClient::new(&registry.addr());
     let small = ImageBuilder::busybox()
         .push(&client, "faults/small:1")
@@ -1015,7 +1015,7 @@ async fn disk_full_during_an_unpack_is_resource_exhausted_and_recoverable() {
     let registry = Registry::start();
     let hosts = HostsDir::new();
     let mut d = Daemon::start(hosts.path()).await.expect("minicri");
-    let disk = SmallDisk::under(&mut d, 48).await;
+    let disk = SmallDisk::tmpfs(&mut d, 48).await;
     let client = RegistryClient::new(&registry.addr());
     let zeros = LayerBuilder::new()
         .dir("zeros", 0o755)
