@@ -21,6 +21,7 @@
 //!   waits, never.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -167,6 +168,8 @@ pub(super) struct Longest {
 pub(super) struct Checker {
     /// When the last step ran.
     last: Option<Instant>,
+    /// The scheduler the last step looked at.
+    sched: Option<Arc<Scheduler>>,
     /// Since when the oldest pair of each kind waits (over a resumable holder, over one that
     /// cannot resume, level), for the figures.
     oldest: [Option<Instant>; 3],
@@ -208,7 +211,15 @@ impl Checker {
 
     fn check_all(&mut self, sim: &Sim, now: Instant, broken: &mut Vec<String>) {
         self.oldest = [None; 3];
-        let snap = sim.sched.snapshot();
+        let sched = sim.daemon().sched.clone();
+        if !self.sched.as_ref().is_some_and(|s| Arc::ptr_eq(s, &sched)) {
+            // A restarted daemon's scheduler: its ids start again.
+            self.over.clear();
+            self.level.clear();
+            self.idle_since = None;
+            self.sched = Some(sched.clone());
+        }
+        let snap = sched.snapshot();
         if snap.waiting == 0 {
             // Nobody waits: only (1)'s count and (6) can fail; no pair is waiting.
             self.idle_since = None;
@@ -223,7 +234,7 @@ impl Checker {
             self.stopped(sim, now, &[], broken);
             return;
         }
-        let v = sim.sched.view();
+        let v = sched.view();
         let bound = Scheduler::wait_bound();
 
         // (1)

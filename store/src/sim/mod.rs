@@ -10,7 +10,8 @@
 //! - [`registry`]: the registries, sending each blob's real bytes at their rate, with or without
 //!   ranges, cut short, stalled or wrong;
 //! - [`world`]: the pull layer around the downloads (pods joining and leaving pulls, each pull
-//!   holding handles of the downloads it waits for, with its watchdog);
+//!   holding handles of the downloads it waits for, with its watchdog) and the daemon's restarts;
+//! - [`disk`]: a small image filesystem for the daemon's reserve;
 //! - [`check`]: the invariants checked on the scheduler's state every 100 ms;
 //! - [`observe`]: the scheduler's revocations, heard as they happen;
 //! - [`rng`]: the seeded generator.
@@ -30,7 +31,12 @@
 //!   makes it ([`observe`]).
 //! - **(8)** A blob named with its size, from a registry that sends its bytes right and answers
 //!   ranged requests, never fails a pull: only descriptors with a wrong size, wrong bytes,
-//!   registries that stall (the watchdog) or that cannot resume (strikes, cuts) fail one.
+//!   registries that stall (the watchdog) or that cannot resume (strikes, cuts), or the reserve,
+//!   fail one.
+//! - **(9)**, **(10)** On a small disk, blob bytes leave the reserve free, and room is made
+//!   before a refusal ([`world`]'s `check_reserve` and the checked collector).
+//! - **(11)** Partial data is resumed, never fetched again, across revocations, cuts, stopped
+//!   pulls and daemon restarts (`Sim::check_sent_once`).
 //!
 //! Running: `cargo nextest run -p minicri-store --lib sim::` runs the scenarios and prints one
 //! line of figures. `MINICRI_SIM_SEED=<seed>` replays that one scenario and prints its events;
@@ -126,6 +132,13 @@ async fn simulate(
             }
         });
     }
+    if let Some(at) = sim.sc.restart {
+        let s = sim.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep_until(start + at).await;
+            s.restart().await;
+        });
+    }
     let last_arrival = start + sim.sc.last_arrival();
     let bound = sim.sc.end_bound();
     let mut checker = Checker::default();
@@ -165,20 +178,26 @@ async fn simulate(
         }
     }
     let ended = Instant::now();
-    // (5)
-    let v = sim.sched.view();
+    // (5), for the daemon's scheduler and those of its runs before a restart.
+    let mut scheds = sim.past.lock().unwrap().clone();
+    scheds.push(sim.daemon().sched.clone());
     let busy: Vec<String> = sim
         .flows()
         .iter()
         .filter(|f| f.connections() > 0)
         .map(|f| sim.name(f.id()))
         .collect();
-    if !v.grants.is_empty() || !v.waiters.is_empty() || !busy.is_empty() {
-        let what = format!(
-            "(5) every download ended, yet the scheduler has {} grants and {} waiters, and {busy:?} connections",
-            v.grants.len(),
-            v.waiters.len()
-        );
+    for v in scheds.iter().map(|s| s.view()) {
+        if !v.grants.is_empty() || !v.waiters.is_empty() || !busy.is_empty() {
+            let what = format!(
+                "(5) every download ended, yet the scheduler has {} grants and {} waiters, and {busy:?} connections",
+                v.grants.len(),
+                v.waiters.len()
+            );
+            return Err(fail(&sim, what));
+        }
+    }
+    if let Some(what) = sim.check_sent_once() {
         return Err(fail(&sim, what));
     }
     if sim.running_pulls() > 0 {
@@ -189,7 +208,7 @@ async fn simulate(
         return Err(fail(&sim, what));
     }
     tokio::time::sleep(2 * TICK).await;
-    if sim.sched.view().ticking {
+    if scheds.iter().any(|s| s.view().ticking) {
         let what = "(5) the scheduler still ticks with nobody waiting".to_string();
         return Err(fail(&sim, what));
     }
@@ -198,10 +217,13 @@ async fn simulate(
         steps: checker.steps,
         counts: {
             use std::sync::atomic::Ordering::Relaxed;
-            let c = sim.sched.counters();
+            let count = |f: fn(&crate::sched::SchedCounters) -> &std::sync::atomic::AtomicU64| {
+                scheds.iter().map(|s| f(s.counters()).load(Relaxed)).sum()
+            };
             Counts {
-                grants: c.granted.load(Relaxed),
-                revocations: c.revoked.load(Relaxed),
+                grants: count(|c| &c.granted),
+                revocations: count(|c| &c.revoked),
+                restarts: u64::from(sim.sc.restart.is_some()),
                 ..sim.counts()
             }
         },
@@ -254,6 +276,7 @@ impl Totals {
         t.stalled += c.stalled;
         t.stopped += c.stopped;
         t.refused += c.refused;
+        t.restarts += c.restarts;
         t.ignored += u64::from(c.ignored > 0);
         let l = &mut self.longest;
         l.over_resumable = l.over_resumable.max(o.longest.over_resumable);
@@ -276,6 +299,7 @@ impl Totals {
         t.stalled += c.stalled;
         t.stopped += c.stopped;
         t.refused += c.refused;
+        t.restarts += c.restarts;
         t.ignored += c.ignored;
         let l = &mut self.longest;
         l.over_resumable = l.over_resumable.max(other.longest.over_resumable);
@@ -352,7 +376,7 @@ fn simulated_pulls_keep_every_invariant() {
     let t = run_many(base, n, keep_going);
     let c = &t.counts;
     println!(
-        "simulation: {} scenarios, {:.1} h simulated in {:.2} s, {} invariant checks; {} grants, {} revocations; blobs: {} in, {} failed ({} at a small disk's reserve); {} pulls stalled; {} downloads stopped{}; longest wait behind a slot over its share {:.1} s (holder that can resume; bound {:.1} s) / {:.1} s (holder that cannot resume), behind an equal {:.1} s (bound {:.1} s); downloads ended within {:.0}% of their bound",
+        "simulation: {} scenarios, {:.1} h simulated in {:.2} s, {} invariant checks; {} grants, {} revocations; blobs: {} in, {} failed ({} at a small disk's reserve); {} pulls stalled; {} downloads stopped; {} daemon restarts{}; longest wait behind a slot over its share {:.1} s (holder that can resume; bound {:.1} s) / {:.1} s (holder that cannot resume), behind an equal {:.1} s (bound {:.1} s); downloads ended within {:.0}% of their bound",
         t.scenarios,
         t.simulated.as_secs_f64() / 3600.0,
         wall.elapsed().as_secs_f64(),
@@ -364,6 +388,7 @@ fn simulated_pulls_keep_every_invariant() {
         c.refused,
         c.stalled,
         c.stopped,
+        c.restarts,
         if c.ignored > 0 {
             format!("; {} scenarios broke ignored invariants", c.ignored)
         } else {

@@ -117,9 +117,17 @@ impl BlobSource for SimRegistry {
                 .spec
                 .cut_every
                 .map(|c| c.mul_f64(0.75 + 0.5 * self.cuts.lock().unwrap().unit()));
+            let counted = self.sim.clone();
+            let b = *b;
+            let stream = body(data, self.spec.rate, self.spec.chunk_every(), cut);
+            let stream = futures::StreamExt::inspect(stream, move |chunk| {
+                if let (Ok(c), Some(sim)) = (chunk, counted.upgrade()) {
+                    sim.served(b, c.len() as u64);
+                }
+            });
             Ok(BlobBody {
                 resumed,
-                stream: body(data, self.spec.rate, self.spec.chunk_every(), cut),
+                stream: Box::pin(stream),
                 endpoint: self.endpoint(),
             })
         })

@@ -111,6 +111,8 @@ pub(super) struct Scenario {
     /// The image filesystem's size, when it is small enough to matter (the reserve is its 15%,
     /// `pull.image_fs_reserve`'s default); else the disk is as large as the tmpfs.
     pub disk: Option<u64>,
+    /// When the daemon restarts, if it does.
+    pub restart: Option<Duration>,
 }
 
 impl Scenario {
@@ -181,6 +183,11 @@ impl Scenario {
             let blobs: u64 = blobs.iter().map(|b| b.size).sum();
             (blobs as f64 * rng.log_uniform(0.5, 2.5) / 0.85) as u64
         });
+        // A fifth restart the daemon once, while pods arrive or up to 20 s after the last.
+        let last = pods.last().map_or(0, |p| p.arrives.as_millis() as u64);
+        let restart = rng
+            .chance(0.2)
+            .then(|| Duration::from_millis(rng.range(500, last + 20_000)));
         Scenario {
             seed,
             slots,
@@ -191,11 +198,16 @@ impl Scenario {
             images,
             pods,
             disk,
+            restart,
         }
     }
 
+    /// When the last pod arrived, or the daemon came back from its restart if that is later
+    /// (the pods that were pulling pull again then).
     pub fn last_arrival(&self) -> Duration {
-        self.pods.last().map_or(Duration::ZERO, |p| p.arrives)
+        let last = self.pods.last().map_or(Duration::ZERO, |p| p.arrives);
+        self.restart
+            .map_or(last, |r| last.max(r + crate::sched::TICK))
     }
 
     /// Invariant (4)'s bound: once the last pod arrived, every download ends within the sum over
@@ -301,6 +313,9 @@ impl Scenario {
         );
         if let Some(d) = self.disk {
             let _ = writeln!(s, "  a disk of {d} bytes, 15% of it reserved");
+        }
+        if let Some(r) = self.restart {
+            let _ = writeln!(s, "  the daemon restarts at {r:?}");
         }
         for (i, r) in self.registries.iter().enumerate() {
             let _ = writeln!(

@@ -32,20 +32,93 @@ use crate::space::{DEFAULT_RESERVE, Reclaim, SpaceBudget};
 /// The simulation: the scenario, the daemon's downloads, and the engine's state.
 pub(super) struct Sim {
     pub sc: Scenario,
-    pub downloads: Arc<BlobDownloads>,
-    /// The downloads' scheduler (every simulated blob is larger than the small lane's bound).
-    pub sched: Arc<Scheduler>,
-    pub content: Arc<ContentStore>,
+    /// The daemon's store and downloads as they are since its last start.
+    daemon: Mutex<Arc<Daemon>>,
+    /// The schedulers of the daemons before a restart (invariant 5 looks at them too), and
+    /// their grants and revocations.
+    pub past: Mutex<Vec<Arc<Scheduler>>>,
     /// Per registry, its source.
     sources: Vec<Arc<dyn BlobSource>>,
     /// Per blob, its digest.
     digests: Vec<Digest>,
     pub start: Instant,
     world: Mutex<World>,
-    /// The small disk, if the scenario has one, and the collector that makes room on it.
-    disk: Option<(Arc<SimDisk>, Arc<SpaceBudget>, Arc<Checked>)>,
     /// The content store's directory.
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
+    /// Per blob, the bytes its registry sent.
+    served: Vec<std::sync::atomic::AtomicU64>,
+}
+
+/// What the daemon holds from its start: its content store on the scenario's directory, its
+/// downloads and their scheduler, and, on a small disk, its reserve and collector.
+pub(super) struct Daemon {
+    pub downloads: Arc<BlobDownloads>,
+    /// The downloads' scheduler (every simulated blob is larger than the small lane's bound).
+    pub sched: Arc<Scheduler>,
+    pub content: Arc<ContentStore>,
+    disk: Option<(Arc<SimDisk>, Arc<SpaceBudget>, Arc<Checked>)>,
+}
+
+impl Daemon {
+    /// Opens the content store in `dir` (as the daemon does at its start: partial downloads on
+    /// disk are found and accounted for) with the downloads around it.
+    fn start(sc: &Scenario, dir: &std::path::Path, sim: &std::sync::Weak<Sim>) -> Daemon {
+        let content = ContentStore::open(dir).expect("content store");
+        let disk = sc.disk.map(|size| {
+            Arc::new(SimDisk {
+                root: dir.to_path_buf(),
+                size,
+                content: OnceLock::new(),
+            })
+        });
+        let budget = disk.as_ref().map(|d| {
+            Arc::new(SpaceBudget::with_measure(
+                dir,
+                DEFAULT_RESERVE,
+                Box::new(d.clone()),
+            ))
+        });
+        let content = match &budget {
+            Some(b) => content.with_space(b.clone()),
+            None => content,
+        };
+        let content = Arc::new(content);
+        let downloads = BlobDownloads::with_file_work(
+            content.clone(),
+            TransferConfig {
+                max_transfers: sc.slots,
+                small_blob_bytes: 0,
+            },
+            RangedFetch {
+                chunk_size: sc.chunk_size,
+                connections: sc.connections,
+            },
+            FileWork::Inline,
+        );
+        // The daemon's collector of idle partial downloads makes room before a refusal.
+        let disk = disk.zip(budget).map(|(disk, b)| {
+            let _ = disk.content.set(Arc::downgrade(&content));
+            let gc = Arc::new(IngestGc::new(
+                content.clone(),
+                downloads.clone(),
+                Duration::from_secs(24 * 3600),
+            ));
+            let checked = Arc::new(Checked {
+                gc,
+                sim: sim.clone(),
+                calls: Default::default(),
+            });
+            let reclaim: Arc<dyn Reclaim> = checked.clone();
+            b.reclaim_with(Arc::downgrade(&reclaim));
+            (disk, b, checked)
+        });
+        Daemon {
+            sched: downloads.schedulers().0.clone(),
+            downloads,
+            content,
+            disk,
+        }
+    }
 }
 
 /// Counts for the figures of a run.
@@ -63,6 +136,8 @@ pub(super) struct Counts {
     pub stopped: u64,
     /// Blobs refused at the small disk's reserve.
     pub refused: u64,
+    /// Scenarios whose daemon restarted.
+    pub restarts: u64,
     /// Violations of invariants `MINICRI_SIM_IGNORE` lists.
     pub ignored: u64,
 }
@@ -89,6 +164,11 @@ struct World {
     interest: HashMap<BlobRef, usize>,
     /// Per pod, the pull it waits for.
     pod_pull: Vec<Option<usize>>,
+    /// Per pod, whether it was deleted.
+    left: Vec<bool>,
+    /// The daemon is restarting: pods arriving now pull once it is up.
+    restarting: bool,
+    deferred: Vec<usize>,
     arrived: usize,
     /// Downloads stopped because no pull wanted them, not yet seen to let go of the scheduler
     /// (invariant 6).
@@ -179,38 +259,6 @@ impl Sim {
                 "/tmp"
             })
             .expect("a directory for the simulation's content store");
-        let content = ContentStore::open(dir.path()).expect("content store");
-        let disk = sc.disk.map(|size| {
-            Arc::new(SimDisk {
-                root: dir.path().to_path_buf(),
-                size,
-                content: OnceLock::new(),
-            })
-        });
-        let budget = disk.as_ref().map(|d| {
-            Arc::new(SpaceBudget::with_measure(
-                dir.path(),
-                DEFAULT_RESERVE,
-                Box::new(d.clone()),
-            ))
-        });
-        let content = match &budget {
-            Some(b) => content.with_space(b.clone()),
-            None => content,
-        };
-        let content = Arc::new(content);
-        let downloads = BlobDownloads::with_file_work(
-            content.clone(),
-            TransferConfig {
-                max_transfers: sc.slots,
-                small_blob_bytes: 0,
-            },
-            RangedFetch {
-                chunk_size: sc.chunk_size,
-                connections: sc.connections,
-            },
-            FileWork::Inline,
-        );
         let data: Vec<Bytes> = (0..sc.blobs.len())
             .map(|b| blob_bytes(sc.seed, b, sc.blobs[b].size))
             .collect();
@@ -220,6 +268,9 @@ impl Sim {
             running: vec![None; sc.images.len()],
             interest: HashMap::new(),
             pod_pull: vec![None; sc.pods.len()],
+            left: vec![false; sc.pods.len()],
+            restarting: false,
+            deferred: Vec::new(),
             arrived: 0,
             stopping: Vec::new(),
             flows: Vec::new(),
@@ -228,23 +279,7 @@ impl Sim {
             trace: Trace::new(all_events),
         };
         Arc::new_cyclic(|me| {
-            // The daemon's collector of idle partial downloads makes room before a refusal.
-            let disk = disk.zip(budget).map(|(disk, b)| {
-                let _ = disk.content.set(Arc::downgrade(&content));
-                let gc = Arc::new(IngestGc::new(
-                    content.clone(),
-                    downloads.clone(),
-                    Duration::from_secs(24 * 3600),
-                ));
-                let checked = Arc::new(Checked {
-                    gc,
-                    sim: me.clone(),
-                    calls: Default::default(),
-                });
-                let reclaim: Arc<dyn Reclaim> = checked.clone();
-                b.reclaim_with(Arc::downgrade(&reclaim));
-                (disk, b, checked)
-            });
+            let daemon = Daemon::start(&sc, dir.path(), me);
             let regs: Vec<Arc<SimRegistry>> = (0..sc.registries.len())
                 .map(|i| {
                     Arc::new(SimRegistry {
@@ -260,18 +295,54 @@ impl Sim {
                 })
                 .collect();
             Sim {
-                sched: downloads.schedulers().0.clone(),
-                downloads,
-                content,
+                daemon: Mutex::new(Arc::new(daemon)),
+                past: Mutex::new(Vec::new()),
                 sources: sources(&regs),
+                served: (0..sc.blobs.len()).map(|_| Default::default()).collect(),
                 digests,
                 sc,
                 start: Instant::now(),
                 world: Mutex::new(world),
-                disk,
-                _dir: dir,
+                dir,
             }
         })
+    }
+
+    /// Blob `b`'s registry sent `n` bytes of it.
+    pub(super) fn served(&self, b: usize, n: u64) {
+        self.served[b].fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// (11) Partial data is resumed, never fetched again: a blob named only with its size, from
+    /// a registry that answers ranged requests with its right bytes, was sent at most once in
+    /// all, whatever revocations, cuts, stopped pulls and restarts came between (on a disk
+    /// without a small reserve, where the collector removes nothing).
+    pub fn check_sent_once(&self) -> Option<String> {
+        if self.sc.disk.is_some() {
+            return None;
+        }
+        (0..self.sc.blobs.len()).find_map(|b| {
+            let blob = &self.sc.blobs[b];
+            let reg = &self.sc.registries[blob.registry];
+            let honest = self
+                .sc
+                .images
+                .iter()
+                .flatten()
+                .all(|r| r.blob != b || r.size == blob.size);
+            let sent = self.served[b].load(std::sync::atomic::Ordering::Relaxed);
+            (honest && reg.resumable && !reg.corrupt && sent > blob.size).then(|| {
+                format!(
+                    "(11) blob {b}'s registry sent {sent} bytes of its {}: partial data was fetched again",
+                    blob.size
+                )
+            })
+        })
+    }
+
+    /// The daemon as it is since its last start.
+    pub fn daemon(&self) -> Arc<Daemon> {
+        self.daemon.lock().unwrap().clone()
     }
 
     fn at(&self) -> Duration {
@@ -328,12 +399,12 @@ impl Sim {
         let w = self.world.lock().unwrap();
         w.arrived == self.sc.pods.len()
             && w.running.iter().all(Option::is_none)
-            && self.downloads.active().is_empty()
+            && self.daemon().downloads.active().is_empty()
     }
 
     /// The downloads running now, named.
     pub fn running_blobs(&self) -> Vec<String> {
-        let running = self.downloads.active();
+        let running = self.daemon().downloads.active();
         let w = self.world.lock().unwrap();
         w.flows
             .iter()
@@ -422,6 +493,22 @@ impl Sim {
     pub fn arrive(self: &Arc<Self>, p: usize) {
         let mut w = self.world.lock().unwrap();
         w.arrived += 1;
+        if w.restarting {
+            w.deferred.push(p);
+            self.event(&mut w, format!("pod-{p} waits for the daemon's restart"));
+            return;
+        }
+        drop(w);
+        self.pull(p);
+    }
+
+    /// Pod `p` (not deleted) pulls its image: see [`Sim::arrive`].
+    fn pull(self: &Arc<Self>, p: usize) {
+        let mut w = self.world.lock().unwrap();
+        if w.left[p] {
+            return;
+        }
+        let daemon = self.daemon();
         let image = self.sc.pods[p].image;
         if let Some(pi) = w.running[image] {
             w.pulls[pi].pods.push(p);
@@ -439,11 +526,11 @@ impl Sim {
         let mut waiting = Vec::new();
         for &r in &self.sc.images[image] {
             let digest = &self.digests[r.blob];
-            if self.content.size(digest) == Some(r.size) {
+            if daemon.content.size(digest) == Some(r.size) {
                 continue;
             }
             let source = self.sources[self.sc.blobs[r.blob].registry].clone();
-            let handle = match self.downloads.acquire(digest, r.size, &[source], &demand) {
+            let handle = match daemon.downloads.acquire(digest, r.size, &[source], &demand) {
                 Ok(h) => h,
                 Err(e) => {
                     self.violate(&mut w, format!("blob {}: acquire failed: {e}", r.blob));
@@ -528,9 +615,52 @@ impl Sim {
         });
     }
 
+    /// The daemon restarts: every pull ends (its call fails; the kubelet calls again), its
+    /// downloads stop and keep their partial data, and once they let go a new daemon opens the
+    /// content store and the pods that were pulling, or arrived meanwhile, pull again.
+    pub async fn restart(self: &Arc<Self>) {
+        let again: Vec<usize> = {
+            let mut w = self.world.lock().unwrap();
+            w.restarting = true;
+            let pods = (0..w.pod_pull.len())
+                .filter(|&p| w.pod_pull[p].is_some())
+                .collect();
+            for pi in 0..w.pulls.len() {
+                if w.running[w.pulls[pi].image] == Some(pi) {
+                    self.end_pull(&mut w, pi, "the daemon restarts");
+                }
+            }
+            self.event(&mut w, "the daemon stops".into());
+            pods
+        };
+        // Its tasks wind down, the bytes received written, as the process exits.
+        tokio::time::sleep(crate::sched::TICK).await;
+        let old = self.daemon();
+        let running = old.downloads.active();
+        if !running.is_empty() {
+            self.violated(format!(
+                "(5) {} downloads still run a tick after the daemon stopped",
+                running.len()
+            ));
+        }
+        let new = Daemon::start(&self.sc, self.dir.path(), &Arc::downgrade(self));
+        self.past.lock().unwrap().push(old.sched.clone());
+        *self.daemon.lock().unwrap() = Arc::new(new);
+        let deferred = {
+            let mut w = self.world.lock().unwrap();
+            w.restarting = false;
+            self.event(&mut w, "the daemon is up again".into());
+            std::mem::take(&mut w.deferred)
+        };
+        for p in again.into_iter().chain(deferred) {
+            self.pull(p);
+        }
+    }
+
     /// Pod `p` is deleted: it leaves its pull, which stops if nobody else waits for it.
     pub fn leave(&self, p: usize) {
         let mut w = self.world.lock().unwrap();
+        w.left[p] = true;
         let Some(pi) = w.pod_pull[p].take() else {
             return;
         };
@@ -644,13 +774,14 @@ impl Sim {
 impl Sim {
     /// Bytes of partial downloads that no download wants.
     fn idle_partial_bytes(&self) -> u64 {
-        let active = self.downloads.active();
-        self.content
+        let d = self.daemon();
+        let active = d.downloads.active();
+        d.content
             .list_ingests()
             .unwrap_or_default()
             .iter()
             .filter(|i| !active.contains(&i.key))
-            .map(|i| self.content.ingest_bytes(&i.key))
+            .map(|i| d.content.ingest_bytes(&i.key))
             .sum()
     }
 
@@ -672,7 +803,8 @@ impl Sim {
     /// (9) The blob bytes on the small disk leave its reserve free; (10) the reserve refused
     /// nothing without asking the collector for room first.
     pub fn check_reserve(&self) -> Option<String> {
-        let (disk, budget, checked) = self.disk.as_ref()?;
+        let d = self.daemon();
+        let (disk, budget, checked) = d.disk.as_ref()?;
         let asked = checked.calls.load(std::sync::atomic::Ordering::Relaxed);
         if budget.refusals() > asked {
             return Some(format!(
