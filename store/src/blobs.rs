@@ -39,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 use crate::content::{BlobKey, ContentStore, Ingest};
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
-use crate::registry::BlobBody;
+use crate::registry::{BlobBody, Session};
 
 /// Consecutive failures without progress after which a blob download gives up.
 const BLOB_RETRIES: u32 = 5;
@@ -54,7 +54,7 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// Where a download gets a blob's bytes: a pull's registry session
-/// ([`Session`](crate::registry::Session)) on a node, a simulated registry in the simulation of
+/// ([`Session`]) on a node, a simulated registry in the simulation of
 /// the pull engine. The seam between the downloads and the network.
 pub trait BlobSource: Send + Sync {
     /// The image reference it serves, for messages.
@@ -72,6 +72,31 @@ pub trait BlobSource: Send + Sync {
         length: u64,
         last_resort: Option<&'a str>,
     ) -> BoxFuture<'a, Result<BlobBody>>;
+}
+
+/// A session is where a pull's blob downloads get their bytes.
+impl BlobSource for Session {
+    fn reference(&self) -> String {
+        Session::reference(self).to_string()
+    }
+
+    fn source_key(&self) -> [u8; 32] {
+        self.source()
+    }
+
+    fn blob<'a>(
+        &'a self,
+        digest: &'a Digest,
+        offset: u64,
+        length: u64,
+        last_resort: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<BlobBody>> {
+        Box::pin(async move {
+            Session::blob(self, digest, offset, length, last_resort)
+                .await
+                .map_err(|e| self.fold_errors("blob", e))
+        })
+    }
 }
 
 /// Appends `source` to `sources` unless one with its key is there; whether it did.

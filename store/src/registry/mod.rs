@@ -571,32 +571,6 @@ pub struct BlobBody {
     pub endpoint: String,
 }
 
-/// A session is where a pull's blob downloads get their bytes.
-impl crate::blobs::BlobSource for Session {
-    fn reference(&self) -> String {
-        self.reference.to_string()
-    }
-
-    /// Where the session's blob requests go and with what credentials.
-    fn source_key(&self) -> [u8; 32] {
-        self.source
-    }
-
-    fn blob<'a>(
-        &'a self,
-        digest: &'a Digest,
-        offset: u64,
-        length: u64,
-        last_resort: Option<&'a str>,
-    ) -> futures::future::BoxFuture<'a, Result<BlobBody>> {
-        Box::pin(async move {
-            Session::blob(self, digest, offset, length, last_resort)
-                .await
-                .map_err(|e| self.fold_errors("blob", e))
-        })
-    }
-}
-
 /// A pull's view of one image's registry endpoints.
 pub struct Session {
     reference: Reference,
@@ -611,6 +585,12 @@ pub struct Session {
 impl Session {
     pub fn reference(&self) -> &Reference {
         &self.reference
+    }
+
+    /// Where its blob requests go and with what credentials (a hash): two sessions with the same
+    /// source fail alike.
+    pub fn source(&self) -> [u8; 32] {
+        self.source
     }
 
     /// Endpoint indices in the order to try: the preferred one first, then the rest in order.
