@@ -12,8 +12,10 @@
 //! - [`space`]: the image filesystem's reserve, which downloads and unpacks keep free;
 //! - [`unpack`]: layers applied into snapshots as they download;
 //! - [`pull`]: pull jobs shared by their requesters, with references, aborts and progress;
-//! - `sim` (tests only): a deterministic simulation of pulls sharing the transfer slots, driving
-//!   the real [`sched`] with seeded scenarios and checking its invariants.
+//! - [`settings`]: what the crate's configuration sections share;
+//! - `sim` (tests only): a deterministic simulation of the pull engine, driving the real
+//!   [`blobs`], [`sched`], watchdog, reserve and collector with seeded scenarios and checking
+//!   their invariants.
 
 pub mod blobs;
 pub mod content;
@@ -29,6 +31,7 @@ pub mod pull;
 pub mod reference;
 pub mod registry;
 pub mod sched;
+pub mod settings;
 #[cfg(test)]
 mod sim;
 pub mod space;

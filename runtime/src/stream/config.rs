@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use minicri_store::pull::settings::seconds_or_off;
+use minicri_store::settings::seconds_or_off;
 
 use clap::Args;
 use serde::{Deserialize, Serialize};

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::blobs::{DEFAULT_SMALL_BLOB_BYTES, RangedFetch, TransferConfig};
 use crate::manifest::Platform;
+use crate::settings::seconds_or_off;
 use crate::space::{DEFAULT_RESERVE, Reserve};
 
 use super::{DEFAULT_MAX_BLOB_SIZE, DEFAULT_MIN_SPEED, MAX_BLOB_BYTES, PullConfig};
@@ -137,16 +138,6 @@ impl Default for PullSettings {
             partial_data_per_pod: Reserve::Percent(10.0),
         }
     }
-}
-
-/// A number of seconds of a section: `0` turns the setting off. `key` names it in the error.
-pub fn seconds_or_off(key: &str, t: f64) -> Result<Option<Duration>, String> {
-    if !t.is_finite() || !(0.0..=1e9).contains(&t) {
-        return Err(format!(
-            "{key} must be a number of seconds, 0 to 1000000000"
-        ));
-    }
-    Ok((t > 0.0).then(|| Duration::from_secs_f64(t)))
 }
 
 impl PullSettings {

@@ -45,10 +45,7 @@ impl RegistrySettings {
 
     /// The total deadline of one request.
     pub fn request_timeout(&self) -> Result<Duration, String> {
-        match crate::pull::settings::seconds_or_off(
-            "registry.request_timeout",
-            self.request_timeout,
-        )? {
+        match crate::settings::seconds_or_off("registry.request_timeout", self.request_timeout)? {
             Some(d) => Ok(d),
             None => Err("registry.request_timeout must be more than 0".into()),
         }
