@@ -231,7 +231,14 @@ async fn forward(
         Err(msg) => return fail(msg).await,
     };
     let (rd, wr) = socket.into_split();
-    let mut to_socket = tokio::spawn(client_to_socket(from_client, wr, to.stall));
+    // Aborted with this forward, also when the session aborts it (a spawned task outlives its
+    // JoinHandle): else its copy, blocked on a pod that does not read, would hold the client's
+    // queued bytes against the pod's share until the stall timeout.
+    let mut to_socket = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(client_to_socket(
+        from_client,
+        wr,
+        to.stall,
+    )));
     let to_client = async {
         let data = Output::Ws(ChannelWriter::new(to.channel, sender.clone()));
         if let Err(msg) = socket_to_client(rd, &data, &to.share).await {
@@ -285,6 +292,62 @@ mod tests {
             .expect("the session is closed")
             .unwrap();
         assert_eq!(budget.in_use(), 0);
+    }
+
+    /// A port's forward aborted (as the session aborts its forwards once the client is gone)
+    /// while its copy to a pod that reads nothing is blocked: the client's bytes it held and
+    /// queued are given back at once, not at the stall timeout (none here).
+    #[tokio::test]
+    async fn an_aborted_forward_gives_its_queued_bytes_back() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        // The pod accepts and never reads.
+        let pod = tokio::spawn(async move { listener.accept().await.unwrap() });
+        let budget = minicri_codecs::budget::Budget::new(64 << 20);
+        let share = budget.share("sb1");
+        let (tx, rx) = budget::input(INPUT_QUEUE);
+        let (a, b) = tokio::io::duplex(64 << 10);
+        let (c, _events) = conn::serve_budgeted(b, share.clone(), None);
+        let _client = Client::new(a);
+        let (_gone_tx, gone) = watch::channel(false);
+        let req = Arc::new(PortForwardRequest {
+            sandbox_id: "sb1".into(),
+            netns: None,
+        });
+        let to = Port {
+            port,
+            channel: 0,
+            share: share.clone(),
+            stall: None,
+        };
+        let forward = tokio::spawn(forward(req, to, rx, c.sender.clone(), gone));
+        let _socket = pod.await.unwrap();
+        // Pieces of 1 MiB until the socket's buffers are full and the queue holds the rest.
+        let mut sent = 0;
+        loop {
+            let charge = share.charge(1 << 20).await;
+            let piece = tx.send((vec![b'x'; 1 << 20], charge));
+            match tokio::time::timeout(Duration::from_millis(500), piece).await {
+                Ok(r) => r.unwrap(),
+                Err(_) => break,
+            }
+            sent += 1;
+        }
+        assert!(sent > INPUT_QUEUE, "{sent} pieces went");
+        assert!(budget.in_use() >= INPUT_QUEUE << 20, "{}", budget.in_use());
+        forward.abort();
+        let _ = forward.await;
+        for _ in 0..100 {
+            if budget.in_use() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            budget.in_use(),
+            0,
+            "bytes still charged after the forward went"
+        );
     }
 
     #[test]
