@@ -355,6 +355,30 @@ pub struct BlobDownloads {
     small_blob_bytes: u64,
     ranged: RangedFetch,
     file_work: FileWork,
+    /// Blobs whose partial data a running pull still wants though no download of them runs (its
+    /// layer unpacks read what was downloaded), with how many pins each: not collected.
+    pins: Mutex<HashMap<BlobKey, usize>>,
+}
+
+/// Keeps the partial data of some blobs from the collector while it lives
+/// ([`BlobDownloads::pin`]).
+pub struct Pinned {
+    downloads: Arc<BlobDownloads>,
+    keys: Vec<BlobKey>,
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        let mut pins = self.downloads.pins.lock().unwrap();
+        for k in &self.keys {
+            if let Some(n) = pins.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    pins.remove(k);
+                }
+            }
+        }
+    }
 }
 
 /// Where a download's file work (opening, writing, committing its ingest) runs: on blocking
@@ -434,7 +458,23 @@ impl BlobDownloads {
             small_blob_bytes: transfers.small_blob_bytes,
             ranged,
             file_work,
+            pins: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Keeps the partial data of `keys` from the collector until the guard drops: a pull holds
+    /// it while it runs, so that a download of its that failed (at the reserve, say) keeps what
+    /// it has for a resume while the pull's unpacks still read it, instead of being taken as
+    /// idle data to make room for those very unpacks.
+    pub fn pin(self: &Arc<Self>, keys: Vec<BlobKey>) -> Pinned {
+        let mut pins = self.pins.lock().unwrap();
+        for k in &keys {
+            *pins.entry(k.clone()).or_default() += 1;
+        }
+        Pinned {
+            downloads: self.clone(),
+            keys,
+        }
     }
 
     /// The scheduler of large blobs' transfers, and the one of small blobs'.
@@ -578,7 +618,9 @@ impl BlobDownloads {
         // The download's writer holds the ingest's lock from before it opens the ingest until the
         // blob is committed, so the lock, held while removing, is what keeps an ingest in use
         // from going; the map says whether a download waiting for a slot wants it.
-        if self.inflight.lock().unwrap().contains_key(key) {
+        if self.inflight.lock().unwrap().contains_key(key)
+            || self.pins.lock().unwrap().contains_key(key)
+        {
             return false;
         }
         let Some(_ingest) = self.content.try_lock_ingest(key) else {
@@ -592,9 +634,16 @@ impl BlobDownloads {
         true
     }
 
-    /// Blobs with a download running now (their ingests must not be collected).
+    /// Blobs with a download running now, or pinned by a running pull (their ingests must not
+    /// be collected).
     pub fn active(&self) -> Vec<BlobKey> {
-        self.inflight.lock().unwrap().keys().cloned().collect()
+        let mut keys: Vec<BlobKey> = self.inflight.lock().unwrap().keys().cloned().collect();
+        for k in self.pins.lock().unwrap().keys() {
+            if !keys.contains(k) {
+                keys.push(k.clone());
+            }
+        }
+        keys
     }
 }
 

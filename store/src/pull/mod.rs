@@ -247,6 +247,8 @@ struct Job {
     requesters: Mutex<HashMap<String, RequesterEntry>>,
     joined: AtomicUsize,
     parts: Mutex<Vec<Part>>,
+    /// Its parts' partial data, kept from the collector while the job runs.
+    pinned: Mutex<Option<crate::blobs::Pinned>>,
     /// Notified when a part's download registers (the unpack waits for it).
     parts_changed: tokio::sync::Notify,
     /// Its layer applies, stopped and waited for when the job ends.

@@ -174,6 +174,7 @@ impl PullManager {
                 unpacked: false,
             })
             .collect();
+        *job.pinned.lock().unwrap() = Some(self.blobs.pin(job.part_keys()));
 
         // Config first (small, and it must parse), then the layers, a bounded number at once.
         let handle = self.acquire_part(job, 0, session)?;

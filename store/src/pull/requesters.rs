@@ -66,6 +66,7 @@ impl PullManager {
                     requesters: Mutex::new(HashMap::new()),
                     joined: AtomicUsize::new(0),
                     parts: Mutex::new(Vec::new()),
+                    pinned: Mutex::new(None),
                     parts_changed: tokio::sync::Notify::new(),
                     unpacks: Default::default(),
                     owners: Mutex::new(Vec::new()),

@@ -80,6 +80,8 @@ impl PullManager {
         if !job.unpacks.stop_and_wait(UNPACK_STOP_BOUND).await {
             tracing::warn!(job = job.id, image = %job.reference, "layer unpacks still running {UNPACK_STOP_BOUND:?} after the pull ended");
         }
+        // Its partial data is the collector's to judge from now on.
+        job.pinned.lock().unwrap().take();
         let bytes = job.bytes();
         let outcome = match &result {
             Ok(_) => "done".to_string(),
