@@ -11,8 +11,8 @@
 //! only that prefix. Transient failures (connection errors, 5xx, a body cut short) are retried
 //! with back-off inside the download, resuming each piece where it stopped; the count of failures
 //! resets whenever bytes arrive that the next request goes on from (never for a registry that
-//! ignores Range: its bodies cut short fail the download after the retries). The node's transfer connections are shared between the requesters
-//! that want downloads by the fair scheduler ([`crate::sched`]): each request holds a lease, which
+//! ignores Range: its bodies cut short fail the download after the retries). The node's transfer
+//! connections are shared between the requesters that want downloads by the fair scheduler ([`crate::sched`]): each request holds a lease, which
 //! the scheduler may revoke for a fairer share; a revoked request stops and its piece is resumed
 //! later from where it stopped. Blobs up to [`TransferConfig::small_blob_bytes`] have a lane of
 //! their own, so they never wait behind large transfers.

@@ -227,6 +227,27 @@ mod tests {
         assert_eq!(gc.collect().expired, vec![other]);
     }
 
+    /// Partial data a running pull pins (its unpacks still read it, though its download
+    /// failed) is not idle: neither room-making nor the TTL takes it; once unpinned, it goes.
+    #[test]
+    fn a_pinned_ingest_is_not_collected() {
+        use crate::space::Reclaim;
+        let dir = tempfile::tempdir().unwrap();
+        let content = Arc::new(ContentStore::open(dir.path()).unwrap());
+        let blobs = BlobDownloads::new(content.clone(), Default::default(), Default::default());
+        let mut gc = IngestGc::new(content.clone(), blobs.clone(), Duration::ZERO);
+        gc.min_free_ratio = 0.0;
+        let key = BlobKey::new(Digest::of(b"a layer"), 7);
+        content.open_ingest(&key).unwrap().append(b"a l").unwrap();
+        let pin = blobs.pin(vec![key.clone()]);
+        assert_eq!(gc.reclaim(1 << 20), 0);
+        assert_eq!(gc.collect(), GcReport::default());
+        assert_eq!(content.list_ingests().unwrap().len(), 1);
+        drop(pin);
+        assert!(gc.reclaim(1 << 20) > 0);
+        assert!(content.list_ingests().unwrap().is_empty());
+    }
+
     #[test]
     fn expired_idle_ingests_go_and_active_ones_stay() {
         let now = SystemTime::now();
