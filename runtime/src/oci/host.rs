@@ -21,7 +21,7 @@ pub enum CgroupDriver {
 pub struct AppArmorHost {
     /// The kernel enforces AppArmor ([`apparmor_enabled`]).
     pub enabled: bool,
-    /// minicri's default profile is loaded (`crate::spec::apparmor::load_default_profile`
+    /// minicri's default profile is loaded (the spec's `apparmor::load_default_profile`
     /// succeeded at start).
     pub default_profile: bool,
 }
@@ -48,13 +48,13 @@ pub struct HostInfo {
     pub cgroup_v2: bool,
     /// Recursive read-only bind mounts can be made: the kernel has `mount_setattr(2)` (5.12)
     /// and the OCI runtime knows the `rro` mount option (the daemon clears this when it does
-    /// not, see [`super::Runc::supports_mount_option`]).
+    /// not, see `Runc::supports_mount_option`).
     pub recursive_read_only: bool,
-    /// Pods can have user namespaces of their own ([`crate::spec::userns`]): the kernel has user
+    /// Pods can have user namespaces of their own (the spec's `userns`): the kernel has user
     /// namespaces, idmapped mounts and overlayfs on idmapped layers (Linux >= 5.19).
     pub user_namespaces: bool,
     /// AppArmor: whether the kernel enforces it and minicri's default profile is loaded (the
-    /// daemon loads it at start, see [`crate::spec::apparmor`]).
+    /// daemon loads it at start, see the spec's `apparmor`).
     pub apparmor: AppArmorHost,
 }
 

@@ -5,11 +5,15 @@
 //! - [`handlers`]: the runtime handlers pods choose by name (RuntimeClass), each probed at start;
 //! - [`host`]: host facts ([`HostInfo`]: oom_score_adj clamp, capabilities, cgroup version,
 //!   AppArmor) and cgroups paths per driver;
+//! - [`annotations`]: which pod annotations reach the runtime's spec (runc, crun and systemd read
+//!   some as instructions);
+//! - [`settings`]: the `[runtime]` section of the configuration;
 //! - [`error`]: the error type, [`OciError`], of this and of spec building.
 //!
-//! The specs themselves are built from CRI requests in [`crate::spec`], which depends on this
-//! module (its errors and host facts), never the other way round.
+//! The specs themselves are built from CRI requests in the `spec` module, which depends on this
+//! one (its errors, host facts and annotation policy), never the other way round.
 
+pub mod annotations;
 pub mod error;
 pub mod handlers;
 pub mod host;

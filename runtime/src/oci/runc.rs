@@ -741,7 +741,7 @@ impl OciRuntime for Runc {
 
 /// Creates and deletes a throwaway container with `runtime` (under a root of its own, so
 /// nothing of it is ever taken for a pod's container), bounded by the
-/// probe environment's timeout (`super::handlers::PROBE_TIMEOUT`).
+/// probe environment's timeout (`PROBE_TIMEOUT`).
 pub(super) async fn probe_handler(
     name: &str,
     runtime: &Runc,

@@ -2,16 +2,16 @@
 //!
 //! runc, crun and youki share one command line (`create`, `start`, `state`, `kill`, `delete`,
 //! `exec`, `update`, `pause`, `resume`, `list` with the same flags), so one implementation,
-//! [`super::runc::Runc`], drives all of them; the binary is configurable. Fakes for tests of
+//! `Runc` (runc.rs), drives all of them; the binary is configurable. Fakes for tests of
 //! the services implement the trait.
 //!
-//! Container *creation* for CRI containers and sandboxes is done by the shim (see
-//! [`crate::shim`]), which owns the container's stdio and must be the process that reaps it; it
-//! uses [`super::runc::Runc::create_args`] so both paths build the same command line.
+//! Container *creation* for CRI containers and sandboxes is done by the shim (the
+//! `shim` module), which owns the container's stdio and must be the process that reaps it; it
+//! uses `Runc::create_args` so both paths build the same command line.
 //! [`OciRuntime::create`] is for callers that do not need a monitor.
 //!
-//! Pods hold their runtime as `Arc<dyn OciRuntime>` in their [`super::Handler`]; the pod
-//! service's unit tests put a recording fake there (`crate::pods::fake`).
+//! Pods hold their runtime as `Arc<dyn OciRuntime>` in their runtime handler; the
+//! pod service's unit tests put a recording fake there.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -74,7 +74,7 @@ pub struct ProbeEnv {
     pub dir: PathBuf,
     pub infra: InfraRootfs,
     pub cgroup_driver: CgroupDriver,
-    /// How long one probe may take ([`super::handlers::PROBE_TIMEOUT`]); a runtime still
+    /// How long one probe may take (the handlers' `PROBE_TIMEOUT`); a runtime still
     /// running then is killed.
     pub timeout: Duration,
 }
@@ -206,7 +206,7 @@ pub trait OciRuntime: Send + Sync {
     /// and inspection name it by).
     fn command(&self) -> RuntimeCommand;
     /// Whether the runtime works on this host (`Err` says why not), found out by creating and
-    /// deleting a throwaway container as [`super::handlers`] describes.
+    /// deleting a throwaway container as the handlers module describes.
     fn check_available<'a>(
         &'a self,
         name: &'a str,

@@ -10,7 +10,10 @@ use serde::{Deserialize, Serialize};
 
 use super::handlers::{DEFAULT_HANDLER, HandlerConfig, check_config};
 use super::host::CgroupDriver;
-use crate::spec::annotations::AnnotationPolicy;
+use crate::oci::annotations::AnnotationPolicy;
+
+/// The key of [`RuntimeSettings::allow_own_path_mounts`], for messages.
+pub const ALLOW_OWN_PATH_MOUNTS: &str = "runtime.allow_own_path_mounts";
 
 /// `[runtime]`: runtime handlers and what containers are allowed.
 #[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
@@ -136,7 +139,7 @@ impl RuntimeSettings {
         if let Some(p) = self.allow_own_path_mounts.iter().find(|p| !p.is_absolute()) {
             return Err(format!(
                 "{} entry {} is not an absolute path",
-                crate::spec::own_paths::SETTING,
+                ALLOW_OWN_PATH_MOUNTS,
                 p.display()
             ));
         }

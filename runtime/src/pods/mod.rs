@@ -92,7 +92,7 @@ pub struct PodService {
     pub host: HostInfo,
     pub cgroup_driver: CgroupDriver,
     /// Which pod annotations reach the OCI spec.
-    pub annotations: crate::spec::annotations::AnnotationPolicy,
+    pub annotations: crate::oci::annotations::AnnotationPolicy,
     /// minicri's own paths, which container mounts and devices may not reach.
     pub own_paths: crate::spec::own_paths::OwnPaths,
     pub state_dir: PathBuf,
@@ -145,7 +145,7 @@ pub const MAX_METADATA_BYTES: usize = (256 + 16) << 10;
 /// them, hold them all), and by default also what keeps every list RPC (ListPodSandbox,
 /// ListContainers, the stats lists), which carries all of one kind in one message, under the
 /// kubelet's 16 MiB message limit, with room for the rest of each item. The streamed lists
-/// (the Stream* handlers in `crate::cri`) carry them in batches of at most 2 MiB, so a node configured past
+/// (the Stream* handlers of the CRI server) carry them in batches of at most 2 MiB, so a node configured past
 /// this still lists to a client that streams, while one that only lists gets RESOURCE_EXHAUSTED
 /// from its own message limit (docs/hardening.md).
 pub const DEFAULT_NODE_METADATA_BYTES: usize = 8 << 20;

@@ -4,7 +4,7 @@
 //! (`oom_kill N`) and reports every change of that file to inotify watchers. The count has to be
 //! read while the cgroup exists: with the systemd cgroup driver, systemd removes a scope's
 //! cgroup as soon as its last process has exited, before the shim has reaped the container's
-//! init, so a read at exit (the daemon's, [`crate::pods::cgroups::oom_killed`]) finds nothing.
+//! init, so a read at exit (the daemon's, in the pod service's cgroups module) finds nothing.
 //! The watch reads the file at each change and keeps the highest count seen. On cgroup v1, or
 //! when the watch cannot be set up, nothing is watched: the daemon reads the v1 counters at
 //! exit (runc removes those cgroups only at delete).

@@ -41,7 +41,7 @@ use oci_spec::runtime::{
     Mount, Process, Root, Spec, User,
 };
 
-use super::annotations::AnnotationPolicy;
+use crate::oci::annotations::AnnotationPolicy;
 use super::apparmor::select_apparmor;
 use super::defaults::{self, bind_mount, linux_capabilities};
 use super::image_config::ImageConfig;
@@ -256,8 +256,8 @@ pub fn image_of(m: &cri::Mount) -> Option<&str> {
 /// The longest `image_sub_path` taken (the kernel's `PATH_MAX`).
 const MAX_SUB_PATH: usize = 4096;
 
-/// Checks the form of an image volume's `image_sub_path` (where it leads is checked in the image,
-/// `crate::pods::imagevol`): relative to the image's root and without `..`, as Kubernetes
+/// Checks the form of an image volume's `image_sub_path` (where it leads is checked in the image
+/// when the pod service mounts it): relative to the image's root and without `..`, as Kubernetes
 /// validates `subPath`.
 fn check_image_sub_path(m: &cri::Mount) -> Result<()> {
     let sub = &m.image_sub_path;
@@ -290,7 +290,7 @@ fn check_image_sub_path(m: &cri::Mount) -> Result<()> {
 /// propagation, as the CRI says, and a host that can do it ([`HostInfo::recursive_read_only`]).
 ///
 /// An image volume (`image` set) has no `host_path` of the caller's: CreateContainer mounts the
-/// image and names that mount as its `host_path` (`crate::pods::imagevol`), which is what the
+/// image and names that mount as its `host_path` (the pod service's image volumes), which is what the
 /// spec binds. It is read-only and private whatever is asked: nothing is written to it and
 /// nothing is ever mounted below it on the host, so there is nothing to propagate; asking for
 /// `Bidirectional` is refused.

@@ -7,7 +7,6 @@
 //! - [`user`]: uid, gid and groups from the security context, the image and `/etc/passwd`;
 //! - [`userns`]: pods in their own user namespace: validation, idmapped rootfs layers;
 //! - [`namespaces`]: the pod's namespace options and OCI namespace entries;
-//! - [`annotations`]: which pod annotations reach the OCI spec (an allowlist);
 //! - [`own_paths`]: container mounts and devices kept away from minicri's own root, state
 //!   directory and socket;
 //! - [`defaults`]: default capabilities, mounts, masked paths and device rules;
@@ -20,10 +19,10 @@
 //!
 //! Spec building reads files (the rootfs's passwd, device nodes, seccomp profiles) but changes
 //! nothing; only [`SandboxFiles::prepare`], [`propagation::prepare_bind_sources`] and
-//! [`write_bundle`] have effects. What the host can do ([`crate::oci::HostInfo`]) and the error
-//! type ([`crate::oci::OciError`]) come from [`crate::oci`].
+//! [`write_bundle`] have effects. What the host can do ([`crate::oci::HostInfo`]), the error
+//! type ([`crate::oci::OciError`]) and which pod annotations reach a spec
+//! ([`crate::oci::annotations`]) come from [`crate::oci`].
 
-pub mod annotations;
 pub mod apparmor;
 pub mod container;
 pub mod defaults;

@@ -37,7 +37,7 @@ use minicri_proto::runtime::v1 as cri;
 use crate::oci::error::{OciError, Result};
 
 /// The setting that lists host paths a container may mount although they touch minicri's own.
-pub const SETTING: &str = "runtime.allow_own_path_mounts";
+pub use crate::oci::settings::ALLOW_OWN_PATH_MOUNTS as SETTING;
 
 /// Longest host path taken (the kernel's `PATH_MAX`): resolving one costs a lookup per
 /// component, and the mount would fail anyway.

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, Mount, Process, Root, Spec, User};
 
-use super::annotations::AnnotationPolicy;
+use crate::oci::annotations::AnnotationPolicy;
 use super::defaults::{self, bind_mount, dev_mount, linux_capabilities, proc_mount};
 use super::namespaces::{namespace, namespace_options};
 use super::propagation::is_mountpoint;

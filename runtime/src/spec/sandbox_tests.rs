@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::LinuxNamespaceType;
 
-use super::annotations::AnnotationPolicy;
+use crate::oci::annotations::AnnotationPolicy;
 use super::sandbox::validate_dns_and_hostname;
 use super::*;
 use crate::oci::{CgroupDriver, HostInfo};

@@ -6,7 +6,7 @@
 //!   (the kubelet allocates one contiguous range per pod), and the pod's own network, PID and IPC
 //!   namespaces; `CONTAINER` and `TARGET` are refused, as the CRI allows.
 //! - The infra process creates the user namespace with the mappings (see
-//!   [`super::sandbox_spec`]) together with the pod's other namespaces, so they are owned by it.
+//!   the sandbox's spec) together with the pod's other namespaces, so they are owned by it.
 //!   That includes the network namespace: a process in the pod's user namespace cannot join a
 //!   network namespace owned by the host's (`setns` needs `CAP_SYS_ADMIN` over its owner), so
 //!   RunPodSandbox pins the infra's network namespace and attaches CNI to it after `create`.
@@ -457,7 +457,7 @@ fn mounts_stacked_in(dir: &Path) -> Result<std::collections::HashMap<PathBuf, us
 pub fn remove_idmapped(dir: &Path) -> Result<()> {
     unmount_idmapped(&dir.join("layers"))?;
     unmount_idmapped(&dir.join("volumes"))?;
-    // The layers of image volumes, one directory each (`crate::pods::imagevol`).
+    // The layers of image volumes, one directory each (mounted by the pod service).
     let images = dir.join("image-volumes");
     match std::fs::read_dir(&images) {
         Ok(entries) => {

@@ -201,7 +201,7 @@ impl Sandbox {
             netns: None,
             cgroup_driver: CgroupDriver::Cgroupfs,
             host: &env.host,
-            annotations: &spec::annotations::AnnotationPolicy::NONE,
+            annotations: &minicri::oci::annotations::AnnotationPolicy::NONE,
         })
         .unwrap();
         let bundle = dir.join("bundle");
@@ -280,7 +280,7 @@ impl Container {
             target_pid_ns: None,
             cgroup_driver: CgroupDriver::Cgroupfs,
             host: &env.host,
-            annotations: &spec::annotations::AnnotationPolicy::NONE,
+            annotations: &minicri::oci::annotations::AnnotationPolicy::NONE,
         })
         .unwrap();
         let bundle = dir.join("bundle");
