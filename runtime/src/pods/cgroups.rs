@@ -571,6 +571,22 @@ fn cpu_v2(text: &str) -> Option<u64> {
     keyed(text).get("usage_usec").map(|us| us * 1000)
 }
 
+/// Writes `value` to the cgroup file `path`; the kernel's refusal names the file and the value.
+pub(super) fn write_file(path: &Path, value: &str) -> crate::error::Result<()> {
+    use crate::error::Error;
+    std::fs::write(path, value).map_err(|e| {
+        let what = format!("setting {} to {value:?}: {e}", path.display());
+        match e.raw_os_error() {
+            // The kernel refuses the value itself (a cpuset the node does not have, a quota
+            // below a child's) or cannot meet it (a limit below what the pod uses).
+            Some(libc::EINVAL) | Some(libc::EBUSY) | Some(libc::ERANGE) => {
+                Error::FailedPrecondition(what)
+            }
+            _ => Error::Internal(what),
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,7 +20,6 @@ use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
 
-use super::container::not_found;
 use super::store::ContainerState;
 use super::{PodService, blocking, now_ns};
 use crate::checkpoint::archive::{self, ConfigDump};
@@ -170,7 +169,7 @@ impl PodService {
             0 => DEFAULT_CHECKPOINT_TIMEOUT,
             t => Duration::from_secs(t as u64),
         };
-        let rec = self.store.container(id).ok_or_else(|| not_found(id))?;
+        let rec = self.container_record(id)?;
         if rec.state != ContainerState::Running {
             return Err(Error::FailedPrecondition(format!(
                 "container {id} is {:?}, not running: only a running container can be \
@@ -210,7 +209,7 @@ impl PodService {
         }
 
         let _guard = self.store.op_lock(id).await;
-        let rec = self.store.container(id).ok_or_else(|| not_found(id))?;
+        let rec = self.container_record(id)?;
         if rec.state != ContainerState::Running {
             return Err(Error::FailedPrecondition(format!(
                 "container {id} is {:?}, not running",

@@ -26,10 +26,6 @@ use crate::spec::{ContainerSpecParams, ImageConfig, SandboxFiles, SandboxNamespa
 /// How long StopContainer waits for the exit after SIGKILL.
 const KILL_WAIT: Duration = Duration::from_secs(10);
 
-pub(super) fn not_found(id: &str) -> Error {
-    Error::NotFound(format!("container {id} not found"))
-}
-
 /// CRI `ContainerUser`: the identity of the container's first process, its supplementary
 /// groups sorted as the kernel keeps them.
 fn container_user(u: &oci_spec::runtime::User) -> cri::ContainerUser {
@@ -365,7 +361,7 @@ impl PodService {
 
     async fn start_steps(self: &Arc<Self>, id: &str, undo: &mut Journal) -> Result<()> {
         let _guard = self.store.op_lock(id).await;
-        let rec = self.store.container(id).ok_or_else(|| not_found(id))?;
+        let rec = self.container_record(id)?;
         if rec.state != ContainerState::Created {
             return Err(Error::FailedPrecondition(format!(
                 "container {id} is {:?}, not created",
@@ -596,7 +592,7 @@ impl PodService {
     }
 
     pub fn container_status(&self, id: &str) -> Result<cri::ContainerStatus> {
-        let r = self.store.container(id).ok_or_else(|| not_found(id))?;
+        let r = self.container_record(id)?;
         let c = r.config();
         Ok(cri::ContainerStatus {
             id: r.id.clone(),
@@ -666,7 +662,7 @@ impl PodService {
 
     /// The record of container `id` if it is running: NOT_FOUND or FAILED_PRECONDITION naming it.
     pub(super) fn running(&self, id: &str) -> Result<ContainerRecord> {
-        let r = self.store.container(id).ok_or_else(|| not_found(id))?;
+        let r = self.container_record(id)?;
         if r.state != ContainerState::Running {
             return Err(Error::FailedPrecondition(format!(
                 "container {id} is not running"

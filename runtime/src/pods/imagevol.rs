@@ -35,26 +35,10 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_store::Digest;
-use serde::{Deserialize, Serialize};
 
+use super::store::ImageVolume;
 use super::{Journal, PodService, Undo, blocking, unmount_all};
 use crate::error::{Error, Result};
-
-/// An image a container mounts as a volume, as the container's record keeps it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ImageVolume {
-    /// The mount's index in the container config's `mounts`.
-    pub mount: usize,
-    /// The image's id (`sha256:…`).
-    pub image_id: Digest,
-    /// The view snapshot of the image's top layer.
-    pub snapshot: String,
-    /// Where the view is mounted on the host.
-    pub root: PathBuf,
-    /// What the container binds: `root`, or the bind mount of the `image_sub_path`.
-    pub source: PathBuf,
-}
 
 /// The snapshot key of the `n`th image volume of container `id`.
 fn snapshot_key(id: &str, n: usize) -> String {
@@ -410,7 +394,7 @@ mod tests {
     fn volume(mount: usize, source: &str) -> ImageVolume {
         ImageVolume {
             mount,
-            image_id: Digest::parse(&format!("sha256:{}", "a".repeat(64))).unwrap(),
+            image_id: minicri_store::Digest::parse(&format!("sha256:{}", "a".repeat(64))).unwrap(),
             snapshot: format!("c.volume.{mount}"),
             root: PathBuf::from("/s/containers/c/volumes/0/image"),
             source: PathBuf::from(source),

@@ -24,7 +24,6 @@ use minicri_proto::runtime::v1 as cri;
 use prost::Message;
 
 use super::cgroups::{self, Hierarchy};
-use super::container::not_found;
 use super::store::{ContainerState, SandboxState};
 use super::{Journal, Operation, PodService, Undo, blocking};
 use crate::error::{Error, Result};
@@ -121,21 +120,6 @@ pub fn planned_writes(
     Ok(out)
 }
 
-/// Writes `value` to the cgroup file `path`; the kernel's refusal names the file and the value.
-pub(super) fn write_cgroup_file(path: &Path, value: &str) -> Result<()> {
-    std::fs::write(path, value).map_err(|e| {
-        let what = format!("setting {} to {value:?}: {e}", path.display());
-        match e.raw_os_error() {
-            // The kernel refuses the value itself (a cpuset the node does not have, a quota
-            // below a child's) or cannot meet it (a limit below what the pod uses).
-            Some(libc::EINVAL) | Some(libc::EBUSY) | Some(libc::ERANGE) => {
-                Error::FailedPrecondition(what)
-            }
-            _ => Error::Internal(what),
-        }
-    })
-}
-
 /// What a cgroup file holds now, as it can be written back (trimmed).
 fn read_cgroup_file(path: &Path) -> Result<String> {
     std::fs::read_to_string(path)
@@ -228,7 +212,7 @@ impl PodService {
                 path: path.clone(),
                 value: old,
             })?;
-            blocking(move || write_cgroup_file(&path, &value)).await?;
+            blocking(move || cgroups::write_file(&path, &value)).await?;
         }
         Ok(())
     }
@@ -255,7 +239,7 @@ impl PodService {
         linux: Option<cri::LinuxContainerResources>,
     ) -> Result<()> {
         let _guard = self.store.op_lock(id).await;
-        let r = self.store.container(id).ok_or_else(|| not_found(id))?;
+        let r = self.container_record(id)?;
         let Some(linux) = linux else { return Ok(()) };
         let resources = crate::spec::container::linux_resources(&linux, &self.host)?;
         match r.state {

@@ -39,7 +39,7 @@ use minicri_snapshotter::{Snapshotter, Usage};
 use super::cgroups::{self, Counters, Hierarchy};
 use super::store::{ContainerRecord, SandboxRecord, SandboxState};
 use super::{PodService, blocking, now_ns};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Samples closer than this repeat the previous rate instead of making a new one.
 pub const MIN_RATE_INTERVAL: Duration = Duration::from_secs(1);
@@ -264,10 +264,6 @@ fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
-fn not_found(kind: &str, id: &str) -> Error {
-    Error::NotFound(format!("{kind} {id} not found"))
-}
-
 /// The pod's cgroup parent, decoding nothing else of its config (called for every container).
 pub(super) fn cgroup_parent(sb: Option<&SandboxRecord>) -> String {
     sb.and_then(|s| s.summary().linux.map(|l| l.cgroup_parent))
@@ -277,10 +273,7 @@ pub(super) fn cgroup_parent(sb: Option<&SandboxRecord>) -> String {
 impl PodService {
     /// ContainerStats: NOT_FOUND for an unknown id.
     pub async fn container_stats(self: &Arc<Self>, id: &str) -> Result<cri::ContainerStats> {
-        let rec = self
-            .store
-            .container(id)
-            .ok_or_else(|| not_found("container", id))?;
+        let rec = self.container_record(id)?;
         let svc = self.clone();
         blocking(move || {
             let parent = cgroup_parent(svc.store.sandbox(&rec.sandbox_id).as_ref());
@@ -324,10 +317,7 @@ impl PodService {
 
     /// PodSandboxStats: NOT_FOUND for an unknown id.
     pub async fn pod_sandbox_stats(self: &Arc<Self>, id: &str) -> Result<cri::PodSandboxStats> {
-        let rec = self
-            .store
-            .sandbox(id)
-            .ok_or_else(|| not_found("pod sandbox", id))?;
+        let rec = self.sandbox_record(id)?;
         let svc = self.clone();
         blocking(move || Ok(svc.one_pod_stats(&rec))).await
     }

@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::shim::ShimHandle;
 use minicri_snapshotter::{sync_dir, write_atomic};
+use minicri_store::Digest;
 use minicri_store::fsutil::off_async;
 
 /// `SANDBOX_READY` / `SANDBOX_NOTREADY`.
@@ -156,11 +157,26 @@ pub struct ContainerRecord {
     pub runtime_deleted: bool,
     /// The images it mounts as volumes, mounted and held until its teardown.
     #[serde(default)]
-    pub image_volumes: Vec<super::imagevol::ImageVolume>,
+    pub image_volumes: Vec<ImageVolume>,
     /// A container created from a checkpoint archive: the CRIU images StartContainer restores
     /// it from (`runc restore` instead of `create` + `start`); cleared once it ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore_from: Option<PathBuf>,
+}
+
+/// An image a container mounts as a volume, as the container's record keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageVolume {
+    /// The mount's index in the container config's `mounts`.
+    pub mount: usize,
+    /// The image's id (`sha256:…`).
+    pub image_id: Digest,
+    /// The view snapshot of the image's top layer.
+    pub snapshot: String,
+    /// Where the view is mounted on the host.
+    pub root: PathBuf,
+    /// What the container binds: `root`, or the bind mount of the `image_sub_path`.
+    pub source: PathBuf,
 }
 
 impl ContainerRecord {

@@ -234,13 +234,11 @@ impl PodService {
                 blocking(move || Ok(pulls.release_volume(&image, &container)?)).await?
             }
             Undo::RestoreCgroupFile { path, value } => {
-                blocking(
-                    move || match super::resize::write_cgroup_file(&path, &value) {
-                        // The cgroup went with its pod.
-                        Err(_) if !path.exists() => Ok(()),
-                        r => r,
-                    },
-                )
+                blocking(move || match super::cgroups::write_file(&path, &value) {
+                    // The cgroup went with its pod.
+                    Err(_) if !path.exists() => Ok(()),
+                    r => r,
+                })
                 .await?
             }
             Undo::SandboxResources { id, old } => {

@@ -41,7 +41,6 @@ use oci_spec::runtime::{
     Mount, Process, Root, Spec, User,
 };
 
-use crate::oci::annotations::AnnotationPolicy;
 use super::apparmor::select_apparmor;
 use super::defaults::{self, bind_mount, linux_capabilities};
 use super::image_config::ImageConfig;
@@ -49,6 +48,7 @@ use super::namespaces::namespace;
 use super::sandbox::{SandboxFiles, SandboxNamespaces};
 use super::seccomp::select_seccomp;
 use super::user::{UserRequest, resolve_user};
+use crate::oci::annotations::AnnotationPolicy;
 use crate::oci::error::{OciError, Result};
 use crate::oci::host::{CgroupDriver, HostInfo, cgroups_path};
 

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::{Capability, LinuxNamespaceType, Spec};
 
-use crate::oci::annotations::AnnotationPolicy;
 use super::*;
+use crate::oci::annotations::AnnotationPolicy;
 use crate::oci::{CgroupDriver, HostInfo};
 
 struct Fixture {

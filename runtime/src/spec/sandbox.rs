@@ -18,12 +18,12 @@ use std::path::{Path, PathBuf};
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, Mount, Process, Root, Spec, User};
 
-use crate::oci::annotations::AnnotationPolicy;
 use super::defaults::{self, bind_mount, dev_mount, linux_capabilities, proc_mount};
 use super::namespaces::{namespace, namespace_options};
 use super::propagation::is_mountpoint;
 use super::seccomp::select_seccomp;
 use super::user::id_from_i64;
+use crate::oci::annotations::AnnotationPolicy;
 use crate::oci::error::{OciError, Result};
 use crate::oci::host::{CgroupDriver, HostInfo, cgroups_path};
 

@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::LinuxNamespaceType;
 
-use crate::oci::annotations::AnnotationPolicy;
 use super::sandbox::validate_dns_and_hostname;
 use super::*;
+use crate::oci::annotations::AnnotationPolicy;
 use crate::oci::{CgroupDriver, HostInfo};
 
 use super::container_tests::{mount_of, ns_of};
