@@ -4,7 +4,7 @@
 //! test environment (daemon, images, a CNI network, cleanup) in [`pod_env`], the RuntimeService
 //! calls pod tests share in [`pod_rpc`], a minimal remotecommand client (SPDY or WebSocket) for
 //! the streaming server in [`remotecommand`] with the transports it uses in [`spdy`] and
-//! [`websocket`], what the pull tests share in [`pull_env`], a
+//! [`websocket`] and their HTTP upgrade in [`upgrade`], what the pull tests share in [`pull_env`], a
 //! kubelet simulator (pod workers, image pullers, back-off, deletion) that drives the daemon as
 //! the kubelet does in [`kubelet_sim`], with the environment its tests share in [`sim_env`],
 //! a minimal Kubernetes API server (pods list and watch) in [`apiserver`], an address whose
@@ -33,4 +33,5 @@ pub mod sim_env;
 pub mod small_disk;
 pub mod spdy;
 pub mod tripwire;
+pub mod upgrade;
 pub mod websocket;

@@ -24,10 +24,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::spdy::Spdy;
+use crate::upgrade::http_upgrade;
 use crate::websocket::{CLOSE_SIGNAL, Ws};
 
 /// The protocol versions client-go offers, best first.
@@ -61,37 +61,6 @@ impl ExecOutput {
     pub fn status(&self) -> serde_json::Value {
         serde_json::from_slice(&self.error).unwrap_or(serde_json::Value::Null)
     }
-}
-
-/// Sends `METHOD path` of `url` with `headers` (each `Name: value`); reads the response head.
-/// Returns the status, the head (lowercased) and the connection, positioned after the head.
-pub async fn http_upgrade(
-    url: &str,
-    method: &str,
-    headers: &[String],
-) -> anyhow::Result<(u16, String, TcpStream)> {
-    let rest = url.strip_prefix("http://").context("an http:// URL")?;
-    let slash = rest.find('/').context("a path")?;
-    let (host, path) = rest.split_at(slash);
-    let mut conn = TcpStream::connect(host).await?;
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n");
-    for h in headers {
-        req.push_str(h);
-        req.push_str("\r\n");
-    }
-    req.push_str("\r\n");
-    conn.write_all(req.as_bytes()).await?;
-    let mut head = Vec::new();
-    while !head.ends_with(b"\r\n\r\n") {
-        let mut b = [0u8; 1];
-        if conn.read(&mut b).await? == 0 {
-            bail!("connection closed in the response head: {head:?}");
-        }
-        head.push(b[0]);
-    }
-    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
-    let status = head.get(9..12).context("a status line")?.parse()?;
-    Ok((status, head, conn))
 }
 
 /// Sends `POST path` with the SPDY upgrade headers and `protocols`; reads the response head.
@@ -604,4 +573,47 @@ impl Session {
         })
         .await
     }
+}
+
+/// The kubelet's channel form of port-forward over WebSocket (`v4.channel.k8s.io`): one
+/// connection to the port the URL names in its `port` query parameter. Checks the port prefix
+/// of the first message on the data and error channels, sends `request` on the data channel,
+/// then collects both channels until the server closes the connection (after the pod closed
+/// its socket).
+pub async fn port_forward_channels(
+    url: &str,
+    port: u16,
+    request: &[u8],
+) -> anyhow::Result<Forwarded> {
+    let mut ws = Ws::connect(&format!("{url}?port={port}"), &["v4.channel.k8s.io"]).await?;
+    if ws.protocol != "v4.channel.k8s.io" {
+        bail!("the server chose {:?}", ws.protocol);
+    }
+    let mut out = Forwarded::default();
+    let mut first = [true, true];
+    if !request.is_empty() {
+        ws.send_channel(0, request).await?;
+    }
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(60), ws.message())
+            .await
+            .context("the forward did not end in 60 s")??;
+        let Some(m) = m else { break };
+        let (&channel, mut data) = m.split_first().context("an empty message")?;
+        if channel > 1 {
+            bail!("a message on channel {channel}");
+        }
+        if std::mem::take(&mut first[usize::from(channel)]) {
+            if data.get(..2) != Some(&port.to_le_bytes()[..]) {
+                bail!("channel {channel} did not start with the port: {data:?}");
+            }
+            data = &data[2..];
+        }
+        if channel == 0 {
+            out.data.extend_from_slice(data);
+        } else {
+            out.error.extend_from_slice(data);
+        }
+    }
+    Ok(out)
 }

@@ -12,15 +12,13 @@
 //! Written for tests from RFC 6455 and the Kubernetes protocols; independent of minicri's server
 //! code on purpose.
 
-use std::time::Duration;
-
-use anyhow::{Context, bail};
+use anyhow::bail;
 use base64::Engine;
 use sha1::Digest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 use tokio::net::TcpStream;
 
-use crate::remotecommand::{Forwarded, http_upgrade};
+use crate::upgrade::http_upgrade;
 
 pub const OP_CONTINUATION: u8 = 0x0;
 pub const OP_TEXT: u8 = 0x1;
@@ -273,47 +271,4 @@ async fn read_frame<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> anyhow::Resul
         op: h[0] & 0x0f,
         payload,
     }))
-}
-
-/// The kubelet's channel form of port-forward over WebSocket (`v4.channel.k8s.io`): one
-/// connection to the port the URL names in its `port` query parameter. Checks the port prefix
-/// of the first message on the data and error channels, sends `request` on the data channel,
-/// then collects both channels until the server closes the connection (after the pod closed
-/// its socket).
-pub async fn port_forward_channels(
-    url: &str,
-    port: u16,
-    request: &[u8],
-) -> anyhow::Result<Forwarded> {
-    let mut ws = Ws::connect(&format!("{url}?port={port}"), &["v4.channel.k8s.io"]).await?;
-    if ws.protocol != "v4.channel.k8s.io" {
-        bail!("the server chose {:?}", ws.protocol);
-    }
-    let mut out = Forwarded::default();
-    let mut first = [true, true];
-    if !request.is_empty() {
-        ws.send_channel(0, request).await?;
-    }
-    loop {
-        let m = tokio::time::timeout(Duration::from_secs(60), ws.message())
-            .await
-            .context("the forward did not end in 60 s")??;
-        let Some(m) = m else { break };
-        let (&channel, mut data) = m.split_first().context("an empty message")?;
-        if channel > 1 {
-            bail!("a message on channel {channel}");
-        }
-        if std::mem::take(&mut first[usize::from(channel)]) {
-            if data.get(..2) != Some(&port.to_le_bytes()[..]) {
-                bail!("channel {channel} did not start with the port: {data:?}");
-            }
-            data = &data[2..];
-        }
-        if channel == 0 {
-            out.data.extend_from_slice(data);
-        } else {
-            out.error.extend_from_slice(data);
-        }
-    }
-    Ok(out)
 }

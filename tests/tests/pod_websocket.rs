@@ -293,11 +293,11 @@ async fn port_forward_over_websocket() {
     drop(pf);
 
     // The per-port channel form: the port comes from the query.
-    let out = websocket::port_forward_channels(&url().await, 8080, GET)
+    let out = remotecommand::port_forward_channels(&url().await, 8080, GET)
         .await
         .expect("channel form");
     out.assert_http_ok("hello-through-websocket\n", "channel form");
-    let out = websocket::port_forward_channels(&url().await, 8081, b"")
+    let out = remotecommand::port_forward_channels(&url().await, 8081, b"")
         .await
         .expect("channel form to a closed port");
     let msg = String::from_utf8_lossy(&out.error);
