@@ -13,7 +13,6 @@ use tokio::time::Instant;
 
 use super::rng::Rng;
 use super::scenario::RegistrySpec;
-use super::world::Sim;
 use crate::blobs::BlobSource;
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
@@ -39,13 +38,22 @@ pub(super) fn blob_bytes(seed: u64, b: usize, size: u64) -> Bytes {
     Bytes::from(out)
 }
 
+/// What a registry tells the world it is part of: what it answers, and the bytes it sends of
+/// each blob (the world is [`super::world::Sim`], which owns the registries).
+pub(super) trait Witness: Send + Sync {
+    /// An event of the trace.
+    fn note(&self, what: String);
+    /// `n` more bytes of blob `b` were sent.
+    fn served(&self, b: usize, n: u64);
+}
+
 /// One simulated registry.
 pub(super) struct SimRegistry {
     pub index: usize,
     pub spec: RegistrySpec,
     /// The blobs it serves: digest, bytes, and the blob's number in the scenario.
     pub blobs: Vec<(Digest, Bytes, usize)>,
-    pub sim: Weak<Sim>,
+    pub sim: Weak<dyn Witness>,
     /// Draws where each body is cut.
     pub cuts: std::sync::Mutex<Rng>,
 }

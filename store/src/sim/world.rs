@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::disk::SimDisk;
-use super::registry::{SimRegistry, blob_bytes, sources};
+use super::registry::{SimRegistry, Witness, blob_bytes, sources};
 use super::scenario::{BlobRef, PROGRESS_TIMEOUT, Scenario};
 use crate::blobs::{
     BlobDownloads, BlobHandle, BlobProgress, BlobSource, FileWork, RangedFetch, TransferConfig,
@@ -289,7 +289,7 @@ impl Sim {
                             .filter(|&b| sc.blobs[b].registry == i)
                             .map(|b| (digests[b].clone(), data[b].clone(), b))
                             .collect(),
-                        sim: me.clone(),
+                        sim: me.clone() as std::sync::Weak<dyn Witness>,
                         cuts: Mutex::new(super::rng::Rng::new(sc.seed ^ (i as u64 + 1) << 32)),
                     })
                 })
@@ -306,11 +306,6 @@ impl Sim {
                 dir,
             }
         })
-    }
-
-    /// Blob `b`'s registry sent `n` bytes of it.
-    pub(super) fn served(&self, b: usize, n: u64) {
-        self.served[b].fetch_add(n, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// (11) Partial data is resumed, never fetched again: a blob named only with its size, from
@@ -463,12 +458,6 @@ impl Sim {
                 "(7) a slot of {victim_name} was taken back for {for_name}, which is struck (it cannot resume and lost a slot): it revokes nobody"
             ));
         }
-    }
-
-    /// Records an event of the registries.
-    pub(super) fn note(&self, what: String) {
-        let mut w = self.world.lock().unwrap();
-        self.event(&mut w, what);
     }
 
     /// Downloads stopped and not yet seen to have let go, with when they were stopped and their
@@ -768,6 +757,17 @@ impl Sim {
                 self.end_pull(&mut w, pi, &format!("failed: {name}: {e}"));
             }
         }
+    }
+}
+
+impl Witness for Sim {
+    fn note(&self, what: String) {
+        let mut w = self.world.lock().unwrap();
+        self.event(&mut w, what);
+    }
+
+    fn served(&self, b: usize, n: u64) {
+        self.served[b].fetch_add(n, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
