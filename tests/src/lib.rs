@@ -11,7 +11,8 @@
 //! connections hang in [`blackhole`], an address that is not the node's in [`far_host`], a
 //! listener that counts connections to the node in [`tripwire`], a daemon root on a small
 //! filesystem of its own in [`small_disk`], and how tests whose prerequisites are missing skip,
-//! or fail when CI must run them, in [`prereq`].
+//! or fail when CI must run them, in [`prereq`]. Its unit tests hold every crate's files to
+//! importing one another one way (`layering`).
 
 pub mod apiserver;
 pub mod blackhole;
@@ -19,6 +20,8 @@ pub mod daemon;
 pub mod far_host;
 pub mod images;
 pub mod kubelet_sim;
+#[cfg(test)]
+mod layering;
 pub mod nginx_cache;
 pub mod pki;
 pub mod pod_env;

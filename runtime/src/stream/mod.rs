@@ -34,8 +34,6 @@ pub mod backend;
 pub mod config;
 pub mod exec;
 pub mod http;
-#[cfg(test)]
-mod layering_tests;
 pub mod portforward;
 pub mod pty;
 pub mod remotecommand;
