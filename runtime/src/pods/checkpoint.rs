@@ -131,6 +131,32 @@ fn upper_dir(m: &minicri_snapshotter::Mount) -> Option<PathBuf> {
 }
 
 impl PodService {
+    /// After the shim of restored container `rec` reported it running (as `pid`): its
+    /// processes moved into the container's own cgroup ([`adopt_restored`]; logged either
+    /// way), and the unpacked CRIU images removed in the background (CRIU is done with them:
+    /// they need not take the space until the teardown).
+    pub(super) async fn settle_restored(
+        &self,
+        rec: &super::store::ContainerRecord,
+        pid: i32,
+    ) -> Result<()> {
+        let id = rec.id.clone();
+        let (driver, parent) = (self.cgroup_driver, self.cgroup_parent(rec));
+        let cid = id.clone();
+        let adopted = blocking(move || Ok(adopt_restored(driver, &parent, &cid, pid))).await?;
+        match adopted {
+            Ok(Some((from, to))) => {
+                tracing::info!(container = %id, from = %from.display(), to = %to.display(), "restored processes moved to the container's cgroup")
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(container = %id, error = %e, "the restored processes stay in the cgroup CRIU put them in")
+            }
+        }
+        let unpacked = self.container_dir(&id).join(RESTORE_DIR);
+        tokio::task::spawn_blocking(move || std::fs::remove_dir_all(unpacked));
+        Ok(())
+    }
     /// CheckpointContainer: `location` is where the archive goes (an absolute path whose
     /// directory exists; `crictl checkpoint --export`); `timeout` in seconds, 0 for
     /// [`DEFAULT_CHECKPOINT_TIMEOUT`]. Runs in a task of its own: a client that hangs up does
@@ -147,12 +173,15 @@ impl PodService {
             .map_err(|e| Error::Internal(format!("CheckpointContainer task: {e}")))?
     }
 
-    async fn checkpoint_inner(
-        self: &Arc<Self>,
+    /// CheckpointContainer's request checked before the container is touched: the archive's
+    /// path (absolute, in a directory), the timeout (0: the default), the container running,
+    /// CRIU working here, and the writable layer's directory the rootfs diff is taken from.
+    async fn checkpoint_request(
+        &self,
         id: &str,
         location: &str,
         timeout: i64,
-    ) -> Result<()> {
+    ) -> Result<(PathBuf, Duration, PathBuf)> {
         let out = PathBuf::from(location);
         if location.is_empty() || !out.is_absolute() || out.file_name().is_none() {
             return Err(Error::InvalidArgument(format!(
@@ -207,6 +236,16 @@ impl PodService {
                 parent.display()
             )));
         }
+        Ok((out, timeout, upper))
+    }
+
+    async fn checkpoint_inner(
+        self: &Arc<Self>,
+        id: &str,
+        location: &str,
+        timeout: i64,
+    ) -> Result<()> {
+        let (out, timeout, upper) = self.checkpoint_request(id, location, timeout).await?;
 
         let _guard = self.store.op_lock(id).await;
         let rec = self.container_record(id)?;

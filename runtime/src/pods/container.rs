@@ -9,19 +9,19 @@
 //! ExecSync is with the other exec paths ([`super::exec`]), UpdateContainerResources with the
 //! pod resize ([`super::resize`]).
 
+mod create;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
 use minicri_store::text::bounded_to;
-use prost::Message;
 
 use super::store::{ContainerRecord, ContainerState, SandboxState};
 use super::{Journal, Operation, PodService, Undo, blocking, now_ns};
 use crate::error::{Error, Result};
 use crate::shim::{LogTarget, ShimConfig};
-use crate::spec::{ContainerSpecParams, ImageConfig, SandboxFiles, SandboxNamespaces};
 
 /// How long StopContainer waits for the exit after SIGKILL.
 const KILL_WAIT: Duration = Duration::from_secs(10);
@@ -99,254 +99,34 @@ impl PodService {
         Ok(Some(PathBuf::from(format!("/proc/{}/ns/pid", t.pid))))
     }
 
-    /// CreateContainer: returns the new container's id.
-    pub async fn create_container(
-        self: &Arc<Self>,
-        sandbox_id: String,
-        config: cri::ContainerConfig,
-        sandbox_config: Option<cri::PodSandboxConfig>,
-    ) -> Result<String> {
-        self.undoable(Operation::CreateContainer, move |svc, undo| {
-            Box::pin(async move {
-                svc.create_steps(&sandbox_id, config, sandbox_config, undo)
-                    .await
-            })
-        })
-        .await
-    }
-
-    async fn create_steps(
-        self: &Arc<Self>,
-        sandbox_id: &str,
-        mut config: cri::ContainerConfig,
-        _sandbox_config: Option<cri::PodSandboxConfig>,
-        undo: &mut Journal,
-    ) -> Result<String> {
-        let sb = self.ready_sandbox(sandbox_id)?;
-        let sb_config = sb.config();
-        // Containers run under their pod's runtime handler.
-        let host = self.host_for(self.handlers.get(&sb.runtime_handler)?);
-        let meta = config.metadata.clone().ok_or_else(|| {
-            Error::InvalidArgument("container config metadata is required".into())
-        })?;
-        if meta.name.is_empty() {
-            return Err(Error::InvalidArgument(
-                "container config metadata.name is required".into(),
-            ));
-        }
-        // The name is in every ListContainers, stats and event answer, and in logs: a long one
-        // (Kubernetes' are DNS labels, at most 63) would push relists past the kubelet's 16 MiB.
-        if meta.name.len() > 253
-            || meta
-                .name
-                .chars()
-                .any(|c| c.is_whitespace() || c.is_control() || c == '/')
-        {
-            return Err(Error::InvalidArgument(format!(
-                "container config metadata.name {:?} is not a Kubernetes name (at most 253 characters, none of whitespace, control characters, '/')",
-                meta.name
-            )));
-        }
-        super::validate_labels_and_annotations(
-            "container config",
-            &config.labels,
-            &config.annotations,
-        )?;
-        let _claim = self.check_node_metadata(
-            super::Listed::Containers,
-            &config.labels,
-            &config.annotations,
-        )?;
-        let image_name = config
-            .image
-            .as_ref()
-            .map(|i| i.image.clone())
-            .unwrap_or_default();
-        if image_name.is_empty() {
-            return Err(Error::InvalidArgument(
-                "container config image is required".into(),
-            ));
-        }
-        // An image naming a checkpoint archive: the container is made from the archive's image
-        // and process, then its files (super::checkpoint).
-        let restore = self.restore_source(&mut config).await?;
-        let rootfs_image = restore.as_ref().map_or(&image_name, |(_, i)| i);
-        let image = self
-            .images
-            .get(rootfs_image)?
-            .ok_or_else(|| Error::NotFound(format!("image {image_name:?} not found")))?;
-        let chain_id = image.chain_id.clone().ok_or_else(|| {
-            Error::FailedPrecondition(format!("image {image_name:?} is not unpacked"))
-        })?;
-        let image_config = minicri_store::fsutil::off_async(|| self.content.read(&image.config))?;
-        let image_config = ImageConfig::from_document(&image_config)?;
-        // Mounts are checked before anything is done on the host for them (their sources may
-        // be made shared below, which is not undone).
-        let pod_userns = crate::spec::userns::pod_userns(&sb_config)?;
-        crate::spec::container::validate_mounts(&config.mounts, &host)?;
-        // Nor may they reach minicri's own files (a lookup per path component).
-        minicri_store::fsutil::off_async(|| self.own_paths.check(&config.mounts, &config.devices))?;
-        crate::spec::userns::check_volume_mappings(&config.mounts, pod_userns.as_ref())?;
-        // CRI: the log is <sandbox log_directory>/<container log_path>.
-        let log_path = crate::logs::container_log_path(&sb_config.log_directory, &config.log_path)
-            .map_err(Error::InvalidArgument)?;
-        let target_pid_ns = self.target_pid_namespace(sandbox_id, &config)?;
-
-        let id = self.new_id()?;
-        undo.subject(&id)?;
-        let sm = sb_config.metadata.clone().unwrap_or_default();
-        let name = format!(
-            "{}_{}_{}_{}_{}",
-            meta.name, sm.name, sm.namespace, sm.uid, meta.attempt
-        );
-        self.store.reserve(&name, &id)?;
-        undo.push(Undo::ReleaseName {
-            name: name.clone(),
-            id: id.clone(),
-        })?;
-
-        // The writable snapshot, mounted; in a pod with its own user namespace, on idmapped
-        // layers (crate::spec::userns).
-        let userns_path =
-            pod_userns.map(|_| PathBuf::from(format!("/proc/{}/ns/user", sb.infra_pid)));
-        let userns = pod_userns
-            .zip(userns_path.clone())
-            .map(|(u, path)| (path, (u.uid.host_id(), u.gid.host_id())));
-        let volume_userns = userns.clone();
-        let dir = self.container_dir(&id);
-        let rootfs = dir.join("rootfs");
-        // Idmapped mounts stay out of `dir`, which undo removes recursively (crate::spec::userns).
-        let idmap = self.idmap_dir(&id);
-        undo.push(Undo::RemoveDir(dir.clone()))?;
-        undo.push(Undo::RemoveSnapshot(id.clone()))?;
-        undo.push(Undo::Unmount(rootfs.clone()))?;
-        undo.push(Undo::RemoveIdmapped(idmap.clone()))?;
-        {
-            let snap = self.snapshotter.clone();
-            let (key, rootfs, layers) = (id.clone(), rootfs.clone(), idmap.join("layers"));
-            let dir = dir.clone();
+    /// Where the container's CRI log goes, with the directories between the pod's log
+    /// directory and the log made, none of them a symlink (crate::logs::create_log_dirs). The
+    /// log directory is the kubelet's, on whatever filesystem it chose: off the async workers.
+    async fn prepare_log(&self, rec: &ContainerRecord) -> Result<Option<LogTarget>> {
+        let log = match (&rec.log_path, self.store.sandbox(&rec.sandbox_id)) {
+            (Some(path), Some(sb)) => Some(LogTarget {
+                dir: PathBuf::from(sb.config().log_directory),
+                path: path.clone(),
+            }),
+            _ => None,
+        };
+        if let Some(log) = log.clone() {
             blocking(move || {
-                let m = snap.prepare(&key, Some(&chain_id))?;
-                // The mounted rootfs holds the image's setuid files and device nodes: its
-                // directory is root's alone, or the pod user namespace root's (who must reach
-                // it from inside).
-                crate::fsutil::private_dir(&dir, userns.as_ref().map(|(_, root)| *root))
-                    .and_then(|()| std::fs::create_dir_all(&rootfs))
-                    .map_err(|e| Error::Internal(format!("creating {}: {e}", rootfs.display())))?;
-                match userns {
-                    Some((ns, root)) => {
-                        crate::spec::userns::mount_rootfs(&m, &rootfs, &layers, &ns, root)?;
+                crate::logs::create_log_dirs(&log.dir, &log.path).map_err(|e| {
+                    let what = format!("creating the directories of {}", log.path.display());
+                    if e.raw_os_error() == Some(libc::ELOOP) {
+                        Error::FailedPrecondition(format!(
+                            "{what}: a directory below {} is a symlink",
+                            log.dir.display()
+                        ))
+                    } else {
+                        Error::Internal(format!("{what}: {e}"))
                     }
-                    None => m.mount_at(&rootfs)?,
-                }
-                Ok(())
+                })
             })
             .await?;
         }
-
-        // A restore's files: the archive unpacked beside the rootfs, its changes applied.
-        let restore_from = match restore {
-            Some((archive, _)) => Some(
-                self.unpack_restore(archive, dir.clone(), rootfs.clone())
-                    .await?,
-            ),
-            None => None,
-        };
-
-        // Image volumes, mounted in the container's directory (private by now).
-        let image_volumes = self
-            .mount_image_volumes(&id, &config.mounts, volume_userns.as_ref(), undo)
-            .await?;
-        // The mounts as the spec binds them: image volumes from where they were mounted.
-        let bound = super::imagevol::spec_mounts(&config.mounts, &image_volumes);
-
-        // The spec.
-        let namespaces = SandboxNamespaces::of_infra(sb.infra_pid, &sb_config);
-        let files_dir = self.sandbox_dir(sandbox_id).join("files");
-        let shm = files_dir.join("shm");
-        // Reads the node's whole mount table: off the async workers.
-        let shm =
-            blocking(move || Ok(crate::spec::propagation::is_mountpoint(&shm).then_some(shm)))
-                .await?;
-        let files = SandboxFiles {
-            hostname: Some(files_dir.join("hostname")),
-            resolv_conf: Some(files_dir.join("resolv.conf")),
-            hosts: Some(files_dir.join("hosts")),
-            shm,
-        };
-        // The spec first: building it checks all the rest of the request and changes nothing
-        // on the host, so a refused request leaves no bind source made or made shared. It reads
-        // the image's /etc/passwd and /etc/group, device nodes and seccomp profiles: file work
-        // kept off the async workers. In a pod user namespace, the spec binds the idmapped
-        // mounts made below.
-        let volumes = idmap.join("volumes");
-        let spec_config = cri::ContainerConfig {
-            mounts: match &userns_path {
-                Some(_) => crate::spec::userns::idmapped_mounts(&bound, &volumes),
-                None => bound.clone(),
-            },
-            ..config.clone()
-        };
-        let spec = minicri_store::fsutil::off_async(|| {
-            crate::spec::container_spec(&ContainerSpecParams {
-                id: &id,
-                sandbox_id,
-                config: &spec_config,
-                sandbox_config: &sb_config,
-                image: &image_config,
-                rootfs: &rootfs,
-                namespaces: &namespaces,
-                files: &files,
-                target_pid_ns: target_pid_ns.as_deref(),
-                cgroup_driver: self.cgroup_driver,
-                host: &host,
-                annotations: &self.annotations,
-            })
-        })?;
-        // Bind sources: created when missing, made shared when their propagation needs it;
-        // in a pod user namespace, idmapped when the kubelet asks.
-        let mounts = bound;
-        blocking(move || {
-            crate::spec::propagation::prepare_bind_sources(&mounts)?;
-            if let Some(ns) = &userns_path {
-                crate::spec::userns::idmap_volumes(&mounts, pod_userns.as_ref(), ns, &volumes)?;
-            }
-            Ok(())
-        })
-        .await?;
-        let bundle = self.bundle_dir(&id);
-        undo.push(Undo::RemoveDir(bundle.clone()))?;
-        minicri_store::fsutil::off_async(|| crate::spec::write_bundle(&bundle, &spec))?;
-
-        let rec = ContainerRecord {
-            id: id.clone(),
-            sandbox_id: sandbox_id.to_string(),
-            name,
-            config: config.encode_to_vec().into(),
-            image: image_name,
-            image_id: image.id.to_string(),
-            created_at: now_ns(),
-            started_at: 0,
-            finished_at: 0,
-            exit_code: 0,
-            reason: String::new(),
-            message: String::new(),
-            state: ContainerState::Created,
-            log_path,
-            rootfs,
-            bundle,
-            stop_signal: image_config.stop_signal_number().unwrap_or(libc::SIGTERM),
-            shim: None,
-            pid: 0,
-            user: spec.process().as_ref().map(|p| p.user().clone()),
-            runtime_handler: sb.runtime_handler.clone(),
-            runtime_deleted: false,
-            image_volumes,
-            restore_from,
-        };
-        self.store.put_container(rec)?;
-        tracing::info!(container = %id, sandbox = %sandbox_id, name = %meta.name, "container created");
-        Ok(id)
+        Ok(log)
     }
 
     /// StartContainer: only a created container can be started.
@@ -381,32 +161,7 @@ impl PodService {
         // exited since CreateContainer, that pid may be another process's by now.
         let config = rec.config();
         self.target_pid_namespace(&rec.sandbox_id, &config)?;
-        // The directories between the pod's log directory and the log, none of them a symlink
-        // (crate::logs::create_log_dirs). The log directory is the kubelet's, on whatever
-        // filesystem it chose: off the async workers.
-        let log = match (&rec.log_path, self.store.sandbox(&rec.sandbox_id)) {
-            (Some(path), Some(sb)) => Some(LogTarget {
-                dir: PathBuf::from(sb.config().log_directory),
-                path: path.clone(),
-            }),
-            _ => None,
-        };
-        if let Some(log) = log.clone() {
-            blocking(move || {
-                crate::logs::create_log_dirs(&log.dir, &log.path).map_err(|e| {
-                    let what = format!("creating the directories of {}", log.path.display());
-                    if e.raw_os_error() == Some(libc::ELOOP) {
-                        Error::FailedPrecondition(format!(
-                            "{what}: a directory below {} is a symlink",
-                            log.dir.display()
-                        ))
-                    } else {
-                        Error::Internal(format!("{what}: {e}"))
-                    }
-                })
-            })
-            .await?;
-        }
+        let log = self.prepare_log(&rec).await?;
         let runtime = self.runtime(&rec.runtime_handler)?;
         let mut cfg = ShimConfig::new(id, &rec.bundle, runtime.command(), &self.shim_binary);
         cfg.log = log;
@@ -465,27 +220,7 @@ impl PodService {
             r.restore_from = None;
         })?;
         if rec.restore_from.is_some() {
-            // The restored processes into the container's own cgroup (super::checkpoint).
-            let (driver, parent) = (self.cgroup_driver, self.cgroup_parent(&rec));
-            let (cid, pid) = (id.to_string(), shim.init_pid);
-            let adopted = blocking(move || {
-                Ok(super::checkpoint::adopt_restored(
-                    driver, &parent, &cid, pid,
-                ))
-            })
-            .await?;
-            match adopted {
-                Ok(Some((from, to))) => {
-                    tracing::info!(container = %id, from = %from.display(), to = %to.display(), "restored processes moved to the container's cgroup")
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    tracing::warn!(container = %id, error = %e, "the restored processes stay in the cgroup CRIU put them in")
-                }
-            }
-            // CRIU is done with the images: they need not take the space until the teardown.
-            let unpacked = self.container_dir(id).join(super::checkpoint::RESTORE_DIR);
-            tokio::task::spawn_blocking(move || std::fs::remove_dir_all(unpacked));
+            self.settle_restored(&rec, shim.init_pid).await?;
         }
         self.watch_exit(id.to_string(), shim);
         Ok(())
