@@ -2,6 +2,38 @@
 
 use super::*;
 
+impl ContainerRecord {
+    /// A record of container `id` named `name`, exited, of sandbox `sb`, with nothing else set.
+    pub(crate) fn exited(id: &str, name: &str) -> ContainerRecord {
+        ContainerRecord {
+            id: id.into(),
+            sandbox_id: "sb".into(),
+            name: name.into(),
+            config: Arc::from([]),
+            image: String::new(),
+            image_id: String::new(),
+            created_at: 1,
+            started_at: 0,
+            finished_at: 0,
+            exit_code: 0,
+            reason: String::new(),
+            message: String::new(),
+            state: ContainerState::Exited,
+            log_path: None,
+            rootfs: PathBuf::new(),
+            bundle: PathBuf::new(),
+            stop_signal: 15,
+            shim: None,
+            pid: 0,
+            user: None,
+            runtime_handler: String::new(),
+            runtime_deleted: false,
+            image_volumes: Vec::new(),
+            restore_from: None,
+        }
+    }
+}
+
 fn sandbox(id: &str, name: &str) -> SandboxRecord {
     let cfg = cri::PodSandboxConfig {
         labels: [("a".to_string(), "b".to_string())].into(),
