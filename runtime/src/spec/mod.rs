@@ -36,9 +36,7 @@ pub mod user;
 pub mod userns;
 
 #[cfg(test)]
-mod container_tests;
-#[cfg(test)]
-mod sandbox_tests;
+mod tests;
 
 use crate::oci::{OciError, Result};
 

@@ -1,4 +1,4 @@
-//! Unit tests of the CRI → OCI mapping ([`super::container`], [`super::sandbox`]); no root needed.
+//! Unit tests of the CRI → OCI mapping ([`crate::spec::container`], [`crate::spec::sandbox`]); no root needed.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::{Capability, LinuxNamespaceType, Spec};
 
-use super::*;
+use crate::spec::*;
 use crate::oci::annotations::AnnotationPolicy;
 use crate::oci::{CgroupDriver, HostInfo};
 

@@ -1,4 +1,4 @@
-//! Unit tests of the sandbox spec and files ([`super::sandbox`]); no root needed.
+//! Unit tests of the sandbox spec and files ([`crate::spec::sandbox`]); no root needed.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -6,12 +6,12 @@ use std::path::{Path, PathBuf};
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::LinuxNamespaceType;
 
-use super::sandbox::validate_dns_and_hostname;
-use super::*;
+use crate::spec::sandbox::validate_dns_and_hostname;
+use crate::spec::*;
 use crate::oci::annotations::AnnotationPolicy;
 use crate::oci::{CgroupDriver, HostInfo};
 
-use super::container_tests::{mount_of, ns_of};
+use super::container::{mount_of, ns_of};
 
 fn sandbox_config() -> cri::PodSandboxConfig {
     cri::PodSandboxConfig {
@@ -306,7 +306,7 @@ fn resolv_conf_and_hostname_cannot_gain_lines() {
 /// value longer than the page it is written in are refused, naming the problem.
 #[test]
 fn sysctls_are_few_and_short() {
-    use super::sandbox::{MAX_SYSCTL_NAME, MAX_SYSCTL_VALUE, MAX_SYSCTLS, validate_sysctls};
+    use crate::spec::sandbox::{MAX_SYSCTL_NAME, MAX_SYSCTL_VALUE, MAX_SYSCTLS, validate_sysctls};
     let with = |sysctls: HashMap<String, String>| {
         let mut c = sandbox_config();
         c.linux.as_mut().unwrap().sysctls = sysctls;
