@@ -37,8 +37,8 @@ use std::path::{Path, PathBuf};
 
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::{
-    Capability, LinuxCpu, LinuxHugepageLimit, LinuxMemory, LinuxNamespaceType, LinuxResources,
-    Mount, Process, Root, Spec, User,
+    Capability, LinuxCpu, LinuxDevice, LinuxDeviceCgroup, LinuxHugepageLimit, LinuxMemory,
+    LinuxNamespace, LinuxNamespaceType, LinuxResources, Mount, Process, Root, Spec, User,
 };
 
 use super::apparmor::select_apparmor;
@@ -48,6 +48,7 @@ use super::namespaces::namespace;
 use super::sandbox::{SandboxFiles, SandboxNamespaces};
 use super::seccomp::select_seccomp;
 use super::user::{UserRequest, resolve_user};
+use super::userns::PodUserns;
 use crate::oci::annotations::AnnotationPolicy;
 use crate::oci::error::{OciError, Result};
 use crate::oci::host::{CgroupDriver, HostInfo, cgroups_path};
@@ -560,7 +561,88 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
             "a privileged container needs a privileged sandbox",
         ));
     }
-    // Process.
+    let (process, caps) = container_process(p, &linux, &sc)?;
+    let (mounts, root_propagation) = container_mounts(p, &sc)?;
+    let (namespaces, userns) = container_namespaces(p, &sc)?;
+
+    // Linux section.
+    let mut resources = match &linux.resources {
+        Some(r) => linux_resources(r, p.host)?,
+        None => LinuxResources::default(),
+    };
+    let (devices, rules) = container_devices(c, &sc)?;
+    resources.set_devices(Some(rules));
+    let mut l = oci_spec::runtime::Linux::default();
+    l.set_uid_mappings(userns.map(|u| vec![u.uid]));
+    l.set_gid_mappings(userns.map(|u| vec![u.gid]));
+    l.set_sysctl(None);
+    l.set_namespaces(Some(namespaces));
+    l.set_resources(Some(resources));
+    let parent = p
+        .sandbox_config
+        .linux
+        .as_ref()
+        .map(|l| l.cgroup_parent.as_str())
+        .unwrap_or("");
+    l.set_cgroups_path(Some(cgroups_path(p.cgroup_driver, parent, p.id)?));
+    l.set_devices(if devices.is_empty() {
+        None
+    } else {
+        Some(devices)
+    });
+    l.set_rootfs_propagation(root_propagation.map(str::to_string));
+    if sc.privileged {
+        l.set_masked_paths(None);
+        l.set_readonly_paths(None);
+        l.set_seccomp(None);
+    } else {
+        let masked = if sc.masked_paths.is_empty() {
+            defaults::strings(&defaults::DEFAULT_MASKED_PATHS)
+        } else {
+            sc.masked_paths.clone()
+        };
+        let ro = if sc.readonly_paths.is_empty() {
+            defaults::strings(&defaults::DEFAULT_READONLY_PATHS)
+        } else {
+            sc.readonly_paths.clone()
+        };
+        l.set_masked_paths(Some(masked));
+        l.set_readonly_paths(Some(ro));
+        #[allow(deprecated)] // the old field still names a profile when the new one is unset
+        let old_path = &sc.seccomp_profile_path;
+        l.set_seccomp(select_seccomp(sc.seccomp.as_ref(), old_path, &caps)?);
+    }
+
+    let mut root = Root::default();
+    root.set_path(p.rootfs.to_path_buf());
+    root.set_readonly(Some(sc.readonly_rootfs));
+    let mut spec = Spec::default();
+    spec.set_version("1.0.2".to_string());
+    spec.set_hostname(None);
+    spec.set_root(Some(root));
+    spec.set_process(Some(process));
+    spec.set_mounts(Some(mounts));
+    let name = c.metadata.as_ref().map_or("", |m| m.name.as_str());
+    spec.set_annotations(Some(p.annotations.for_spec(
+        &c.annotations,
+        &[
+            ("io.kubernetes.cri.container-type", "container"),
+            ("io.kubernetes.cri.sandbox-id", p.sandbox_id),
+            ("io.kubernetes.cri.container-name", name),
+        ],
+    )));
+    spec.set_linux(Some(l));
+    Ok(spec)
+}
+
+/// The container's process: command, environment, working directory, user, capabilities (also
+/// returned: the default seccomp profile depends on them), AppArmor profile and OOM score.
+fn container_process(
+    p: &ContainerSpecParams<'_>,
+    linux: &cri::LinuxContainerConfig,
+    sc: &cri::LinuxContainerSecurityContext,
+) -> Result<(Process, HashSet<Capability>)> {
+    let c = p.config;
     let strict = sc.supplemental_groups_policy == cri::SupplementalGroupsPolicy::Strict as i32;
     let user = resolve_user(
         p.rootfs,
@@ -636,8 +718,17 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
             .as_ref()
             .map(|r| p.host.clamp_oom_score_adj(r.oom_score_adj)),
     );
+    Ok((process, caps))
+}
 
-    // Mounts: defaults unless a CRI mount takes the destination.
+/// The container's mounts: the defaults (`/proc`, `/dev`, ..., the sandbox's `/dev/shm` and
+/// `/etc` files) unless a CRI mount takes their destination, then the CRI mounts; and the
+/// rootfs propagation the CRI mounts need.
+fn container_mounts(
+    p: &ContainerSpecParams<'_>,
+    sc: &cri::LinuxContainerSecurityContext,
+) -> Result<(Vec<Mount>, Option<&'static str>)> {
+    let c = p.config;
     let (user_mounts, root_propagation) = cri_mounts(&c.mounts, p.host)?;
     let taken: HashSet<PathBuf> = user_mounts
         .iter()
@@ -669,8 +760,17 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
     }
     mounts.retain(|m| !taken.contains(m.destination()));
     mounts.extend(user_mounts);
+    Ok((mounts, root_propagation))
+}
 
-    // Namespaces.
+/// The container's namespaces: the sandbox's network, IPC and UTS, the PID namespace its
+/// options ask for (the pod's, its own, the host's in a host-PID pod, or a target container's),
+/// a cgroup namespace on cgroup v2, and the pod's user namespace with its mappings (returned).
+fn container_namespaces(
+    p: &ContainerSpecParams<'_>,
+    sc: &cri::LinuxContainerSecurityContext,
+) -> Result<(Vec<LinuxNamespace>, Option<PodUserns>)> {
+    let c = p.config;
     use LinuxNamespaceType as T;
     let mut namespaces = vec![namespace(T::Mount, None)];
     for (typ, path) in [
@@ -731,12 +831,15 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
         None => None,
     };
     super::userns::check_container(c, userns.as_ref())?;
+    Ok((namespaces, userns))
+}
 
-    // Linux section.
-    let mut resources = match &linux.resources {
-        Some(r) => linux_resources(r, p.host)?,
-        None => LinuxResources::default(),
-    };
+/// The container's devices (the host's all for a privileged one, then those it asks for, the
+/// last asked for at a path winning) and the device cgroup rules that allow them.
+fn container_devices(
+    c: &cri::ContainerConfig,
+    sc: &cri::LinuxContainerSecurityContext,
+) -> Result<(Vec<LinuxDevice>, Vec<LinuxDeviceCgroup>)> {
     let mut devices = Vec::new();
     let mut rules = if sc.privileged {
         defaults::allow_all_devices()
@@ -783,66 +886,5 @@ pub fn container_spec(p: &ContainerSpecParams<'_>) -> Result<Spec> {
         .collect();
     kept.reverse();
     let devices = kept;
-    resources.set_devices(Some(rules));
-    let mut l = oci_spec::runtime::Linux::default();
-    l.set_uid_mappings(userns.map(|u| vec![u.uid]));
-    l.set_gid_mappings(userns.map(|u| vec![u.gid]));
-    l.set_sysctl(None);
-    l.set_namespaces(Some(namespaces));
-    l.set_resources(Some(resources));
-    let parent = p
-        .sandbox_config
-        .linux
-        .as_ref()
-        .map(|l| l.cgroup_parent.as_str())
-        .unwrap_or("");
-    l.set_cgroups_path(Some(cgroups_path(p.cgroup_driver, parent, p.id)?));
-    l.set_devices(if devices.is_empty() {
-        None
-    } else {
-        Some(devices)
-    });
-    l.set_rootfs_propagation(root_propagation.map(str::to_string));
-    if sc.privileged {
-        l.set_masked_paths(None);
-        l.set_readonly_paths(None);
-        l.set_seccomp(None);
-    } else {
-        let masked = if sc.masked_paths.is_empty() {
-            defaults::strings(&defaults::DEFAULT_MASKED_PATHS)
-        } else {
-            sc.masked_paths.clone()
-        };
-        let ro = if sc.readonly_paths.is_empty() {
-            defaults::strings(&defaults::DEFAULT_READONLY_PATHS)
-        } else {
-            sc.readonly_paths.clone()
-        };
-        l.set_masked_paths(Some(masked));
-        l.set_readonly_paths(Some(ro));
-        #[allow(deprecated)] // the old field still names a profile when the new one is unset
-        let old_path = &sc.seccomp_profile_path;
-        l.set_seccomp(select_seccomp(sc.seccomp.as_ref(), old_path, &caps)?);
-    }
-
-    let mut root = Root::default();
-    root.set_path(p.rootfs.to_path_buf());
-    root.set_readonly(Some(sc.readonly_rootfs));
-    let mut spec = Spec::default();
-    spec.set_version("1.0.2".to_string());
-    spec.set_hostname(None);
-    spec.set_root(Some(root));
-    spec.set_process(Some(process));
-    spec.set_mounts(Some(mounts));
-    let name = c.metadata.as_ref().map_or("", |m| m.name.as_str());
-    spec.set_annotations(Some(p.annotations.for_spec(
-        &c.annotations,
-        &[
-            ("io.kubernetes.cri.container-type", "container"),
-            ("io.kubernetes.cri.sandbox-id", p.sandbox_id),
-            ("io.kubernetes.cri.container-name", name),
-        ],
-    )));
-    spec.set_linux(Some(l));
-    Ok(spec)
+    Ok((devices, rules))
 }

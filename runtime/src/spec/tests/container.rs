@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::{Capability, LinuxNamespaceType, Spec};
 
-use crate::spec::*;
 use crate::oci::annotations::AnnotationPolicy;
 use crate::oci::{CgroupDriver, HostInfo};
+use crate::spec::*;
 
 struct Fixture {
     rootfs: tempfile::TempDir,

@@ -6,10 +6,10 @@ use std::path::{Path, PathBuf};
 use minicri_proto::runtime::v1 as cri;
 use oci_spec::runtime::LinuxNamespaceType;
 
-use crate::spec::sandbox::validate_dns_and_hostname;
-use crate::spec::*;
 use crate::oci::annotations::AnnotationPolicy;
 use crate::oci::{CgroupDriver, HostInfo};
+use crate::spec::sandbox::validate_dns_and_hostname;
+use crate::spec::*;
 
 use super::container::{mount_of, ns_of};
 
