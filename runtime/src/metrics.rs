@@ -79,33 +79,43 @@ fn metric(out: &mut String, name: &str, kind: &str, help: &str, lines: &[(String
 
 /// The exposition text for `s`.
 pub fn render(s: &Sample) -> String {
+    let mut out = String::new();
+    pulls(&mut out, s);
+    kube_watch(&mut out, s);
+    transfers(&mut out, s);
+    disk(&mut out, s);
+    port_forward(&mut out, s);
+    out
+}
+
+/// The pull manager's counters and its running jobs.
+fn pulls(out: &mut String, s: &Sample) {
     let c = s.counters;
     let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     let one = |v: u64| vec![(String::new(), v)];
-    let mut out = String::new();
     metric(
-        &mut out,
+        out,
         "minicri_pull_calls_total",
         "counter",
         "PullImage calls that took a reference on a pull job.",
         &one(get(&c.calls)),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_calls_joined_total",
         "counter",
         "PullImage calls that joined a pull job already running.",
         &one(get(&c.calls_joined)),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_jobs_started_total",
         "counter",
         "Pull jobs started.",
         &one(get(&c.jobs_started)),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_jobs_finished_total",
         "counter",
         "Pull jobs finished, by outcome: done (image stored), stopped (no requester left), failed.",
@@ -116,77 +126,77 @@ pub fn render(s: &Sample) -> String {
         ],
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_downloaded_bytes_total",
         "counter",
         "Bytes downloaded by finished pull jobs.",
         &one(get(&c.bytes_downloaded)),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_resumed_bytes_total",
         "counter",
         "Bytes finished pull jobs found on disk from earlier attempts and did not download again.",
         &one(get(&c.bytes_resumed)),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_refetched_bytes_total",
         "counter",
         "Bytes finished pull jobs downloaded again from byte 0 after resumed partial data failed the digest.",
         &one(get(&c.bytes_refetched)),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_references_aborted_total",
         "counter",
         "Pull references dropped by a stopped sandbox, a deleted pod, an operator or the progress watchdog.",
         &one(get(&c.references_aborted)),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_detached_total",
         "counter",
         "PullImage calls that returned after pull.detach_after while the download went on for their pod sandbox.",
         &one(get(&c.detached)),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_holds_restored_total",
         "counter",
         "Background downloads held by pod sandboxes resumed after a daemon restart.",
         &one(get(&c.holds_restored)),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_pods_deleted_total",
         "counter",
         "Pods seen deleted by the API-server watch whose pull references were dropped.",
         &one(get(&c.pods_deleted)),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_refused_total",
         "counter",
         "PullImage calls refused because their pod sandbox was stopped or their pod deleted.",
         &one(get(&c.refused)),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_jobs_active",
         "gauge",
         "Pull jobs running now.",
         &one(s.jobs.len() as u64),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_requesters_active",
         "gauge",
         "Requesters (pod sandboxes or calls) holding a reference on a running pull job.",
         &one(s.jobs.iter().map(|j| j.requesters.len() as u64).sum()),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_holds_active",
         "gauge",
         "Pod sandboxes holding a running pull job themselves (after a detached call).",
@@ -198,71 +208,81 @@ pub fn render(s: &Sample) -> String {
             .count() as u64),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_active_done_bytes",
         "gauge",
         "Bytes on disk of the running pull jobs' blobs.",
         &one(s.jobs.iter().map(|j| j.bytes_done).sum()),
     );
     metric(
-        &mut out,
+        out,
         "minicri_pull_active_total_bytes",
         "gauge",
         "Total size of the running pull jobs' blobs.",
         &one(s.jobs.iter().map(|j| j.bytes_total).sum()),
     );
+}
+
+/// The API-server watch and the pull progress events it writes.
+fn kube_watch(out: &mut String, s: &Sample) {
+    let one = |v: u64| vec![(String::new(), v)];
     let k = &s.kube_watch;
     metric(
-        &mut out,
+        out,
         "minicri_kube_watch_connected",
         "gauge",
         "1 while the API-server watch's last request was answered, else 0.",
         &one(k.connected as u64),
     );
     metric(
-        &mut out,
+        out,
         "minicri_kube_watch_synced",
         "gauge",
         "1 while the API-server watch is connected and knows every pod of the node, else 0.",
         &one(k.synced as u64),
     );
     metric(
-        &mut out,
+        out,
         "minicri_kube_watch_pods",
         "gauge",
         "Pods of the node the API-server watch knows.",
         &one(k.pods as u64),
     );
     metric(
-        &mut out,
+        out,
         "minicri_kube_watch_credential_reloads_total",
         "counter",
         "Times the watch reloaded its credentials after the kubeconfig or a file it names changed.",
         &one(k.credential_reloads),
     );
     metric(
-        &mut out,
+        out,
         "minicri_kube_events_written_total",
         "counter",
         "Pull progress events created or updated in the API server.",
         &one(k.events_written),
     );
     metric(
-        &mut out,
+        out,
         "minicri_kube_events_failed_total",
         "counter",
         "Pull progress event writes refused, failed or timed out.",
         &one(k.events_failed),
     );
     metric(
-        &mut out,
+        out,
         "minicri_kube_events_deferred_total",
         "counter",
         "Pull progress event writes put off by the node-wide limit (5 per second).",
         &one(k.events_deferred),
     );
+}
+
+/// Blob downloads and the fair scheduler's lanes.
+fn transfers(out: &mut String, s: &Sample) {
+    let one = |v: u64| vec![(String::new(), v)];
     metric(
-        &mut out,
+        out,
         "minicri_blob_transfers_active",
         "gauge",
         "Blob downloads in progress on the node (shared between jobs).",
@@ -275,47 +295,52 @@ pub fn render(s: &Sample) -> String {
             .collect()
     };
     metric(
-        &mut out,
+        out,
         "minicri_transfer_slots",
         "gauge",
         "Transfer slots of each lane of the fair scheduler (pull.max_concurrent_transfers).",
         &per_lane(&|l| l.snapshot.capacity as u64),
     );
     metric(
-        &mut out,
+        out,
         "minicri_transfer_slots_in_use",
         "gauge",
         "Transfer slots held by a connection now.",
         &per_lane(&|l| l.snapshot.granted as u64),
     );
     metric(
-        &mut out,
+        out,
         "minicri_transfer_waiting",
         "gauge",
         "Connections waiting for a transfer slot now.",
         &per_lane(&|l| l.snapshot.waiting as u64),
     );
     metric(
-        &mut out,
+        out,
         "minicri_transfer_grants_total",
         "counter",
         "Transfer slots granted to a connection.",
         &per_lane(&|l| l.granted),
     );
     metric(
-        &mut out,
+        out,
         "minicri_transfer_revocations_total",
         "counter",
         "Connections whose transfer slot was taken back for a fairer share (they resume later).",
         &per_lane(&|l| l.revoked),
     );
     metric(
-        &mut out,
+        out,
         "minicri_transfer_unresumable_revocations_total",
         "counter",
         "Of those, connections that could not resume (their registry ignores Range): their bytes are fetched again from byte 0 in a free slot.",
         &per_lane(&|l| l.struck),
     );
+}
+
+/// Partial downloads on disk and the image filesystem's reserve.
+fn disk(out: &mut String, s: &Sample) {
+    let one = |v: u64| vec![(String::new(), v)];
     let by_state = |active: u64, idle: u64| {
         vec![
             ("{state=\"active\"}".to_string(), active),
@@ -323,57 +348,61 @@ pub fn render(s: &Sample) -> String {
         ]
     };
     metric(
-        &mut out,
+        out,
         "minicri_ingest_bytes",
         "gauge",
         "Bytes of partial downloads on disk: active (a download is writing them) or idle (kept for a resume).",
         &by_state(s.ingests.active_bytes, s.ingests.idle_bytes),
     );
     metric(
-        &mut out,
+        out,
         "minicri_ingests",
         "gauge",
         "Partial downloads on disk: active (a download is writing them) or idle (kept for a resume).",
         &by_state(s.ingests.active, s.ingests.idle),
     );
     metric(
-        &mut out,
+        out,
         "minicri_image_fs_reserve_refusals_total",
         "counter",
         "Downloads and unpacks stopped (or refused before their first byte) to keep the image \
          filesystem's reserve free (pull.image_fs_reserve).",
         &one(s.reserve_refusals),
     );
+}
+
+/// The port-forward sessions' shared buffer budget.
+fn port_forward(out: &mut String, s: &Sample) {
+    let one = |v: u64| vec![(String::new(), v)];
     let pf = &s.port_forward;
     metric(
-        &mut out,
+        out,
         "minicri_port_forward_buffer_limit_bytes",
         "gauge",
         "Bytes all port-forward sessions may hold buffered together (stream.port_forward_buffer_bytes).",
         &one(pf.total as u64),
     );
     metric(
-        &mut out,
+        out,
         "minicri_port_forward_buffered_bytes",
         "gauge",
         "Bytes the port-forward sessions hold buffered now, both ways.",
         &one(pf.in_use as u64),
     );
     metric(
-        &mut out,
+        out,
         "minicri_port_forward_buffered_bytes_peak",
         "gauge",
         "The most bytes the port-forward sessions held buffered at once since the daemon started.",
         &one(pf.peak as u64),
     );
     metric(
-        &mut out,
+        out,
         "minicri_port_forward_buffer_waiting",
         "gauge",
         "Port-forward reads waiting for room in the total now (their clients or pods are held back).",
         &one(pf.waiting as u64),
     );
-    out
 }
 
 fn respond(daemon: &Daemon, req: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
