@@ -14,7 +14,7 @@ use std::io::Write;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -151,41 +151,7 @@ pub fn main(args: ShimArgs) -> ExitCode {
 
 fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String> {
     let paths = ShimPaths::new(&args.bundle);
-    let mut signals = SigSet::empty();
-    for s in [
-        Signal::SIGUSR1,
-        Signal::SIGTERM,
-        Signal::SIGINT,
-        Signal::SIGHUP,
-        Signal::SIGPIPE,
-    ] {
-        signals.add(s);
-    }
-    signals
-        .thread_block()
-        .map_err(|e| format!("block signals: {e}"))?;
-    nix::sys::prctl::set_child_subreaper(true)
-        .map_err(|e| format!("PR_SET_CHILD_SUBREAPER: {e}"))?;
-    for stale in [
-        paths.exit_file(),
-        paths.init_pid(),
-        paths.socket(),
-        paths.runtime_log(),
-        paths.console_socket(),
-    ] {
-        let _ = std::fs::remove_file(stale);
-    }
-    let shim_pid = std::process::id() as i32;
-    std::fs::write(paths.shim_pid(), shim_pid.to_string())
-        .map_err(|e| format!("write shim.pid: {e}"))?;
-    let log: SharedLog = Arc::new(Mutex::new(match (&args.log_dir, &args.log_path) {
-        (Some(dir), Some(p)) => {
-            Some(CriLogFile::open(dir, p).map_err(|e| format!("open log {}: {e}", p.display()))?)
-        }
-        _ => None,
-    }));
-    let listener = UnixListener::bind(paths.socket())
-        .map_err(|e| format!("bind {}: {e}", paths.socket().display()))?;
+    let (signals, shim_pid, log, listener) = setup(args, &paths)?;
 
     // Create the container: with pipes as its stdout and stderr, or on a terminal whose master
     // the runtime sends to the console socket.
@@ -199,65 +165,8 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
     };
     let outputs_count = if args.tty { 1 } else { 2 };
     let attach = Arc::new(Attachments::new(outputs_count, args.stdin, args.stdin_once));
-    let mut runc = Runc::new(&args.runtime, &args.runtime_root);
-    runc.systemd_cgroup = args.systemd_cgroup;
-    let mut cmd = Command::new(&args.runtime);
     let console_path = console.as_ref().map(|c| c.path());
-    cmd.args(match &args.restore_from {
-        Some(images) => runc.restore_args(
-            &args.id,
-            &args.bundle,
-            &paths.init_pid(),
-            &paths.runtime_log(),
-            console_path,
-            images,
-        ),
-        None => runc.create_args(
-            &args.id,
-            &args.bundle,
-            &paths.init_pid(),
-            &paths.runtime_log(),
-            console_path,
-        ),
-    });
-    let mut outputs: Vec<(OwnedFd, Stream)> = Vec::new();
-    if args.tty {
-        // The runtime's own stdio is not the container's; its errors go to shim.log.
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
-    } else {
-        let pipe =
-            || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"));
-        let ((out_r, out_w), (err_r, err_w)) = (pipe()?, pipe()?);
-        // With `--stdin`, a pipe whose write end the shim keeps for attach sessions.
-        let stdin = if args.stdin {
-            let (r, w) = pipe()?;
-            *attach.stdin.lock().unwrap() = Some(std::fs::File::from(w));
-            Stdio::from(r)
-        } else {
-            Stdio::null()
-        };
-        cmd.stdin(stdin)
-            .stdout(Stdio::from(out_w))
-            .stderr(Stdio::from(err_w));
-        outputs = vec![(out_r, Stream::Stdout), (err_r, Stream::Stderr)];
-    }
-    // SAFETY: sigprocmask is async-signal-safe.
-    unsafe {
-        cmd.pre_exec(|| {
-            SigSet::empty()
-                .thread_set_mask()
-                .map_err(std::io::Error::from)?;
-            Ok(())
-        });
-    }
-    let child = cmd
-        .spawn()
-        .map_err(|e| format!("run {}: {e}", args.runtime.display()))?;
-    drop(cmd); // our copies of the pipes' write ends: EOF comes when the container's are gone
-    let runtime_pid = child.id() as i32;
-    drop(child); // reaped below by waitpid, never through the handle
+    let (runtime_pid, outputs) = start_runtime(args, &paths, &attach, console_path)?;
 
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     let spawn_pump = |fd: OwnedFd, stream: Stream| {
@@ -275,32 +184,7 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
         spawn_pump(fd, stream);
     }
 
-    // Reap until the runtime's `create` is done; keep any other status (the init, if it was
-    // already killed) for later.
-    let mut statuses: HashMap<i32, WaitStatus> = HashMap::new();
-    let create_status = loop {
-        match waitpid(None, None) {
-            Ok(s) => match s.pid() {
-                Some(p) if p.as_raw() == runtime_pid => break s,
-                Some(p) => {
-                    statuses.insert(p.as_raw(), s);
-                }
-                None => {}
-            },
-            Err(nix::errno::Errno::EINTR) => {}
-            Err(e) => return Err(format!("waitpid: {e}")),
-        }
-    };
-    if !matches!(create_status, WaitStatus::Exited(_, 0)) {
-        let msg =
-            read_runtime_log(&paths.runtime_log()).unwrap_or_else(|| format!("{create_status:?}"));
-        let op = if args.restore_from.is_some() {
-            "restore"
-        } else {
-            "create"
-        };
-        return Err(format!("{} {op}: {msg}", args.runtime.display()));
-    }
+    let statuses = reap_create(args, &paths, runtime_pid)?;
     if let Some(console) = console {
         // The terminal is the container's only output (stdout); input and resizes go to it.
         let master = console
@@ -365,6 +249,177 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
         }
     }
     let oom_killed = oom.is_some_and(|w| w.killed(Duration::from_millis(500)));
+    let record = exit_record(args, &paths, init_pid, status, oom_killed)?;
+    *shared.exited.lock().unwrap() = Some(record);
+    shared.cond.notify_all();
+    // Let connections already waiting get their answer.
+    let until = Instant::now() + Duration::from_secs(1);
+    while (*shared.waiters.lock().unwrap() > 0 || *attach.active.lock().unwrap() > 0)
+        && Instant::now() < until
+    {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = std::fs::remove_file(paths.socket());
+    Ok(())
+}
+
+/// The shim's start: the signals it handles blocked (the signal loop takes them), made the
+/// subreaper of what the container leaves behind, files of an earlier shim of this bundle
+/// removed, `shim.pid` written, the CRI log opened and the daemon's socket bound.
+fn setup(
+    args: &ShimArgs,
+    paths: &ShimPaths,
+) -> Result<(SigSet, i32, SharedLog, UnixListener), String> {
+    let mut signals = SigSet::empty();
+    for s in [
+        Signal::SIGUSR1,
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+        Signal::SIGPIPE,
+    ] {
+        signals.add(s);
+    }
+    signals
+        .thread_block()
+        .map_err(|e| format!("block signals: {e}"))?;
+    nix::sys::prctl::set_child_subreaper(true)
+        .map_err(|e| format!("PR_SET_CHILD_SUBREAPER: {e}"))?;
+    for stale in [
+        paths.exit_file(),
+        paths.init_pid(),
+        paths.socket(),
+        paths.runtime_log(),
+        paths.console_socket(),
+    ] {
+        let _ = std::fs::remove_file(stale);
+    }
+    let shim_pid = std::process::id() as i32;
+    std::fs::write(paths.shim_pid(), shim_pid.to_string())
+        .map_err(|e| format!("write shim.pid: {e}"))?;
+    let log: SharedLog = Arc::new(Mutex::new(match (&args.log_dir, &args.log_path) {
+        (Some(dir), Some(p)) => {
+            Some(CriLogFile::open(dir, p).map_err(|e| format!("open log {}: {e}", p.display()))?)
+        }
+        _ => None,
+    }));
+    let listener = UnixListener::bind(paths.socket())
+        .map_err(|e| format!("bind {}: {e}", paths.socket().display()))?;
+    Ok((signals, shim_pid, log, listener))
+}
+
+/// Runs the runtime's `create` (or `restore`) of the container, its stdio pipes (or the console
+/// socket) in place: its pid, and the read ends of the container's stdout and stderr.
+fn start_runtime(
+    args: &ShimArgs,
+    paths: &ShimPaths,
+    attach: &Attachments,
+    console_path: Option<&Path>,
+) -> Result<(i32, Vec<(OwnedFd, Stream)>), String> {
+    let mut runc = Runc::new(&args.runtime, &args.runtime_root);
+    runc.systemd_cgroup = args.systemd_cgroup;
+    let mut cmd = Command::new(&args.runtime);
+    cmd.args(match &args.restore_from {
+        Some(images) => runc.restore_args(
+            &args.id,
+            &args.bundle,
+            &paths.init_pid(),
+            &paths.runtime_log(),
+            console_path,
+            images,
+        ),
+        None => runc.create_args(
+            &args.id,
+            &args.bundle,
+            &paths.init_pid(),
+            &paths.runtime_log(),
+            console_path,
+        ),
+    });
+    let mut outputs: Vec<(OwnedFd, Stream)> = Vec::new();
+    if args.tty {
+        // The runtime's own stdio is not the container's; its errors go to shim.log.
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+    } else {
+        let pipe =
+            || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"));
+        let ((out_r, out_w), (err_r, err_w)) = (pipe()?, pipe()?);
+        // With `--stdin`, a pipe whose write end the shim keeps for attach sessions.
+        let stdin = if args.stdin {
+            let (r, w) = pipe()?;
+            *attach.stdin.lock().unwrap() = Some(std::fs::File::from(w));
+            Stdio::from(r)
+        } else {
+            Stdio::null()
+        };
+        cmd.stdin(stdin)
+            .stdout(Stdio::from(out_w))
+            .stderr(Stdio::from(err_w));
+        outputs = vec![(out_r, Stream::Stdout), (err_r, Stream::Stderr)];
+    }
+    // SAFETY: sigprocmask is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            SigSet::empty()
+                .thread_set_mask()
+                .map_err(std::io::Error::from)?;
+            Ok(())
+        });
+    }
+    let child = cmd
+        .spawn()
+        .map_err(|e| format!("run {}: {e}", args.runtime.display()))?;
+    drop(cmd); // our copies of the pipes' write ends: EOF comes when the container's are gone
+    let runtime_pid = child.id() as i32;
+    drop(child); // reaped below by waitpid, never through the handle
+    Ok((runtime_pid, outputs))
+}
+
+/// Reaps until the runtime's `create` is done, an error with the runtime's own message if it
+/// failed; any other status (the init, if it was already killed) is kept for later.
+fn reap_create(
+    args: &ShimArgs,
+    paths: &ShimPaths,
+    runtime_pid: i32,
+) -> Result<HashMap<i32, WaitStatus>, String> {
+    let mut statuses: HashMap<i32, WaitStatus> = HashMap::new();
+    let create_status = loop {
+        match waitpid(None, None) {
+            Ok(s) => match s.pid() {
+                Some(p) if p.as_raw() == runtime_pid => break s,
+                Some(p) => {
+                    statuses.insert(p.as_raw(), s);
+                }
+                None => {}
+            },
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(format!("waitpid: {e}")),
+        }
+    };
+    if !matches!(create_status, WaitStatus::Exited(_, 0)) {
+        let msg =
+            read_runtime_log(&paths.runtime_log()).unwrap_or_else(|| format!("{create_status:?}"));
+        let op = if args.restore_from.is_some() {
+            "restore"
+        } else {
+            "create"
+        };
+        return Err(format!("{} {op}: {msg}", args.runtime.display()));
+    }
+    Ok(statuses)
+}
+
+/// The init's exit as the shim records it (in the exit file, and for the daemon's waiters),
+/// written to the exit file.
+fn exit_record(
+    args: &ShimArgs,
+    paths: &ShimPaths,
+    init_pid: i32,
+    status: Option<WaitStatus>,
+    oom_killed: bool,
+) -> Result<ExitRecord, String> {
     let now = Utc::now();
     let (exit_code, signal) = match status {
         Some(WaitStatus::Exited(_, code)) => (code, None),
@@ -383,17 +438,7 @@ fn run(args: &ShimArgs, ready: &mut Option<std::fs::File>) -> Result<(), String>
     if let Err(e) = write_atomic(&paths.exit_file(), &json, 0o600) {
         note!("minicri shim {}: write exit file: {e}", args.id);
     }
-    *shared.exited.lock().unwrap() = Some(record);
-    shared.cond.notify_all();
-    // Let connections already waiting get their answer.
-    let until = Instant::now() + Duration::from_secs(1);
-    while (*shared.waiters.lock().unwrap() > 0 || *attach.active.lock().unwrap() > 0)
-        && Instant::now() < until
-    {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let _ = std::fs::remove_file(paths.socket());
-    Ok(())
+    Ok(record)
 }
 
 /// Waits for the init to exit, reaping everything else that gets reparented to the shim.
