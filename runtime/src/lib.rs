@@ -4,17 +4,22 @@
 //!   defaults, the TOML file and the flags; [`config_default`]: the commented default file
 //!   (`minicri config default`) and `minicri config check`;
 //! - [`server`]: the unix socket, the single-instance lock, serving and shutdown;
-//! - [`rpc`]: per-call deadline, logging and error-to-status mapping;
+//! - [`rpc`]: per-call deadline, logging and error-to-status mapping; [`error`]: the daemon's
+//!   error type and its one mapping to a gRPC status;
 //! - [`cri`]: the CRI handlers (thin);
 //! - [`admin`]: minicri's admin API (pull jobs), and [`pulls_cli`], the `minicri pulls` command;
 //! - [`daemon`]: the services and state the handlers share;
 //! - [`cni`]: CNI networking of pod sandboxes (ADD/DEL/CHECK, config, result cache, NetworkReady);
 //! - [`netns`]: persistent named network namespaces, pinned by bind mounts under `<state>/netns`;
-//! - [`oci`]: OCI runtime specs from CRI configs, and the OCI runtime (runc, crun) seam;
+//! - [`oci`]: the OCI runtime (runc, crun) seam, its handlers, host facts and the annotations
+//!   a spec may carry; [`spec`]: OCI runtime specs built from CRI configs;
 //! - [`shim`]: the per-container monitor process (`minicri shim`) and the daemon's client of it;
 //! - [`logs`]: the CRI log line format (writer, splitter, parser);
 //! - [`pause`]: the sandbox infra process (`minicri pause`) and its rootfs;
 //! - [`pods`]: pod sandboxes and containers (records, lifecycle, exits);
+//! - [`images`]: the image side as the pod service meets it ([`images::ImageAccess`]) and
+//!   PullImage's requester;
+//! - [`checkpoint`]: CRIU checkpoint archives and whether CRIU works here;
 //! - [`metrics`]: Prometheus metrics of the pulls (loopback, off by default);
 //! - [`kube_watch`]: the API-server watch of this node's pods (found from the kubelet's
 //!   kubeconfig);
@@ -38,6 +43,7 @@ pub mod fsutil;
 pub mod httpserve;
 pub mod idle;
 pub mod ids;
+pub mod images;
 pub mod kube_watch;
 pub mod logs;
 pub mod metrics;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use minicri_proto::runtime::v1 as cri;
 use minicri_proto::runtime::v1::image_service_server::ImageService;
-use minicri_store::{Credentials, ImageRecord, PodRef, Requester};
+use minicri_store::{Credentials, ImageRecord};
 use tonic::{Request, Response, Status};
 
 use super::Streamed;
@@ -31,22 +31,6 @@ pub fn to_cri_image(r: &ImageRecord) -> cri::Image {
             ..Default::default()
         }),
         pinned: r.pinned,
-    }
-}
-
-/// The pod annotation that sets a pod's share of the node's transfer connections
-/// (docs/pulls.md).
-pub const PULL_PRIORITY_ANNOTATION: &str = "pull.minicri.io/priority";
-
-/// A pod's weight in the transfer scheduler: `low` halves its share, `high` doubles it, but only
-/// for pods of the namespaces the operator allowed (`pull.priority_namespaces`): whoever writes a
-/// pod may yield, not take from others. Anything else is the normal weight.
-fn pull_weight(namespace: &str, annotations: &HashMap<String, String>, allowed: &[String]) -> u32 {
-    use minicri_store::sched::NORMAL_WEIGHT;
-    match annotations.get(PULL_PRIORITY_ANNOTATION).map(|v| v.trim()) {
-        Some("low") => NORMAL_WEIGHT / 2,
-        Some("high") if allowed.iter().any(|n| n == namespace) => NORMAL_WEIGHT * 2,
-        _ => NORMAL_WEIGHT,
     }
 }
 
@@ -159,34 +143,11 @@ impl ImageService for ImageHandler {
         call("PullImage", name.clone(), dl, Verbosity::Normal, async {
             let name = require_name(req.image.as_ref())?;
             let creds = credentials(req.auth);
-            // A pull for a pod is that pod's sandbox's reference; any other is the call's own.
-            let (metadata, annotations) = match req.sandbox_config {
-                Some(c) => (c.metadata, c.annotations),
-                None => (None, HashMap::new()),
-            };
-            let requester = match metadata {
-                Some(m) => {
-                    // A stopped sandbox's pulls are refused by the pull manager.
-                    let sandbox = self.daemon.pods.sandbox_of_pod(&m.uid, m.attempt);
-                    let weight = pull_weight(
-                        &m.namespace,
-                        &annotations,
-                        &self.daemon.config.pull.priority_namespaces,
-                    );
-                    let mut r = Requester::pod(
-                        PodRef {
-                            namespace: m.namespace,
-                            name: m.name,
-                            uid: m.uid,
-                            attempt: m.attempt,
-                        },
-                        sandbox,
-                    );
-                    r.weight = weight;
-                    r
-                }
-                None => Requester::anonymous(),
-            };
+            let requester = crate::images::requester(
+                req.sandbox_config,
+                |uid, attempt| self.daemon.pods.sandbox_of_pod(uid, attempt),
+                &self.daemon.config.pull.priority_namespaces,
+            );
             let rec = self.daemon.pulls.pull(&name, &creds, requester).await?;
             Ok(cri::PullImageResponse {
                 image_ref: rec.id.to_string(),
@@ -231,45 +192,5 @@ impl ImageService for ImageHandler {
             })
         })
         .await
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use minicri_store::sched::NORMAL_WEIGHT;
-
-    #[test]
-    fn a_pod_may_lower_its_pull_priority_and_raise_it_only_where_allowed() {
-        let with = |v: &str| HashMap::from([(PULL_PRIORITY_ANNOTATION.to_string(), v.to_string())]);
-        let allowed = vec!["kube-system".to_string()];
-        assert_eq!(
-            pull_weight("default", &HashMap::new(), &allowed),
-            NORMAL_WEIGHT
-        );
-        assert_eq!(
-            pull_weight("default", &with("low"), &allowed),
-            NORMAL_WEIGHT / 2
-        );
-        assert_eq!(
-            pull_weight("default", &with("high"), &allowed),
-            NORMAL_WEIGHT
-        );
-        assert_eq!(
-            pull_weight("kube-system", &with("high"), &allowed),
-            2 * NORMAL_WEIGHT
-        );
-        assert_eq!(
-            pull_weight("kube-system", &with("low"), &allowed),
-            NORMAL_WEIGHT / 2
-        );
-        assert_eq!(
-            pull_weight("kube-system", &with("urgent"), &allowed),
-            NORMAL_WEIGHT
-        );
-        assert_eq!(
-            pull_weight("kube-system", &with("high"), &[]),
-            NORMAL_WEIGHT
-        );
     }
 }
