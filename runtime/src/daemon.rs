@@ -94,14 +94,14 @@ impl Daemon {
         let reclaim: Arc<dyn minicri_store::space::Reclaim> = ingest_gc.clone();
         content_space.reclaim_with(Arc::downgrade(&reclaim));
         tracing::info!(images = images.list().len(), root = %root.display(), "image store loaded");
-        let pods = crate::pods::PodService::open(
-            &config,
-            images.clone(),
-            content.clone(),
-            snapshotter.clone(),
-            pulls.clone(),
-        )
-        .context("loading pod records")?;
+        let image_side = Arc::new(crate::images::NodeImages {
+            images: images.clone(),
+            content: content.clone(),
+            snapshotter: snapshotter.clone(),
+            pulls: pulls.clone(),
+        });
+        let pods =
+            crate::pods::PodService::open(&config, image_side).context("loading pod records")?;
         // Downloads that sandboxes held when the daemon stopped resume for the sandboxes that
         // are still ready (after the pod records are loaded: stopped ones are closed by now).
         let restored = pulls.restore_holds(|id| pods.sandbox_is_ready(id));

@@ -215,7 +215,7 @@ impl PodService {
         // The writable layer's changes go into the archive: with the copy backend there is no
         // layer apart from the image's files to take them from.
         let upper = self
-            .snapshotter
+            .images
             .mounts(id)
             .ok()
             .as_ref()
@@ -358,7 +358,7 @@ impl PodService {
         .await?;
         let image = [&md.config.rootfs_image_name, &md.config.rootfs_image_ref]
             .into_iter()
-            .find(|n| !n.is_empty() && self.images.get(n).ok().flatten().is_some())
+            .find(|n| !n.is_empty() && self.images.image(n).ok().flatten().is_some())
             .cloned()
             .ok_or_else(|| {
                 Error::NotFound(format!(

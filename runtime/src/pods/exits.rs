@@ -141,7 +141,7 @@ impl PodService {
         if let Some(shim) = &rec.shim {
             self.reap_shim(shim).await;
         }
-        let snap = self.snapshotter.clone();
+        let images = self.images.clone();
         let (rootfs, key) = (rec.rootfs.clone(), id.to_string());
         let idmap = self.idmap_dir(id);
         let (dir, bundle) = (self.container_dir(id), rec.bundle.clone());
@@ -151,10 +151,7 @@ impl PodService {
             // Before the directory holding them is removed: it is removed recursively.
             super::imagevol::unmount(&volumes)?;
             crate::spec::userns::remove_idmapped(&idmap)?;
-            match snap.remove(&key) {
-                Ok(_) | Err(minicri_snapshotter::Error::NotFound { .. }) => {}
-                Err(e) => return Err(e.into()),
-            }
+            images.remove_snapshot(&key)?;
             super::remove_dir(&dir)?;
             super::remove_dir(&bundle)
         })

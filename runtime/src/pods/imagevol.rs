@@ -211,7 +211,7 @@ impl PodService {
             .enumerate()
             .filter_map(|(i, m)| crate::spec::container::image_of(m).map(|name| (i, m, name)));
         for (n, (index, m, name)) in asked.enumerate() {
-            let image = self.images.get(name)?.ok_or_else(|| {
+            let image = self.images.image(name)?.ok_or_else(|| {
                 Error::NotFound(format!(
                     "image {name:?} of image volume {:?} is not on the node (PullImage it first)",
                     m.container_path
@@ -228,8 +228,8 @@ impl PodService {
                 container: id.to_string(),
             })?;
             {
-                let (pulls, image, id) = (self.pulls.clone(), image.id.clone(), id.to_string());
-                blocking(move || Ok(pulls.hold_for_volume(&image, &id)?)).await?;
+                let (images, image, id) = (self.images.clone(), image.id.clone(), id.to_string());
+                blocking(move || images.hold_for_volume(&image, &id)).await?;
             }
             let key = snapshot_key(id, n);
             let root = volume_dir(&dir, n).join("image");
@@ -243,7 +243,7 @@ impl PodService {
             if source != root {
                 undo.push(Undo::Unmount(source.clone()))?;
             }
-            let (snap, m) = (self.snapshotter.clone(), m.clone());
+            let (images, m) = (self.images.clone(), m.clone());
             let (userns, layers) = (userns.cloned(), idmapped_layers(&idmap, n));
             let (key2, root2, source2, image_id) = (
                 key.clone(),
@@ -252,7 +252,7 @@ impl PodService {
                 image.id.to_string(),
             );
             blocking(move || {
-                let view = snap.view(&key2, Some(&chain))?;
+                let view = images.view(&key2, &chain)?;
                 std::fs::create_dir_all(&root2)
                     .map_err(|e| Error::Internal(format!("creating {}: {e}", root2.display())))?;
                 match &userns {
@@ -286,17 +286,14 @@ impl PodService {
         id: &str,
         volumes: &[ImageVolume],
     ) -> Result<()> {
-        let (snap, pulls) = (self.snapshotter.clone(), self.pulls.clone());
+        let images = self.images.clone();
         let (id, volumes) = (id.to_string(), volumes.to_vec());
         blocking(move || {
             for v in &volumes {
-                match snap.remove(&v.snapshot) {
-                    Ok(_) | Err(minicri_snapshotter::Error::NotFound { .. }) => {}
-                    Err(e) => return Err(e.into()),
-                }
+                images.remove_snapshot(&v.snapshot)?;
             }
             for v in &volumes {
-                pulls.release_volume(&v.image_id, &id)?;
+                images.release_volume(&v.image_id, &id)?;
             }
             Ok(())
         })
@@ -314,14 +311,14 @@ impl PodService {
             .chain(self.store.removals());
         for c in records {
             for v in &c.image_volumes {
-                if let Err(e) = self.pulls.hold_for_volume(&v.image_id, &c.id) {
+                if let Err(e) = self.images.hold_for_volume(&v.image_id, &c.id) {
                     // Its view still holds the layers: the volume works, the image is not
                     // listed.
                     tracing::warn!(container = %c.id, image = %v.image_id, error = %e, "image of an image volume is gone");
                 }
             }
         }
-        if let Err(e) = self.pulls.drop_unused_nameless() {
+        if let Err(e) = self.images.drop_unused_volume_images() {
             tracing::warn!(error = %e, "removing images kept for image volumes that are gone");
         }
     }

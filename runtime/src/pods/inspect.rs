@@ -61,7 +61,7 @@ impl PodService {
             "pid": r.pid,
             "removing": false,
             "snapshotKey": r.id,
-            "snapshotter": self.snapshotter.backend(),
+            "snapshotter": self.images.backend(),
             "runtimeHandler": r.runtime_handler,
             "runtimeType": self.runtime(&r.runtime_handler).ok().map(|rt| rt.command().binary),
             "image": r.image,

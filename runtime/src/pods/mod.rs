@@ -69,12 +69,10 @@ mod tests;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use minicri_snapshotter::Snapshotter;
-use minicri_store::{ContentStore, ImageStore, PullManager};
-
 use crate::cni::CniManager;
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::images::ImageAccess;
 use crate::oci::{
     CgroupDriver, Handler, HandlerFeatures, Handlers, HostInfo, OciRuntime, ProbeEnv,
 };
@@ -101,10 +99,8 @@ pub struct PodService {
     pub own_paths: crate::spec::own_paths::OwnPaths,
     pub state_dir: PathBuf,
     pub shim_binary: PathBuf,
-    pub images: Arc<ImageStore>,
-    pub content: Arc<ContentStore>,
-    pub snapshotter: Arc<dyn Snapshotter>,
-    pub pulls: Arc<PullManager>,
+    /// The image side: images, their snapshots, volume holds, the pulls of a pod.
+    images: Arc<dyn ImageAccess>,
     /// Samples the stats RPCs keep between calls.
     pub stats: Arc<stats::StatsState>,
     /// Deadlines of the containers being stopped, which later stops can bring forward.
@@ -159,13 +155,7 @@ impl PodService {
     /// Opens the records under `<state>/pods` and re-attaches to the shims of running
     /// containers (their exits are recorded as they happen); containers whose shim is gone get
     /// the exit status the shim left, or `Unknown`.
-    pub fn open(
-        config: &Config,
-        images: Arc<ImageStore>,
-        content: Arc<ContentStore>,
-        snapshotter: Arc<dyn Snapshotter>,
-        pulls: Arc<PullManager>,
-    ) -> anyhow::Result<Arc<PodService>> {
+    pub fn open(config: &Config, images: Arc<dyn ImageAccess>) -> anyhow::Result<Arc<PodService>> {
         let seams = |host: &HostInfo| {
             let handlers = Handlers::new(
                 &config.runtime.handler_configs(),
@@ -181,16 +171,13 @@ impl PodService {
             let monitors: Arc<dyn Monitors> = Arc::new(Shims);
             Ok(Seams { handlers, monitors })
         };
-        Self::open_with(config, images, content, snapshotter, pulls, seams)
+        Self::open_with(config, images, seams)
     }
 
     /// [`PodService::open`] with the process seams `seams` makes for the detected host.
     pub fn open_with(
         config: &Config,
-        images: Arc<ImageStore>,
-        content: Arc<ContentStore>,
-        snapshotter: Arc<dyn Snapshotter>,
-        pulls: Arc<PullManager>,
+        images: Arc<dyn ImageAccess>,
         seams: impl FnOnce(&HostInfo) -> anyhow::Result<Seams>,
     ) -> anyhow::Result<Arc<PodService>> {
         let state = config.daemon.state.clone();
@@ -226,7 +213,7 @@ impl PodService {
         std::fs::create_dir_all(state.join("pods/inflight"))?;
         let stats = Arc::new(stats::StatsState::new(
             config.daemon.root.clone(),
-            snapshotter.clone(),
+            images.clone(),
         ));
         let svc = Arc::new(PodService {
             store,
@@ -248,9 +235,6 @@ impl PodService {
             shim_binary: std::env::current_exe()?,
             state_dir: state,
             images,
-            content,
-            snapshotter,
-            pulls,
             stats,
             stop_deadlines: Default::default(),
             infra: Mutex::new(None),
@@ -357,7 +341,7 @@ impl PodService {
             if s.state == store::SandboxState::NotReady
                 && let Some(m) = s.summary().metadata
             {
-                self.pulls.close_pod(
+                self.images.close_pod(
                     &m.uid,
                     m.attempt,
                     &format!(

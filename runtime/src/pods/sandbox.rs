@@ -338,7 +338,7 @@ impl PodService {
         };
         // First, so that the pod's PullImage calls return at once, whatever the rest costs.
         if let Some(m) = rec.summary().metadata {
-            let n = self.pulls.close_pod(
+            let n = self.images.close_pod(
                 &m.uid,
                 m.attempt,
                 &format!("pod sandbox {id} ({}/{}) was stopped", m.namespace, m.name),
@@ -439,7 +439,7 @@ impl PodService {
             .await?;
             svc.store.delete_sandbox(&id)?;
             if let Some(m) = rec_metadata {
-                svc.pulls.reopen_pod(&m.uid, m.attempt);
+                svc.images.reopen_pod(&m.uid, m.attempt);
             }
             drop(_guard);
             Ok(())

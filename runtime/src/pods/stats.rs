@@ -34,12 +34,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_snapshotter::{Snapshotter, Usage};
+use minicri_snapshotter::Usage;
 
 use super::cgroups::{self, Counters, Hierarchy};
 use super::store::{ContainerRecord, SandboxRecord, SandboxState};
 use super::{PodService, blocking, now_ns};
 use crate::error::Result;
+use crate::images::ImageAccess;
 
 /// Samples closer than this repeat the previous rate instead of making a new one.
 pub const MIN_RATE_INTERVAL: Duration = Duration::from_secs(1);
@@ -92,7 +93,7 @@ struct LayerSample {
 pub struct StatsState {
     /// The image filesystem's mount point, the writable layers' `fs_id`.
     image_fs: PathBuf,
-    snapshotter: Arc<dyn Snapshotter>,
+    images: Arc<dyn ImageAccess>,
     cpu: Mutex<HashMap<String, CpuSample>>,
     layers: Mutex<HashMap<String, LayerSample>>,
     /// Writable layers waiting for (or under) a measurement.
@@ -123,10 +124,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl StatsState {
-    pub fn new(image_fs: PathBuf, snapshotter: Arc<dyn Snapshotter>) -> StatsState {
+    pub fn new(image_fs: PathBuf, images: Arc<dyn ImageAccess>) -> StatsState {
         StatsState {
             image_fs,
-            snapshotter,
+            images,
             cpu: Mutex::new(HashMap::new()),
             layers: Mutex::new(HashMap::new()),
             queue: Mutex::new(LayerQueue::default()),
@@ -199,7 +200,7 @@ impl StatsState {
                 }
             };
             // A panic in the walk (a bug) costs this layer's figures, not the measurer.
-            let usage = crate::fsutil::walk_caught(&id, || self.snapshotter.usage(&id));
+            let usage = crate::fsutil::walk_caught(&id, || self.images.usage(&id));
             match usage {
                 Ok(usage) => {
                     let s = LayerSample {

@@ -9,14 +9,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use minicri_proto::runtime::v1 as cri;
-use minicri_snapshotter::{Backend, LocalSnapshotter, Options};
-use minicri_store::{ContentStore, ImageStore, PullConfig, PullManager, Registry, RegistryHosts};
 
 use super::fake::Fake;
 use super::store::SandboxState;
 use super::{PodService, Seams};
 use crate::config::Config;
 use crate::error::Error;
+use crate::images::ImageAccess;
+use crate::images::fake::FakeImages;
 use crate::oci::{HandlerFeatures, Handlers, HostInfo, OciRuntime};
 use crate::shim::Monitors;
 
@@ -26,37 +26,17 @@ use crate::shim::Monitors;
 struct Node {
     dir: tempfile::TempDir,
     fake: Arc<Fake>,
-    content: Arc<ContentStore>,
-    images: Arc<ImageStore>,
-    snapshotter: Arc<LocalSnapshotter>,
-    pulls: Arc<PullManager>,
+    images: Arc<FakeImages>,
 }
 
 impl Node {
     fn new() -> Node {
         let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("root");
-        let content = Arc::new(ContentStore::open(&root.join("content")).unwrap());
-        let images = Arc::new(ImageStore::open(&root, &content).unwrap());
-        let snapshots = root.join("snapshots");
-        std::fs::create_dir_all(&snapshots).unwrap();
-        let snapshotter = Arc::new(
-            LocalSnapshotter::open(&snapshots, Backend::Copy, Options::default()).unwrap(),
-        );
-        let pulls = PullManager::new(
-            content.clone(),
-            images.clone(),
-            Registry::new(RegistryHosts::new(None)),
-            PullConfig::default(),
-            Some(snapshotter.clone()),
-        );
+        let images = Arc::new(FakeImages::new(&dir.path().join("root/snapshots")));
         Node {
             dir,
             fake: Fake::new(),
-            content,
             images,
-            snapshotter,
-            pulls,
         }
     }
 
@@ -75,15 +55,7 @@ impl Node {
             let monitors: Arc<dyn Monitors> = self.fake.clone();
             Ok(Seams { handlers, monitors })
         };
-        PodService::open_with(
-            &config,
-            self.images.clone(),
-            self.content.clone(),
-            self.snapshotter.clone(),
-            self.pulls.clone(),
-            seams,
-        )
-        .unwrap()
+        PodService::open_with(&config, self.images.clone(), seams).unwrap()
     }
 
     fn state(&self) -> std::path::PathBuf {
@@ -224,8 +196,12 @@ async fn stop_and_remove_are_idempotent() {
     let node = Node::new();
     let svc = node.service();
     let id = run(&svc, "web").await;
+    let closed = || node.images.closed.lock().unwrap().clone();
+    assert!(closed().is_empty(), "a running pod's pulls are open");
     for _ in 0..2 {
         svc.stop_pod_sandbox(id.clone()).await.unwrap();
+        // First of all, the pod's pulls are closed: its PullImage calls return at once.
+        assert_eq!(closed(), ["uid-web/0".to_string()].into());
         let status = svc.pod_sandbox_status(&id).unwrap();
         assert_eq!(status.state, cri::PodSandboxState::SandboxNotready as i32);
         assert_eq!(
@@ -250,8 +226,9 @@ async fn stop_and_remove_are_idempotent() {
     // Unknown ids are success for both (CRI).
     svc.stop_pod_sandbox("0".repeat(64)).await.unwrap();
     svc.remove_pod_sandbox("0".repeat(64)).await.unwrap();
-    // A removed pod's name can be used again.
+    // A removed pod's name can be used again, and its pulls are open again.
     run(&svc, "web").await;
+    assert!(closed().is_empty(), "{:?}", closed());
 }
 
 /// A stop whose runtime `delete` fails keeps the sandbox's monitor reference, so the kubelet's
@@ -379,10 +356,9 @@ async fn handlers_are_chosen_by_name_and_refused_with_their_reason() {
 /// once however often it is asked meanwhile, and stops when nothing waits.
 #[tokio::test]
 async fn a_writable_layer_is_measured_in_the_background() {
-    use minicri_snapshotter::Snapshotter;
     let node = Node::new();
     let svc = node.service();
-    let m = node.snapshotter.prepare("c1", None).unwrap();
+    let m = node.images.prepare("c1", None).unwrap();
     let upper = std::path::PathBuf::from(&m.source);
     for i in 0..2000 {
         std::fs::write(upper.join(format!("f{i}")), b"x").unwrap();
@@ -416,7 +392,7 @@ async fn a_writable_layer_is_measured_in_the_background() {
     }
     // Once stale, the last figures are served while the layer is measured again; a layer that
     // is gone is forgotten.
-    node.snapshotter.remove("c1").unwrap();
+    node.images.remove_snapshot("c1").unwrap();
     tokio::time::sleep(super::stats::SNAPSHOT_USAGE_TTL).await;
     assert!(
         svc.writable_layer("c1").is_some(),

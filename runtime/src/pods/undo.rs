@@ -230,8 +230,8 @@ impl PodService {
                 blocking(move || Ok(crate::spec::userns::remove_idmapped(&p)?)).await?
             }
             Undo::ReleaseImageVolume { image, container } => {
-                let pulls = self.pulls.clone();
-                blocking(move || Ok(pulls.release_volume(&image, &container)?)).await?
+                let images = self.images.clone();
+                blocking(move || images.release_volume(&image, &container)).await?
             }
             Undo::RestoreCgroupFile { path, value } => {
                 blocking(move || match super::cgroups::write_file(&path, &value) {
@@ -250,12 +250,8 @@ impl PodService {
                     })?;
             }
             Undo::RemoveSnapshot(key) => {
-                let snap = self.snapshotter.clone();
-                blocking(move || match snap.remove(&key) {
-                    Ok(_) | Err(minicri_snapshotter::Error::NotFound { .. }) => Ok(()),
-                    Err(e) => Err(e.into()),
-                })
-                .await?
+                let images = self.images.clone();
+                blocking(move || images.remove_snapshot(&key)).await?
             }
         }
         Ok(())

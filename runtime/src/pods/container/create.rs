@@ -243,13 +243,13 @@ impl PodService {
     ) -> Result<(minicri_store::ImageRecord, String, ImageConfig)> {
         let image = self
             .images
-            .get(name)?
+            .image(name)?
             .ok_or_else(|| Error::NotFound(format!("image {shown:?} not found")))?;
         let chain_id = image
             .chain_id
             .clone()
             .ok_or_else(|| Error::FailedPrecondition(format!("image {shown:?} is not unpacked")))?;
-        let config = minicri_store::fsutil::off_async(|| self.content.read(&image.config))?;
+        let config = minicri_store::fsutil::off_async(|| self.images.config(&image))?;
         let config = ImageConfig::from_document(&config)?;
         Ok((image, chain_id, config))
     }
@@ -320,10 +320,10 @@ impl PodService {
         undo.push(Undo::RemoveSnapshot(id.to_string()))?;
         undo.push(Undo::Unmount(rootfs.clone()))?;
         undo.push(Undo::RemoveIdmapped(idmap.clone()))?;
-        let snap = self.snapshotter.clone();
+        let images = self.images.clone();
         let (key, target, layers) = (id.to_string(), rootfs.clone(), idmap.join("layers"));
         blocking(move || {
-            let m = snap.prepare(&key, Some(&chain_id))?;
+            let m = images.prepare(&key, Some(&chain_id))?;
             // The mounted rootfs holds the image's setuid files and device nodes: its
             // directory is root's alone, or the pod user namespace root's (who must reach
             // it from inside).

@@ -83,13 +83,8 @@ fn memory_usage_only_has_available_under_a_limit() {
 #[test]
 fn state_forgets_removed_objects() {
     let dir = tempfile::tempdir().unwrap();
-    let snap = minicri_snapshotter::LocalSnapshotter::open(
-        dir.path(),
-        minicri_snapshotter::Backend::Copy,
-        Default::default(),
-    )
-    .unwrap();
-    let st = StatsState::new("/var/lib/minicri".into(), Arc::new(snap));
+    let images = crate::images::fake::FakeImages::new(dir.path());
+    let st = StatsState::new("/var/lib/minicri".into(), Arc::new(images));
     assert_eq!(st.cpu_rate("a", 0, 1), None);
     assert_eq!(st.cpu_rate("b", 0, 1), None);
     st.retain(&["a".to_string()].into());

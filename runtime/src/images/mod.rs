@@ -18,6 +18,9 @@ use minicri_store::{
 
 use crate::error::Result;
 
+#[cfg(test)]
+pub(crate) mod fake;
+
 /// What the pod service needs of the image side: images by name, their snapshots, the holds
 /// image volumes keep on images, and the pulls of a pod. Every method may do file work or take
 /// a store's lock: call them off the async workers.
@@ -36,8 +39,9 @@ pub trait ImageAccess: Send + Sync {
     fn mounts(&self, key: &str) -> Result<Mount>;
     /// Removes snapshot `key`; done when it is not there.
     fn remove_snapshot(&self, key: &str) -> Result<()>;
-    /// The bytes and inodes snapshot `key` holds of its own (a walk of its tree: slow).
-    fn usage(&self, key: &str) -> Result<Usage>;
+    /// The bytes and inodes snapshot `key` holds of its own (a walk of its tree: slow); the
+    /// snapshotter's own error, whose `NotFound` says the snapshot is gone.
+    fn usage(&self, key: &str) -> minicri_snapshotter::Result<Usage>;
     /// Image `image` is mounted as a volume by container `container`: it stays on the node
     /// (RemoveImage keeps it, unlisted) until [`ImageAccess::release_volume`].
     fn hold_for_volume(&self, image: &Digest, container: &str) -> Result<()>;
@@ -92,8 +96,8 @@ impl ImageAccess for NodeImages {
         }
     }
 
-    fn usage(&self, key: &str) -> Result<Usage> {
-        Ok(self.snapshotter.usage(key)?)
+    fn usage(&self, key: &str) -> minicri_snapshotter::Result<Usage> {
+        self.snapshotter.usage(key)
     }
 
     fn hold_for_volume(&self, image: &Digest, container: &str) -> Result<()> {
