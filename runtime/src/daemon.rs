@@ -234,7 +234,7 @@ impl Daemon {
     /// configuration now (a file that does not parse, or names no plugin, does not count; the
     /// message says why each was skipped).
     pub fn network_condition(&self) -> cri::RuntimeCondition {
-        match minicri_store::fsutil::off_async(|| self.pods.cni.network_ready()) {
+        match minicri_store::fsutil::off_async(|| self.pods.cni().network_ready()) {
             Ok(_) => cri::RuntimeCondition {
                 r#type: "NetworkReady".into(),
                 status: true,
@@ -254,7 +254,7 @@ impl Daemon {
     pub fn config_json(&self) -> String {
         let mut v = self.config.to_json();
         v["stream"]["bound_address"] = self.streaming.address().to_string().into();
-        v["pod_cidr"] = self.pods.cni.pod_cidr().into();
+        v["pod_cidr"] = self.pods.cni().pod_cidr().into();
         v.to_string()
     }
 }

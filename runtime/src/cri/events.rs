@@ -32,19 +32,14 @@ fn response(daemon: &Daemon, ev: &ContainerEvent) -> cri::ContainerEventResponse
         container_event_type: event_type(ev.kind) as i32,
         created_at: ev.at,
         pod_sandbox_status: pods.pod_sandbox_status(&ev.sandbox_id).ok(),
-        containers_statuses: pods
-            .store
-            .containers_of(&ev.sandbox_id)
-            .iter()
-            .filter_map(|c| pods.container_status(&c.id).ok())
-            .collect(),
+        containers_statuses: pods.container_statuses_of(&ev.sandbox_id),
     }
 }
 
 pub fn get_container_events(
     daemon: &Arc<Daemon>,
 ) -> Result<Response<BoxStream<cri::ContainerEventResponse>>, Status> {
-    let rx = daemon.pods.store.subscribe();
+    let rx = daemon.pods.container_events();
     tracing::debug!("container event subscriber joined");
     let stream = futures::stream::unfold(
         (rx, daemon.clone(), false),

@@ -73,7 +73,7 @@ struct Probed<'a> {
 
 impl<'a> Probed<'a> {
     fn of(daemon: &'a Daemon) -> Self {
-        let all = &daemon.pods.handlers;
+        let all = daemon.pods.handlers();
         Probed {
             handlers: all
                 .all()
@@ -183,7 +183,7 @@ pub(super) async fn update_runtime_config(
         dl,
         Verbosity::Normal,
         async {
-            daemon.pods.cni.set_pod_cidr(&cidr);
+            daemon.pods.cni().set_pod_cidr(&cidr);
             Ok(cri::UpdateRuntimeConfigResponse {})
         },
     )

@@ -84,25 +84,25 @@ pub(crate) use undo::{Journal, Operation, Undo};
 
 /// The pod and container service; one per daemon, shared as `Arc<PodService>`.
 pub struct PodService {
-    pub store: Store,
-    pub cni: Arc<CniManager>,
+    store: Store,
+    cni: Arc<CniManager>,
     /// The OCI runtimes pods run under, by handler name.
-    pub handlers: Handlers,
+    handlers: Handlers,
     /// The containers' monitors (shims).
-    pub monitors: Arc<dyn Monitors>,
+    monitors: Arc<dyn Monitors>,
     /// Host facts; what a runtime supports is in its handler's features.
-    pub host: HostInfo,
-    pub cgroup_driver: CgroupDriver,
+    host: HostInfo,
+    cgroup_driver: CgroupDriver,
     /// Which pod annotations reach the OCI spec.
-    pub annotations: crate::oci::annotations::AnnotationPolicy,
+    annotations: crate::oci::annotations::AnnotationPolicy,
     /// minicri's own paths, which container mounts and devices may not reach.
-    pub own_paths: crate::spec::own_paths::OwnPaths,
-    pub state_dir: PathBuf,
-    pub shim_binary: PathBuf,
+    own_paths: crate::spec::own_paths::OwnPaths,
+    state_dir: PathBuf,
+    shim_binary: PathBuf,
     /// The image side: images, their snapshots, volume holds, the pulls of a pod.
     images: Arc<dyn ImageAccess>,
     /// Samples the stats RPCs keep between calls.
-    pub stats: Arc<stats::StatsState>,
+    stats: Arc<stats::StatsState>,
     /// Deadlines of the containers being stopped, which later stops can bring forward.
     stop_deadlines: stopping::StopDeadlines,
     infra: Mutex<Option<crate::pause::InfraRootfs>>,
@@ -111,11 +111,11 @@ pub struct PodService {
     /// Most bytes of labels and annotations of the node's pods, and of its containers.
     node_metadata_budget: usize,
     /// Whether CRIU works here (`criu check`, run at the first checkpoint).
-    pub(crate) criu: crate::checkpoint::criu::CriuCheck,
+    criu: crate::checkpoint::criu::CriuCheck,
     /// `runtime.checkpoint_restore_dirs`: where archives to restore from may lie.
-    pub(crate) restore_dirs: Vec<PathBuf>,
+    restore_dirs: Vec<PathBuf>,
     /// The layer limits (`[snapshotter]`) that bound unpacking an archive and its rootfs diff.
-    pub(crate) unpack_limits: minicri_snapshotter::Options,
+    unpack_limits: minicri_snapshotter::Options,
 }
 
 /// The service's process seams: each runtime handler's OCI runtime and the containers'
@@ -246,6 +246,33 @@ impl PodService {
         });
         svc.recover();
         Ok(svc)
+    }
+
+    /// The runtime handlers pods choose by name (the Status RPC reports their probes).
+    pub fn handlers(&self) -> &Handlers {
+        &self.handlers
+    }
+
+    /// The CNI networks pods are attached to (NetworkReady, the pod CIDR the kubelet sets).
+    pub fn cni(&self) -> &CniManager {
+        &self.cni
+    }
+
+    /// The statuses of sandbox `id`'s containers (those still recorded).
+    pub fn container_statuses_of(
+        &self,
+        id: &str,
+    ) -> Vec<minicri_proto::runtime::v1::ContainerStatus> {
+        self.store
+            .containers_of(id)
+            .iter()
+            .filter_map(|c| self.container_status(&c.id).ok())
+            .collect()
+    }
+
+    /// Container lifecycle events as they are recorded (GetContainerEvents).
+    pub fn container_events(&self) -> tokio::sync::broadcast::Receiver<store::ContainerEvent> {
+        self.store.subscribe()
     }
 
     /// The id of the sandbox that runs the pod `uid` at `attempt` (PullImage names pods, not
