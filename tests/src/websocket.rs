@@ -5,7 +5,7 @@
 //! On top of it, what client-go speaks over WebSocket: [`Ws::tunnel`], a byte stream in binary
 //! messages (SPDY tunnelled through WebSocket, as client-go's port-forward tunnelling dialer;
 //! [`crate::remotecommand::PortForward::connect_websocket`] runs its SPDY client on it), and
-//! [`port_forward_channels`], the kubelet's per-port channel form of port-forward. remotecommand
+//! [`crate::remotecommand::port_forward_channels`], the kubelet's per-port channel form of port-forward. remotecommand
 //! sessions over WebSocket are [`crate::remotecommand::Session`]s with
 //! [`crate::remotecommand::Transport::WebSocket`].
 //!
