@@ -5,9 +5,9 @@
 //! On top of it, what client-go speaks over WebSocket: [`Ws::tunnel`], a byte stream in binary
 //! messages (SPDY tunnelled through WebSocket, as client-go's port-forward tunnelling dialer;
 //! [`crate::remotecommand::PortForward::connect_websocket`] runs its SPDY client on it), and
-//! [`crate::remotecommand::port_forward_channels`], the kubelet's per-port channel form of port-forward. remotecommand
-//! sessions over WebSocket are [`crate::remotecommand::Session`]s with
-//! [`crate::remotecommand::Transport::WebSocket`].
+//! the kubelet's per-port channel form of port-forward
+//! ([`crate::remotecommand::port_forward_channels`]). remotecommand sessions over WebSocket are
+//! [`crate::remotecommand::Session`]s with [`crate::remotecommand::Transport::WebSocket`].
 //!
 //! Written for tests from RFC 6455 and the Kubernetes protocols; independent of minicri's server
 //! code on purpose.
