@@ -2,13 +2,12 @@
 //! bytes, sparse files (which must stay sparse), and entries that aim the deferred directory-time
 //! restore or a hardlink or whiteout at something outside the snapshot.
 
-mod common;
-
 use std::fs;
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 
-use common::*;
+use crate::both_backends;
+use crate::common::*;
 use minicri_snapshotter::{Backend, Error, Options, Snapshotter, SpaceCheck};
 
 both_backends!(

@@ -3,16 +3,15 @@
 //! exactly the tree an in-memory model of OCI layer semantics predicts, whether the layers are applied
 //! one after the other or all at once (each before its parent is committed).
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 use minicri_snapshotter::{Backend, Snapshotter};
 use proptest::prelude::*;
 use proptest::sample::Index;
+use proptest::test_runner::FileFailurePersistence;
 use tar::EntryType;
 
 const NAMES: [&str; 3] = ["a", "b", "c"];
@@ -386,8 +385,16 @@ fn check(layers: &[Vec<Op>]) -> Result<(), TestCaseError> {
 
 proptest! {
     // PROPTEST_CASES raises the count for a longer hunt.
+    //
+    // Failure seeds are read from and saved to `props.proptest-regressions` beside this file.
+    // Proptest's default (`SourceParallel`) would look for a `main.rs` above this file, find the
+    // test binary's (tests/integration/main.rs) and use tests/proptest-regressions/props.txt
+    // instead, losing the seeds saved here.
     #![proptest_config(ProptestConfig {
         cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64),
+        failure_persistence: Some(Box::new(
+            FileFailurePersistence::WithSource("proptest-regressions"),
+        )),
         ..ProptestConfig::default()
     })]
 

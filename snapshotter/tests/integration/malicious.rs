@@ -1,11 +1,10 @@
 //! Layers that try to write outside the snapshot: every one fails with an error naming the entry,
 //! nothing is committed, nothing is left in tmp/, and nothing outside the snapshot is touched.
 
-mod common;
-
 use std::fs;
 
-use common::*;
+use crate::both_backends;
+use crate::common::*;
 use minicri_snapshotter::{Backend, Error, LayerSpec, Snapshotter};
 
 both_backends!(

@@ -1,13 +1,12 @@
 //! Snapshot lifecycle against both backends: compression, chain ids, unpack-once, reference counting
 //! by images and containers, persistence across restarts, concurrent applies, streaming input.
 
-mod common;
-
 use std::fs;
 use std::io;
 use std::sync::{Arc, Barrier, mpsc};
 
-use common::*;
+use crate::both_backends;
+use crate::common::*;
 use minicri_snapshotter::{Backend, ChunkReader, Error, Kind, LayerSpec, Snapshotter, chain_ids};
 
 both_backends!(

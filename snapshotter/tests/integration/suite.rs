@@ -1,11 +1,10 @@
 //! The snapshotter suite: filesystem semantics of layer stacks, run against both backends.
 
-mod common;
-
 use std::fs;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 
-use common::*;
+use crate::both_backends;
+use crate::common::*;
 use minicri_snapshotter::{Backend, Snapshotter};
 use tar::EntryType;
 
