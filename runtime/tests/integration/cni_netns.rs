@@ -1,6 +1,6 @@
 //! Pinned network namespaces (`minicri::netns`). Root only.
 
-mod cni_common;
+use crate::{cni_common, require_root};
 
 use std::process::Command;
 

@@ -1,7 +1,7 @@
 //! The CNI manager against fake plugins (shell scripts that record their environment and stdin):
 //! the execution protocol, chaining, capabilities, the cache, errors, time limits. No root needed.
 
-mod cni_common;
+use crate::cni_common;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -41,7 +41,7 @@ fn skip_reason_here() -> Option<String> {
 
 macro_rules! require_root {
     () => {
-        if let Some(why) = oci_support::skip_reason() {
+        if let Some(why) = $crate::oci_support::skip_reason() {
             eprintln!("skipping: {why}");
             return;
         }

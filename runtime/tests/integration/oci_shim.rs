@@ -1,7 +1,7 @@
 //! The shim as a monitor, as root: long lines, log reopening, and surviving the process that
 //! spawned it.
 
-mod oci_support;
+use crate::oci_support;
 
 use std::io::{BufRead, BufReader};
 use std::time::Duration;
@@ -139,10 +139,11 @@ async fn the_shim_survives_its_spawner() {
     spec.set_process(Some(p));
     minicri::spec::write_bundle(&bundle, &spec).unwrap();
 
+    // The test binary holds every integration module: the helper's name is its full path.
     let mut spawner = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "spawner_helper",
+            "oci_shim::spawner_helper",
             "--nocapture",
             "--test-threads=1",
         ])
@@ -152,7 +153,7 @@ async fn the_shim_survives_its_spawner() {
         .unwrap();
     let mut handle: Option<ShimHandle> = None;
     for line in BufReader::new(spawner.stdout.take().unwrap()).lines() {
-        // The harness prints `test spawner_helper ... ` on the same line first.
+        // The harness prints `test oci_shim::spawner_helper ... ` on the same line first.
         let line = line.unwrap();
         if let Some(Ok(h)) = line
             .find('{')

@@ -3,7 +3,7 @@
 //! 10.199.0.0/16 and IPAM data dir, and no masquerading (no iptables), so tests run in parallel
 //! and leave nothing behind (see `cni_common::TestNet`).
 
-mod cni_common;
+use crate::{cni_common, require_plugins};
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};

@@ -1,7 +1,7 @@
 //! Sandboxes and containers through shim + runc, as root: logs, exit codes, exec, stop, delete,
 //! user resolution, and the sandbox's namespaces and files.
 
-mod oci_support;
+use crate::oci_support;
 
 use std::time::Duration;
 
