@@ -23,7 +23,7 @@ async fn version_status_and_runtime_config() {
     assert_eq!(v.runtime_api_version, "v1");
     assert_eq!(v.runtime_version, env!("CARGO_PKG_VERSION"));
 
-    // A checkpoint of a container that does not exist says so (tests/tests/checkpoint.rs
+    // A checkpoint of a container that does not exist says so (tests/tests/e2e/checkpoint.rs
     // checkpoints real ones).
     let err = rt
         .checkpoint_container(cri::CheckpointContainerRequest {

@@ -1,7 +1,7 @@
 //! Faults: the daemon killed (SIGKILL) in the middle of an operation leaves a state the next
 //! start finishes or undoes, with nothing half-done ever used; a component failing (the OCI
 //! runtime in `create`) leaves a clear error and nothing behind. More of the matrix (SIGKILL
-//! during pull: tests/tests/pulls.rs and kubelet_release.rs; registry faults: pulls.rs; a failing
+//! during pull: pulls.rs and kubelet_release.rs; registry faults: pulls.rs; a failing
 //! CNI plugin: pod_rollback.rs) lives with the feature it exercises; docs/hardening.md lists it.
 //!
 //! The pod tests need root, runc and Debian's CNI plugins ([`skip_reason`]).
