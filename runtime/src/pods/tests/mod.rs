@@ -2,7 +2,7 @@
 //! root: rollback of RunPodSandbox at each failing step, idempotent stop and remove, the
 //! sandbox's state transitions, recovery after a restart, and handler selection. Host-network,
 //! host-IPC pods need no namespace, mount or CNI plugin; what the kernel does is tested end to
-//! end in `runtime/tests/pod*.rs` with runc. The node and the calls every test makes are here;
+//! end in `tests/tests/e2e/pod*.rs` with runc. The node and the calls every test makes are here;
 //! the tests are in [`sandboxes`] and [`containers`].
 
 use std::path::Path;
