@@ -22,8 +22,9 @@ use crate::error::Result;
 pub(crate) mod fake;
 
 /// What the pod service needs of the image side: images by name, their snapshots, the holds
-/// image volumes keep on images, and the pulls of a pod. Every method may do file work or take
-/// a store's lock: call them off the async workers.
+/// image volumes keep on images, and the pulls of a pod. The snapshot methods, `config` and the
+/// volume holds do file work (a tree, a blob, a journal write): call them off the async workers.
+/// `image`, `backend` and a pod's pulls only take an in-memory lock.
 pub trait ImageAccess: Send + Sync {
     /// The image `name_or_id` names (a reference, or an image id), if it is on the node.
     fn image(&self, name_or_id: &str) -> Result<Option<ImageRecord>>;
